@@ -1,0 +1,34 @@
+# Sourced by the launch scripts: repository root, venv, offline mode, a free port, demo inputs.
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bash "$ROOT/scripts/setup.sh"
+# shellcheck disable=SC1091
+source "$ROOT/.venv/bin/activate"
+cd "$ROOT"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" TRANSFORMERS_OFFLINE="${TRANSFORMERS_OFFLINE:-1}" TOKENIZERS_PARALLELISM=false
+# One thread per rank: on a 2-core machine two ranks with more threads each run ~3x slower.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+MASTER_PORT="${MASTER_PORT:-$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
+DEMO_DATA="${DEMO_DATA:-$ROOT/data/demo}"
+
+default_model() {  # prints the converted SmolLM2-135M-Instruct directory (converted once)
+  python -m utils.default_model --print_path 2>/dev/null | tail -n 1
+}
+
+ensure_demo_data() {
+  [ -f "$DEMO_DATA/pairs/eval.jsonl" ] || python -m data.make_demo_data --out "$DEMO_DATA"
+}
+
+# Multi-node: MULTI_NODE_MODE=ssh (default; the launcher reaches every host of the hostfile over
+# pdsh/ssh) or no_ssh (start THIS node only: NODE_RANK, MASTER_ADDR, MASTER_PORT must be set, e.g.
+# by a scheduler). The output directory must be on a filesystem every node sees.
+multi_node_launcher() {  # prints the launcher prefix for the given hostfile
+  local hostfile="$1"
+  [ -f "$hostfile" ] || { echo "error: hostfile $hostfile not found (lines like 'node1 slots=8')" >&2; exit 2; }
+  if [ "${MULTI_NODE_MODE:-ssh}" = "no_ssh" ]; then
+    : "${NODE_RANK:?set NODE_RANK for MULTI_NODE_MODE=no_ssh}" "${MASTER_ADDR:?set MASTER_ADDR for MULTI_NODE_MODE=no_ssh}"
+    echo "deepspeed --hostfile $hostfile --no_ssh --node_rank $NODE_RANK --master_addr $MASTER_ADDR --master_port $MASTER_PORT"
+  else
+    echo "deepspeed --hostfile $hostfile --master_port $MASTER_PORT"
+  fi
+}

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Step 1 on CPU: 2 ranks (gloo) through the deepspeed launcher, ZeRO-3, the demo data and the
+# embedded SmolLM2-135M-Instruct unless MODEL / DATA are set.
+# usage: bash scripts/step1_sft/run_cpu.sh [OUTPUT_DIR] [extra step1_sft/main.py arguments]
+source "$(dirname "$0")/../common.sh"
+OUTPUT="${1:-$ROOT/out/step1}"; shift || true
+MODEL="${MODEL:-$(default_model)}"
+if [ -z "${DATA:-}" ]; then ensure_demo_data; DATA="$DEMO_DATA/sft"; fi
+mkdir -p "$OUTPUT"
+deepspeed --num_gpus "${NUM_RANKS:-2}" --master_port "$MASTER_PORT" --module step1_sft.main \
+  --model_name_or_path "$MODEL" --data_path $DATA --data_split 10,0,0 \
+  --zero_stage 3 --dtype fp32 --max_seq_len 64 \
+  --per_device_train_batch_size 8 --per_device_eval_batch_size 16 --gradient_accumulation_steps 1 \
+  --learning_rate 5e-5 --lr_scheduler_type cosine --num_warmup_steps 5 --weight_decay 0.0 \
+  --num_train_epochs 1 --max_steps "${MAX_STEPS:-60}" --seed 1234 --dropout 0.0 \
+  --output_dir "$OUTPUT" "$@" 2>&1 | tee "$OUTPUT/train.log"
+exit "${PIPESTATUS[0]}"

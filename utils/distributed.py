@@ -1,0 +1,85 @@
+"""Process-group set-up that works with the `deepspeed` launcher, torchrun, or no launcher at all."""
+from __future__ import annotations
+
+import datetime
+import os
+import random
+import socket
+
+import numpy as np
+import torch
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(timeout_s: int = 600) -> None:
+    """Initialise torch.distributed through DeepSpeed (gloo on CPU, nccl on GPU).
+
+    Without a launcher the rank variables are missing and DeepSpeed falls back to MPI discovery,
+    which fails without mpi4py (shared/notes); a lone process therefore becomes rank 0 of 1.
+    `timeout_s` bounds how long a rank waits on a dead peer before raising.
+    """
+    import deepspeed
+
+    if "RANK" not in os.environ:
+        os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
+    deepspeed.init_distributed(timeout=datetime.timedelta(seconds=timeout_s), auto_mpi_discovery=False)
+
+
+def rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def world_size() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def is_rank0() -> bool:
+    return rank() == 0
+
+
+def barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Sum a few floats over all ranks (float64, so token counts stay exact)."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(tensor)
+    return tensor.tolist()
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def device() -> torch.device:
+    from deepspeed.accelerator import get_accelerator
+
+    name = get_accelerator().device_name()
+    return torch.device("cpu") if name == "cpu" else torch.device(name, int(os.environ.get("LOCAL_RANK", 0)))
+
+
+def rank_batches(examples: list, batch_size: int) -> list[tuple[list, float]]:
+    """This rank's share of `examples` in batches, the SAME number of batches on every rank.
+
+    ZeRO-3 forwards are collective, so a rank with fewer examples still runs a forward: it gets
+    a copy of a real batch with weight 0. Unlike DistributedSampler's padding, no example is
+    counted twice, so evaluation figures are exact.
+    """
+    n_ranks, r = world_size(), rank()
+    shard = examples[r::n_ranks]
+    per_rank = -(-len(examples) // n_ranks)
+    n_batches = -(-per_rank // batch_size)
+    batches = [(shard[i * batch_size:(i + 1) * batch_size], 1.0) for i in range(n_batches)]
+    filler = examples[:batch_size]
+    return [(b, w) if b else (filler, 0.0) for b, w in batches]

@@ -1,0 +1,198 @@
+"""Loading tokenizers and causal LMs the same way in every step.
+
+Two rules live here so no step can get them wrong:
+- the pad token is distinct from EOS (else masks built from `input_ids != pad` would hide EOS,
+  the action that carries the reward in step 3);
+- position ids are derived from the attention mask (`cumsum - 1`, clipped at 0) in EVERY forward,
+  so a token gets the same position whatever left padding its batch has.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+PAD_TOKEN = "<pad>"
+
+_DROPOUT_ATTRS = (
+    "dropout", "attention_dropout", "hidden_dropout", "activation_dropout", "resid_pdrop",
+    "embd_pdrop", "attn_pdrop", "summary_first_dropout", "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+)
+
+
+class ModelLoadError(ValueError):
+    """A model or tokenizer path that cannot be loaded; the message names the path."""
+
+
+def check_model_path(path: str, what: str = "model") -> None:
+    """Fail early, naming the path, when a local-looking model path does not exist.
+
+    A string that is not an existing directory is still accepted when it looks like a hub name
+    ("org/name") so users with network access can pass one.
+    """
+    if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, "config.json")):
+            raise ModelLoadError(f"{what} directory {path!r} has no config.json (not a from_pretrained directory)")
+        return
+    looks_like_hub_name = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    if not looks_like_hub_name or os.path.exists(path):
+        raise ModelLoadError(f"{what} path {path!r} does not exist or is not a directory")
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False, padding_side: str = "right"):
+    """Load a tokenizer and give it a pad token distinct from EOS (added if needed)."""
+    from transformers import AutoTokenizer
+
+    check_model_path(path, "tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tokenizer.eos_token_id is None:
+        raise ModelLoadError(f"tokenizer at {path!r} has no EOS token; generation could never stop")
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+    tokenizer.padding_side = padding_side
+    return tokenizer
+
+
+def configure_dropout(config, dropout: float | None) -> None:
+    """Set every dropout probability the config knows to `dropout` (None keeps the model's)."""
+    if dropout is None:
+        return
+    for attr in _DROPOUT_ATTRS:
+        if hasattr(config, attr):
+            setattr(config, attr, dropout)
+
+
+def zero3_model_context(ds_config: dict | None):
+    """Return the object that makes `from_pretrained` build a ZeRO-3 partitioned model.
+
+    Measured (shared/notes): keep the HfDeepSpeedConfig alive while the model exists, and unset
+    it before building a non-ZeRO-3 model in the same process, or that one is partitioned too.
+    """
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    if ds_config is not None and ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
+        return HfDeepSpeedConfig(ds_config)
+    unset_hf_deepspeed_config()
+    return None
+
+
+def load_causal_lm(path: str, tokenizer=None, ds_config: dict | None = None, dropout: float | None = None,
+                   trust_remote_code: bool = False, base_model_only: bool = False) -> nn.Module:
+    """Load a causal LM (or only its backbone, for reward/critic models) from a directory.
+
+    Built partitioned when `ds_config` is ZeRO-3. Embeddings are resized when the tokenizer has
+    more tokens than the model (an added pad token).
+    """
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    check_model_path(path)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    configure_dropout(config, dropout)
+    hf_ds_config = zero3_model_context(ds_config)
+    cls = AutoModel if base_model_only else AutoModelForCausalLM
+    model = cls.from_pretrained(path, config=config, trust_remote_code=trust_remote_code, dtype=torch.float32)
+    model._hf_ds_config = hf_ds_config  # keep alive: ZeRO-3 hooks refer to it through a weakref
+    if tokenizer is not None:
+        if embedding_rows(model) < len(tokenizer):
+            model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+        model.config.pad_token_id = tokenizer.pad_token_id
+        model.config.eos_token_id = tokenizer.eos_token_id
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.pad_token_id = tokenizer.pad_token_id
+            model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.config.use_cache = False
+    return model
+
+
+def embedding_rows(model: nn.Module) -> int:
+    """Vocabulary rows of the input embedding, also when ZeRO-3 has partitioned it."""
+    weight = model.get_input_embeddings().weight
+    return weight.ds_shape[0] if hasattr(weight, "ds_shape") else weight.shape[0]
+
+
+def position_ids_from_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counted over real tokens only: `cumsum(mask) - 1`, clipped at 0.
+
+    The same token gets the same position under any left padding, so the rollout forward and
+    every training forward agree (models with absolute positions, like GPT-2, depend on it).
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def last_one_index(mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last 1 in each row of a 0/1 mask ([B, L] -> [B]), for any padding side.
+
+    Reads the reward model's score at the last real token and places the sequence reward on the
+    last action. Raises when a row has no 1, rather than silently reading a pad position.
+    """
+    mask = mask != 0
+    if not bool(mask.any(dim=-1).all()):
+        bad = (~mask.any(dim=-1)).nonzero().flatten().tolist()
+        raise ValueError(f"rows of the mask without any 1 (empty sequence or no action): {bad}")
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    return torch.where(mask, positions, torch.full_like(positions, -1)).max(dim=-1).values
+
+
+def causal_lm_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Logits of a forward that always uses mask-derived position ids and no KV cache."""
+    out = model(input_ids=input_ids, attention_mask=attention_mask,
+                position_ids=position_ids_from_attention_mask(attention_mask), use_cache=False)
+    return out.logits
+
+
+def lora_target_modules(model: nn.Module, module_name_filter: str) -> list[str]:
+    """Names of the Linear/Conv1D layers whose name contains `module_name_filter` (never the LM head).
+
+    DeepSpeed-Chat's `--lora_module_name` is a substring; peft wants explicit layer names.
+    """
+    from transformers.pytorch_utils import Conv1D
+
+    names = [name for name, module in model.named_modules()
+             if isinstance(module, (nn.Linear, Conv1D)) and module_name_filter in name
+             and not name.endswith(("lm_head", "embed_out", "score"))]
+    if not names:
+        raise ValueError(f"--lora_module_name {module_name_filter!r} matches no Linear layer of the model")
+    return names
+
+
+def apply_lora(model: nn.Module, lora_dim: int, module_name_filter: str, lora_alpha: float | None = None,
+               only_optimize_lora: bool = False, modules_to_save: list[str] | None = None) -> nn.Module:
+    """Wrap `model` with peft LoRA adapters; base weights stay trainable unless `only_optimize_lora`."""
+    from peft import LoraConfig, get_peft_model
+    from transformers.pytorch_utils import Conv1D
+
+    targets = lora_target_modules(model, module_name_filter)
+    fan_in_fan_out = isinstance(model.get_submodule(targets[0]), Conv1D)
+    config = LoraConfig(r=lora_dim, lora_alpha=lora_alpha or lora_dim, target_modules=targets, lora_dropout=0.0,
+                        fan_in_fan_out=fan_in_fan_out, modules_to_save=modules_to_save)
+    peft_model = get_peft_model(model, config)
+    if not only_optimize_lora:
+        for name, param in peft_model.named_parameters():
+            param.requires_grad = True
+    return peft_model
+
+
+def is_lora_param(name: str) -> bool:
+    return "lora_" in name
+
+
+class hf_zero3_disabled:
+    """Temporarily switch off transformers' global ZeRO-3 flag (to build a plain model on one rank)."""
+
+    def __enter__(self):
+        from transformers.integrations import deepspeed as hf_ds
+
+        ref = hf_ds._hf_deepspeed_config_weak_ref
+        self.saved = ref() if ref is not None else None
+        hf_ds.unset_hf_deepspeed_config()
+        return self
+
+    def __exit__(self, *exc):
+        from transformers.integrations.deepspeed import set_hf_deepspeed_config
+
+        if self.saved is not None:
+            set_hf_deepspeed_config(self.saved)
+        return False

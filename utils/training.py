@@ -1,0 +1,116 @@
+"""What the three steps share to train an engine: arguments, optimizer, schedule, DeepSpeed init."""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+
+def add_data_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("data")
+    g.add_argument("--data_path", nargs="+", required=True,
+                   help="JSON/JSONL files, folders of them, or datasets names; several are blended")
+    g.add_argument("--data_split", default="2,4,4", help="shares of each source for steps 1,2,3")
+    g.add_argument("--sft_only_data_path", nargs="*", default=[], help="sources used whole by step 1 only")
+    g.add_argument("--eval_fraction", type=float, default=0.1,
+                   help="held-out share of a source that has no eval/test split of its own")
+
+
+def add_model_args(parser: argparse.ArgumentParser, prefix: str = "") -> None:
+    g = parser.add_argument_group("model")
+    g.add_argument(f"--{prefix}model_name_or_path", required=True, help="local from_pretrained directory or hub name")
+    g.add_argument("--trust_remote_code", action="store_true", help="allow model code shipped with the model")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("optimisation and DeepSpeed")
+    g.add_argument("--per_device_train_batch_size", type=int, default=8)
+    g.add_argument("--per_device_eval_batch_size", type=int, default=8)
+    g.add_argument("--max_seq_len", type=int, default=512)
+    g.add_argument("--learning_rate", type=float, default=1e-5)
+    g.add_argument("--weight_decay", type=float, default=0.0)
+    g.add_argument("--num_train_epochs", type=int, default=1)
+    g.add_argument("--max_steps", type=int, default=0, help="stop after this many optimizer steps (0: no limit)")
+    g.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    g.add_argument("--lr_scheduler_type", default="cosine",
+                   choices=["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"])
+    g.add_argument("--num_warmup_steps", type=int, default=0)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--gradient_checkpointing", action="store_true")
+    g.add_argument("--dropout", type=float, default=None, help="override every dropout of the model")
+    g.add_argument("--zero_stage", type=int, default=0, choices=[0, 1, 2, 3])
+    g.add_argument("--offload", action="store_true", help="ZeRO offload of optimizer (and ZeRO-3 params) to CPU")
+    g.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    g.add_argument("--gradient_clipping", type=float, default=1.0)
+    g.add_argument("--dist_timeout", type=int, default=600, help="seconds a rank waits on a dead peer")
+    g.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    g = parser.add_argument_group("LoRA")
+    g.add_argument("--lora_dim", type=int, default=0, help="LoRA rank; 0 disables LoRA")
+    g.add_argument("--lora_alpha", type=float, default=None, help="LoRA alpha (default: lora_dim, scaling 1)")
+    g.add_argument("--lora_module_name", default="", help="substring of the layer names that get LoRA")
+    g.add_argument("--only_optimize_lora", action="store_true", help="freeze the base weights")
+    g.add_argument("--lora_learning_rate", type=float, default=5e-4)
+    g = parser.add_argument_group("output")
+    g.add_argument("--output_dir", required=True)
+    g.add_argument("--enable_tensorboard", action="store_true")
+    g.add_argument("--tensorboard_path", default=None)
+
+
+def validate_engine_args(args) -> None:
+    """Reject impossible combinations before any model is loaded."""
+    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
+                 "max_seq_len", "num_train_epochs"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"error: --{name} must be >= 1, got {getattr(args, name)}")
+    if args.only_optimize_lora and args.lora_dim <= 0:
+        raise SystemExit("error: --only_optimize_lora needs --lora_dim > 0")
+    if args.offload and args.zero_stage == 0:
+        raise SystemExit("error: --offload needs --zero_stage 1, 2 or 3")
+
+
+def optimizer_param_groups(model: torch.nn.Module, weight_decay: float, learning_rate: float,
+                           lora_learning_rate: float) -> list[dict]:
+    """No decay on biases and norms; LoRA weights get their own learning rate (as DeepSpeed-Chat)."""
+    groups = {"decay": [], "no_decay": [], "lora": []}
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if "lora_" in name:
+            groups["lora"].append(param)
+        elif name.endswith("bias") or "norm" in name.lower() or "ln_" in name:
+            groups["no_decay"].append(param)
+        else:
+            groups["decay"].append(param)
+    result = [{"params": groups["decay"], "weight_decay": weight_decay, "lr": learning_rate},
+              {"params": groups["no_decay"], "weight_decay": 0.0, "lr": learning_rate},
+              {"params": groups["lora"], "weight_decay": 0.0, "lr": lora_learning_rate}]
+    return [g for g in result if g["params"]]
+
+
+def build_optimizer(param_groups: list[dict], learning_rate: float, offload: bool):
+    """torch AdamW (no JIT compile on CPU); DeepSpeed's CPU Adam when the optimizer is offloaded."""
+    betas = (0.9, 0.95)
+    if offload:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(param_groups, lr=learning_rate, betas=betas, adamw_mode=True)
+    return torch.optim.AdamW(param_groups, lr=learning_rate, betas=betas)
+
+
+def build_scheduler(optimizer, name: str, num_warmup_steps: int, num_training_steps: int):
+    from transformers import get_scheduler
+
+    return get_scheduler(name, optimizer=optimizer, num_warmup_steps=num_warmup_steps,
+                         num_training_steps=max(num_training_steps, 1))
+
+
+def initialize_engine(model, ds_config: dict, optimizer=None, lr_scheduler=None):
+    import deepspeed
+
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                                      config=ds_config, dist_init_required=False)
+    return engine
+
+
+def enable_gradient_checkpointing(model) -> None:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
