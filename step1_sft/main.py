@@ -20,9 +20,8 @@ from utils.data import SFTCollator, build_step_rows, tokenize_sft
 from utils.distributed import all_reduce_sum, init_distributed, is_rank0, rank, rank_batches, set_seed, world_size
 from utils.ds_config import train_ds_config
 from utils.logging import MetricsLogger, print_rank0
-from utils.model import apply_lora, causal_lm_logits, hf_zero3_disabled, load_causal_lm, load_tokenizer
-from utils.training import (add_data_args, add_engine_args, add_model_args, build_optimizer, build_scheduler,
-                            enable_gradient_checkpointing, initialize_engine, optimizer_param_groups,
+from utils.model import causal_lm_logits, hf_zero3_disabled, load_causal_lm, load_tokenizer
+from utils.training import (add_data_args, add_engine_args, add_model_args, build_trained_engine, spec_from_args,
                             validate_engine_args)
 
 
@@ -106,14 +105,7 @@ def main(argv=None):
     ds_config = train_ds_config(args.zero_stage, world_size(), args.per_device_train_batch_size,
                                 args.gradient_accumulation_steps, args.dtype, args.offload, args.gradient_clipping)
     model = load_causal_lm(args.model_name_or_path, tokenizer, ds_config, args.dropout, args.trust_remote_code)
-    if args.lora_dim > 0:
-        model = apply_lora(model, args.lora_dim, args.lora_module_name, args.lora_alpha, args.only_optimize_lora)
-    if args.gradient_checkpointing:
-        enable_gradient_checkpointing(model)
-    groups = optimizer_param_groups(model, args.weight_decay, args.learning_rate, args.lora_learning_rate)
-    optimizer = build_optimizer(groups, args.learning_rate, args.offload)
-    scheduler = build_scheduler(optimizer, args.lr_scheduler_type, args.num_warmup_steps, total_steps)
-    engine = initialize_engine(model, ds_config, optimizer, scheduler)
+    engine = build_trained_engine(model, ds_config, spec_from_args(args), total_steps)
 
     ppl_before = evaluate_perplexity(engine, eval_examples, collator, args.per_device_eval_batch_size)
     print_rank0(f"[step1] eval perplexity before training: {ppl_before:.3f}")
@@ -137,7 +129,7 @@ def main(argv=None):
             (mean_loss,) = all_reduce_sum([sum(accumulated) / len(accumulated)])
             mean_loss /= world_size()
             accumulated = []
-            logger.log(step, {"train/loss": mean_loss, "train/lr": scheduler.get_last_lr()[0], "epoch": epoch})
+            logger.log(step, {"train/loss": mean_loss, "train/lr": engine.get_lr()[0], "epoch": epoch})
             if progress is not None:
                 progress.update(1)
                 progress.set_postfix(loss=f"{mean_loss:.4f}")

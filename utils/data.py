@@ -571,3 +571,38 @@ class PromptCollator:
         ids = [ex["input_ids"] for ex in batch]
         return {"input_ids": pad_batch(ids, self.pad_token_id, "left"),
                 "attention_mask": _mask(ids, "left")}
+
+
+# --------------------------------------------------------------------------- #
+# Plain text (step 3's pretraining mix, PPO-ptx)
+# --------------------------------------------------------------------------- #
+def read_texts(path: str) -> list[str]:
+    """Texts for the language-modelling term: one per non-empty line of a .txt file, or the `text`
+    field (else prompt + chosen) of each JSON/JSONL row; errors name the file and line."""
+    if not path.endswith(JSON_EXTS):
+        return [line for line in _read_text(path).splitlines() if line.strip()]
+    texts = []
+    for obj, origin in _read_json_file(path)[0]:
+        if isinstance(obj, dict) and isinstance(obj.get("text"), str):
+            texts.append(obj["text"])
+        elif isinstance(obj, dict) and isinstance(obj.get("prompt"), str) and isinstance(obj.get("chosen"), str):
+            texts.append(obj["prompt"] + obj["chosen"])
+        else:
+            raise DataError(f"{origin}: missing field 'text' (or 'prompt' and 'chosen')")
+    if not texts:
+        raise DataError(f"{path}: no text rows")
+    return texts
+
+
+def tokenize_texts(texts: Sequence[str], tokenizer, max_seq_len: int) -> tuple[list, dict]:
+    """Every token trained; a text longer than `max_seq_len` is cut into several examples (nothing dropped)."""
+    eos, prefix = _eos(tokenizer), bos_prefix(tokenizer)
+    stats = {"examples": 0, "split_texts": 0}
+    out = []
+    for text in texts:
+        ids = prefix + encode(tokenizer, text) + [eos]
+        chunks = [ids[i:i + max_seq_len] for i in range(0, len(ids), max_seq_len)]
+        stats["split_texts"] += len(chunks) > 1
+        out += [{"input_ids": c, "labels": list(c)} for c in chunks if len(c) > 1]
+    stats["examples"] = len(out)
+    return out, stats

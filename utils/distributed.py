@@ -83,3 +83,10 @@ def rank_batches(examples: list, batch_size: int) -> list[tuple[list, float]]:
     batches = [(shard[i * batch_size:(i + 1) * batch_size], 1.0) for i in range(n_batches)]
     filler = examples[:batch_size]
     return [(b, w) if b else (filler, 0.0) for b, w in batches]
+
+
+def all_reduce_max(value: float) -> float:
+    tensor = torch.tensor([value], dtype=torch.float64)
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
+    return tensor.item()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 
 import torch
 
@@ -114,3 +115,54 @@ def initialize_engine(model, ds_config: dict, optimizer=None, lr_scheduler=None)
 
 def enable_gradient_checkpointing(model) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+@dataclass
+class EngineSpec:
+    """How one trained model becomes a DeepSpeed engine (step 1, step 2, step 3's actor and critic)."""
+    learning_rate: float
+    weight_decay: float = 0.0
+    lora_dim: int = 0
+    lora_module_name: str = ""
+    lora_alpha: float | None = None
+    only_optimize_lora: bool = False
+    lora_learning_rate: float = 5e-4
+    gradient_checkpointing: bool = False
+    offload: bool = False
+    lr_scheduler_type: str = "cosine"
+    num_warmup_steps: int = 0
+
+
+def spec_from_args(args, prefix: str = "") -> EngineSpec:
+    """Read `--{prefix}name` flags, falling back to the unprefixed `--name` (step 3's actor_/critic_)."""
+    values = {}
+    for name in EngineSpec.__dataclass_fields__:
+        if hasattr(args, prefix + name):
+            values[name] = getattr(args, prefix + name)
+        elif hasattr(args, name):
+            values[name] = getattr(args, name)
+    return EngineSpec(**values)
+
+
+def add_lora(model: torch.nn.Module, spec: EngineSpec) -> torch.nn.Module:
+    """LoRA on a causal LM, or on the backbone of a reward model/critic (its v_head stays plain)."""
+    from utils.model import apply_lora
+
+    if spec.lora_dim <= 0:
+        return model
+    if hasattr(model, "backbone"):
+        model.backbone = apply_lora(model.backbone, spec.lora_dim, spec.lora_module_name, spec.lora_alpha,
+                                    spec.only_optimize_lora)
+        return model
+    return apply_lora(model, spec.lora_dim, spec.lora_module_name, spec.lora_alpha, spec.only_optimize_lora)
+
+
+def build_trained_engine(model: torch.nn.Module, ds_config: dict, spec: EngineSpec, total_steps: int):
+    """LoRA, gradient checkpointing, AdamW param groups, LR schedule and deepspeed.initialize."""
+    model = add_lora(model, spec)
+    if spec.gradient_checkpointing:
+        enable_gradient_checkpointing(getattr(model, "backbone", model))
+    groups = optimizer_param_groups(model, spec.weight_decay, spec.learning_rate, spec.lora_learning_rate)
+    optimizer = build_optimizer(groups, spec.learning_rate, spec.offload)
+    scheduler = build_scheduler(optimizer, spec.lr_scheduler_type, spec.num_warmup_steps, total_steps)
+    return initialize_engine(model, ds_config, optimizer, scheduler)

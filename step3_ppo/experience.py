@@ -1,0 +1,85 @@
+"""Rollout rows and how they are packed into batches, the same way at rollout and in training.
+
+A row keeps only real tokens: the prompt without padding, the response up to and including its
+first EOS, and one value per action (old/ref log-probs, values, rewards, advantages, returns).
+Any set of rows is packed into a batch by left-padding prompts and right-padding responses, with
+the attention mask marking real tokens and the action mask marking the response tokens. Because
+position ids come from the attention mask in every forward, a row's tokens get identical
+positions however much padding its batch needs, so log-probs agree between the rollout batch and
+any PPO mini-batch (the trlx bug this layout rules out).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+PER_ACTION_FIELDS = ("old_logprobs", "ref_logprobs", "old_values", "rewards", "advantages", "returns", "kl")
+
+
+@dataclass
+class Row:
+    prompt_ids: torch.Tensor  # [p] real prompt tokens
+    response_ids: torch.Tensor  # [t] generated tokens up to and including the first EOS
+    ended_with_eos: bool
+    score: float = 0.0  # reward model score of prompt + response
+    per_action: dict = field(default_factory=dict)  # name -> [t] tensor
+
+
+def split_generation(sequences: torch.Tensor, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                     eos_token_id: int) -> list[Row]:
+    """Cut `generate` output [B, P+T] into rows: real prompt tokens, response up to the first EOS.
+
+    Tokens after the first EOS (HF fills finished rows with pad) are dropped, so they are never
+    actions; a response without EOS (length limit reached) keeps all its tokens.
+    """
+    prompt_len = prompt_ids.shape[1]
+    rows = []
+    for i in range(sequences.shape[0]):
+        generated = sequences[i, prompt_len:]
+        eos_positions = (generated == eos_token_id).nonzero().flatten()
+        ended = eos_positions.numel() > 0
+        response = generated[: eos_positions[0] + 1] if ended else generated
+        if response.numel() == 0:
+            raise ValueError("generation returned no new token; set --min_answer_seq_len >= 1")
+        rows.append(Row(prompt_ids=prompt_ids[i][prompt_mask[i].bool()].clone(), response_ids=response.clone(),
+                        ended_with_eos=bool(ended)))
+    return rows
+
+
+def pack(rows: list[Row], pad_token_id: int) -> dict:
+    """Batch of rows: input_ids/attention_mask [B, P+T], action_mask [B, P+T-1], and P.
+
+    action_mask[b, i] = 1 when token i+1 of row b is one of its response tokens: the per-token
+    layout of step3_ppo/ppo.py (position i is about predicting token i+1).
+    """
+    prompt_len = max(r.prompt_ids.numel() for r in rows)
+    response_len = max(r.response_ids.numel() for r in rows)
+    length = prompt_len + response_len
+    input_ids = torch.full((len(rows), length), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), length), dtype=torch.long)
+    action_mask = torch.zeros((len(rows), length - 1), dtype=torch.float32)
+    for b, row in enumerate(rows):
+        p, t = row.prompt_ids.numel(), row.response_ids.numel()
+        input_ids[b, prompt_len - p:prompt_len] = row.prompt_ids
+        input_ids[b, prompt_len:prompt_len + t] = row.response_ids
+        attention_mask[b, prompt_len - p:prompt_len + t] = 1
+        action_mask[b, prompt_len - 1:prompt_len - 1 + t] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "action_mask": action_mask,
+            "prompt_len": prompt_len}
+
+
+def to_token_layout(rows: list[Row], name: str, prompt_len: int, length: int) -> torch.Tensor:
+    """Per-action values of `rows` placed on their action positions of a packed batch [B, length-1]."""
+    out = torch.zeros((len(rows), length - 1), dtype=torch.float32)
+    for b, row in enumerate(rows):
+        values = row.per_action[name]
+        out[b, prompt_len - 1:prompt_len - 1 + values.numel()] = values
+    return out
+
+
+def from_token_layout(rows: list[Row], name: str, values: torch.Tensor, prompt_len: int) -> None:
+    """Store a packed batch's per-action values [B, L-1] back into the rows (action positions only)."""
+    for b, row in enumerate(rows):
+        t = row.response_ids.numel()
+        row.per_action[name] = values[b, prompt_len - 1:prompt_len - 1 + t].detach().float().cpu().clone()

@@ -1,0 +1,96 @@
+"""The actor's two modes: generation (fast sampling) and training (ZeRO partitioned).
+
+DeepSpeed's own hybrid engine needs CUDA inference kernels (it raises on CPU, shared/notes), so the
+project has its own generation mode. Under ZeRO-3 a plain `generate` re-gathers every layer for
+every new token through the engine's module hooks; here the parameters are gathered ONCE for the
+whole `generate` call and the hooks are lifted while it runs, then restored, and the parameters
+are partitioned again on the way out (gathered memory released). LoRA adapters are merged into the
+weights while generating (one matmul per layer instead of three) and the original weights are put
+back bit for bit afterwards.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def _zero3_offload(engine):
+    """DeepSpeed's ZeRO-3 parameter manager of an engine (None below stage 3)."""
+    if engine.zero_optimization_stage() != 3:
+        return None
+    optimizer = engine.optimizer
+    return getattr(optimizer, "parameter_offload", optimizer)
+
+
+@contextlib.contextmanager
+def _gathered_without_hooks(engine):
+    """All ZeRO-3 parameters gathered on every rank, module hooks removed; undone on exit."""
+    import deepspeed
+    from deepspeed.runtime.zero import parameter_offload as zero_offload
+
+    offload = _zero3_offload(engine)
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        offload._remove_module_hooks()
+        offload.forward_hooks, offload.backward_hooks = [], []
+        try:
+            yield
+        finally:
+            offload.setup_zero_stage3_hooks()
+            # setup pushes the root module on DeepSpeed's forward stack again: keep its size constant
+            stack = zero_offload.FWD_MODULE_STACK
+            if len(stack) > 1 and stack[-1] is engine.module:
+                stack.pop()
+
+
+@contextlib.contextmanager
+def _lora_merged(module):
+    """peft LoRA merged into the base weights; the exact original weights restored on exit."""
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+
+    if not isinstance(module, PeftModel):
+        yield
+        return
+    layers = [m for m in module.modules() if isinstance(m, LoraLayer)]
+    saved = [m.get_base_layer().weight.detach().clone() for m in layers]
+    module.merge_adapter()
+    try:
+        yield
+    finally:
+        module.unmerge_adapter()
+        with torch.no_grad():
+            for layer, weight in zip(layers, saved):
+                layer.get_base_layer().weight.copy_(weight)
+
+
+@contextlib.contextmanager
+def generation_mode(engine, hybrid: bool, merge_lora: bool = True):
+    """Eval mode for sampling; with `hybrid`, parameters gathered once and LoRA merged."""
+    was_training = engine.module.training
+    engine.eval()
+    try:
+        with contextlib.ExitStack() as stack:
+            if hybrid and _zero3_offload(engine) is not None:
+                stack.enter_context(_gathered_without_hooks(engine))
+            if hybrid and merge_lora:
+                stack.enter_context(_lora_merged(engine.module))
+            yield
+    finally:
+        engine.train(was_training)
+
+
+def needs_synced_gpus(engine, hybrid: bool) -> bool:
+    """Plain ZeRO-3 generate is collective per token: ranks must keep stepping until all finish."""
+    return (not hybrid and _zero3_offload(engine) is not None and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1)
+
+
+@torch.no_grad()
+def generate(engine, input_ids: torch.Tensor, attention_mask: torch.Tensor, hybrid: bool, merge_lora: bool = True,
+             **generation_kwargs) -> torch.Tensor:
+    """Sequences [B, P + T] for left-padded prompts [B, P], in the actor's generation mode."""
+    with generation_mode(engine, hybrid, merge_lora):
+        return engine.module.generate(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
+                                      synced_gpus=needs_synced_gpus(engine, hybrid), **generation_kwargs)

@@ -1,0 +1,287 @@
+"""Step 3: PPO with four models (actor, reference, critic, reward model) under DeepSpeed ZeRO.
+
+Which KL is which (never confused here):
+- `kl/ref_mean`: KL(actor || frozen SFT reference), estimated per token (`--kl_estimator`) and
+  charged inside the reward with coefficient `--kl_ctl` (fixed, or `--adaptive_kl` towards
+  `--kl_target`), or as a separate loss term with `--kl_in_loss` (GRPO-style alternative);
+- `ppo/approx_kl_old`, `ppo/clipfrac`, `ppo/log_ratio_max_abs`: the current actor against the
+  OLD (rollout-time) actor, whose ratio PPO clips (`--cliprange`).
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import time
+from dataclasses import dataclass
+
+from torch.utils.data import DataLoader, DistributedSampler
+
+from step3_ppo import ppo
+from step3_ppo.engine import build_engines
+from step3_ppo.trainer import PPOConfig, PPOTrainer
+from utils.checkpoint import export_hf_model
+from utils.data import PromptCollator, SFTCollator, build_step_rows, read_texts, tokenize_prompts, tokenize_texts
+from utils.distributed import init_distributed, is_rank0, rank, set_seed, world_size
+from utils.logging import MetricsLogger, print_rank0
+from utils.model import check_model_path, load_tokenizer
+from utils.reward_model import export_reward_model
+from utils.training import add_data_args
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_data_args(p)
+    g = p.add_argument_group("models")
+    g.add_argument("--actor_model_name_or_path", required=True, help="step 1 output (actor and reference)")
+    g.add_argument("--critic_model_name_or_path", required=True, help="step 2 output (critic and reward model)")
+    g.add_argument("--trust_remote_code", action="store_true")
+    g.add_argument("--actor_dropout", type=float, default=0.0, help="dropout of the actor (off by default)")
+    g.add_argument("--critic_dropout", type=float, default=0.0, help="dropout of the critic (off by default)")
+    g = p.add_argument_group("generation")
+    g.add_argument("--per_device_generation_batch_size", type=int, default=4)
+    g.add_argument("--generation_batches", type=int, default=1, help="generation batches per PPO iteration")
+    g.add_argument("--max_prompt_seq_len", type=int, default=256)
+    g.add_argument("--max_answer_seq_len", type=int, default=256)
+    g.add_argument("--min_answer_seq_len", type=int, default=1)
+    g.add_argument("--temperature", type=float, default=1.0)
+    g.add_argument("--top_p", type=float, default=1.0)
+    g.add_argument("--top_k", type=int, default=0)
+    g.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
+    g.add_argument("--enable_hybrid_engine", action="store_true",
+                   help="generation mode: ZeRO-3 params gathered once, hooks lifted, LoRA merged")
+    g.add_argument("--no_merge_lora_for_generation", action="store_true")
+    g = p.add_argument_group("PPO")
+    g.add_argument("--per_device_training_batch_size", type=int, default=4, help="PPO mini-batch size")
+    g.add_argument("--ppo_epochs", type=int, default=1)
+    g.add_argument("--num_train_epochs", type=int, default=1)
+    g.add_argument("--max_steps", type=int, default=0, help="stop after this many PPO iterations (0: no limit)")
+    g.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    g.add_argument("--actor_learning_rate", type=float, default=9.65e-6)
+    g.add_argument("--critic_learning_rate", type=float, default=5e-6)
+    g.add_argument("--actor_weight_decay", type=float, default=0.0)
+    g.add_argument("--critic_weight_decay", type=float, default=0.0)
+    g.add_argument("--lr_scheduler_type", default="cosine",
+                   choices=["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"])
+    g.add_argument("--num_warmup_steps", type=int, default=0)
+    g.add_argument("--gradient_clipping", type=float, default=1.0)
+    g.add_argument("--kl_ctl", type=float, default=0.1, help="initial KL(actor||reference) coefficient")
+    g.add_argument("--adaptive_kl", action="store_true", help="Ziegler et al. controller towards --kl_target")
+    g.add_argument("--kl_target", type=float, default=6.0)
+    g.add_argument("--kl_horizon", type=float, default=10000)
+    g.add_argument("--kl_estimator", choices=ppo.KL_ESTIMATORS, default="k1")
+    g.add_argument("--kl_in_loss", action="store_true",
+                   help="KL to the reference as a k3 loss term (GRPO-style) instead of in the reward")
+    g.add_argument("--clip_reward_value", type=float, default=5.0)
+    g.add_argument("--normalize_reward", action="store_true", help="score normalised by running mean/std")
+    g.add_argument("--gamma", type=float, default=1.0)
+    g.add_argument("--lam", type=float, default=0.95)
+    g.add_argument("--no_whiten_advantages", action="store_true")
+    g.add_argument("--cliprange", type=float, default=0.2)
+    g.add_argument("--cliprange_value", type=float, default=0.2)
+    g.add_argument("--unsupervised_dataset_name", default=None, help="text/JSON file for the PPO-ptx loss")
+    g.add_argument("--unsup_coef", type=float, default=27.8)
+    g.add_argument("--seed", type=int, default=1234)
+    g = p.add_argument_group("DeepSpeed and LoRA")
+    g.add_argument("--actor_zero_stage", type=int, default=3, choices=[0, 1, 2, 3])
+    g.add_argument("--critic_zero_stage", type=int, default=3, choices=[0, 1, 2, 3])
+    g.add_argument("--offload", action="store_true")
+    g.add_argument("--offload_reference_model", action="store_true")
+    g.add_argument("--offload_reward_model", action="store_true")
+    g.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    g.add_argument("--actor_gradient_checkpointing", action="store_true")
+    g.add_argument("--critic_gradient_checkpointing", action="store_true")
+    g.add_argument("--actor_lora_dim", type=int, default=0)
+    g.add_argument("--actor_lora_module_name", default="")
+    g.add_argument("--critic_lora_dim", type=int, default=0)
+    g.add_argument("--critic_lora_module_name", default="")
+    g.add_argument("--lora_alpha", type=float, default=None)
+    g.add_argument("--only_optimize_lora", action="store_true")
+    g.add_argument("--actor_lora_learning_rate", type=float, default=5e-4)
+    g.add_argument("--critic_lora_learning_rate", type=float, default=5e-4)
+    g.add_argument("--enable_ema", action="store_true", help="keep an EMA of the actor, saved as actor_ema/")
+    g.add_argument("--dist_timeout", type=int, default=600)
+    g.add_argument("--local_rank", type=int, default=-1)
+    g = p.add_argument_group("output")
+    g.add_argument("--output_dir", required=True)
+    g.add_argument("--enable_tensorboard", action="store_true")
+    g.add_argument("--tensorboard_path", default=None)
+    g.add_argument("--print_answers", action="store_true")
+    g.add_argument("--print_answers_interval", type=int, default=1)
+    args = p.parse_args(argv)
+    validate_args(args)
+    return args
+
+
+def validate_args(args) -> None:
+    """Impossible settings stop the run here, before any model is loaded."""
+    def fail(msg):
+        raise SystemExit(f"error: {msg}")
+
+    for name in ("per_device_generation_batch_size", "per_device_training_batch_size", "generation_batches",
+                 "ppo_epochs", "num_train_epochs", "max_prompt_seq_len", "max_answer_seq_len",
+                 "gradient_accumulation_steps"):
+        if getattr(args, name) < 1:
+            fail(f"--{name} must be >= 1, got {getattr(args, name)}")
+    rollout = args.per_device_generation_batch_size * args.generation_batches
+    if rollout % args.per_device_training_batch_size:
+        fail(f"--per_device_training_batch_size {args.per_device_training_batch_size} does not divide the rollout of "
+             f"{rollout} rows per rank (--per_device_generation_batch_size x --generation_batches)")
+    if not 1 <= args.min_answer_seq_len <= args.max_answer_seq_len:
+        fail(f"need 1 <= --min_answer_seq_len ({args.min_answer_seq_len}) <= --max_answer_seq_len "
+             f"({args.max_answer_seq_len})")
+    if not args.greedy and args.temperature <= 0:
+        fail(f"--temperature must be > 0 when sampling, got {args.temperature} (use --greedy for greedy decoding)")
+    if args.only_optimize_lora and args.actor_lora_dim <= 0 and args.critic_lora_dim <= 0:
+        fail("--only_optimize_lora needs --actor_lora_dim or --critic_lora_dim > 0")
+    if args.offload and 0 in (args.actor_zero_stage, args.critic_zero_stage):
+        fail("--offload needs ZeRO stage 1, 2 or 3 for the actor and the critic")
+    if args.adaptive_kl and args.kl_target <= 0:
+        fail(f"--kl_target must be > 0, got {args.kl_target}")
+    check_model_path(args.actor_model_name_or_path, "--actor_model_name_or_path")
+    check_model_path(args.critic_model_name_or_path, "--critic_model_name_or_path")
+    if args.unsupervised_dataset_name and not os.path.exists(args.unsupervised_dataset_name):
+        fail(f"--unsupervised_dataset_name {args.unsupervised_dataset_name!r} does not exist")
+
+
+def ppo_config(args, tokenizer) -> PPOConfig:
+    return PPOConfig(
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        max_answer_seq_len=args.max_answer_seq_len, min_answer_seq_len=args.min_answer_seq_len,
+        do_sample=not args.greedy, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        per_device_training_batch_size=args.per_device_training_batch_size, ppo_epochs=args.ppo_epochs,
+        kl_estimator=args.kl_estimator, clip_reward_value=args.clip_reward_value,
+        normalize_reward=args.normalize_reward, kl_in_loss=args.kl_in_loss, gamma=args.gamma, lam=args.lam,
+        whiten_advantages=not args.no_whiten_advantages, cliprange=args.cliprange,
+        cliprange_value=args.cliprange_value, unsup_coef=args.unsup_coef,
+        enable_hybrid_engine=args.enable_hybrid_engine,
+        merge_lora_for_generation=not args.no_merge_lora_for_generation, seed=args.seed)
+
+
+def kl_controller(args):
+    if args.adaptive_kl:
+        return ppo.AdaptiveKLController(args.kl_ctl, args.kl_target, args.kl_horizon)
+    return ppo.FixedKLController(args.kl_ctl)
+
+
+def unsupervised_batches(args, tokenizer):
+    """Endless shuffled batches of pretraining text for the PPO-ptx term (None without a dataset)."""
+    if not args.unsupervised_dataset_name:
+        return None
+    examples, stats = tokenize_texts(read_texts(args.unsupervised_dataset_name), tokenizer,
+                                     args.max_prompt_seq_len + args.max_answer_seq_len)
+    print_rank0(f"[step3] unsupervised (ptx) examples {len(examples)} {stats}")
+    sampler = DistributedSampler(examples, num_replicas=world_size(), rank=rank(), shuffle=True, seed=args.seed)
+    loader = DataLoader(examples, batch_size=args.per_device_training_batch_size, sampler=sampler,
+                        collate_fn=SFTCollator(tokenizer.pad_token_id), drop_last=True)
+
+    def forever():
+        for epoch in itertools.count():
+            sampler.set_epoch(epoch)
+            yield from loader
+    return forever()
+
+
+@dataclass
+class Setup:
+    args: argparse.Namespace
+    tokenizer: object
+    sampler: DistributedSampler
+    loader: DataLoader
+    engines: object
+    trainer: PPOTrainer
+    steps_per_epoch: int
+    total_steps: int
+
+
+def setup(args) -> Setup:
+    """Everything before the first PPO iteration: process group, tokenizer, prompts, engines, trainer."""
+    init_distributed(args.dist_timeout)
+    set_seed(args.seed)
+    tokenizer = load_tokenizer(args.actor_model_name_or_path, args.trust_remote_code, padding_side="left")
+    critic_tokenizer = load_tokenizer(args.critic_model_name_or_path, args.trust_remote_code)
+    if len(critic_tokenizer) != len(tokenizer) or critic_tokenizer.eos_token_id != tokenizer.eos_token_id:
+        raise SystemExit(f"error: the actor's tokenizer ({args.actor_model_name_or_path}, {len(tokenizer)} tokens) and "
+                         f"the critic's ({args.critic_model_name_or_path}, {len(critic_tokenizer)} tokens) differ")
+    rows = build_step_rows(args.data_path, args.data_split, step=3, seed=args.seed, eval_fraction=args.eval_fraction,
+                           log=print_rank0)
+    prompts, stats = tokenize_prompts(rows.train, tokenizer, args.max_prompt_seq_len)
+    print_rank0(f"[step3] prompts {len(prompts)} {stats}")
+    sampler = DistributedSampler(prompts, num_replicas=world_size(), rank=rank(), shuffle=True, seed=args.seed)
+    loader = DataLoader(prompts, batch_size=args.per_device_generation_batch_size, sampler=sampler,
+                        collate_fn=PromptCollator(tokenizer.pad_token_id), drop_last=True)
+    steps_per_epoch = len(loader) // args.generation_batches
+    if steps_per_epoch == 0:
+        raise SystemExit(f"error: {len(prompts)} prompts are too few for one PPO iteration of "
+                         f"{args.per_device_generation_batch_size} x {args.generation_batches} per rank on "
+                         f"{world_size()} ranks")
+    total_steps = steps_per_epoch * args.num_train_epochs
+    if args.max_steps:
+        total_steps = min(total_steps, args.max_steps)
+    engines = build_engines(args, tokenizer, total_steps)
+    trainer = PPOTrainer(engines, ppo_config(args, tokenizer), kl_controller(args),
+                         unsupervised_batches(args, tokenizer))
+    return Setup(args, tokenizer, sampler, loader, engines, trainer, steps_per_epoch, total_steps)
+
+
+def train(run: Setup, logger: MetricsLogger) -> int:
+    """PPO iterations until --max_steps or the end of --num_train_epochs; returns the step count."""
+    args, step = run.args, 0
+    progress = _progress(run.total_steps)
+    for epoch in range(args.num_train_epochs):
+        run.sampler.set_epoch(epoch)
+        batches = iter(run.loader)
+        for _ in range(run.steps_per_epoch):
+            prompt_batches = [next(batches) for _ in range(args.generation_batches)]
+            metrics, rollout = run.trainer.step(prompt_batches, step)
+            step += 1
+            logger.log(step, {**metrics, "epoch": epoch})
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(score=f"{metrics['reward/score_mean']:.3f}", kl=f"{metrics['kl/ref_mean']:.3f}")
+            if args.print_answers and step % args.print_answers_interval == 0:
+                _print_answer(run.tokenizer, rollout[0], step)
+            if step >= run.total_steps:
+                break
+        if step >= run.total_steps:
+            break
+    if progress is not None:
+        progress.close()
+    return step
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    run = setup(args)
+    logger = MetricsLogger(args.output_dir, args.enable_tensorboard, args.tensorboard_path)
+    start = time.time()
+    steps = train(run, logger)
+    print_rank0(f"[step3] {steps} PPO iterations in {time.time() - start:.1f} s")
+    engines = run.engines
+    export_hf_model(engines.actor, run.tokenizer, os.path.join(args.output_dir, "actor"))
+    export_reward_model(engines.critic, run.tokenizer, os.path.join(args.output_dir, "critic"))
+    if engines.ema is not None:
+        export_hf_model(engines.ema.engine, run.tokenizer, os.path.join(args.output_dir, "actor_ema"))
+    print_rank0(f"[step3] saved actor/ and critic/ under {args.output_dir}")
+    logger.close()
+
+
+def _print_answer(tokenizer, row, step: int) -> None:
+    if not is_rank0():
+        return
+    prompt = tokenizer.decode(row.prompt_ids, skip_special_tokens=True)
+    answer = tokenizer.decode(row.response_ids, skip_special_tokens=True)
+    print(f"\n[step3 {step}] prompt: {prompt!r}\n[step3 {step}] answer: {answer!r}\n[step3 {step}] score: {row.score:.3f}",
+          flush=True)
+
+
+def _progress(total: int):
+    if not is_rank0():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="step3 ppo", dynamic_ncols=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Promise 1: with learning rate 0 the PPO log-ratio between new and old policy is ~0 (fp32, <= 1e-4)
+for every generation batch size, mini-batch size and padding layout, on gpt2 (absolute positions)
+and llama (rotary). Runs the real engines and trainer in this process (ZeRO-0, one rank); the
+2-rank ZeRO-3 case through the launcher is in test_step3_run.py.
+"""
+import json
+
+import pytest
+import torch
+
+from step3_ppo.main import parse_args, setup
+from utils.data import PromptCollator
+
+PROMPT_WORDS = ["movie", "good", "plot", "film", "bad", "scene", "actor", "music", "story", "great"]
+
+
+def write_prompts(path, n=24):
+    """Prompts of 1 to 12 words, so rollout batches and mini-batches need different left padding."""
+    with open(path, "w") as f:
+        for i in range(n):
+            words = " ".join(PROMPT_WORDS[(i + j) % len(PROMPT_WORDS)] for j in range(1 + (i * 5) % 12))
+            f.write(json.dumps({"prompt": f"Human: {words}\n\nAssistant:"}) + "\n")
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def ppo_setup(request, tmp_path_factory):
+    from utils.tiny_model import make_tiny_model_cached
+
+    model = make_tiny_model_cached(request.param)
+    tmp = tmp_path_factory.mktemp(f"lr0_{request.param}")
+    write_prompts(tmp / "prompts.jsonl")
+    args = parse_args([
+        "--actor_model_name_or_path", model, "--critic_model_name_or_path", model,
+        "--data_path", str(tmp / "prompts.jsonl"), "--data_split", "0,0,10", "--output_dir", str(tmp / "out"),
+        "--actor_zero_stage", "0", "--critic_zero_stage", "0", "--actor_learning_rate", "0",
+        "--critic_learning_rate", "0", "--max_prompt_seq_len", "32", "--max_answer_seq_len", "10",
+        "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "4", "--seed", "3",
+        "--actor_dropout", "0.0", "--critic_dropout", "0.0"])
+    run = setup(args)
+    return request.param, run
+
+
+def prompt_batches(run, generation_batch_size: int, n_rows: int = 4, offset: int = 0):
+    examples = list(run.loader.dataset)[offset:offset + n_rows]
+    collate = PromptCollator(run.tokenizer.pad_token_id)
+    return [collate(examples[i:i + generation_batch_size]) for i in range(0, n_rows, generation_batch_size)]
+
+
+@pytest.mark.parametrize("generation_batch_size", [2, 4])
+@pytest.mark.parametrize("training_batch_size", [1, 2, 4])
+def test_log_ratio_is_zero_at_lr0_sampling(ppo_setup, generation_batch_size, training_batch_size):
+    arch, run = ppo_setup
+    run.trainer.config.do_sample = True
+    run.trainer.config.per_device_training_batch_size = training_batch_size
+    torch.manual_seed(generation_batch_size * 10 + training_batch_size)
+    metrics, rows = run.trainer.step(prompt_batches(run, generation_batch_size, offset=training_batch_size), step=0)
+    assert len({r.prompt_ids.numel() for r in rows}) > 1  # padding really differs
+    assert metrics["ppo/log_ratio_max_abs"] <= 1e-4, (arch, metrics["ppo/log_ratio_max_abs"])
+
+
+def test_log_ratio_is_zero_with_early_eos(ppo_setup):
+    """An EOS that some rows emit early: rows of different response lengths, padding after EOS in the
+    rollout batch, none in mini-batches of one. Sampling is replayed with the same seed, so the
+    probe and the real rollout draw the same tokens up to the chosen EOS."""
+    arch, run = ppo_setup
+    config = run.trainer.config
+    saved = (config.do_sample, config.eos_token_id, config.per_device_training_batch_size)
+    try:
+        config.do_sample = True
+        batches = prompt_batches(run, 4, n_rows=4, offset=8)
+        torch.manual_seed(123)
+        probe = [r.response_ids.tolist() for r in run.trainer.generate_rows(batches[0])]
+        # a token that some row emits for the first time at position k >= 1 becomes EOS: that row
+        # (whose earlier draws do not change) then ends with k + 1 tokens
+        row, k = next((i, k) for i, ids in enumerate(probe) for k in range(1, len(ids)) if ids[k] not in ids[:k])
+        eos = probe[row][k]
+        config.eos_token_id = eos
+        config.per_device_training_batch_size = 1
+        torch.manual_seed(123)
+        metrics, rows = run.trainer.step(batches, step=0)
+    finally:
+        config.do_sample, config.eos_token_id, config.per_device_training_batch_size = saved
+    lengths = [r.response_ids.numel() for r in rows]
+    assert rows[row].ended_with_eos and lengths[row] == k + 1 and len(set(lengths)) > 1, lengths
+    for r in rows:  # the action mask runs up to and including EOS: EOS is the last action, never earlier
+        ids = r.response_ids.tolist()
+        assert (eos in ids) == r.ended_with_eos and (not r.ended_with_eos or ids.index(eos) == len(ids) - 1)
+    assert metrics["ppo/log_ratio_max_abs"] <= 1e-4, (arch, metrics["ppo/log_ratio_max_abs"])
+
+
+def test_positions_from_arange_would_break_the_invariant(ppo_setup, monkeypatch):
+    """Negative control: with positions 0..L-1 regardless of padding (the trlx bug), gpt2's log-ratio
+    between the padded rollout batch and unpadded mini-batches of one is far from 0."""
+    arch, run = ppo_setup
+    if arch != "gpt2":
+        pytest.skip("rotary positions are relative: a uniform shift does not change llama's logits")
+    import utils.model
+
+    monkeypatch.setattr(utils.model, "position_ids_from_attention_mask",
+                        lambda mask: torch.arange(mask.shape[1]).expand_as(mask))
+    run.trainer.config.per_device_training_batch_size = 1
+    metrics, _ = run.trainer.step(prompt_batches(run, 4, offset=12), step=0)
+    run.trainer.config.per_device_training_batch_size = 4
+    assert metrics["ppo/log_ratio_max_abs"] > 1e-3
