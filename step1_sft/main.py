@@ -13,11 +13,10 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, DistributedSampler
 
-from utils.checkpoint import export_hf_model
-from utils.data import SFTCollator, build_step_rows, tokenize_sft
-from utils.distributed import all_reduce_sum, init_distributed, is_rank0, rank, rank_batches, set_seed, world_size
+from utils.checkpoint import BadStepGuard, Checkpointing, export_hf_model
+from utils.data import SFTCollator, build_step_rows, distributed_loader, tokenize_sft
+from utils.distributed import all_reduce_sum, init_distributed, is_rank0, rank_batches, set_seed, world_size
 from utils.ds_config import train_ds_config
 from utils.logging import MetricsLogger, print_rank0
 from utils.model import causal_lm_logits, hf_zero3_disabled, load_causal_lm, load_tokenizer
@@ -83,7 +82,6 @@ def main(argv=None):
     args = parse_args(argv)
     init_distributed(args.dist_timeout)
     set_seed(args.seed)
-    logger = MetricsLogger(args.output_dir, args.enable_tensorboard, args.tensorboard_path)
 
     tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
     rows = build_step_rows(args.data_path, args.data_split, step=1, seed=args.seed,
@@ -94,9 +92,7 @@ def main(argv=None):
     print_rank0(f"[step1] train examples {len(train_examples)} {train_stats}; eval examples {len(eval_examples)} {eval_stats}")
     collator = SFTCollator(tokenizer.pad_token_id)
 
-    sampler = DistributedSampler(train_examples, num_replicas=world_size(), rank=rank(), shuffle=True, seed=args.seed)
-    loader = DataLoader(train_examples, batch_size=args.per_device_train_batch_size, sampler=sampler,
-                        collate_fn=collator)
+    sampler, loader = distributed_loader(train_examples, args.per_device_train_batch_size, collator, args.seed)
     steps_per_epoch = math.ceil(len(loader) / args.gradient_accumulation_steps)
     total_steps = steps_per_epoch * args.num_train_epochs
     if args.max_steps:
@@ -107,60 +103,77 @@ def main(argv=None):
     model = load_causal_lm(args.model_name_or_path, tokenizer, ds_config, args.dropout, args.trust_remote_code)
     engine = build_trained_engine(model, ds_config, spec_from_args(args), total_steps)
 
-    ppl_before = evaluate_perplexity(engine, eval_examples, collator, args.per_device_eval_batch_size)
-    print_rank0(f"[step1] eval perplexity before training: {ppl_before:.3f}")
-    logger.log(0, {"eval/perplexity": ppl_before})
+    checkpointing = Checkpointing(args, {"model": engine})
+    loop, shared, _ = checkpointing.restore()
+    logger = MetricsLogger(args.output_dir, args.enable_tensorboard, args.tensorboard_path,
+                           keep_until_step=loop.step if checkpointing.last_path else None)
+    if checkpointing.last_path:
+        ppl_before = shared["ppl_before"]
+        print_rank0(f"[step1] resumed from {checkpointing.last_path} at step {loop.step}")
+    else:
+        ppl_before = evaluate_perplexity(engine, eval_examples, collator, args.per_device_eval_batch_size)
+        print_rank0(f"[step1] eval perplexity before training: {ppl_before:.3f}")
+        logger.log(0, {"eval/perplexity": ppl_before})
 
-    step, start = 0, time.time()
-    progress = _progress(total_steps)
+    guard = BadStepGuard(loop, args.max_bad_steps, checkpointing)
+    start = time.time()
+    progress = _progress(total_steps, loop.step)
     accumulated = []
-    for epoch in range(args.num_train_epochs):
-        sampler.set_epoch(epoch)
-        for batch in loader:
+    while loop.step < total_steps and loop.epoch < args.num_train_epochs:
+        sampler.set_epoch(loop.epoch)
+        for index, batch in enumerate(loader):
+            if index < loop.batches_in_epoch:
+                continue  # consumed before the checkpoint this run resumed from
+            loop.batches_in_epoch = index + 1
             logits = causal_lm_logits(engine, batch["input_ids"], batch["attention_mask"])
             nll, count = response_nll(logits, batch["labels"])
             loss = nll / count.clamp(min=1)
+            if not guard.all_finite(loss):
+                print_rank0(f"[step1] skipped a batch with a non-finite loss ({loop.bad_steps} so far)")
+                continue
             engine.backward(loss)
             engine.step()
             accumulated.append(loss.item())
             if not engine.is_gradient_accumulation_boundary():
                 continue
-            step += 1
+            loop.step += 1
             (mean_loss,) = all_reduce_sum([sum(accumulated) / len(accumulated)])
             mean_loss /= world_size()
             accumulated = []
-            logger.log(step, {"train/loss": mean_loss, "train/lr": engine.get_lr()[0], "epoch": epoch})
+            logger.log(loop.step, {"train/loss": mean_loss, "train/lr": engine.get_lr()[0], "epoch": loop.epoch,
+                                   "train/bad_steps": loop.bad_steps})
             if progress is not None:
                 progress.update(1)
                 progress.set_postfix(loss=f"{mean_loss:.4f}")
             if args.print_loss:
-                print_rank0(f"[step1] step {step} loss {mean_loss:.4f}")
-            if step >= total_steps:
+                print_rank0(f"[step1] step {loop.step} loss {mean_loss:.4f}")
+            checkpointing.maybe_save(loop, {"ppl_before": ppl_before})
+            if loop.step >= total_steps:
                 break
-        if step >= total_steps:
-            break
+        else:
+            loop.epoch, loop.batches_in_epoch = loop.epoch + 1, 0
     if progress is not None:
         progress.close()
 
     ppl_after = evaluate_perplexity(engine, eval_examples, collator, args.per_device_eval_batch_size)
     elapsed = time.time() - start
-    print_rank0(f"[step1] eval perplexity after {step} steps: {ppl_after:.3f} (before {ppl_before:.3f}); "
+    print_rank0(f"[step1] eval perplexity after {loop.step} steps: {ppl_after:.3f} (before {ppl_before:.3f}); "
                 f"training took {elapsed:.1f} s")
-    logger.log(step, {"eval/perplexity": ppl_after, "time/train_s": elapsed})
+    logger.log(loop.step, {"eval/perplexity": ppl_after, "time/train_s": elapsed})
     export_hf_model(engine, tokenizer, args.output_dir)
     diff = export_logits_max_abs_diff(engine, args.output_dir, collator(eval_examples[:4]))
     print_rank0(f"[step1] saved the fine-tuned model to {args.output_dir} "
                 f"(reloaded logits differ from the engine's by at most {diff:.2e})")
-    logger.log(step, {"export/logits_max_abs_diff": diff})
+    logger.log(loop.step, {"export/logits_max_abs_diff": diff})
     logger.close()
 
 
-def _progress(total: int):
+def _progress(total: int, done: int = 0):
     if not is_rank0():
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="step1 sft", dynamic_ncols=True)
+    return tqdm(total=total, initial=done, desc="step1 sft", dynamic_ncols=True)
 
 
 if __name__ == "__main__":

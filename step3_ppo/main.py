@@ -21,8 +21,9 @@ from step3_ppo import ppo
 from step3_ppo.engine import build_engines
 from step3_ppo.trainer import PPOConfig, PPOTrainer
 from utils.checkpoint import export_hf_model
-from utils.data import PromptCollator, SFTCollator, build_step_rows, read_texts, tokenize_prompts, tokenize_texts
-from utils.distributed import init_distributed, is_rank0, rank, set_seed, world_size
+from utils.data import (PromptCollator, SFTCollator, build_step_rows, distributed_loader, read_texts,
+                        tokenize_prompts, tokenize_texts)
+from utils.distributed import init_distributed, is_rank0, set_seed, world_size
 from utils.logging import MetricsLogger, print_rank0
 from utils.model import check_model_path, load_tokenizer
 from utils.reward_model import export_reward_model
@@ -171,9 +172,8 @@ def unsupervised_batches(args, tokenizer):
     examples, stats = tokenize_texts(read_texts(args.unsupervised_dataset_name), tokenizer,
                                      args.max_prompt_seq_len + args.max_answer_seq_len)
     print_rank0(f"[step3] unsupervised (ptx) examples {len(examples)} {stats}")
-    sampler = DistributedSampler(examples, num_replicas=world_size(), rank=rank(), shuffle=True, seed=args.seed)
-    loader = DataLoader(examples, batch_size=args.per_device_training_batch_size, sampler=sampler,
-                        collate_fn=SFTCollator(tokenizer.pad_token_id), drop_last=True)
+    sampler, loader = distributed_loader(examples, args.per_device_training_batch_size,
+                                         SFTCollator(tokenizer.pad_token_id), args.seed, drop_last=True)
 
     def forever():
         for epoch in itertools.count():
@@ -207,9 +207,8 @@ def setup(args) -> Setup:
                            log=print_rank0)
     prompts, stats = tokenize_prompts(rows.train, tokenizer, args.max_prompt_seq_len)
     print_rank0(f"[step3] prompts {len(prompts)} {stats}")
-    sampler = DistributedSampler(prompts, num_replicas=world_size(), rank=rank(), shuffle=True, seed=args.seed)
-    loader = DataLoader(prompts, batch_size=args.per_device_generation_batch_size, sampler=sampler,
-                        collate_fn=PromptCollator(tokenizer.pad_token_id), drop_last=True)
+    sampler, loader = distributed_loader(prompts, args.per_device_generation_batch_size,
+                                         PromptCollator(tokenizer.pad_token_id), args.seed, drop_last=True)
     steps_per_epoch = len(loader) // args.generation_batches
     if steps_per_epoch == 0:
         raise SystemExit(f"error: {len(prompts)} prompts are too few for one PPO iteration of "

@@ -59,3 +59,25 @@ def metrics(output_dir: str) -> list[dict]:
 
 def tail(proc: subprocess.CompletedProcess, n: int = 3000) -> str:
     return (proc.stdout + proc.stderr)[-n:]
+
+
+def start_deepspeed(module: str, args: list, num_ranks: int = 2, log_path: str | None = None,
+                    env: dict | None = None) -> subprocess.Popen:
+    """Like run_deepspeed, but returns at once; the launcher and its ranks share a new process group."""
+    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    cmd = [launcher, "--num_gpus", str(num_ranks), "--master_port", str(free_port()), "--module", module,
+           *[str(a) for a in args]]
+    log = open(log_path or os.devnull, "w")
+    return subprocess.Popen(cmd, cwd=ROOT, env=env or test_env(), stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+
+
+def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every rank it started."""
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()

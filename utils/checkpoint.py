@@ -1,4 +1,6 @@
-"""Exporting trained engines as plain `from_pretrained` directories (safetensors, LoRA merged).
+"""Exporting trained engines, and training checkpoints that resume a crashed run exactly.
+
+Export: plain `from_pretrained` directories (safetensors, LoRA merged).
 
 A naive `save_pretrained` of a ZeRO-3 model writes EMPTY tensors without any error (shared/notes),
 so the full weights are first consolidated on rank 0, loaded into a fresh unpartitioned copy of
@@ -7,12 +9,17 @@ the model, LoRA merged there, and only that copy is saved.
 from __future__ import annotations
 
 import copy
+import json
 import os
+import random
+import shutil
+from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
-from utils.distributed import barrier, is_rank0
+from utils.distributed import barrier, is_rank0, rank, world_size
 from utils.model import hf_zero3_disabled
 
 
@@ -61,3 +68,189 @@ def export_hf_model(engine, tokenizer, out_dir: str) -> None:
         if tokenizer is not None:
             tokenizer.save_pretrained(out_dir)
     barrier()
+
+
+# --------------------------------------------------------------------------- #
+# Training checkpoints: resume exactly after a crash
+# --------------------------------------------------------------------------- #
+LATEST_FILE = "latest"
+COMPLETE_FILE = "COMPLETE"
+STATE_FILE = "state.json"
+DS_TAG = "ds"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def rng_state() -> dict:
+    """This rank's random generators, in types `torch.load(weights_only=True)` accepts."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": [kind, torch.from_numpy(keys.copy()), pos, has_gauss, cached],
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy(), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class TrainingCheckpoints:
+    """`OUTPUT_DIR/checkpoints/step-00000012/`: every trained engine (DeepSpeed checkpoint: weights,
+    optimizer, scheduler), each rank's RNG and loop state, and the run's shared state (JSON).
+
+    A checkpoint is written under a temporary name, marked COMPLETE, renamed, and only then does the
+    `latest` pointer move (atomic replace), so a crash while saving leaves the previous checkpoint
+    the latest one. Older checkpoints beyond `keep` are removed after the pointer moved.
+    """
+
+    def __init__(self, output_dir: str, keep: int = 2):
+        self.root = os.path.join(output_dir, "checkpoints")
+        self.keep = keep
+
+    def latest(self) -> str | None:
+        pointer = os.path.join(self.root, LATEST_FILE)
+        if not os.path.exists(pointer):
+            return None
+        with open(pointer) as f:
+            tag = f.read().strip()
+        path = os.path.join(self.root, tag)
+        if not os.path.exists(os.path.join(path, COMPLETE_FILE)):
+            raise CheckpointError(f"{pointer} names {tag!r}, which is missing or incomplete")
+        return path
+
+    def save(self, step: int, engines: dict, shared_state: dict, rank_state: dict) -> str:
+        """Collective: every rank calls it with its own `rank_state` (loop position, RNG, ...)."""
+        tag = f"step-{step:08d}"
+        final, tmp = os.path.join(self.root, tag), os.path.join(self.root, f".tmp-{tag}")
+        if is_rank0():
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        barrier()
+        for name, engine in engines.items():
+            engine.save_checkpoint(os.path.join(tmp, name), tag=DS_TAG, save_latest=False)
+        torch.save(rank_state, os.path.join(tmp, f"rank{rank():05d}.pt"))
+        barrier()
+        if is_rank0():
+            with open(os.path.join(tmp, STATE_FILE), "w") as f:
+                json.dump({**shared_state, "step": step, "world_size": world_size(), "engines": sorted(engines)}, f)
+            open(os.path.join(tmp, COMPLETE_FILE), "w").close()
+            _fail_point("before_rename")
+            shutil.rmtree(final, ignore_errors=True)
+            os.rename(tmp, final)
+            _fail_point("before_pointer")
+            pointer_tmp = os.path.join(self.root, f".{LATEST_FILE}.tmp")
+            with open(pointer_tmp, "w") as f:
+                f.write(tag)
+            os.replace(pointer_tmp, os.path.join(self.root, LATEST_FILE))
+            self._prune(keep_tag=tag)
+        barrier()
+        return final
+
+    def load(self, engines: dict, path: str | None = None) -> tuple[dict, dict]:
+        """Restore every engine from the latest (or given) checkpoint; returns (shared, this rank's) state."""
+        path = path or self.latest()
+        if path is None:
+            raise CheckpointError(f"no checkpoint under {self.root}")
+        with open(os.path.join(path, STATE_FILE)) as f:
+            shared = json.load(f)
+        if shared["world_size"] != world_size():
+            raise CheckpointError(
+                f"checkpoint {path} was written by {shared['world_size']} ranks but this run has {world_size()}: "
+                f"ZeRO optimizer states are partitioned per rank, so resume with {shared['world_size']} ranks "
+                f"(or start a new run from exported weights)")
+        if sorted(engines) != shared["engines"]:
+            raise CheckpointError(f"checkpoint {path} holds engines {shared['engines']}, this run has {sorted(engines)}")
+        for name, engine in engines.items():
+            loaded, _ = engine.load_checkpoint(os.path.join(path, name), tag=DS_TAG)
+            if loaded is None:
+                raise CheckpointError(f"DeepSpeed could not load {os.path.join(path, name)}")
+        rank_state = torch.load(os.path.join(path, f"rank{rank():05d}.pt"), weights_only=True)
+        return shared, rank_state
+
+    def _prune(self, keep_tag: str) -> None:
+        tags = sorted(t for t in os.listdir(self.root) if t.startswith("step-"))
+        for tag in tags[:-self.keep] if self.keep > 0 else []:
+            if tag != keep_tag:
+                shutil.rmtree(os.path.join(self.root, tag), ignore_errors=True)
+
+
+def _fail_point(name: str) -> None:
+    """Crash injection for tests: RLHF_CRASH_AT=<name> kills this process at that point of a save."""
+    if os.environ.get("RLHF_CRASH_AT") == name:
+        os.kill(os.getpid(), 9)
+
+
+@dataclass
+class LoopState:
+    """Where a training loop stands; saved with every checkpoint."""
+    step: int = 0  # optimizer steps (steps 1, 2) or PPO iterations (step 3) done
+    epoch: int = 0
+    batches_in_epoch: int = 0  # loader batches of `epoch` already consumed
+    bad_steps: int = 0  # updates skipped for a non-finite loss or reward
+    bad_in_a_row: int = 0
+
+
+class Checkpointing:
+    """A run's checkpoint policy: `--save_interval`, `--keep_checkpoints`, `--resume`.
+
+    `restore()` continues from the latest checkpoint when `--resume` is given and one exists
+    (otherwise the run starts fresh); the RNG states of every rank come back with it, so a resumed
+    run draws the same samples and dropout masks as an uninterrupted one.
+    """
+
+    def __init__(self, args, engines: dict):
+        self.interval = getattr(args, "save_interval", 0)
+        self.resume = getattr(args, "resume", False)
+        self.store = TrainingCheckpoints(args.output_dir, getattr(args, "keep_checkpoints", 2))
+        self.engines = engines
+        self.last_path: str | None = None
+
+    def restore(self) -> tuple[LoopState, dict, dict]:
+        path = self.store.latest() if self.resume else None
+        if path is None:
+            return LoopState(), {}, {}
+        shared, rank_state = self.store.load(self.engines, path)
+        set_rng_state(rank_state.pop("rng"))
+        loop = LoopState(**shared.pop("loop"))
+        self.last_path = path
+        return loop, shared, rank_state
+
+    def maybe_save(self, loop: LoopState, shared: dict | None = None, rank_state: dict | None = None,
+                   force: bool = False) -> None:
+        if not force and (self.interval <= 0 or loop.step % self.interval):
+            return
+        shared = {**(shared or {}), "loop": asdict(loop)}
+        rank_state = {**(rank_state or {}), "rng": rng_state()}
+        self.last_path = self.store.save(loop.step, self.engines, shared, rank_state)
+
+
+class BadStepGuard:
+    """Skips updates whose loss or reward is NaN/inf on ANY rank (ranks must agree under ZeRO),
+    counts them, and stops the run after `max_in_a_row` consecutive ones."""
+
+    def __init__(self, loop: LoopState, max_in_a_row: int, checkpointing: Checkpointing | None = None):
+        self.loop, self.max_in_a_row, self.checkpointing = loop, max_in_a_row, checkpointing
+
+    def all_finite(self, *values: torch.Tensor) -> bool:
+        from utils.distributed import all_reduce_max
+
+        bad = any(not torch.isfinite(torch.as_tensor(v)).all() for v in values)
+        if all_reduce_max(float(bad)) == 0.0:
+            self.loop.bad_in_a_row = 0
+            return True
+        self.loop.bad_steps += 1
+        self.loop.bad_in_a_row += 1
+        if self.loop.bad_in_a_row >= self.max_in_a_row:
+            where = self.checkpointing.last_path if self.checkpointing else None
+            raise SystemExit(f"error: {self.loop.bad_in_a_row} consecutive updates had a non-finite loss or reward "
+                             f"(--max_bad_steps {self.max_in_a_row}); stopping. Last checkpoint: {where or 'none'}")
+        return False

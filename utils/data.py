@@ -606,3 +606,21 @@ def tokenize_texts(texts: Sequence[str], tokenizer, max_seq_len: int) -> tuple[l
         out += [{"input_ids": c, "labels": list(c)} for c in chunks if len(c) > 1]
     stats["examples"] = len(out)
     return out, stats
+
+
+def distributed_loader(examples: Sequence, batch_size: int, collate_fn, seed: int, drop_last: bool = False):
+    """(sampler, loader): this rank's shuffled share of `examples`, the order fixed by (seed, epoch).
+
+    The loader gets its own generator: a DataLoader otherwise draws its base seed from the GLOBAL
+    torch RNG each time an epoch's iterator is created, which would shift dropout and sampling
+    randomness after a resume.
+    """
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    sampler = DistributedSampler(examples, num_replicas=ranks, rank=rank, shuffle=True, seed=seed)
+    loader = DataLoader(examples, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=drop_last,
+                        generator=torch.Generator().manual_seed(seed))
+    return sampler, loader

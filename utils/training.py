@@ -51,10 +51,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lora_module_name", default="", help="substring of the layer names that get LoRA")
     g.add_argument("--only_optimize_lora", action="store_true", help="freeze the base weights")
     g.add_argument("--lora_learning_rate", type=float, default=5e-4)
+    add_checkpoint_args(parser)
     g = parser.add_argument_group("output")
     g.add_argument("--output_dir", required=True)
     g.add_argument("--enable_tensorboard", action="store_true")
     g.add_argument("--tensorboard_path", default=None)
+
+
+def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("checkpoints and robustness")
+    g.add_argument("--save_interval", type=int, default=0,
+                   help="write a resumable checkpoint every N steps under OUTPUT_DIR/checkpoints (0: never)")
+    g.add_argument("--keep_checkpoints", type=int, default=2, help="how many checkpoints to keep")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in OUTPUT_DIR when there is one (else start fresh)")
+    g.add_argument("--max_bad_steps", type=int, default=5,
+                   help="stop after this many consecutive updates with a non-finite loss or reward")
 
 
 def validate_engine_args(args) -> None:
@@ -165,4 +177,6 @@ def build_trained_engine(model: torch.nn.Module, ds_config: dict, spec: EngineSp
     groups = optimizer_param_groups(model, spec.weight_decay, spec.learning_rate, spec.lora_learning_rate)
     optimizer = build_optimizer(groups, spec.learning_rate, spec.offload)
     scheduler = build_scheduler(optimizer, spec.lr_scheduler_type, spec.num_warmup_steps, total_steps)
-    return initialize_engine(model, ds_config, optimizer, scheduler)
+    engine = initialize_engine(model, ds_config, optimizer, scheduler)
+    engine.train()  # from_pretrained returns eval mode: without this, dropout would silently stay off
+    return engine

@@ -1,0 +1,164 @@
+"""Multi-turn terminal chat with a trained model (DeepSpeed-Chat's chat.py).
+
+    python chat.py --model_name_or_path DIR [--max_new_tokens 128] [--system TEXT]
+                   [--template {auto,chat,human_assistant}] [--sample [--temperature T --top_p P --top_k K]]
+
+Templates:
+- `chat`: the tokenizer's own chat template (`apply_chat_template(messages, add_generation_prompt=True)`);
+- `human_assistant`: the demo data's "Human: ...\\n\\nAssistant:" template, turns separated by a
+  blank line, tokenised exactly as in training;
+- `auto` (default): `chat` when the tokenizer has a chat template, else `human_assistant`. A model
+  fine-tuned on the demo data from an instruct model keeps that model's chat template: pass
+  `--template human_assistant` to talk to it in the format it was fine-tuned on.
+
+Commands: `clear` resets the history, `quit` / `exit` / end of input (Ctrl-D) ends the chat.
+When stdin is not a terminal (piped), each input line is one user turn and is echoed.
+Greedy decoding by default; `--sample` samples.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+TEMPLATES = ("auto", "chat", "human_assistant")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model_name_or_path", required=True)
+    p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--system", default=None, help="system message prepended to the conversation")
+    p.add_argument("--template", choices=TEMPLATES, default="auto")
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top_p", type=float, default=1.0)
+    p.add_argument("--top_k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
+    p.add_argument("--trust_remote_code", action="store_true")
+    args = p.parse_args(argv)
+    if args.max_new_tokens < 1:
+        p.error(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}")
+    if args.sample and args.temperature <= 0:
+        p.error(f"--temperature must be > 0 when sampling, got {args.temperature}")
+    return args
+
+
+def resolve_template(tokenizer, template: str) -> str:
+    has_chat = bool(getattr(tokenizer, "chat_template", None))
+    if template == "chat" and not has_chat:
+        raise SystemExit("error: --template chat: this tokenizer has no chat template (use human_assistant)")
+    if template == "auto":
+        return "chat" if has_chat else "human_assistant"
+    return template
+
+
+def context_length(model, tokenizer) -> int:
+    config = model.config
+    for attr in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    limit = getattr(tokenizer, "model_max_length", None)
+    return limit if isinstance(limit, int) and 0 < limit < 1_000_000 else 2048
+
+
+class Conversation:
+    """History of (role, text) turns rendered in one template and tokenised for generation."""
+
+    def __init__(self, tokenizer, template: str, system: str | None = None):
+        self.tokenizer = tokenizer
+        self.template = template
+        self.system = system
+        self.turns: list[tuple[str, str]] = []
+
+    def clear(self) -> None:
+        self.turns = []
+
+    def add(self, role: str, text: str) -> None:
+        self.turns.append((role, text))
+
+    def render(self) -> str:
+        """The conversation so far, ending with the cue for the assistant's next turn."""
+        if self.template == "chat":
+            messages = ([{"role": "system", "content": self.system}] if self.system else []) + [
+                {"role": role, "content": text} for role, text in self.turns]
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        parts = [self.system] if self.system else []
+        for role, text in self.turns:
+            parts.append(f"Human: {text}" if role == "user" else f"Assistant: {text}")
+        return "\n\n".join(parts) + "\n\nAssistant:"
+
+    def prompt_ids(self, max_len: int) -> list[int]:
+        """Token ids of `render()`, keeping the LAST `max_len` tokens (BOS kept in front)."""
+        from utils.data import bos_prefix, encode
+
+        ids = encode(self.tokenizer, self.render())
+        prefix = bos_prefix(self.tokenizer)
+        if prefix and ids[:1] == prefix:  # a chat template that writes BOS itself
+            ids = ids[1:]
+        keep = max(1, max_len - len(prefix))
+        return prefix + ids[-keep:]
+
+    def clean_reply(self, text: str) -> str:
+        """The reply without a continuation the model invents for the user's next turn."""
+        if self.template == "human_assistant":
+            for marker in ("\n\nHuman:", "\nHuman:", "Human:"):
+                cut = text.find(marker)
+                if cut >= 0:
+                    text = text[:cut]
+        return text.strip()
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from utils.evaluation import generate_answers_from_ids, load_policy
+    from utils.model import ModelLoadError
+
+    try:
+        model, tokenizer = load_policy(args.model_name_or_path, args.device, args.trust_remote_code)
+    except ModelLoadError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    template = resolve_template(tokenizer, args.template)
+    conversation = Conversation(tokenizer, template, args.system)
+    max_prompt = max(1, context_length(model, tokenizer) - args.max_new_tokens)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print(f"Chatting with {args.model_name_or_path} (template: {template}, "
+              f"{'sampling' if args.sample else 'greedy'}). 'clear' resets, 'quit' or Ctrl-D ends.", flush=True)
+    turn = 0
+    while True:
+        try:
+            line = input("User: " if interactive else "")
+        except (EOFError, KeyboardInterrupt):
+            if interactive:
+                print()
+            break
+        text = line.strip()
+        if not text:
+            continue
+        if not interactive:
+            print(f"User: {text}", flush=True)
+        if text.lower() in ("quit", "exit"):
+            break
+        if text.lower() == "clear":
+            conversation.clear()
+            print("[history cleared]", flush=True)
+            continue
+        conversation.add("user", text)
+        answer = generate_answers_from_ids(
+            model, tokenizer, [conversation.prompt_ids(max_prompt)], args.max_new_tokens, do_sample=args.sample,
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed + turn)[0]
+        reply = conversation.clean_reply(answer.text)
+        conversation.add("assistant", reply)
+        turn += 1
+        print(f"Assistant: {reply}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.exit(main())

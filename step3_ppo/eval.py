@@ -1,0 +1,95 @@
+"""Compare the SFT policy (step 1) with the RLHF policy (step 3) on held-out prompts.
+
+    python -m step3_ppo.eval --sft_model DIR --rlhf_model DIR --reward_model DIR \
+        [--prompts FILE] [--num_prompts 64] [--max_new_tokens 24] \
+        [--greedy | --temperature 1.0 --top_p 1.0 --top_k 0] [--num_samples 3] [--out FILE.json]
+
+For each policy: mean reward-model score, mean score of an independent judge (VADER sentiment,
+never seen by the reward model), mean KL to the SFT model (k1 on the policy's own responses; 0 for
+the SFT itself), mean response length (tokens) and EOS fraction; then side-by-side samples.
+Single process, plain fp32 models (GPU if available), no DeepSpeed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from utils.model import ModelLoadError, check_model_path
+
+
+def parse_args(argv=None):
+    from utils.evaluation import DEFAULT_PROMPTS
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sft_model", required=True, help="step 1 output directory (also the KL reference)")
+    p.add_argument("--rlhf_model", required=True, help="step 3 actor output directory")
+    p.add_argument("--reward_model", required=True, help="step 2 output directory")
+    p.add_argument("--prompts", default=DEFAULT_PROMPTS,
+                   help="JSON/JSONL file or folder with a 'prompt' field (default: the demo pairs' eval split)")
+    p.add_argument("--num_prompts", type=int, default=64)
+    p.add_argument("--prompt_seed", type=int, default=0, help="seed of the prompt shuffle")
+    p.add_argument("--max_new_tokens", type=int, default=24)
+    p.add_argument("--max_prompt_len", type=int, default=256, help="longer prompts keep their last tokens")
+    p.add_argument("--greedy", action="store_true", help="greedy decoding (default: sampling, as in PPO rollouts)")
+    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1.0)")
+    p.add_argument("--top_p", type=float, default=None, help="nucleus sampling (default 1.0: off)")
+    p.add_argument("--top_k", type=int, default=None, help="top-k sampling (default 0: off)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (same for both policies)")
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--num_samples", type=int, default=3, help="side-by-side samples to print")
+    p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
+    p.add_argument("--out", default=None, help="write the full result (with per-prompt rows) as JSON")
+    args = p.parse_args(argv)
+    if args.greedy and any(v is not None for v in (args.temperature, args.top_p, args.top_k)):
+        p.error("--greedy cannot be combined with --temperature/--top_p/--top_k")
+    args.temperature = 1.0 if args.temperature is None else args.temperature
+    args.top_p = 1.0 if args.top_p is None else args.top_p
+    args.top_k = 0 if args.top_k is None else args.top_k
+    if not args.greedy and args.temperature <= 0:
+        p.error(f"--temperature must be > 0 when sampling, got {args.temperature} (use --greedy)")
+    for name in ("num_prompts", "max_new_tokens", "batch_size", "max_prompt_len"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    return args
+
+
+def fail(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    for flag in ("sft_model", "rlhf_model", "reward_model"):
+        path = getattr(args, flag)
+        if not os.path.isdir(os.path.expanduser(path)):
+            fail(f"--{flag} directory {path!r} does not exist")
+        try:
+            check_model_path(path, f"--{flag}")
+        except ModelLoadError as e:
+            fail(str(e))
+
+    from utils.data import DataError
+    from utils.evaluation import compare_policies, format_table, load_prompts
+
+    try:
+        prompts = load_prompts(args.prompts, args.num_prompts, args.prompt_seed)
+    except (DataError, OSError, ValueError) as e:
+        fail(f"--prompts: {e}")
+    result = compare_policies(args.sft_model, args.rlhf_model, args.reward_model, prompts, args.max_new_tokens,
+                              do_sample=not args.greedy, temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k, batch_size=args.batch_size, num_samples=args.num_samples,
+                              seed=args.seed, max_prompt_len=args.max_prompt_len, device=args.device)
+    print(format_table(result), flush=True)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"\n[eval] wrote {args.out}", flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Checks and times the actor's generation modes on the current world (run it through the launcher).
+
+    deepspeed --num_gpus 2 --module step3_ppo.generation_check --model_name_or_path DIR --out result.json
+
+Builds the actor as step 3 does (ZeRO stage, optional LoRA), then generates greedily from the same
+left-padded prompts (1) with plain `generate` (ZeRO-3: `synced_gpus`), (2) in the hybrid generation
+mode with LoRA merged and (3) without merging. Rank 0 writes whether the tokens agree, whether the
+parameters are partitioned again afterwards and whether the weights came back bit for bit, plus
+tokens per second per rank (median over --repeats after a warm-up).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from step3_ppo.hybrid import generate
+from utils.distributed import init_distributed, is_rank0, set_seed, world_size
+from utils.ds_config import train_ds_config
+from utils.model import load_causal_lm, load_tokenizer
+from utils.training import EngineSpec, build_trained_engine
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model_name_or_path", required=True)
+    p.add_argument("--zero_stage", type=int, default=3)
+    p.add_argument("--lora_dim", type=int, default=0)
+    p.add_argument("--batch_size", type=int, default=4, help="prompts per rank")
+    p.add_argument("--prompt_len", type=int, default=16, help="longest prompt in tokens (others shorter)")
+    p.add_argument("--new_tokens", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--modes", default="plain,hybrid,hybrid_unmerged")
+    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--out", default=None, help="JSON result file (rank 0)")
+    p.add_argument("--local_rank", type=int, default=-1)
+    return p.parse_args(argv)
+
+
+def make_prompts(tokenizer, batch_size: int, prompt_len: int, seed: int) -> dict:
+    """Left-padded random prompts of different lengths (same on every rank for a seed)."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = min(len(tokenizer), 5000)
+    rows = []
+    for i in range(batch_size):
+        length = max(1, prompt_len - (i * prompt_len) // (2 * batch_size))
+        rows.append(torch.randint(100, vocab, (length,), generator=generator))
+    input_ids = torch.full((batch_size, prompt_len), tokenizer.pad_token_id)
+    attention_mask = torch.zeros((batch_size, prompt_len), dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, prompt_len - row.numel():] = row
+        attention_mask[i, prompt_len - row.numel():] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def partitioned(engine) -> bool:
+    """True when every ZeRO-3 parameter that is not persistent holds no local data (released)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    params = [p for p in engine.module.parameters() if hasattr(p, "ds_status") and not getattr(p, "ds_persist", False)]
+    return bool(params) and all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE and p.data.numel() == 0 for p in params)
+
+
+def full_weights(engine) -> list[torch.Tensor]:
+    import deepspeed
+
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
+        return [p.detach().clone() for p in params]
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    init_distributed()
+    set_seed(0)
+    tokenizer = load_tokenizer(args.model_name_or_path, padding_side="left")
+    config = train_ds_config(args.zero_stage, world_size(), args.batch_size, dtype=args.dtype)
+    model = load_causal_lm(args.model_name_or_path, tokenizer, config, dropout=0.0)
+    spec = EngineSpec(learning_rate=0.0, lora_dim=args.lora_dim, lora_learning_rate=0.0)
+    engine = build_trained_engine(model, config, spec, total_steps=1)
+    if args.lora_dim:  # non-zero LoRA weights, so merging really changes the weights
+        import deepspeed
+
+        with torch.no_grad():
+            for name, p in engine.module.named_parameters():
+                if "lora_B" in name:
+                    with deepspeed.zero.GatheredParameters([p], modifier_rank=0, enabled=args.zero_stage == 3):
+                        p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
+    prompts = make_prompts(tokenizer, args.batch_size, args.prompt_len, seed=1)
+    kwargs = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens, "do_sample": False,
+              "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
+              "temperature": None, "top_p": None, "top_k": None}
+    settings = {"plain": (False, True), "hybrid": (True, True), "hybrid_unmerged": (True, False)}
+    weights_before = full_weights(engine)
+    result = {"world_size": world_size(), "zero_stage": args.zero_stage, "lora_dim": args.lora_dim,
+              "batch_size": args.batch_size, "new_tokens": args.new_tokens, "modes": {}}
+    tokens = {}
+    for mode in args.modes.split(","):
+        hybrid, merge = settings[mode]
+        times = []
+        for _ in range(args.repeats + 1):  # the first call is a warm-up
+            start = time.perf_counter()
+            out = generate(engine, prompts["input_ids"], prompts["attention_mask"], hybrid=hybrid, merge_lora=merge,
+                           **kwargs)
+            times.append(time.perf_counter() - start)
+        tokens[mode] = out[:, args.prompt_len:]
+        seconds = statistics.median(times[1:])
+        result["modes"][mode] = {"seconds": seconds,
+                                 "tokens_per_s_per_rank": args.batch_size * args.new_tokens / seconds,
+                                 "partitioned_after": partitioned(engine) if args.zero_stage == 3 else None}
+    weights_after = full_weights(engine)
+    first = next(iter(tokens.values()))
+    result["tokens_equal"] = all(torch.equal(first, t) for t in tokens.values())
+    result["weights_unchanged"] = all(torch.equal(a, b) for a, b in zip(weights_before, weights_after))
+    result["tokens"] = {m: t.tolist() for m, t in tokens.items()}
+    if is_rank0():
+        print(json.dumps({k: v for k, v in result.items() if k != "tokens"}, indent=1))
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

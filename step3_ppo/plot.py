@@ -1,0 +1,100 @@
+"""Training curves of a step-3 run: reward, KL to the SFT reference and response length per PPO step.
+
+    python -m step3_ppo.plot OUTPUT_DIR [--out PNG]     # reads OUTPUT_DIR/metrics.jsonl -> OUTPUT_DIR/curves.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+# (panel title, y label, [(metrics key, legend label), ...])
+PANELS = (
+    ("Reward", "reward", [("reward/score_mean", "reward model score"), ("reward/total_mean", "total (score - KL penalty)")]),
+    ("KL to SFT reference", "KL (nats / sequence)", [("kl/ref_mean", "KL(actor || reference)")]),
+    ("Response length", "tokens", [("gen/response_len_mean", "mean response length")]),
+)
+
+
+def read_rows(metrics_jsonl_path: str) -> list[dict]:
+    """Rows of a metrics.jsonl (blank or malformed lines skipped), sorted by step."""
+    rows = []
+    with open(metrics_jsonl_path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("step"), (int, float)):
+                rows.append(row)
+    return sorted(rows, key=lambda r: r["step"])
+
+
+def series(rows: list[dict], key: str) -> tuple[list, list]:
+    """(steps, values) where `key` holds a finite number (missing keys and "nan" strings skipped)."""
+    xs, ys = [], []
+    for row in rows:
+        value = row.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            continue
+        xs.append(row["step"])
+        ys.append(value)
+    return xs, ys
+
+
+def plot_curves(metrics_jsonl_path: str, out_png: str) -> str:
+    """Write a 3-panel PNG (reward, KL, response length over `step`); returns `out_png`.
+
+    Missing metrics leave their panel with a "no data" note instead of failing.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_rows(metrics_jsonl_path)
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4), squeeze=False)
+    for ax, (title, ylabel, keys) in zip(axes[0], PANELS):
+        plotted = False
+        for key, label in keys:
+            xs, ys = series(rows, key)
+            if xs:
+                ax.plot(xs, ys, marker="." if len(xs) < 50 else None, label=f"{label} ({key})")
+                plotted = True
+        if plotted:
+            ax.legend(fontsize="small")
+        else:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray")
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    fig.suptitle(f"PPO training curves: {metrics_jsonl_path}", fontsize="small")
+    fig.tight_layout()
+    out_dir = os.path.dirname(os.path.abspath(out_png))
+    os.makedirs(out_dir, exist_ok=True)
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return out_png
+
+
+def main(argv=None) -> str:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("output_dir", help="a step-3 output directory holding metrics.jsonl")
+    p.add_argument("--out", default=None, help="PNG path (default: OUTPUT_DIR/curves.png)")
+    args = p.parse_args(argv)
+    metrics = os.path.join(args.output_dir, "metrics.jsonl")
+    if not os.path.isfile(metrics):
+        print(f"error: {metrics} does not exist (is {args.output_dir!r} a step-3 output directory?)", file=sys.stderr)
+        sys.exit(2)
+    out = plot_curves(metrics, args.out or os.path.join(args.output_dir, "curves.png"))
+    print(out)
+    return out
+
+
+if __name__ == "__main__":
+    main()

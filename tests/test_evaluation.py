@@ -1,0 +1,289 @@
+"""Evaluation tools: generation, reward/KL/judge scoring, SFT-vs-RLHF comparison, plots, chat, prompt_eval.
+
+All on tiny random models (tests/conftest.py), a few tokens per answer."""
+import copy
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from step3_ppo.experience import pack
+from utils.data import bos_prefix, encode
+from utils.evaluation import (METRIC_COLUMNS, SentimentJudge, compare_policies, format_table, generate_answers,
+                              kl_to_reference, load_policy, load_prompts, load_reward_model, reward_scores)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROMPTS = [
+    "Human: Continue this movie review: A\n\nAssistant:",
+    "Human: Continue this movie review: The acting in this long, long film was\n\nAssistant:",
+    "Human: Continue this movie review: I went in expecting very little\n\nAssistant:",
+]
+
+
+@pytest.fixture(scope="module")
+def policy(tiny_gpt2):
+    return load_policy(tiny_gpt2, "cpu")
+
+
+def sharpened_copy(model, factor: float = 3.0):
+    """A copy whose logits are exactly `factor` x the original's (final layer norm scaled; GPT-2's
+    lm_head has no bias), so the argmax is unchanged and every greedy token is MORE likely."""
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        other.transformer.ln_f.weight.mul_(factor)
+        other.transformer.ln_f.bias.mul_(factor)
+    return other
+
+
+# --------------------------------------------------------------------------- generation
+def test_generate_answers_tokenised_like_training_and_batch_invariant(policy):
+    model, tokenizer = policy
+    assert tokenizer.padding_side == "left" and not model.training
+    assert next(model.parameters()).dtype == torch.float32
+    batched = generate_answers(model, tokenizer, PROMPTS, max_new_tokens=6, batch_size=3)
+    alone = [generate_answers(model, tokenizer, [p], max_new_tokens=6, batch_size=1)[0] for p in PROMPTS]
+    for prompt, a, b in zip(PROMPTS, batched, alone):
+        assert a.prompt_ids.tolist() == bos_prefix(tokenizer) + encode(tokenizer, prompt)
+        assert a.prompt_ids.tolist() == b.prompt_ids.tolist()
+        assert a.response_ids.tolist() == b.response_ids.tolist()  # left padding changes nothing
+        assert a.text == b.text == tokenizer.decode(a.response_ids.tolist(), skip_special_tokens=True)
+        assert a.prompt == prompt
+        assert 1 <= a.response_ids.numel() <= 6
+        assert a.ended_with_eos == (a.response_ids[-1].item() == tokenizer.eos_token_id)
+        if not a.ended_with_eos:
+            assert a.response_ids.numel() == 6
+
+
+def test_generate_answers_stop_at_first_eos(policy):
+    """Row 0 is forced to emit EOS as its 3rd token; row 1 never is: row 0 stops there (the pads
+    generate adds after it are dropped), row 1 runs to the length limit."""
+    model, tokenizer = policy
+    eos, calls = tokenizer.eos_token_id, []
+
+    def force_eos(_module, _inputs, logits):
+        calls.append(1)
+        logits = logits.clone()
+        logits[:, :, eos] = -1e4  # no natural EOS anywhere
+        if len(calls) >= 3:
+            logits[0, -1, eos] = 1e4
+        return logits
+
+    handle = model.get_output_embeddings().register_forward_hook(force_eos)
+    try:
+        answers = generate_answers(model, tokenizer, PROMPTS[:2], max_new_tokens=8, batch_size=2)
+    finally:
+        handle.remove()
+    first, second = answers
+    assert first.ended_with_eos and first.response_ids.numel() == 3 and first.response_ids[-1].item() == eos
+    assert not second.ended_with_eos and second.response_ids.numel() == 8 and eos not in second.response_ids.tolist()
+    assert tokenizer.eos_token not in first.text
+
+
+def test_sampling_is_seeded_and_leaves_global_rng_alone(policy):
+    model, tokenizer = policy
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    a = generate_answers(model, tokenizer, PROMPTS, 5, do_sample=True, top_k=50, seed=7)
+    b = generate_answers(model, tokenizer, PROMPTS, 5, do_sample=True, top_k=50, seed=7)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert [x.response_ids.tolist() for x in a] == [x.response_ids.tolist() for x in b]
+
+
+# --------------------------------------------------------------------------- KL, reward, judge
+def test_kl_to_reference(policy):
+    model, tokenizer = policy
+    answers = generate_answers(model, tokenizer, PROMPTS, max_new_tokens=5)
+    assert all(abs(k) <= 1e-6 for k in kl_to_reference(model, model, answers, batch_size=3))
+
+    sharp = sharpened_copy(model)
+    sharp_answers = generate_answers(sharp, tokenizer, PROMPTS, max_new_tokens=5)
+    kl = kl_to_reference(sharp, model, sharp_answers, batch_size=3)
+    assert all(k > 0 for k in kl)
+    one_by_one = [kl_to_reference(sharp, model, [a], batch_size=1)[0] for a in sharp_answers]
+    assert kl == pytest.approx(one_by_one, abs=1e-4)  # packing/padding does not change it
+
+    # by hand: the sum of per-token log-ratios of each response token, unpadded
+    for a, k in zip(sharp_answers, kl):
+        ids = torch.cat([a.prompt_ids, a.response_ids]).unsqueeze(0)
+        p, t = a.prompt_ids.numel(), a.response_ids.numel()
+        with torch.no_grad():
+            lp = torch.log_softmax(sharp(ids).logits[0, :-1], -1)
+            lr = torch.log_softmax(model(ids).logits[0, :-1], -1)
+        targets = ids[0, 1:]
+        ratio = (lp.gather(-1, targets[:, None]) - lr.gather(-1, targets[:, None])).squeeze(-1)
+        assert k == pytest.approx(ratio[p - 1:p - 1 + t].sum().item(), abs=1e-4)
+
+
+def test_reward_scores_match_hand_computation(policy, tiny_gpt2):
+    model, tokenizer = policy
+    answers = generate_answers(model, tokenizer, PROMPTS, max_new_tokens=5)
+    reward_model, reward_tok = load_reward_model(tiny_gpt2, "cpu")
+    scores = reward_scores(reward_model, reward_tok, answers, batch_size=2)
+
+    batch = pack(answers, reward_tok.pad_token_id)
+    with torch.no_grad():
+        values = reward_model(batch["input_ids"], batch["attention_mask"])
+        packed = reward_model.sequence_score(values, batch["attention_mask"])
+        alone = [reward_model(ids[None], torch.ones_like(ids)[None])[0, -1].item()
+                 for ids in (torch.cat([a.prompt_ids, a.response_ids]) for a in answers)]
+    assert scores == pytest.approx(packed.tolist(), abs=1e-5)
+    assert scores == pytest.approx(alone, abs=1e-4)
+
+
+def test_sentiment_judge():
+    judge = SentimentJudge()
+    pos, neg, empty = judge.score(["a wonderful, moving film", "a boring, awful mess", ""])
+    assert pos > 0 > neg and empty == 0.0
+    assert all(-1.0 <= s <= 1.0 for s in (pos, neg))
+    assert "not the training reward" in SentimentJudge.__doc__.lower().replace("\n", " ").replace("  ", " ")
+
+
+# --------------------------------------------------------------------------- prompts
+def test_load_prompts(tmp_path):
+    path = tmp_path / "p.jsonl"
+    rows = [{"prompt": f"Human: p{i}\n\nAssistant:", "chosen": "x"} for i in range(10)] + [{"prompt": "  "},
+                                                                                              {"prompt": "Human: p0\n\nAssistant:"}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    a, b = load_prompts(str(path), 4, seed=1), load_prompts(str(path), 4, seed=1)
+    assert a == b and len(a) == 4 and len(set(a)) == 4
+    assert sorted(load_prompts(str(path), None, seed=2)) == sorted({r["prompt"] for r in rows if r["prompt"].strip()})
+    demo = load_prompts(n=5)  # the demo pairs' eval split
+    assert len(demo) == 5 and all(p.startswith("Human: ") and p.endswith("Assistant:") for p in demo)
+
+
+# --------------------------------------------------------------------------- comparison
+def test_compare_policies_and_table(policy, tiny_gpt2, tmp_path):
+    model, tokenizer = policy
+    rlhf_dir = str(tmp_path / "rlhf")
+    sharpened_copy(model).save_pretrained(rlhf_dir)
+    tokenizer.save_pretrained(rlhf_dir)
+
+    result = compare_policies(tiny_gpt2, rlhf_dir, tiny_gpt2, PROMPTS, max_new_tokens=4, do_sample=False,
+                              batch_size=2, num_samples=2, device="cpu", log=None)
+    json.dumps(result)  # JSON-serialisable
+    for name in ("sft", "rlhf"):
+        stats = result["policies"][name]
+        for key, _ in METRIC_COLUMNS:
+            assert isinstance(stats[key], float), (name, key)
+        assert 1 <= stats["response_len_mean"] <= 4 and 0 <= stats["eos_fraction"] <= 1
+        assert -1 <= stats["judge_mean"] <= 1
+    assert result["policies"]["sft"]["kl_to_sft_mean"] == 0.0
+    assert result["policies"]["rlhf"]["kl_to_sft_mean"] > 0  # sharpened copy, greedy answers
+    assert len(result["samples"]) == 2 and len(result["per_prompt"]) == len(PROMPTS)
+    assert set(result["samples"][0]) == {"prompt", "sft", "rlhf"}
+    assert 0 <= result["rlhf_vs_sft"]["reward_win_rate"] <= 1
+
+    table = format_table(result)
+    for _, title in METRIC_COLUMNS:
+        assert title in table
+    assert "| SFT" in table and "| RLHF" in table and "sample 2" in table and "sample 3" not in table
+    assert result["samples"][0]["rlhf"]["text"].replace("\n", "\\n") in table
+
+
+def test_eval_cli(tiny_gpt2, tmp_path, capsys):
+    from step3_ppo import eval as step3_eval
+
+    with pytest.raises(SystemExit) as exc:
+        step3_eval.main(["--sft_model", str(tmp_path / "missing"), "--rlhf_model", tiny_gpt2,
+                         "--reward_model", tiny_gpt2])
+    assert exc.value.code != 0 and "--sft_model" in capsys.readouterr().err
+
+    out = tmp_path / "eval.json"
+    step3_eval.main(["--sft_model", tiny_gpt2, "--rlhf_model", tiny_gpt2, "--reward_model", tiny_gpt2,
+                     "--num_prompts", "2", "--max_new_tokens", "3", "--greedy", "--num_samples", "1",
+                     "--device", "cpu", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "reward (RM)" in printed and "sample 1" in printed
+    saved = json.loads(out.read_text())
+    assert saved["settings"]["num_prompts"] == 2 and saved["settings"]["do_sample"] is False
+    assert saved["policies"]["rlhf"]["kl_to_sft_mean"] == pytest.approx(0.0, abs=1e-6)
+
+
+# --------------------------------------------------------------------------- plot
+def test_plot_curves(tmp_path):
+    from step3_ppo.plot import main as plot_main
+    from step3_ppo.plot import plot_curves
+
+    rows = [{"step": s, "reward/score_mean": 0.1 * s, "reward/total_mean": 0.1 * s - 0.01, "kl/ref_mean": 0.02 * s,
+             "gen/response_len_mean": 10 + s} for s in range(1, 6)]
+    rows.append({"step": 6, "kl/ref_mean": "nan"})  # non-finite values are logged as strings
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    png = tmp_path / "x" / "curves.png"
+    plot_curves(str(tmp_path / "metrics.jsonl"), str(png))
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 1000
+
+    sparse = tmp_path / "run"
+    sparse.mkdir()
+    (sparse / "metrics.jsonl").write_text(json.dumps({"step": 1, "kl/ref_mean": 0.1}) + "\n")
+    plot_main([str(sparse)])  # missing keys: empty panels, no failure
+    assert (sparse / "curves.png").stat().st_size > 1000
+
+
+# --------------------------------------------------------------------------- chat
+def test_chat_piped_subprocess(tiny_gpt2):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "chat.py", "--model_name_or_path", tiny_gpt2, "--max_new_tokens", "6"],
+                          input="hello\nhow are you\n", capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = proc.stdout.splitlines()
+    assert sum(line.startswith("Assistant:") for line in lines) == 2, proc.stdout
+    assert "User: hello" in lines and "User: how are you" in lines
+
+
+def test_chat_history_clear_and_templates(tiny_gpt2, monkeypatch, capsys):
+    import chat
+
+    _, tokenizer = load_policy(tiny_gpt2, "cpu")
+    conv = chat.Conversation(tokenizer, chat.resolve_template(tokenizer, "auto"), system=None)
+    assert conv.template == "human_assistant"  # the tiny GPT-2 tokenizer has no chat template
+    conv.add("user", "hi")
+    conv.add("assistant", "hello there")
+    conv.add("user", "how are you")
+    assert conv.render() == "Human: hi\n\nAssistant: hello there\n\nHuman: how are you\n\nAssistant:"
+    assert conv.prompt_ids(1000) == encode(tokenizer, conv.render())
+    assert conv.prompt_ids(4) == encode(tokenizer, conv.render())[-4:]  # the start is dropped first
+    assert conv.clean_reply(" fine.\n\nHuman: and you?") == "fine."
+
+    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}<assistant>{% endif %}")
+    conv = chat.Conversation(tokenizer, chat.resolve_template(tokenizer, "auto"), system="be nice")
+    conv.add("user", "hi")
+    assert conv.template == "chat" and conv.render() == "<system>be nice\n<user>hi\n<assistant>"
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nclear\nhi\nexit\nnever read\n"))
+    assert chat.main(["--model_name_or_path", tiny_gpt2, "--max_new_tokens", "3", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("\nAssistant:") + out.startswith("Assistant:") == 2
+    assert "[history cleared]" in out and "never read" not in out
+
+
+# --------------------------------------------------------------------------- prompt_eval
+def test_prompt_eval_modes():
+    from step1_sft.prompt_eval import decoding_modes, parse_args
+
+    base = ["--model_name_or_path_baseline", "a", "--model_name_or_path_finetune", "b"]
+    titles = lambda argv: [t.split(" ")[0] for t, _ in decoding_modes(parse_args(base + argv))]  # noqa: E731
+    assert titles([]) == ["Greedy", "Beam", "Sampling"]
+    assert titles(["--num_beams", "3"]) == ["Greedy", "Beam"]
+    assert titles(["--do_sample"]) == ["Greedy", "Sampling"]
+    assert titles(["--num_beams", "2", "--do_sample"]) == ["Greedy", "Beam", "Sampling"]
+
+
+def test_prompt_eval_main(tiny_gpt2, tiny_llama, capsys):
+    from step1_sft.prompt_eval import main
+
+    result = main(["--model_name_or_path_baseline", tiny_gpt2, "--model_name_or_path_finetune", tiny_llama,
+                   "--prompts", PROMPTS[0], PROMPTS[1], "--max_new_tokens", "3", "--num_beams", "2",
+                   "--device", "cpu"])
+    out = capsys.readouterr().out
+    for name in ("Baseline", "Finetune"):
+        assert out.count(f"{name}: Greedy") == 2 and out.count(f"{name}: Beam search (2 beams)") == 2
+        assert f"{name}: Sampling" not in out
+        for text in result["answers"][f"{name}/Greedy"]:
+            assert text in out
+    assert PROMPTS[1] in out

@@ -1,0 +1,44 @@
+"""Step 3 through the deepspeed launcher on 2 CPU ranks under ZeRO-3 (the reference setting)."""
+import json
+import os
+
+import pytest
+
+from tests.launch import metrics, run_deepspeed, tail
+from tests.test_step3_lr0 import write_prompts
+
+
+def test_generation_modes_agree_and_repartition(tiny_llama, tmp_path):
+    """Greedy tokens: plain ZeRO-3 generate == hybrid generation mode (LoRA merged) == hybrid unmerged;
+    afterwards every parameter is partitioned again and the weights are bit-for-bit unchanged."""
+    out = tmp_path / "generation.json"
+    proc = run_deepspeed("step3_ppo.generation_check", ["--model_name_or_path", tiny_llama, "--lora_dim", 4,
+                                                        "--zero_stage", 3, "--out", out])
+    assert out.exists(), tail(proc)
+    result = json.loads(out.read_text())
+    assert result["world_size"] == 2
+    assert result["tokens_equal"], result["tokens"]
+    assert result["weights_unchanged"]
+    assert all(mode["partitioned_after"] for mode in result["modes"].values())
+
+
+def test_two_rank_zero3_hybrid_lr0_log_ratio_and_exports(tiny_gpt2, tmp_path):
+    write_prompts(tmp_path / "prompts.jsonl", 40)
+    out = str(tmp_path / "out")
+    args = ["--actor_model_name_or_path", tiny_gpt2, "--critic_model_name_or_path", tiny_gpt2,
+            "--data_path", tmp_path / "prompts.jsonl", "--data_split", "0,0,10", "--output_dir", out,
+            "--actor_zero_stage", 3, "--critic_zero_stage", 3, "--enable_hybrid_engine",
+            "--actor_learning_rate", 0, "--critic_learning_rate", 0, "--max_prompt_seq_len", 32,
+            "--max_answer_seq_len", 6, "--per_device_generation_batch_size", 4, "--generation_batches", 2,
+            "--per_device_training_batch_size", 2, "--ppo_epochs", 2, "--max_steps", 2, "--seed", 5]
+    proc = run_deepspeed("step3_ppo.main", args, log_path=str(tmp_path / "log.txt"))
+    assert os.path.exists(os.path.join(out, "critic", "value_head.safetensors")), tail(proc)
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["ppo/log_ratio_max_abs"] <= 1e-4, row
+        assert row["kl/ref_mean"] == pytest.approx(0.0, abs=1e-4)  # lr 0: actor == reference
+    from transformers import AutoModelForCausalLM
+
+    actor = AutoModelForCausalLM.from_pretrained(os.path.join(out, "actor"))
+    assert all(p.numel() > 0 for p in actor.parameters())
