@@ -20,14 +20,14 @@ from torch.utils.data import DataLoader, DistributedSampler
 from step3_ppo import ppo
 from step3_ppo.engine import build_engines
 from step3_ppo.trainer import PPOConfig, PPOTrainer
-from utils.checkpoint import export_hf_model
+from utils.checkpoint import BadStepGuard, Checkpointing, export_hf_model
 from utils.data import (PromptCollator, SFTCollator, build_step_rows, distributed_loader, read_texts,
                         tokenize_prompts, tokenize_texts)
 from utils.distributed import init_distributed, is_rank0, set_seed, world_size
 from utils.logging import MetricsLogger, print_rank0
 from utils.model import check_model_path, load_tokenizer
 from utils.reward_model import export_reward_model
-from utils.training import add_data_args
+from utils.training import add_checkpoint_args, add_data_args
 
 
 def parse_args(argv=None):
@@ -103,6 +103,7 @@ def parse_args(argv=None):
     g.add_argument("--enable_ema", action="store_true", help="keep an EMA of the actor, saved as actor_ema/")
     g.add_argument("--dist_timeout", type=int, default=600)
     g.add_argument("--local_rank", type=int, default=-1)
+    add_checkpoint_args(p)
     g = p.add_argument_group("output")
     g.add_argument("--output_dir", required=True)
     g.add_argument("--enable_tensorboard", action="store_true")
@@ -223,38 +224,60 @@ def setup(args) -> Setup:
     return Setup(args, tokenizer, sampler, loader, engines, trainer, steps_per_epoch, total_steps)
 
 
-def train(run: Setup, logger: MetricsLogger) -> int:
-    """PPO iterations until --max_steps or the end of --num_train_epochs; returns the step count."""
-    args, step = run.args, 0
-    progress = _progress(run.total_steps)
-    for epoch in range(args.num_train_epochs):
-        run.sampler.set_epoch(epoch)
+def checkpointed_engines(engines) -> dict:
+    """The engines whose state changes during PPO (the reference and reward model are frozen)."""
+    named = {"actor": engines.actor, "critic": engines.critic}
+    if engines.ema is not None:
+        named["actor_ema"] = engines.ema.engine
+    return named
+
+
+def train(run: Setup) -> int:
+    """PPO iterations until --max_steps or the end of --num_train_epochs (resuming with --resume);
+    returns the number of iterations done."""
+    args, trainer = run.args, run.trainer
+    checkpointing = Checkpointing(args, checkpointed_engines(run.engines))
+    loop, shared, rank_state = checkpointing.restore()
+    if checkpointing.last_path:
+        trainer.kl_ctl.load_state_dict(shared["kl_ctl"])
+        trainer.reward_moments.load_state_dict(rank_state["reward_moments"])
+        print_rank0(f"[step3] resumed from {checkpointing.last_path} at step {loop.step}")
+    logger = MetricsLogger(args.output_dir, args.enable_tensorboard, args.tensorboard_path,
+                           keep_until_step=loop.step if checkpointing.last_path else None)
+    trainer.guard = BadStepGuard(loop, args.max_bad_steps, checkpointing)
+    progress = _progress(run.total_steps, loop.step)
+    while loop.step < run.total_steps and loop.epoch < args.num_train_epochs:
+        run.sampler.set_epoch(loop.epoch)
         batches = iter(run.loader)
-        for _ in range(run.steps_per_epoch):
+        for _ in range(loop.batches_in_epoch):  # consumed before the checkpoint this run resumed from
+            next(batches)
+        while loop.batches_in_epoch + args.generation_batches <= len(run.loader) and loop.step < run.total_steps:
             prompt_batches = [next(batches) for _ in range(args.generation_batches)]
-            metrics, rollout = run.trainer.step(prompt_batches, step)
-            step += 1
-            logger.log(step, {**metrics, "epoch": epoch})
+            loop.batches_in_epoch += args.generation_batches
+            metrics, rollout = trainer.step(prompt_batches, loop.step)
+            loop.step += 1
+            logger.log(loop.step, {**metrics, "epoch": loop.epoch, "train/bad_steps": loop.bad_steps})
             if progress is not None:
                 progress.update(1)
-                progress.set_postfix(score=f"{metrics['reward/score_mean']:.3f}", kl=f"{metrics['kl/ref_mean']:.3f}")
-            if args.print_answers and step % args.print_answers_interval == 0:
-                _print_answer(run.tokenizer, rollout[0], step)
-            if step >= run.total_steps:
-                break
-        if step >= run.total_steps:
-            break
+                progress.set_postfix(score=f"{metrics.get('reward/score_mean', float('nan')):.3f}",
+                                     kl=f"{metrics.get('kl/ref_mean', float('nan')):.3f}")
+            if args.print_answers and loop.step % args.print_answers_interval == 0:
+                _print_answer(run.tokenizer, rollout[0], loop.step)
+            checkpointing.maybe_save(loop, {"kl_ctl": trainer.kl_ctl.state_dict()},
+                                     {"reward_moments": trainer.reward_moments.state_dict()})
+        if loop.step < run.total_steps:
+            loop.epoch, loop.batches_in_epoch = loop.epoch + 1, 0
     if progress is not None:
         progress.close()
-    return step
+    logger.close()
+    return loop.step
 
 
 def main(argv=None):
     args = parse_args(argv)
     run = setup(args)
-    logger = MetricsLogger(args.output_dir, args.enable_tensorboard, args.tensorboard_path)
     start = time.time()
-    steps = train(run, logger)
+    steps = train(run)
     print_rank0(f"[step3] {steps} PPO iterations in {time.time() - start:.1f} s")
     engines = run.engines
     export_hf_model(engines.actor, run.tokenizer, os.path.join(args.output_dir, "actor"))
@@ -262,7 +285,6 @@ def main(argv=None):
     if engines.ema is not None:
         export_hf_model(engines.ema.engine, run.tokenizer, os.path.join(args.output_dir, "actor_ema"))
     print_rank0(f"[step3] saved actor/ and critic/ under {args.output_dir}")
-    logger.close()
 
 
 def _print_answer(tokenizer, row, step: int) -> None:
@@ -274,12 +296,12 @@ def _print_answer(tokenizer, row, step: int) -> None:
           flush=True)
 
 
-def _progress(total: int):
+def _progress(total: int, done: int = 0):
     if not is_rank0():
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, desc="step3 ppo", dynamic_ncols=True)
+    return tqdm(total=total, initial=done, desc="step3 ppo", dynamic_ncols=True)
 
 
 if __name__ == "__main__":

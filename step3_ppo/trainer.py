@@ -77,6 +77,10 @@ class PPOTrainer:
         self.kl_ctl = kl_ctl
         self.reward_moments = ppo.RunningMoments()
         self.unsup_batches = unsup_batches
+        self.guard = None  # BadStepGuard: skips updates with a non-finite reward or loss (set by main)
+
+    def finite(self, *values) -> bool:
+        return self.guard is None or self.guard.all_finite(*values)
 
     # ------------------------------------------------------------------ rollout + experience
     def generation_kwargs(self) -> dict:
@@ -164,14 +168,16 @@ class PPOTrainer:
         if self.unsup_batches is not None:
             ptx_loss = self.ptx_loss(next(self.unsup_batches))
             loss = loss + c.unsup_coef * ptx_loss
-        self.actor.backward(loss)
-        self.actor.step()
+        if self.finite(loss):
+            self.actor.backward(loss)
+            self.actor.step()
 
         values = self.critic(ids, mask)[:, :-1].float()
         critic_loss, critic_stats = ppo.critic_loss(values, old["old_values"], old["returns"], action_mask,
                                                     c.cliprange_value)
-        self.critic.backward(critic_loss)
-        self.critic.step()
+        if self.finite(critic_loss):
+            self.critic.backward(critic_loss)
+            self.critic.step()
         return {"loss/actor": actor_loss.item(), "loss/critic": critic_loss.item(), "loss/kl": kl_loss.item(),
                 "loss/ptx": ptx_loss.item(), "ppo/clipfrac": actor_stats["clipfrac"].item(),
                 "ppo/approx_kl_old": actor_stats["approx_kl"].item(),
@@ -206,6 +212,10 @@ class PPOTrainer:
         for rows in rows_per_batch:
             self.score_rows(rows)
         rows = [row for batch_rows in rows_per_batch for row in batch_rows]
+        if not self.finite(torch.tensor([r.score for r in rows])):
+            # a NaN/inf reward would poison advantages and every update: skip the whole iteration
+            return {"ppo/skipped_non_finite": 1.0, "time/generation_s": t1 - t0,
+                    "time/experience_s": time.time() - t1}, rows
         exp_stats = self.compute_advantages(rows)
         t2 = time.time()
 
@@ -244,6 +254,7 @@ class PPOTrainer:
             "time/experience_s": t2 - t1,
             "time/train_s": t3 - t2,
             "samples_per_s": rows_total / (t3 - t0),
+            "ppo/skipped_non_finite": 0.0,
         }
         for key in train_stats[0]:
             if key != "ppo/log_ratio_max_abs":

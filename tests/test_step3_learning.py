@@ -4,7 +4,6 @@ import json
 
 from step3_ppo.main import parse_args, setup, train
 from tests.test_step3_lr0 import write_prompts
-from utils.logging import MetricsLogger
 
 
 def test_reward_rises(tiny_gpt2, tmp_path):
@@ -19,7 +18,7 @@ def test_reward_rises(tiny_gpt2, tmp_path):
         "--per_device_training_batch_size", "8", "--ppo_epochs", "2", "--num_train_epochs", "10",
         "--max_steps", "12", "--kl_ctl", "0.05", "--seed", "1234"])
     run = setup(args)
-    train(run, MetricsLogger(str(out)))
+    train(run)
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     scores = [r["reward/score_mean"] for r in rows]
     assert len(scores) == 12

@@ -136,7 +136,10 @@ class TrainingCheckpoints:
             os.makedirs(tmp)
         barrier()
         for name, engine in engines.items():
-            engine.save_checkpoint(os.path.join(tmp, name), tag=DS_TAG, save_latest=False)
+            if _has_optimizer(engine):
+                engine.save_checkpoint(os.path.join(tmp, name), tag=DS_TAG, save_latest=False)
+            else:
+                _save_weights(engine, os.path.join(tmp, f"{name}.safetensors"))
         torch.save(rank_state, os.path.join(tmp, f"rank{rank():05d}.pt"))
         barrier()
         if is_rank0():
@@ -170,6 +173,9 @@ class TrainingCheckpoints:
         if sorted(engines) != shared["engines"]:
             raise CheckpointError(f"checkpoint {path} holds engines {shared['engines']}, this run has {sorted(engines)}")
         for name, engine in engines.items():
+            if not _has_optimizer(engine):
+                _load_weights(engine, os.path.join(path, f"{name}.safetensors"))
+                continue
             loaded, _ = engine.load_checkpoint(os.path.join(path, name), tag=DS_TAG)
             if loaded is None:
                 raise CheckpointError(f"DeepSpeed could not load {os.path.join(path, name)}")
@@ -181,6 +187,34 @@ class TrainingCheckpoints:
         for tag in tags[:-self.keep] if self.keep > 0 else []:
             if tag != keep_tag:
                 shutil.rmtree(os.path.join(self.root, tag), ignore_errors=True)
+
+
+def _has_optimizer(engine) -> bool:
+    """DeepSpeed checkpoints need an optimizer; weights-only engines (the actor's EMA) are saved directly."""
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+
+    return engine.optimizer is not None and not isinstance(engine.optimizer, DeepSpeedZeRoOffload)
+
+
+def _save_weights(engine, path: str) -> None:
+    from safetensors.torch import save_file
+
+    state_dict = gather_full_state_dict(engine)
+    if is_rank0():  # tied weights share storage, which safetensors refuses: store copies
+        save_file({k: v.detach().clone().contiguous() for k, v in state_dict.items()}, path)
+
+
+@torch.no_grad()
+def _load_weights(engine, path: str) -> None:
+    import deepspeed
+    from safetensors.torch import load_file
+
+    zero3 = is_zero3(engine)
+    state_dict = load_file(path) if is_rank0() or not zero3 else None
+    for name, param in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0, enabled=zero3):
+            if state_dict is not None:
+                param.data.copy_(state_dict[name])
 
 
 def _fail_point(name: str) -> None:

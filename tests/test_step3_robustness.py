@@ -1,0 +1,97 @@
+"""Step 3 under bad numbers and bad input: a NaN reward skips the update and is counted; too many in
+a row stop the run; a killed run resumes with the same metrics; input errors name what is wrong."""
+import json
+import os
+
+import pytest
+import torch
+
+from step3_ppo.main import parse_args, setup
+from tests.launch import metrics, run_deepspeed, tail
+from tests.test_resume import comparable, kill_and_resume, max_relative_difference
+from tests.test_step3_lr0 import prompt_batches, write_prompts
+from utils.checkpoint import BadStepGuard, LoopState
+
+
+def ppo_args(model, prompts, out, *extra):
+    return ["--actor_model_name_or_path", model, "--critic_model_name_or_path", model,
+            "--data_path", str(prompts), "--data_split", "0,0,10", "--output_dir", str(out),
+            "--max_prompt_seq_len", "32", "--max_answer_seq_len", "4", "--per_device_generation_batch_size", "4",
+            "--per_device_training_batch_size", "2", "--seed", "11", *map(str, extra)]
+
+
+@pytest.fixture(scope="module")
+def nan_run(tiny_gpt2, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("nan")
+    write_prompts(tmp / "prompts.jsonl")
+    args = parse_args(ppo_args(tiny_gpt2, tmp / "prompts.jsonl", tmp / "out", "--actor_zero_stage", 0,
+                               "--critic_zero_stage", 0, "--actor_learning_rate", 1e-2, "--max_bad_steps", 2))
+    return setup(args)
+
+
+def poison_reward(monkeypatch, run):
+    original = run.trainer.reward.forward
+    monkeypatch.setattr(run.trainer.reward, "forward", lambda *a, **k: original(*a, **k) * float("nan"))
+
+
+def test_nan_reward_skips_the_update_and_is_counted(nan_run, monkeypatch):
+    run = nan_run
+    loop = LoopState()
+    run.trainer.guard = BadStepGuard(loop, max_in_a_row=2)
+    before = [p.detach().clone() for p in run.trainer.actor.module.parameters()]
+    with monkeypatch.context() as m:
+        poison_reward(m, run)
+        metrics_bad, _ = run.trainer.step(prompt_batches(run, 4), step=0)
+    assert metrics_bad["ppo/skipped_non_finite"] == 1.0 and loop.bad_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, run.trainer.actor.module.parameters()))
+    metrics_ok, _ = run.trainer.step(prompt_batches(run, 4), step=1)  # a good step resets the streak
+    assert metrics_ok["ppo/skipped_non_finite"] == 0.0 and loop.bad_in_a_row == 0 and loop.bad_steps == 1
+    assert not all(torch.equal(a, b) for a, b in zip(before, run.trainer.actor.module.parameters()))
+
+
+def test_consecutive_nan_rewards_stop_the_run(nan_run, monkeypatch):
+    run = nan_run
+    run.trainer.guard = BadStepGuard(LoopState(), max_in_a_row=2)
+    poison_reward(monkeypatch, run)
+    run.trainer.step(prompt_batches(run, 4), step=0)
+    with pytest.raises(SystemExit, match="2 consecutive updates had a non-finite loss or reward"):
+        run.trainer.step(prompt_batches(run, 4), step=1)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--per_device_training_batch_size", "3"], "does not divide the rollout of 4 rows"),
+    (["--min_answer_seq_len", "9"], "--min_answer_seq_len (9) <= --max_answer_seq_len (4)"),
+    (["--temperature", "0"], "--temperature must be > 0"),
+    (["--only_optimize_lora"], "--only_optimize_lora needs"),
+])
+def test_incompatible_flags_fail_before_any_model_is_loaded(tiny_gpt2, tmp_path, flags, message):
+    with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_args(ppo_args(tiny_gpt2, tmp_path / "p.jsonl", tmp_path / "out", *flags))
+
+
+def test_missing_model_directory_is_named(tmp_path):
+    with pytest.raises(Exception, match="does-not-exist"):
+        parse_args(ppo_args(str(tmp_path / "does-not-exist"), tmp_path / "p.jsonl", tmp_path / "out"))
+
+
+def test_step3_kill_and_resume_matches_uninterrupted(tiny_gpt2, tmp_path):
+    """Sampling, PPO epochs, the adaptive KL controller and EMA: all must come back exactly."""
+    write_prompts(tmp_path / "prompts.jsonl", 64)
+
+    def args(out):
+        return ppo_args(tiny_gpt2, tmp_path / "prompts.jsonl", out, "--actor_zero_stage", 3, "--critic_zero_stage", 3,
+                        "--enable_hybrid_engine", "--actor_learning_rate", 1e-3, "--critic_learning_rate", 1e-3,
+                        "--adaptive_kl", "--kl_target", 0.5, "--kl_horizon", 100, "--enable_ema",
+                        "--ppo_epochs", 2, "--max_steps", 7, "--save_interval", 2)
+
+    full = str(tmp_path / "full")
+    proc = run_deepspeed("step3_ppo.main", args(full), log_path=str(tmp_path / "full.log"))
+    assert os.path.exists(os.path.join(full, "actor_ema", "model.safetensors")), tail(proc)
+    killed = str(tmp_path / "killed")
+    resumed_at, proc = kill_and_resume("step3_ppo.main", args(killed), killed, tmp_path)
+    assert os.path.exists(os.path.join(killed, "actor", "model.safetensors")), tail(proc)
+    rows = metrics(killed)
+    assert [r["step"] for r in rows] == list(range(1, 8))
+    difference = max_relative_difference(comparable(metrics(full), resumed_at), comparable(rows, resumed_at))
+    print(f"step 3 resumed at step {resumed_at}: max relative difference {difference:.2e}")
+    assert difference <= 1e-5
