@@ -1,28 +1,55 @@
 #!/usr/bin/env bash
-# Sets up, then runs the whole pipeline (step 1 SFT -> step 2 reward model -> step 3 PPO) on the
-# embedded default model (SmolLM2-135M-Instruct) and the IMDB/Rotten-Tomatoes demo task, on CPU.
-# usage: bash scripts/demo.sh [--step 1 2 3] [--output_root DIR]
+# Sets up, then runs the whole pipeline on CPU: step 1 SFT -> step 2 reward model -> step 3 PPO on
+# the embedded SmolLM2-135M-Instruct and the Rotten-Tomatoes demo task, then evaluates the SFT and
+# RLHF policies side by side (reward model, an independent VADER judge, KL to SFT, lengths) and
+# draws OUTPUT_ROOT/step3/curves.png.
+# usage: bash scripts/demo.sh [--step 1 2 3] [--output_root DIR] [--quick]
+#   --quick: tiny random models and a few steps (a smoke test of the whole chain, about 2 minutes)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 STEPS=(1 2 3)
 OUTPUT_ROOT="$ROOT/out"
+QUICK="${QUICK:-0}"
 while [ $# -gt 0 ]; do
   case "$1" in
     --step) shift; STEPS=(); while [ $# -gt 0 ] && [[ "$1" =~ ^[123]$ ]]; do STEPS+=("$1"); shift; done ;;
-    --output_root) OUTPUT_ROOT="$2"; shift 2 ;;
-    *) echo "unknown argument: $1 (use --step 1 2 3, --output_root DIR)" >&2; exit 2 ;;
+    --output_root) OUTPUT_ROOT="$(mkdir -p "$2" && cd "$2" && pwd)"; shift 2 ;;
+    --quick) QUICK=1; shift ;;
+    *) echo "unknown argument: $1 (use --step 1 2 3, --output_root DIR, --quick)" >&2; exit 2 ;;
   esac
 done
 bash "$ROOT/scripts/setup.sh"
+source "$ROOT/.venv/bin/activate"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+cd "$ROOT"
+python -m data.make_demo_data --out "$ROOT/data/demo" >/dev/null
+STEP1="$OUTPUT_ROOT/step1" STEP2="$OUTPUT_ROOT/step2" STEP3="$OUTPUT_ROOT/step3"
+if [ "$QUICK" = 1 ]; then
+  BASE="$(python -c 'from utils.tiny_model import make_tiny_model_cached as m; print(m("llama"))')"
+  S1=(--max_steps 3) S2=(--max_steps 3) S3=(--max_steps 2 --max_answer_seq_len 8) EVAL=(--num_prompts 8 --max_new_tokens 8)
+else
+  BASE="$(python -m utils.default_model --print_path 2>/dev/null | tail -n 1)"
+  S1=() S2=() S3=() EVAL=(--num_prompts 64)
+fi
 start=$(date +%s)
 for step in "${STEPS[@]}"; do
+  t0=$(date +%s)
   case "$step" in
-    1) script="$ROOT/scripts/step1_sft/run_cpu.sh"; out="$OUTPUT_ROOT/step1" ;;
-    2) script="$ROOT/scripts/step2_reward/run_cpu.sh"; out="$OUTPUT_ROOT/step2" ;;
-    3) script="$ROOT/scripts/step3_ppo/run_cpu.sh"; out="$OUTPUT_ROOT/step3" ;;
+    1) echo "[demo] step 1: SFT of $BASE -> $STEP1"
+       MODEL="$BASE" bash scripts/step1_sft/run_cpu.sh "$STEP1" "${S1[@]}" ;;
+    2) echo "[demo] step 2: reward model from $BASE -> $STEP2"
+       MODEL="$BASE" bash scripts/step2_reward/run_cpu.sh "$STEP2" "${S2[@]}" ;;
+    3) echo "[demo] step 3: PPO, actor $STEP1, critic $STEP2 -> $STEP3"
+       ACTOR="$STEP1" CRITIC="$STEP2" bash scripts/step3_ppo/run_cpu.sh "$STEP3" "${S3[@]}"
+       python -m step3_ppo.plot "$STEP3" ;;
   esac
-  if [ ! -f "$script" ]; then echo "[demo] step $step is not implemented yet; skipping"; continue; fi
-  echo "[demo] step $step -> $out"
-  STEP1_DIR="$OUTPUT_ROOT/step1" STEP2_DIR="$OUTPUT_ROOT/step2" bash "$script" "$out"
+  echo "[demo] step $step took $(( $(date +%s) - t0 )) s"
 done
-echo "[demo] finished in $(( $(date +%s) - start )) s; outputs under $OUTPUT_ROOT"
+if [ -f "$STEP3/actor/model.safetensors" ]; then
+  t0=$(date +%s)
+  echo "[demo] evaluating SFT vs RLHF on held-out prompts"
+  OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" python -m step3_ppo.eval --sft_model "$STEP1" --rlhf_model "$STEP3/actor" \
+    --reward_model "$STEP2" --out "$OUTPUT_ROOT/eval.json" "${EVAL[@]}" | tee "$OUTPUT_ROOT/eval.txt"
+  echo "[demo] evaluation took $(( $(date +%s) - t0 )) s"
+fi
+echo "[demo] finished in $(( $(date +%s) - start )) s; outputs under $OUTPUT_ROOT (curves: $STEP3/curves.png)"

@@ -23,18 +23,14 @@ import shutil
 import tempfile
 import time
 
+from utils.cache import default_cache_root, relax_permissions
+
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
 MARKER = ".conversion_complete"
 MAX_POSITIONS = 8192  # the model's max_position_embeddings; the GGUF tokenizer says "unbounded"
 REQUIRED_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer_config.json")
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def default_cache_root() -> str:
-    """`$RLHF_CACHE`, else `<repo>/.cache`."""
-    return os.environ.get("RLHF_CACHE") or os.path.join(REPO_ROOT, ".cache")
 
 
 def default_model_dir() -> str:
@@ -93,17 +89,6 @@ def convert(out_dir: str) -> None:
             raise RuntimeError("converted config.json still has a quantization_config")
 
 
-def _relax_permissions(path: str) -> None:
-    """mkdtemp makes 0700 dirs (and save_pretrained may write 0600 files): apply the usual umask."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o777 & ~umask)
-    for name in os.listdir(path):
-        full = os.path.join(path, name)
-        if os.path.isfile(full):
-            os.chmod(full, 0o666 & ~umask)
-
-
 def ensure_default_model(out_dir: str | None = None) -> str:
     """Return the converted SmolLM2-135M-Instruct directory, converting the GGUF once if needed.
 
@@ -121,7 +106,7 @@ def ensure_default_model(out_dir: str | None = None) -> str:
         convert(tmp)
         with open(os.path.join(tmp, MARKER), "w") as f:
             json.dump({"source": GGUF_FILE, "converted_at": time.time()}, f)
-        _relax_permissions(tmp)
+        relax_permissions(tmp)
         if os.path.isdir(out_dir) and not is_complete(out_dir):  # leftover of something else: move aside
             try:
                 os.rename(out_dir, f"{tmp}.old")

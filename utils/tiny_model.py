@@ -37,6 +37,8 @@ import os
 import shutil
 import tempfile
 
+from utils.cache import default_cache_root, relax_permissions
+
 ARCHS = ("gpt2", "llama", "opt")
 PAD_TOKEN = "<pad>"
 EOS_TOKEN = "<|endoftext|>"
@@ -44,12 +46,6 @@ _MARKER = ".tiny_model_complete"
 # Bump when the builder's output changes, so cached directories are rebuilt.
 _BUILD_VERSION = 1
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def default_cache_root() -> str:
-    """`$RLHF_CACHE`, else `<repo>/.cache`."""
-    return os.environ.get("RLHF_CACHE") or os.path.join(REPO_ROOT, ".cache")
 
 
 def _gpt2_bpe_files() -> tuple[str, str]:
@@ -156,7 +152,7 @@ def make_tiny_model_cached(arch: str, cache_root: str | None = None) -> str:
         make_tiny_model(arch, tmp)
         with open(os.path.join(tmp, _MARKER), "w") as f:
             json.dump(stamp, f)
-        _relax_permissions(tmp)
+        relax_permissions(tmp)
         if os.path.isdir(final) and _read_marker(final) != stamp:
             # Stale (older builder) or incomplete: move it aside; another process may race us here.
             try:
@@ -176,17 +172,6 @@ def make_tiny_model_cached(arch: str, cache_root: str | None = None) -> str:
             if name.startswith(f".{arch}.old."):
                 shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     return final
-
-
-def _relax_permissions(path: str) -> None:
-    """mkdtemp makes 0700 dirs (and save_pretrained may write 0600 files): apply the usual umask."""
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(path, 0o777 & ~umask)
-    for name in os.listdir(path):
-        full = os.path.join(path, name)
-        if os.path.isfile(full):
-            os.chmod(full, 0o666 & ~umask)
 
 
 def _read_marker(path: str):
