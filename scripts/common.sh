@@ -8,11 +8,24 @@ export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" TRANSFORMERS_OFFLINE="${TRANSFORMERS_OFFLINE:-1}" TOKENIZERS_PARALLELISM=false
 # One thread per rank: on a 2-core machine two ranks with more threads each run ~3x slower.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+MASTER_PORT_GIVEN="${MASTER_PORT:-}"
 MASTER_PORT="${MASTER_PORT:-$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
 DEMO_DATA="${DEMO_DATA:-$ROOT/data/demo}"
 
 default_model() {  # prints the converted SmolLM2-135M-Instruct directory (converted once)
   python -m utils.default_model --print_path 2>/dev/null | tail -n 1
+}
+
+# Runs a launcher command with its output copied to LOG, and forwards SIGTERM/SIGINT to the whole
+# launch: deepspeed's --no_ssh runner does not pass them on, so a stopped node would keep training.
+run_logged() {  # run_logged LOG command...
+  local log="$1"; shift
+  "$@" > >(tee "$log") 2>&1 &
+  local launcher_pid=$! rc
+  trap 'pkill -TERM -P "$launcher_pid"; kill -TERM "$launcher_pid" 2>/dev/null' TERM INT
+  wait "$launcher_pid"; rc=$?
+  while kill -0 "$launcher_pid" 2>/dev/null; do wait "$launcher_pid"; rc=$?; done
+  return "$rc"
 }
 
 ensure_demo_data() {
@@ -26,9 +39,16 @@ multi_node_launcher() {  # prints the launcher prefix for the given hostfile
   local hostfile="$1"
   [ -f "$hostfile" ] || { echo "error: hostfile $hostfile not found (lines like 'node1 slots=8')" >&2; exit 2; }
   if [ "${MULTI_NODE_MODE:-ssh}" = "no_ssh" ]; then
-    : "${NODE_RANK:?set NODE_RANK for MULTI_NODE_MODE=no_ssh}" "${MASTER_ADDR:?set MASTER_ADDR for MULTI_NODE_MODE=no_ssh}"
+    : "${NODE_RANK:?set NODE_RANK for MULTI_NODE_MODE=no_ssh}" "${MASTER_ADDR:?set MASTER_ADDR for MULTI_NODE_MODE=no_ssh}" \
+      "${MASTER_PORT_GIVEN:?set MASTER_PORT (the same on every node) for MULTI_NODE_MODE=no_ssh}"
     echo "deepspeed --hostfile $hostfile --no_ssh --node_rank $NODE_RANK --master_addr $MASTER_ADDR --master_port $MASTER_PORT"
   else
-    echo "deepspeed --hostfile $hostfile --master_port $MASTER_PORT"
+    # pdsh forwards only NCCL*/PYTHON* variables (and a .deepspeed_env file) to the other nodes
+    local env_file
+    env_file="$(mktemp)"
+    for var in HF_HUB_OFFLINE TRANSFORMERS_OFFLINE OMP_NUM_THREADS GLOO_SOCKET_IFNAME TOKENIZERS_PARALLELISM; do
+      [ -n "${!var:-}" ] && echo "$var=${!var}" >> "$env_file"
+    done
+    echo "env DS_ENV_FILE=$env_file deepspeed --hostfile $hostfile --master_port $MASTER_PORT${MASTER_ADDR:+ --master_addr $MASTER_ADDR}"
   fi
 }

@@ -8,11 +8,10 @@ ACTOR="${ACTOR:-$ROOT/out/step1}"; CRITIC="${CRITIC:-$ROOT/out/step2}"
 if [ -z "${DATA:-}" ]; then ensure_demo_data; DATA="$DEMO_DATA/pairs"; fi
 mkdir -p "$OUTPUT"
 LAUNCH="$(multi_node_launcher "${HOSTFILE:-./hostfile}")"
-$LAUNCH --module step3_ppo.main \
+run_logged "$OUTPUT/train.log.node${NODE_RANK:-0}" $LAUNCH --module step3_ppo.main \
   --actor_model_name_or_path "$ACTOR" --critic_model_name_or_path "$CRITIC" --data_path $DATA --data_split 2,4,4 \
   --actor_zero_stage 3 --critic_zero_stage 3 --enable_hybrid_engine --dtype "${DTYPE:-bf16}" \
   --max_prompt_seq_len 256 --max_answer_seq_len 256 \
   --per_device_generation_batch_size 4 --per_device_training_batch_size 4 --ppo_epochs 1 \
   --actor_learning_rate 9.65e-6 --critic_learning_rate 5e-6 --num_train_epochs 1 --seed 1234 \
-  --output_dir "$OUTPUT" "$@" 2>&1 | tee "$OUTPUT/train.log.node${NODE_RANK:-0}"
-exit "${PIPESTATUS[0]}"
+  --output_dir "$OUTPUT" "$@"
