@@ -29,6 +29,22 @@ def init_distributed(timeout_s: int = 600) -> None:
         os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
     deepspeed.init_distributed(timeout=datetime.timedelta(seconds=timeout_s), auto_mpi_discovery=False)
+    _unlink_shm_buffer()
+
+
+def _unlink_shm_buffer() -> None:
+    """Remove the name of DeepSpeed's shared-memory all-reduce buffer once every rank has mapped it.
+
+    On CPU, DeepSpeed's shm comm op creates a 69 MB `/dev/shm/deepspeed_allreduce_buffer_*` file per
+    rank and never removes it: each run leaked 140 MB of RAM (tmpfs) per 2 ranks, even on a clean
+    exit, until the machine ran out of memory. The mappings stay valid after the name is unlinked.
+    """
+    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{torch.distributed.get_rank()}")
+    if not os.path.exists(name):
+        return
+    torch.distributed.barrier()  # every rank has opened every other rank's buffer
+    os.remove(name)
 
 
 def rank() -> int:
