@@ -1,0 +1,219 @@
+"""Step 2: train a reward model on (prompt, chosen, rejected) pairs under DeepSpeed.
+
+The model is a causal-LM backbone plus a linear value head (utils.reward_model.RewardModel); a
+sequence's score is the value at its last real token (the EOS after the response). The loss is
+DeepSpeed-Chat's pairwise one, mean(-log sigmoid(chosen - rejected - margin)), over one forward of
+the [2B, L] batch (chosen rows first). Held-out pair accuracy, mean chosen/rejected scores and
+their margin are measured exactly over all ranks before training, every --eval_interval steps and
+at the end. The output directory is reloaded by RewardModel.from_pretrained (backbone as a plain
+from_pretrained directory, value_head.safetensors, reward_model.json).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+
+from utils.checkpoint import BadStepGuard, Checkpointing
+from utils.data import PairCollator, build_step_rows, distributed_loader, tokenize_pairs
+from utils.distributed import all_reduce_sum, init_distributed, is_rank0, rank_batches, set_seed, world_size
+from utils.ds_config import train_ds_config
+from utils.logging import MetricsLogger, print_rank0
+from utils.model import hf_zero3_disabled, load_tokenizer
+from utils.reward_model import (RewardModel, export_reward_model, pair_metrics, pairwise_loss, sequence_score,
+                                split_pair_batch)
+from utils.training import (add_data_args, add_engine_args, add_model_args, build_trained_engine, spec_from_args,
+                            validate_engine_args)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_data_args(parser)
+    add_model_args(parser)
+    add_engine_args(parser)
+    g = parser.add_argument_group("reward model")
+    g.add_argument("--margin", type=float, default=0.0, help="loss margin: -log sigmoid(chosen - rejected - margin)")
+    g.add_argument("--eval_interval", type=int, default=0,
+                   help="evaluate every this many optimizer steps (0: only before and after training)")
+    g.add_argument("--eval_iters", type=int, default=0,
+                   help="evaluate on at most this many batches per rank (0: all held-out pairs)")
+    parser.add_argument("--print_loss", action="store_true", help="print the loss of every step")
+    args = parser.parse_args(argv)
+    validate_engine_args(args)
+    for name in ("eval_interval", "eval_iters"):
+        if getattr(args, name) < 0:
+            raise SystemExit(f"error: --{name} must be >= 0, got {getattr(args, name)}")
+    return args
+
+
+def pair_scores(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen scores [B], rejected scores [B]) of a PairCollator batch in one forward."""
+    values = model(batch["input_ids"], batch["attention_mask"])
+    return split_pair_batch(sequence_score(values, batch["attention_mask"]))
+
+
+@torch.no_grad()
+def evaluate_pairs(engine, pairs: list, collator, batch_size: int, max_batches: int = 0) -> dict:
+    """Exact held-out pair metrics over all ranks' shares (filler batches weigh 0)."""
+    engine.eval()
+    # Sorted by length, so batches hold similar lengths and little padding; the sums are exact in any order.
+    pairs = sorted(pairs, key=lambda p: max(len(p["chosen_input_ids"]), len(p["rejected_input_ids"])))
+    batches = rank_batches(pairs, batch_size)
+    if max_batches:
+        batches = batches[:max_batches]  # same count on every rank: ZeRO-3 forwards stay matched
+    correct = chosen_sum = rejected_sum = count = 0.0
+    for batch_pairs, weight in batches:
+        chosen, rejected = pair_scores(engine, collator(batch_pairs))
+        correct += weight * (chosen > rejected).sum().item()
+        chosen_sum += weight * chosen.sum().item()
+        rejected_sum += weight * rejected.sum().item()
+        count += weight * chosen.numel()
+    correct, chosen_sum, rejected_sum, count = all_reduce_sum([correct, chosen_sum, rejected_sum, count])
+    engine.train()
+    n = max(count, 1.0)
+    return {"eval/accuracy": correct / n, "eval/chosen_score": chosen_sum / n,
+            "eval/rejected_score": rejected_sum / n, "eval/margin": (chosen_sum - rejected_sum) / n,
+            "eval/pairs": int(count)}
+
+
+def _format_eval(metrics: dict) -> str:
+    return (f"accuracy {metrics['eval/accuracy']:.4f}, chosen {metrics['eval/chosen_score']:.4f}, "
+            f"rejected {metrics['eval/rejected_score']:.4f}, margin {metrics['eval/margin']:.4f} "
+            f"({metrics['eval/pairs']} pairs)")
+
+
+@torch.no_grad()
+def export_score_max_abs_diff(engine, out_dir: str, batch: dict) -> float:
+    """Reload the exported directory on rank 0 and compare its scores with the engine's (LoRA merged)."""
+    engine.eval()
+    expected = sequence_score(engine(batch["input_ids"], batch["attention_mask"]), batch["attention_mask"])
+    engine.train()
+    diff = 0.0
+    if is_rank0():
+        with hf_zero3_disabled():
+            tokenizer = load_tokenizer(out_dir)
+            reloaded = RewardModel.from_pretrained(out_dir, tokenizer).eval()
+        actual = reloaded.score(batch["input_ids"], batch["attention_mask"])
+        diff = (actual - expected.float()).abs().max().item()
+    return all_reduce_sum([diff])[0]
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    init_distributed(args.dist_timeout)
+    set_seed(args.seed)
+
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    rows = build_step_rows(args.data_path, args.data_split, step=2, seed=args.seed,
+                           sft_only_data_path=args.sft_only_data_path, eval_fraction=args.eval_fraction,
+                           log=print_rank0)
+    train_pairs, train_stats = tokenize_pairs(rows.train, tokenizer, args.max_seq_len)
+    eval_pairs, eval_stats = tokenize_pairs(rows.eval, tokenizer, args.max_seq_len)
+    print_rank0(f"[step2] train pairs {len(train_pairs)} {train_stats}; eval pairs {len(eval_pairs)} {eval_stats}")
+    if not train_pairs:
+        raise SystemExit("error: no usable training pairs (see skipped_bad_pairs above)")
+    if not eval_pairs:
+        print_rank0("[step2] WARNING: no held-out pairs; eval metrics will be 0")
+    collator = PairCollator(tokenizer.pad_token_id)
+
+    sampler, loader = distributed_loader(train_pairs, args.per_device_train_batch_size, collator, args.seed)
+    steps_per_epoch = math.ceil(len(loader) / args.gradient_accumulation_steps)
+    total_steps = steps_per_epoch * args.num_train_epochs
+    if args.max_steps:
+        total_steps = min(total_steps, args.max_steps)
+
+    ds_config = train_ds_config(args.zero_stage, world_size(), args.per_device_train_batch_size,
+                                args.gradient_accumulation_steps, args.dtype, args.offload, args.gradient_clipping)
+    model = RewardModel.from_pretrained(args.model_name_or_path, tokenizer, ds_config, args.dropout,
+                                        args.trust_remote_code)
+    engine = build_trained_engine(model, ds_config, spec_from_args(args), total_steps)
+
+    def run_eval(step: int) -> dict:
+        eval_start = time.time()
+        metrics = evaluate_pairs(engine, eval_pairs, collator, args.per_device_eval_batch_size, args.eval_iters)
+        metrics["time/eval_s"] = time.time() - eval_start
+        print_rank0(f"[step2] eval at step {step}: {_format_eval(metrics)} in {metrics['time/eval_s']:.1f} s")
+        logger.log(step, metrics)
+        return metrics
+
+    checkpointing = Checkpointing(args, {"model": engine})
+    loop, shared, _ = checkpointing.restore()
+    logger = MetricsLogger(args.output_dir, args.enable_tensorboard, args.tensorboard_path,
+                           keep_until_step=loop.step if checkpointing.last_path else None)
+    if checkpointing.last_path:
+        before = shared["before"]
+        print_rank0(f"[step2] resumed from {checkpointing.last_path} at step {loop.step}")
+    else:
+        before = run_eval(0)
+
+    guard = BadStepGuard(loop, args.max_bad_steps, checkpointing)
+    start, eval_time = time.time(), 0.0
+    progress = _progress(total_steps, loop.step)
+    accumulated = []
+    while loop.step < total_steps and loop.epoch < args.num_train_epochs:
+        sampler.set_epoch(loop.epoch)
+        for index, batch in enumerate(loader):
+            if index < loop.batches_in_epoch:
+                continue  # consumed before the checkpoint this run resumed from
+            loop.batches_in_epoch = index + 1
+            chosen, rejected = pair_scores(engine, batch)
+            loss = pairwise_loss(chosen, rejected, args.margin)
+            if not guard.all_finite(loss):
+                print_rank0(f"[step2] skipped a batch with a non-finite loss ({loop.bad_steps} so far)")
+                continue
+            engine.backward(loss)
+            engine.step()
+            m = pair_metrics(chosen, rejected)
+            accumulated.append((loss.item(), m["accuracy"], m["margin_mean"]))
+            if not engine.is_gradient_accumulation_boundary():
+                continue
+            loop.step += 1
+            sums = [sum(col) / len(accumulated) for col in zip(*accumulated)]
+            mean_loss, mean_acc, mean_margin = (v / world_size() for v in all_reduce_sum(sums))
+            accumulated = []
+            logger.log(loop.step, {"train/loss": mean_loss, "train/accuracy": mean_acc, "train/margin": mean_margin,
+                                   "train/lr": engine.get_lr()[0], "epoch": loop.epoch,
+                                   "train/bad_steps": loop.bad_steps})
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(loss=f"{mean_loss:.4f}", acc=f"{mean_acc:.2f}")
+            if args.print_loss:
+                print_rank0(f"[step2] step {loop.step} loss {mean_loss:.4f} accuracy {mean_acc:.3f}")
+            if args.eval_interval and loop.step % args.eval_interval == 0 and loop.step < total_steps:
+                eval_time += run_eval(loop.step)["time/eval_s"]
+            checkpointing.maybe_save(loop, {"before": before})
+            if loop.step >= total_steps:
+                break
+        else:
+            loop.epoch, loop.batches_in_epoch = loop.epoch + 1, 0
+    if progress is not None:
+        progress.close()
+    elapsed = time.time() - start - eval_time  # optimisation only: evaluations are timed apart
+
+    after = run_eval(loop.step)
+    step = loop.step
+    print_rank0(f"[step2] eval accuracy after {step} steps: {after['eval/accuracy']:.4f} "
+                f"(before {before['eval/accuracy']:.4f}); training took {elapsed:.1f} s")
+    logger.log(step, {"time/train_s": elapsed})
+    export_start = time.time()
+    export_reward_model(engine, tokenizer, args.output_dir)
+    diff = export_score_max_abs_diff(engine, args.output_dir, collator(eval_pairs[:4] or train_pairs[:4]))
+    export_time = time.time() - export_start
+    print_rank0(f"[step2] saved the reward model to {args.output_dir} "
+                f"(reloaded scores differ from the engine's by at most {diff:.2e}; export and check {export_time:.1f} s)")
+    logger.log(step, {"export/score_max_abs_diff": diff, "time/export_s": export_time})
+    logger.close()
+
+
+def _progress(total: int, done: int = 0):
+    if not is_rank0():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=done, desc="step2 reward", dynamic_ncols=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+"""The reward model of step 2, also the frozen reward model and the critic of step 3.
+
+`RewardModel` = a causal-LM backbone without its LM head (`AutoModel`, possibly peft-wrapped)
+plus `v_head = Linear(hidden, 1, bias=False)`, which maps every token's last hidden state to a
+value ([B, L], fp32). A sequence's score is the value at its LAST REAL token (the EOS that ends
+the response), read through the attention mask, so it is right for left and right padding of any
+amount and for pad == EOS. Every forward passes mask-derived position ids and no KV cache, so a
+score does not change with padding even for GPT-2's absolute positions.
+
+Saved layout (a directory that `RewardModel.from_pretrained` reloads with identical scores):
+- the backbone as a plain `from_pretrained` directory (config, `model.safetensors`, LoRA merged),
+  plus the tokenizer;
+- `value_head.safetensors`: {"weight": [1, hidden]};
+- `reward_model.json`: how the score is read, for humans and later steps.
+
+A fresh v_head (no `value_head.safetensors`, e.g. on a step-1 output or a base model) is drawn
+from N(0, 1/(hidden+1)) with a FIXED generator (seed 0): identical on every rank whatever the
+global RNG state, and small enough that initial scores are O(1) but not all tied (a zero init
+would tie every pair and make the "before training" accuracy meaningless).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from utils.model import last_one_index, load_causal_lm, position_ids_from_attention_mask
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+REWARD_MODEL_FILE = "reward_model.json"
+V_HEAD_INIT_SEED = 0
+
+
+def backbone_hidden_size(config) -> int:
+    """Width of the backbone's last hidden state (OPT may project it to word_embed_proj_dim)."""
+    if getattr(config, "model_type", None) == "opt" and getattr(config, "word_embed_proj_dim", None):
+        return config.word_embed_proj_dim
+    for attr in ("hidden_size", "n_embd", "d_model"):
+        if getattr(config, attr, None):
+            return getattr(config, attr)
+    raise ValueError(f"cannot tell the hidden size of a {type(config).__name__}")
+
+
+def _plain_backbone(backbone: nn.Module) -> nn.Module:
+    """The transformers model under a peft wrapper (for its config)."""
+    from peft import PeftModel
+
+    return backbone.get_base_model() if isinstance(backbone, PeftModel) else backbone
+
+
+class RewardModel(nn.Module):
+    """Backbone (AutoModel, maybe peft-wrapped) + v_head: per-token values and last-token scores."""
+
+    def __init__(self, backbone: nn.Module, v_head: nn.Linear | None = None):
+        super().__init__()
+        self.backbone = backbone
+        hidden = backbone_hidden_size(self.config)
+        if v_head is None:
+            v_head = nn.Linear(hidden, 1, bias=False)
+            generator = torch.Generator().manual_seed(V_HEAD_INIT_SEED)
+            with torch.no_grad():
+                v_head.weight.normal_(0.0, 1.0 / math.sqrt(hidden + 1), generator=generator)
+        if tuple(v_head.weight.shape) != (1, hidden):
+            raise ValueError(f"v_head weight has shape {tuple(v_head.weight.shape)}, expected (1, {hidden})")
+        self.v_head = v_head
+
+    @property
+    def config(self):
+        return _plain_backbone(self.backbone).config
+
+    @classmethod
+    def from_pretrained(cls, path: str, tokenizer=None, ds_config: dict | None = None, dropout: float | None = None,
+                        trust_remote_code: bool = False) -> "RewardModel":
+        """Backbone of a causal LM / step-1 / step-2 directory; v_head from `value_head.safetensors` if there.
+
+        Built ZeRO-3 partitioned when `ds_config` is stage 3 (the v_head is then partitioned by
+        `deepspeed.initialize`). Without ds_config a plain model is built.
+        """
+        backbone = load_causal_lm(path, tokenizer, ds_config, dropout, trust_remote_code, base_model_only=True)
+        v_head = None
+        head_file = os.path.join(path, VALUE_HEAD_FILE)
+        if os.path.isfile(head_file):
+            from safetensors.torch import load_file
+
+            weight = load_file(head_file)["weight"].float()
+            v_head = nn.Linear(weight.shape[1], 1, bias=False)
+            with torch.no_grad():
+                v_head.weight.copy_(weight)
+        return cls(backbone, v_head)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Per-token values [B, L] (fp32), with mask-derived position ids and no KV cache."""
+        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
+                            position_ids=position_ids_from_attention_mask(attention_mask), use_cache=False)
+        hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+        return self.v_head(hidden).squeeze(-1).float()
+
+    @staticmethod
+    def sequence_score(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """[B]: the value at each row's last real token (any padding side, pad == EOS or not)."""
+        return sequence_score(values, attention_mask)
+
+    def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return sequence_score(self(input_ids, attention_mask), attention_mask)
+
+
+def sequence_score(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B, L] values -> [B] values at the last position where attention_mask is 1."""
+    index = last_one_index(attention_mask).to(values.device)
+    return values.gather(1, index.unsqueeze(1)).squeeze(1)
+
+
+# --------------------------------------------------------------------------- #
+# Loss and metrics (pure)
+# --------------------------------------------------------------------------- #
+def pairwise_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, margin: float = 0.0) -> torch.Tensor:
+    """Bradley-Terry loss: mean(-log sigmoid(chosen - rejected - margin)), numerically stable."""
+    return -F.logsigmoid(chosen_scores.float() - rejected_scores.float() - margin).mean()
+
+
+def pair_metrics(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor) -> dict:
+    """accuracy (strict chosen > rejected), mean chosen/rejected scores and mean margin, as floats."""
+    c, r = chosen_scores.detach().float(), rejected_scores.detach().float()
+    return {"accuracy": (c > r).float().mean().item(), "chosen_mean": c.mean().item(),
+            "rejected_mean": r.mean().item(), "margin_mean": (c - r).mean().item()}
+
+
+def split_pair_batch(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """PairCollator's [2B, ...] layout -> (chosen [B, ...], rejected [B, ...])."""
+    if values.shape[0] % 2:
+        raise ValueError(f"a pair batch has an even number of rows, got {values.shape[0]}")
+    half = values.shape[0] // 2
+    return values[:half], values[half:]
+
+
+# --------------------------------------------------------------------------- #
+# Saving
+# --------------------------------------------------------------------------- #
+def _write_reward_dir(backbone: nn.Module, v_head_weight: torch.Tensor, tokenizer, out_dir: str) -> None:
+    from safetensors.torch import save_file
+
+    os.makedirs(out_dir, exist_ok=True)
+    backbone.save_pretrained(out_dir)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir)
+    weight = v_head_weight.detach().to("cpu", torch.float32).contiguous()
+    save_file({"weight": weight}, os.path.join(out_dir, VALUE_HEAD_FILE))
+    info = {"class": "RewardModel", "score": "value at the last real token (last 1 of attention_mask)",
+            "position_ids": "cumsum(attention_mask) - 1, clipped at 0", "hidden_size": int(weight.shape[1]),
+            "backbone_model_type": getattr(backbone.config, "model_type", None),
+            "value_head": VALUE_HEAD_FILE}
+    with open(os.path.join(out_dir, REWARD_MODEL_FILE), "w") as f:
+        json.dump(info, f, indent=2)
+
+
+def save_reward_model(model: RewardModel, tokenizer, out_dir: str) -> None:
+    """Save an UNPARTITIONED RewardModel (LoRA merged into a copy). For engines use export_reward_model."""
+    from peft import PeftModel
+
+    from utils.checkpoint import plain_copy
+
+    backbone = model.backbone
+    if isinstance(backbone, PeftModel):
+        state = {k: v.detach().to("cpu", copy=True) for k, v in backbone.state_dict().items()}
+        backbone = plain_copy(backbone, state)
+    _write_reward_dir(backbone, model.v_head.weight, tokenizer, out_dir)
+
+
+def export_reward_model(engine, tokenizer, out_dir: str) -> None:
+    """Write engine.module (a RewardModel, any ZeRO stage, LoRA or not) to `out_dir`. Call on ALL ranks."""
+    from utils.checkpoint import gather_full_state_dict, plain_copy
+    from utils.distributed import barrier, is_rank0
+
+    state_dict = gather_full_state_dict(engine)  # collective under ZeRO-3
+    if is_rank0():
+        backbone_state = {k[len("backbone."):]: v for k, v in state_dict.items() if k.startswith("backbone.")}
+        head_state = {k[len("v_head."):]: v for k, v in state_dict.items() if k.startswith("v_head.")}
+        other = sorted(k for k in state_dict if not k.startswith(("backbone.", "v_head.")))
+        if other or set(head_state) != {"weight"}:
+            raise RuntimeError(f"unexpected reward model keys: {other or sorted(head_state)}")
+        backbone = plain_copy(engine.module.backbone, backbone_state)
+        _write_reward_dir(backbone, head_state["weight"], tokenizer, out_dir)
+    barrier()
