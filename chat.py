@@ -48,7 +48,9 @@ def parse_args(argv=None):
 def resolve_template(tokenizer, template: str) -> str:
     has_chat = bool(getattr(tokenizer, "chat_template", None))
     if template == "chat" and not has_chat:
-        raise SystemExit("error: --template chat: this tokenizer has no chat template (use human_assistant)")
+        where = getattr(tokenizer, "name_or_path", "") or "this tokenizer"
+        raise SystemExit(f"error: --template chat: the tokenizer of {where} has no chat template "
+                         f"(use --template human_assistant)")
     if template == "auto":
         return "chat" if has_chat else "human_assistant"
     return template

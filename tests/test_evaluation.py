@@ -287,3 +287,14 @@ def test_prompt_eval_main(tiny_gpt2, tiny_llama, capsys):
         for text in result["answers"][f"{name}/Greedy"]:
             assert text in out
     assert PROMPTS[1] in out
+
+
+def test_chat_template_requested_but_missing_names_the_model(tiny_gpt2):
+    import pytest
+
+    from chat import resolve_template
+    from utils.model import load_tokenizer
+
+    with pytest.raises(SystemExit, match="has no chat template") as error:
+        resolve_template(load_tokenizer(tiny_gpt2), "chat")
+    assert tiny_gpt2 in str(error.value)
