@@ -21,7 +21,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_env(**extra) -> dict:
+def subprocess_env(**extra) -> dict:
     env = dict(os.environ)
     env.update({"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                 "TOKENIZERS_PARALLELISM": "false"})
@@ -45,7 +45,7 @@ def run_module(module: str, args: list, timeout: int = 600, log_path: str | None
 
 
 def _run(cmd, timeout, log_path, env) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=ROOT, env=env or test_env(), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env or subprocess_env(), capture_output=True, text=True, timeout=timeout)
     if log_path:
         with open(log_path, "w") as f:
             f.write(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
@@ -68,7 +68,7 @@ def start_deepspeed(module: str, args: list, num_ranks: int = 2, log_path: str |
     cmd = [launcher, "--num_gpus", str(num_ranks), "--master_port", str(free_port()), "--module", module,
            *[str(a) for a in args]]
     log = open(log_path or os.devnull, "w")
-    return subprocess.Popen(cmd, cwd=ROOT, env=env or test_env(), stdout=log, stderr=subprocess.STDOUT,
+    return subprocess.Popen(cmd, cwd=ROOT, env=env or subprocess_env(), stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
 
 

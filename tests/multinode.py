@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from tests.launch import ROOT, free_port, test_env
+from tests.launch import ROOT, free_port, subprocess_env
 
 SUBNET = "10.77.0"  # only ever assigned inside the namespaces created here
 
@@ -203,7 +203,7 @@ def start_nodes(cluster: Cluster, hostfile: str, module: str, args: list, log_di
     master_port = master_port or free_port()
     run = MultiNodeRun()
     for rank, node in enumerate(cluster.nodes):
-        node_env = dict(env or test_env())
+        node_env = dict(env or subprocess_env())
         if script:
             cmd = ["bash", os.path.join(ROOT, script), *[str(a) for a in args]]
             node_env.update({"MULTI_NODE_MODE": "no_ssh", "HOSTFILE": hostfile, "NODE_RANK": str(rank),
@@ -233,7 +233,7 @@ def single_node_running(module: str, args: list, log_path: str, num_ranks: int =
     cmd = [launcher, "--num_gpus", str(num_ranks), "--master_port", str(free_port()), "--module", module,
            *[str(a) for a in args]]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env or test_env(), stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env or subprocess_env(), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
     try:
         yield NodeRun(0, proc, log_path)

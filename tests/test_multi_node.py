@@ -23,7 +23,7 @@ import time
 import pytest
 
 from tests.launch import metrics
-from tests.launch import test_env as base_env  # aliased: pytest would collect a test_* name
+from tests.launch import subprocess_env as base_env  # aliased: pytest would collect a test_* name
 from tests.multinode import nodes_running, run_nodes, single_node_running, two_nodes, write_hostfile
 from tests.test_step1_run import common_args, sft_data  # noqa: F401  (sft_data is a fixture)
 from tests.test_step3_lr0 import write_prompts

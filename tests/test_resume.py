@@ -102,6 +102,6 @@ def test_resume_with_other_world_size_is_refused(tiny_gpt2, sft_data, tmp_path):
 
 
 def _env(**extra):
-    from tests.launch import test_env
+    from tests.launch import subprocess_env
 
-    return test_env(**extra)
+    return subprocess_env(**extra)
