@@ -1,0 +1,530 @@
+"""Benchmark of the actor's generation modes against the unsharded limit (CPU, DeepSpeed ZeRO-3).
+
+    python bench/generation.py                 # SmolLM2-135M-shaped model, batch 8/rank, prompt 64, 64 new tokens
+    python bench/generation.py --tiny          # tiny random llama (seconds)
+    python bench/generation.py --save bench/results/2026-11-30-generation.txt
+
+In ONE run (all greedy, same left-padded prompts as step3_ppo/generation_check.py):
+  (1)  limit:  plain HF `generate` of the unsharded model in ONE process, OMP_NUM_THREADS=1
+               (same threads per process as a rank; no DeepSpeed engine, no LoRA);
+  (1b) limit side by side: the same unsharded plain model held by EACH of the 2 ranks, timed
+               interleaved with (2)/(3) in the same world (same contention as the ranks);
+  (2)  plain:  `generate` of the ZeRO-3 actor on 2 ranks (synced_gpus; LoRA unmerged);
+  (3)  hybrid: the project's generation mode (step3_ppo.hybrid: params gathered once, hooks
+               lifted, LoRA merged), and (3u) the same without the LoRA merge.
+The actor is built exactly as generation_check does (train_ds_config, load_causal_lm,
+build_trained_engine with --lora_dim, non-zero lora_B). Modes (1b), (2), (3), (3u) run round-robin:
+one warm-up round, then --repeats timed rounds, each call between barriers; a call's time is the
+slowest rank's; figures are medians. Hybrid calls are also split into enter (gather + hooks +
+merge) / decode (HF generate) / exit (unmerge + restore + re-partition). With --profile (default:
+when 3/1 < 0.9) one extra call of the limit and of the hybrid mode runs under cProfile on rank 0.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+SMOL = os.path.join(REPO, ".cache", "models", "SmolLM2-135M-Instruct")
+MODE_LABELS = {"limit_1proc": "(1)  limit: unsharded plain generate, 1 process",
+               "unsharded": "(1b) limit side by side: unsharded copy on each rank",
+               "plain": "(2)  plain generate, ZeRO-3 (synced_gpus)",
+               "hybrid": "(3)  hybrid mode, LoRA merged",
+               "hybrid_unmerged": "(3u) hybrid mode, LoRA not merged",
+               "hybrid_steps": "(3s) = (3) with 1 new token, steps timed one by one",
+               "hybrid_proposed": "(3p) = (3s) PROPOSED: no save/unmerge/restore"}
+
+
+# ----------------------------------------------------------------------------------------------- worker
+def worker_args(argv):
+    p = argparse.ArgumentParser()
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--model_name_or_path", required=True)
+    p.add_argument("--zero_stage", type=int, default=3)
+    p.add_argument("--lora_dim", type=int, default=8)
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--prompt_len", type=int, default=64)
+    p.add_argument("--new_tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--plain_repeats", type=int, default=None, help="timed calls of the slow plain mode (default: --repeats)")
+    p.add_argument("--overhead_repeats", type=int, default=7, help="timed calls of the short modes (3s), (3p)")
+    p.add_argument("--modes", default="unsharded,plain,hybrid,hybrid_unmerged")
+    p.add_argument("--profile", default="", help="modes to run once more under cProfile on rank 0")
+    p.add_argument("--out", required=True)
+    p.add_argument("--local_rank", type=int, default=-1)
+    return p.parse_args(argv)
+
+
+def _sync():
+    import torch
+
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _max_over_ranks(x: float) -> float:
+    from utils.distributed import all_reduce_max
+
+    return all_reduce_max(x)
+
+
+def hybrid_steps(engine, generate_fn, proposed: bool):
+    """The steps of step3_ppo.hybrid.generation_mode(hybrid=True, merge_lora=True) one by one, timed.
+
+    proposed=False replays the project's steps exactly (for the breakdown). proposed=True is the
+    change suggested in bench/README.md: under ZeRO-3 a gathered, NON-persistent parameter is a
+    temporary buffer that GatheredParameters (modifier_rank=None) frees on exit without writing it
+    back (has_been_updated=False), so merging LoRA into it needs no saved copy, no unmerge and no
+    copy back: only peft's `merged_adapters` bookkeeping is reset. Persistent parameters (kept whole
+    on every rank) and ZeRO < 3 keep the save/unmerge/restore path.
+    """
+    import contextlib
+
+    import deepspeed
+    import torch
+    from deepspeed.runtime.zero import parameter_offload as zero_offload
+    from peft import PeftModel
+    from peft.tuners.lora import LoraLayer
+
+    from step3_ppo.hybrid import _zero3_offload
+
+    marks = [("start", time.perf_counter(), time.process_time())]
+
+    def mark(name):
+        marks.append((name, time.perf_counter(), time.process_time()))
+
+    module = engine.module
+    was_training = module.training
+    engine.eval()
+    offload = _zero3_offload(engine)
+    gathered = deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=offload is not None)
+    gathered.__enter__()
+    mark("gather (allgather of all params)")
+    if offload is not None:
+        offload._remove_module_hooks()
+        offload.forward_hooks, offload.backward_hooks = [], []
+    mark("remove ZeRO-3 hooks")
+    layers = [m for m in module.modules() if isinstance(m, LoraLayer)] if isinstance(module, PeftModel) else []
+    if proposed and offload is not None:
+        keep = [m for m in layers if getattr(m.get_base_layer().weight, "ds_persist", False)]
+    else:
+        keep = layers
+    saved = [m.get_base_layer().weight.detach().clone() for m in keep]
+    mark("save base weights (clone)")
+    if layers:
+        module.merge_adapter()
+    mark("merge LoRA")
+    try:
+        out = generate_fn()
+    finally:
+        mark("generate (decode)")
+        if layers:
+            if proposed and offload is not None:
+                kept = set(map(id, keep))
+                for m in layers:
+                    if id(m) not in kept:
+                        m.merged_adapters.clear()  # the merged buffer is dropped by GatheredParameters
+                for m in keep:
+                    m.unmerge()
+            else:
+                module.unmerge_adapter()
+        mark("unmerge LoRA")
+        with torch.no_grad():
+            for m, w in zip(keep, saved):
+                m.get_base_layer().weight.copy_(w)
+        mark("copy saved weights back")
+        if offload is not None:
+            offload.setup_zero_stage3_hooks()
+            stack = zero_offload.FWD_MODULE_STACK
+            if len(stack) > 1 and stack[-1] is module:
+                stack.pop()
+        mark("re-register ZeRO-3 hooks")
+        gathered.__exit__(None, None, None)
+        mark("release (re-partition)")
+        engine.train(was_training)
+        mark("train mode")
+    return out, [(name, t - marks[i][1], c - marks[i][2]) for i, (name, t, c) in enumerate(marks[1:])]
+
+
+def worker(argv):
+    import torch
+
+    from step3_ppo.generation_check import make_prompts, partitioned
+    from step3_ppo.hybrid import generate, generation_mode
+    from utils.distributed import init_distributed, is_rank0, set_seed, world_size
+    from utils.ds_config import train_ds_config
+    from utils.model import load_causal_lm, load_tokenizer
+
+    args = worker_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    init_distributed()
+    set_seed(0)
+    tokenizer = load_tokenizer(args.model_name_or_path, padding_side="left")
+    prompts = make_prompts(tokenizer, args.batch_size, args.prompt_len, seed=1)
+    kwargs = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens, "do_sample": False,
+              "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
+              "temperature": None, "top_p": None, "top_k": None}
+
+    plain_model = None
+    if "unsharded" in modes:  # built first, with transformers' ZeRO-3 flag off (load_causal_lm unsets it)
+        plain_model = load_causal_lm(args.model_name_or_path, tokenizer, None, dropout=0.0).eval()
+
+    engine = None
+    if any(m != "unsharded" for m in modes):
+        from utils.training import EngineSpec, build_trained_engine
+
+        config = train_ds_config(args.zero_stage, world_size(), args.batch_size, dtype="fp32")
+        model = load_causal_lm(args.model_name_or_path, tokenizer, config, dropout=0.0)
+        spec = EngineSpec(learning_rate=0.0, lora_dim=args.lora_dim, lora_learning_rate=0.0)
+        engine = build_trained_engine(model, config, spec, total_steps=1)
+        if args.lora_dim:  # non-zero LoRA weights (as generation_check), so merging really changes the weights
+            import deepspeed
+
+            with torch.no_grad():
+                for name, p in engine.module.named_parameters():
+                    if "lora_B" in name:
+                        with deepspeed.zero.GatheredParameters([p], modifier_rank=0, enabled=args.zero_stage == 3):
+                            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
+
+    weights_before = None
+    if engine is not None:
+        from step3_ppo.generation_check import full_weights
+
+        weights_before = full_weights(engine)
+    split = {}
+
+    @torch.no_grad()
+    def run(mode):
+        ids, mask = prompts["input_ids"], prompts["attention_mask"]
+        if mode == "unsharded":
+            return plain_model.generate(input_ids=ids, attention_mask=mask, use_cache=True, synced_gpus=False,
+                                        **kwargs)
+        if mode == "plain":
+            return generate(engine, ids, mask, hybrid=False, **kwargs)
+        if mode in ("hybrid_steps", "hybrid_proposed"):  # the per-call overhead: 4 prompt tokens, 1 new token
+            short = {**kwargs, "max_new_tokens": 1, "min_new_tokens": 1}
+            out, steps = hybrid_steps(engine, lambda: engine.module.generate(
+                input_ids=ids[:, -4:], attention_mask=mask[:, -4:], use_cache=True, synced_gpus=False, **short),
+                proposed=mode == "hybrid_proposed")
+            split.setdefault(mode, []).append(steps)
+            return out
+        # hybrid: the body of step3_ppo.hybrid.generate, with the three phases timed
+        merge = mode == "hybrid"
+        t0 = time.perf_counter()
+        ctx = generation_mode(engine, hybrid=True, merge_lora=merge)
+        ctx.__enter__()
+        t1 = time.perf_counter()
+        try:
+            out = engine.module.generate(input_ids=ids, attention_mask=mask, use_cache=True, synced_gpus=False,
+                                         **kwargs)
+        finally:
+            t2 = time.perf_counter()
+            ctx.__exit__(None, None, None)
+            t3 = time.perf_counter()
+        split.setdefault(mode, []).append((t1 - t0, t2 - t1, t3 - t2))
+        return out
+
+    times = {m: [] for m in modes}
+    cpu = {m: [] for m in modes}
+    tokens = {}
+    plain_repeats = args.repeats if args.plain_repeats is None else args.plain_repeats
+    rounds = max(args.repeats, args.overhead_repeats if "hybrid_steps" in modes else 0)
+    for round_ in range(rounds + 1):  # round 0 is the warm-up
+        for mode in modes:
+            if mode == "plain" and not 1 <= round_ <= plain_repeats:
+                continue  # the slow reference: no warm-up of its own (the other modes warmed the engine)
+            if round_ > (args.overhead_repeats if mode in ("hybrid_steps", "hybrid_proposed") else args.repeats):
+                continue
+            _sync()
+            start, cpu_start = time.perf_counter(), time.process_time()
+            out = run(mode)
+            cpu_s = time.process_time() - cpu_start
+            elapsed = _max_over_ranks(time.perf_counter() - start)
+            if is_rank0():
+                print(f"[bench.generation] round {round_} {mode}: {elapsed:.2f} s (cpu {cpu_s:.2f} s)",
+                      file=sys.stderr, flush=True)
+            if round_:
+                times[mode].append(elapsed)
+                cpu[mode].append(cpu_s)
+            tokens[mode] = out[:, out.shape[1] - (1 if mode in ("hybrid_steps", "hybrid_proposed") else args.new_tokens):]
+
+    result = {"world_size": world_size(), "zero_stage": args.zero_stage, "lora_dim": args.lora_dim,
+              "batch_size": args.batch_size, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+              "repeats": args.repeats, "torch_threads": torch.get_num_threads(),
+              "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "modes": {}}
+    for mode in [m for m in modes if times[m]]:
+        seconds = statistics.median(times[mode])
+        new = 1 if mode in ("hybrid_steps", "hybrid_proposed") else args.new_tokens
+        entry = {"seconds": seconds, "all_seconds": times[mode], "cpu_seconds_rank0": statistics.median(cpu[mode]),
+                 "tokens_per_s_per_rank": args.batch_size * new / seconds}
+        if mode in ("hybrid_steps", "hybrid_proposed") and mode in split:
+            timed = split[mode][1:] or split[mode]
+            names = [step[0] for step in timed[0]]
+            entry["steps_s"] = {name: statistics.median(call[i][1] for call in timed) for i, name in enumerate(names)}
+            entry["steps_cpu_s"] = {name: statistics.median(call[i][2] for call in timed)
+                                    for i, name in enumerate(names)}
+        elif mode in split:
+            timed = split[mode][1:]  # drop the warm-up
+            entry["enter_exit_decode_s"] = {
+                "enter": statistics.median(t[0] for t in timed), "decode": statistics.median(t[1] for t in timed),
+                "exit": statistics.median(t[2] for t in timed)}
+        result["modes"][mode] = entry
+    if engine is not None and weights_before is not None:
+        from step3_ppo.generation_check import full_weights
+
+        result["weights_unchanged"] = all(torch.equal(a, b) for a, b in zip(weights_before, full_weights(engine)))
+    zero_modes = [m for m in modes if m in ("plain", "hybrid", "hybrid_unmerged")]
+    if zero_modes:
+        first = tokens[zero_modes[0]]
+        result["tokens_equal_zero3_modes"] = all(torch.equal(first, tokens[m]) for m in zero_modes)
+    short_modes = [m for m in modes if m in ("hybrid_steps", "hybrid_proposed")]
+    if len(short_modes) == 2:
+        result["tokens_equal_overhead_modes"] = torch.equal(tokens[short_modes[0]], tokens[short_modes[1]])
+        if args.zero_stage == 3:
+            result["partitioned_after"] = partitioned(engine)
+    result["tokens"] = {m: t.tolist() for m, t in tokens.items()}
+
+    if args.profile:
+        import cProfile
+        import io
+        import pstats
+
+        result["profiles"] = {}
+        for mode in [m for m in args.profile.split(",") if m in modes]:
+            _sync()
+            prof = cProfile.Profile()
+            prof.enable()
+            run(mode)
+            prof.disable()
+            stream = io.StringIO()
+            stats = pstats.Stats(prof, stream=stream)
+            stream.write(f"--- cProfile, rank 0, one call of mode {mode}: top functions by own time\n")
+            stats.sort_stats("tottime").print_stats(14)
+            stream.write(f"--- same call, by cumulative time\n")
+            stats.sort_stats("cumulative").print_stats(22)
+            if os.environ.get("BENCH_PROFILE_CALLERS"):  # e.g. "disable": who calls the matching functions
+                stats.print_callers(os.environ["BENCH_PROFILE_CALLERS"])
+            result["profiles"][mode] = _trim_profile(stream.getvalue())
+
+    if is_rank0():
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+
+
+def _trim_profile(text: str) -> str:
+    """pstats output without the site-packages prefixes (shorter lines)."""
+    import site
+
+    for prefix in sorted(set(site.getsitepackages() + [REPO + "/"]), key=len, reverse=True):
+        text = text.replace(prefix.rstrip("/") + "/", "")
+    return "\n".join(line for line in text.splitlines() if line.strip() and "Ordered by" not in line
+                     and "List reduced" not in line)
+
+
+# ----------------------------------------------------------------------------------------- orchestrator
+def machine_lines(label: str) -> list[str]:
+    load = os.getloadavg()
+    mem = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                k, v = line.split(":")
+                mem[k] = int(v.split()[0]) // 1024
+    except OSError:
+        pass
+    return [f"load average {label}: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (1/5/15 min); "
+            f"memory available {mem.get('MemAvailable', '?')} MiB of {mem.get('MemTotal', '?')} MiB"]
+
+
+def header_lines(args, model_dir: str) -> list[str]:
+    import torch
+    import deepspeed
+    import transformers
+    import peft
+
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
+    except OSError:
+        pass
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    return [
+        f"# bench/generation.py  {time.strftime('%Y-%m-%d %H:%M:%S')}",
+        f"machine: {os.cpu_count()} CPU cores ({cpu}); SHARED with other engineers' runs: timings are noisy",
+        f"threads: OMP_NUM_THREADS=1 in every process (1 process for (1), 2 ranks for the rest)",
+        f"versions: python {platform.python_version()}, torch {torch.__version__}, deepspeed {deepspeed.__version__}, "
+        f"transformers {transformers.__version__}, peft {peft.__version__}",
+        f"model: {model_dir} ({cfg.get('model_type')}, hidden {cfg.get('hidden_size')}, layers "
+        f"{cfg.get('num_hidden_layers')}, heads {cfg.get('num_attention_heads')}/{cfg.get('num_key_value_heads')}, "
+        f"vocab {cfg.get('vocab_size')}, fp32)",
+        f"batch {args.batch_size} prompts per rank, prompt {args.prompt_len} tokens (left-padded, lengths "
+        f"{args.prompt_len // 2 + 1}..{args.prompt_len}), {args.new_tokens} new tokens (min = max), greedy; "
+        f"ZeRO-3 actor with LoRA r={args.lora_dim} (lora_B non-zero), lr 0",
+        f"timing: 1 warm-up round + {args.repeats} rounds, modes (1b)-(3u) interleaved in each round "
+        f"((2) only in the first {args.plain_repeats}, no warm-up of its own); "
+        f"a call = slowest rank; median; 'cpu s' = CPU seconds of rank 0's process in the call (median): "
+        f"wall >> cpu means other processes took the cores",
+    ]
+
+
+def launch(cmd: list[str], env: dict, timeout: int, log_path: str) -> None:
+    """Run a command in its own process group (killed whole on timeout), output to log_path."""
+    import signal
+
+    start = time.time()
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
+            time.sleep(5)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+            rc = "timeout"
+    print(f"  [{time.time() - start:.0f} s] {' '.join(cmd[:8])} ... (log {log_path})", file=sys.stderr, flush=True)
+    if rc != 0:
+        with open(log_path) as f:
+            sys.stderr.write(f.read()[-6000:])
+        raise SystemExit(f"error: {' '.join(cmd[:6])} ... exited with {rc}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="tiny random llama (utils.tiny_model) instead of SmolLM2")
+    p.add_argument("--model_name_or_path", default=None, help=f"default: {SMOL}")
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--prompt_len", type=int, default=64)
+    p.add_argument("--new_tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--overhead_repeats", type=int, default=7, help="timed calls of (3s) and (3p) (short calls)")
+    p.add_argument("--plain_repeats", type=int, default=1,
+                   help="timed calls of (2), the slow plain ZeRO-3 mode (it gets no warm-up call of its own)")
+    p.add_argument("--lora_dim", type=int, default=8)
+    p.add_argument("--no_breakdown", action="store_true",
+                   help="skip modes (3s) and (3p) (the hybrid steps timed one by one, and the proposed variant)")
+    p.add_argument("--profile", choices=["auto", "on", "off"], default="auto",
+                   help="cProfile one more limit call and hybrid call after the timed ones (auto: printed when 3/1 < 0.9)")
+    p.add_argument("--master_port", type=int, default=29531)
+    p.add_argument("--timeout", type=int, default=600, help="seconds per launched run")
+    p.add_argument("--save", default=None, help="also write the printed report to this file")
+    args = p.parse_args(argv)
+    if args.tiny:
+        from utils.tiny_model import make_tiny_model_cached
+
+        model_dir = make_tiny_model_cached("llama")
+    else:
+        model_dir = args.model_name_or_path or SMOL
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONWARNINGS": "ignore"}
+    common = ["--model_name_or_path", model_dir, "--batch_size", str(args.batch_size), "--prompt_len",
+              str(args.prompt_len), "--new_tokens", str(args.new_tokens)]
+    timed = common + ["--repeats", str(args.repeats), "--plain_repeats", str(args.plain_repeats),
+                      "--overhead_repeats", str(args.overhead_repeats)]
+    once = common + ["--repeats", "0"]
+    lines = header_lines(args, model_dir) + machine_lines("before")
+    print("\n".join(lines), flush=True)
+    wall = time.time()
+    logs = os.path.join(REPO, "bench", "runs", "generation")
+    os.makedirs(logs, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="bench_gen_") as tmp:
+        one, two = os.path.join(tmp, "one.json"), os.path.join(tmp, "two.json")
+        want_profile = args.profile != "off"  # one extra call after the timed ones, in the same runs
+        launch([sys.executable, "-m", "bench.generation", "--worker", "--zero_stage", "0", "--lora_dim", "0",
+                "--modes", "unsharded", "--out", one, *timed] + (["--profile", "unsharded"] if want_profile else []),
+               {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}, args.timeout,
+               os.path.join(logs, "limit_1proc.log"))
+        launch(["deepspeed", "--num_gpus", "2", "--master_port", str(args.master_port), "--module", "bench.generation",
+                "--worker", "--zero_stage", "3", "--lora_dim", str(args.lora_dim), "--out", two, *timed,
+                "--modes", "unsharded,plain,hybrid,hybrid_unmerged" + ("" if args.no_breakdown else
+                                                                      ",hybrid_steps,hybrid_proposed")]
+               + (["--profile", "hybrid"] if want_profile else []), env, args.timeout,
+               os.path.join(logs, "zero3_2ranks.log"))
+        with open(one) as f:
+            r1 = json.load(f)
+        with open(two) as f:
+            r2 = json.load(f)
+        modes = {"limit_1proc": r1["modes"]["unsharded"], **r2["modes"]}
+        ratio_31 = modes["hybrid"]["tokens_per_s_per_rank"] / modes["limit_1proc"]["tokens_per_s_per_rank"]
+        ratio_31_cpu = modes["limit_1proc"]["cpu_seconds_rank0"] / modes["hybrid"]["cpu_seconds_rank0"]
+        profiles = {**{"limit_1proc": v for v in r1.get("profiles", {}).values()}, **r2.get("profiles", {})}
+        if args.profile == "auto" and ratio_31 >= 0.9 and ratio_31_cpu >= 0.9:
+            profiles = {}  # on target: the profiles are not printed
+
+    out = ["", f"{'mode':58s} {'s/call':>8s} {'tok/s/rank':>11s} {'cpu s':>7s}   all calls (s)"]
+    for mode, label in MODE_LABELS.items():
+        if mode in modes and mode not in ("hybrid_steps", "hybrid_proposed"):
+            m = modes[mode]
+            out.append(f"{label:58s} {m['seconds']:8.3f} {m['tokens_per_s_per_rank']:11.1f} "
+                       f"{m['cpu_seconds_rank0']:7.3f}   "
+                       + " ".join(f"{s:.2f}" for s in m["all_seconds"]))
+    for mode in ("hybrid", "hybrid_unmerged"):
+        if "enter_exit_decode_s" in modes.get(mode, {}):
+            s = modes[mode]["enter_exit_decode_s"]
+            out.append(f"  {mode}: enter (gather + lift hooks{' + merge' if mode == 'hybrid' else ''}) {s['enter']:.3f} s, "
+                       f"decode (HF generate) {s['decode']:.3f} s, exit {s['exit']:.3f} s (rank 0, median)")
+    if "hybrid_steps" in modes and "hybrid_proposed" in modes:
+        a, b = modes["hybrid_steps"]["steps_s"], modes["hybrid_proposed"]["steps_s"]
+        ca, cb = modes["hybrid_steps"]["steps_cpu_s"], modes["hybrid_proposed"]["steps_cpu_s"]
+        out.append(f"  per-call overhead of the hybrid mode: (3s) replays step3_ppo.hybrid's steps one by one on a "
+                   f"4-token prompt with 1 new token, (3p) the proposed variant; rank 0, medians of {args.overhead_repeats} calls each, "
+                   f"interleaved; wall s and CPU s")
+        out.append(f"    {'step':36s} {'(3s) wall':>10s} {'(3p) wall':>10s} {'(3s) cpu':>9s} {'(3p) cpu':>9s}")
+        for name in a:
+            out.append(f"    {name:36s} {a[name]:10.3f} {b[name]:10.3f} {ca[name]:9.3f} {cb[name]:9.3f}")
+        na = sum(v for k, v in a.items() if not k.startswith("generate"))
+        nb = sum(v for k, v in b.items() if not k.startswith("generate"))
+        nca = sum(v for k, v in ca.items() if not k.startswith("generate"))
+        ncb = sum(v for k, v in cb.items() if not k.startswith("generate"))
+        out.append(f"    {'sum without the generate':36s} {na:10.3f} {nb:10.3f} {nca:9.3f} {ncb:9.3f}")
+        out.append(f"    tokens of (3s) == tokens of (3p): {r2.get('tokens_equal_overhead_modes')}")
+    tps = {k: v["tokens_per_s_per_rank"] for k, v in modes.items()}
+    cpu_s = {k: v["cpu_seconds_rank0"] for k, v in modes.items()}
+    out += ["",
+            f"ratio 3/2  hybrid / plain ZeRO-3           = {tps['hybrid'] / tps['plain']:.2f}x   (target >= 4x)",
+            f"ratio 3u/2 hybrid unmerged / plain ZeRO-3  = {tps['hybrid_unmerged'] / tps['plain']:.2f}x",
+            f"ratio 3/1  hybrid / limit (1 process)      = {ratio_31:.2f}    (target >= 0.9)",
+            f"ratio 3/1b hybrid / limit side by side     = {tps['hybrid'] / tps['unsharded']:.2f}",
+            f"ratio 1b/1 side-by-side limit / 1-process  = {tps['unsharded'] / tps['limit_1proc']:.2f}   "
+            f"(contention of 2 processes on the shared cores)",
+            f"same ratios by CPU seconds per call (rank 0; less sensitive to other processes taking the cores): "
+            f"3/2 = {cpu_s['plain'] / cpu_s['hybrid']:.2f}x, 3/1 = {cpu_s['limit_1proc'] / cpu_s['hybrid']:.2f}, "
+            f"3/1b = {cpu_s['unsharded'] / cpu_s['hybrid']:.2f}",
+            *([f"enter + exit of the hybrid mode = {sum(v for k, v in modes['hybrid']['enter_exit_decode_s'].items() if k != 'decode'):.2f} s "
+               f"= {100 * sum(v for k, v in modes['hybrid']['enter_exit_decode_s'].items() if k != 'decode') / modes['hybrid']['seconds']:.0f}% "
+               f"of a hybrid call (wall, rank 0)"] if "enter_exit_decode_s" in modes.get("hybrid", {}) else []),
+            f"tokens equal across the ZeRO-3 modes (2),(3),(3u): {r2.get('tokens_equal_zero3_modes')}; "
+            f"all weights bit for bit unchanged after all calls: {r2.get('weights_unchanged')}; ZeRO-3 params "
+            f"partitioned again after: {r2.get('partitioned_after')}; tokens of (1) == (1b): "
+            f"{r1['tokens']['unsharded'] == r2['tokens']['unsharded']}"]
+    for mode, text in profiles.items():
+        out += ["", f"=== profile of {MODE_LABELS.get(mode, mode)}", text]
+    out += machine_lines("after") + [f"total wall time {time.time() - wall:.0f} s"]
+    print("\n".join(out), flush=True)
+    if args.save:
+        os.makedirs(os.path.dirname(os.path.abspath(args.save)), exist_ok=True)
+        with open(args.save, "w") as f:
+            f.write("\n".join(lines + out) + "\n")
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv[1:]:
+        worker(sys.argv[1:])
+    else:
+        main()

@@ -1,0 +1,362 @@
+"""Side-by-side: our step 3 against TRL 1.12.0's PPO trainer (trl.experimental.ppo) on 2 CPU ranks.
+
+    python3 -m venv bench/.venv-trl && bench/.venv-trl/bin/pip install -r bench/requirements.txt   # once
+    python bench/peer_trl.py --tiny                      # (project venv) tiny random llama
+    python bench/peer_trl.py                             # SmolLM2-135M-shaped model
+    python bench/peer_trl.py --save bench/results/2026-11-30-peer-trl.txt
+
+Same model, prompts (bench/runs/prompts.jsonl, tokenized by the project's utils.data.tokenize_prompts
+on both sides), rollout (--batch_size prompts per rank x 2 ranks), answer length (fixed: ours
+min = max; TRL has no stop token, so it always generates response_length tokens), sampling at
+temperature 1 (top_k 0, top_p 1), PPO mini-batch (--train_batch_size), PPO epochs, fp32 (TRL:
+bf16=False and ACCELERATE_MIXED_PRECISION=no), no gradient checkpointing (TRL's default is on:
+turned off), ZeRO-3 on both sides (ours: --actor/critic_zero_stage 3 --enable_hybrid_engine;
+TRL: through accelerate's environment (ACCELERATE_USE_DEEPSPEED, shared/notes) with the same ZeRO-3
+section as ours and ds3_gather_for_generation=True, TRL's own gathered generation), torch AdamW on
+both sides, no eval generations (num_sample_generations=0), no saving.
+
+TRL batch mapping: per_device_train_batch_size = rollout per rank, gradient_accumulation_steps 1,
+num_mini_batches = rollout / mini-batch, so each PPO epoch does rollout/mini-batch optimizer steps
+on mini-batches of --train_batch_size rows, as ours does (TRL steps policy and value together).
+
+Timing: the first --warmup iterations are dropped; median over the rest. Ours: the trainer's own
+per-iteration time (rank 0, metrics.jsonl). TRL: the wall time between consecutive on_step_end
+callbacks on rank 0 (includes TRL's per-step logging and its two gc.collect() calls), with
+generation = TRL's generation context (unwrap_model_for_generation: ZeRO-3 gather, generate,
+release; ours: the hybrid generation mode's enter + generate + exit), experience = from there to
+the first grad-enabled forward, training = from there to the end of the iteration's updates
+and logging; 'other' = the rest of TRL's iteration (its two gc.collect() calls, data loading). samples/s = rollout rows of both ranks / iteration seconds. The two runs go one after
+the other (ours first), each alone on the shared machine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+TRL_VENV = os.path.join(REPO, "bench", ".venv-trl")
+MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "17179869184", "MALLOC_TOP_PAD_": "1073741824"}
+
+
+# --------------------------------------------------------------------------------------- TRL worker
+def worker(argv) -> None:
+    """One rank of TRL's PPO (run by torchrun in bench/.venv-trl)."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--worker", action="store_true")
+    p.add_argument("--model_name_or_path", required=True)
+    p.add_argument("--prompts", required=True)
+    p.add_argument("--prompt_len", type=int, required=True)
+    p.add_argument("--answer_len", type=int, required=True)
+    p.add_argument("--batch_size", type=int, required=True)
+    p.add_argument("--train_batch_size", type=int, required=True)
+    p.add_argument("--ppo_epochs", type=int, required=True)
+    p.add_argument("--steps", type=int, required=True)
+    p.add_argument("--output_dir", required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+
+    from accelerate import PartialState
+
+    # before the config and the models (shared/notes); without backend="gloo" it reports 1 process on CPU
+    state = PartialState(backend="gloo")
+    if state.num_processes != int(os.environ.get("WORLD_SIZE", "1")):
+        raise SystemExit(f"accelerate sees {state.num_processes} process(es), WORLD_SIZE is {os.environ.get('WORLD_SIZE')}")
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainerCallback
+    from transformers import DataCollatorWithPadding
+
+    import trl
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+    from trl.experimental.ppo import ppo_trainer as trl_ppo
+
+    from utils.data import tokenize_prompts
+    from utils.model import load_tokenizer
+
+    tokenizer = load_tokenizer(args.model_name_or_path, padding_side="left")  # same pad handling as ours
+    with open(args.prompts) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    prompts, _ = tokenize_prompts(rows, tokenizer, args.prompt_len)
+    dataset = Dataset.from_dict({"input_ids": [r["input_ids"] for r in prompts]})
+    rollout_total = args.batch_size * state.num_processes
+
+    config = PPOConfig(
+        output_dir=args.output_dir, report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
+        per_device_train_batch_size=args.batch_size, gradient_accumulation_steps=1,
+        num_mini_batches=args.batch_size // args.train_batch_size, num_ppo_epochs=args.ppo_epochs,
+        local_rollout_forward_batch_size=args.batch_size, response_length=args.answer_len, stop_token=None,
+        temperature=1.0, total_episodes=args.steps * rollout_total, num_sample_generations=0,
+        learning_rate=1e-6, lr_scheduler_type="constant", gradient_checkpointing=False, bf16=False, fp16=False,
+        kl_coef=0.05, seed=1234, ddp_backend="gloo", world_size=state.num_processes, dataloader_num_workers=0,
+        ds3_gather_for_generation=True)
+
+    def causal_lm():
+        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
+        if model.get_input_embeddings().weight.shape[0] < len(tokenizer):
+            model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+        model.config.pad_token_id = model.generation_config.pad_token_id = tokenizer.pad_token_id
+        return model
+
+    def scalar_head():
+        model = AutoModelForSequenceClassification.from_pretrained(args.model_name_or_path, num_labels=1,
+                                                                   dtype=torch.float32)
+        if model.get_input_embeddings().weight.shape[0] < len(tokenizer):
+            model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+        model.config.pad_token_id = tokenizer.pad_token_id
+        return model
+
+    policy, ref, value, reward = causal_lm(), causal_lm(), scalar_head(), scalar_head()
+
+    import contextlib
+
+    marks = {"step_end": [], "gen": [], "train_start": []}
+    original_unwrap, original_forward = trl_ppo.unwrap_model_for_generation, trl_ppo.forward
+
+    @contextlib.contextmanager
+    def timed_unwrap(*a, **k):  # generation = TRL's whole generation context (ZeRO-3 gather + generate + release)
+        start = time.time()
+        with original_unwrap(*a, **k) as model:
+            yield model
+        marks["gen"].append((start, time.time()))
+
+    def marked_forward(*a, **k):
+        if torch.is_grad_enabled() and len(marks["train_start"]) < len(marks["gen"]):
+            marks["train_start"].append(time.time())
+        return original_forward(*a, **k)
+
+    trl_ppo.unwrap_model_for_generation, trl_ppo.forward = timed_unwrap, marked_forward
+
+    import gc as real_gc
+
+    marks["gc"] = []
+
+    class TimedGC:  # TRL calls gc.collect() twice per iteration: how long do they take?
+        def collect(self, *a):
+            start = time.time()
+            n = real_gc.collect(*a)
+            marks["gc"].append(time.time() - start)
+            return n
+
+    trl_ppo.gc = TimedGC()
+
+    class StepTimes(TrainerCallback):
+        def on_train_begin(self, *a, **k):
+            marks["begin"] = time.time()
+
+        def on_step_end(self, *a, **k):
+            marks["step_end"].append(time.time())
+
+    trainer = PPOTrainer(args=config, processing_class=tokenizer, model=policy, ref_model=ref, reward_model=reward,
+                         value_model=value, train_dataset=dataset, eval_dataset=dataset.select(range(8)),
+                         data_collator=DataCollatorWithPadding(tokenizer), callbacks=[StepTimes()])
+    trainer.train()
+
+    ends = marks["step_end"]
+    starts = [marks["begin"]] + ends[:-1]
+    steps = []
+    for i, (s, e) in enumerate(zip(starts, ends)):
+        g0, g1 = marks["gen"][i]
+        t0 = marks["train_start"][i] if i < len(marks["train_start"]) else e
+        steps.append({"step_s": e - s, "gen_s": g1 - g0, "exp_s": t0 - g1, "train_s": e - t0,
+                      "other_s": (g0 - s), "samples_per_s": rollout_total / (e - s)})
+    if state.is_main_process:
+        engine = trainer.model
+        with open(args.out, "w") as f:
+            json.dump({"steps": steps, "gc_s_per_iteration": sum(marks["gc"]) / max(len(steps), 1),
+                   "trl": trl.__version__, "torch": torch.__version__,
+                       "deepspeed_enabled": trainer.is_deepspeed_enabled,
+                       "zero_stage": getattr(getattr(engine, "zero_optimization_stage", None), "__call__", lambda: None)(),
+                       "world_size": state.num_processes, "torch_threads": torch.get_num_threads(),
+                       "config": {k: getattr(config, k) for k in (
+                           "per_device_train_batch_size", "num_mini_batches", "local_mini_batch_size", "batch_size",
+                           "num_ppo_epochs", "response_length", "temperature", "bf16", "gradient_checkpointing",
+                           "num_total_batches")}}, f)
+
+
+# ------------------------------------------------------------------------------------- orchestrator
+def ds_zero3_config(path: str) -> str:
+    """Our ZeRO-3 section (utils.ds_config) for TRL through accelerate, batch sizes left to accelerate."""
+    from utils.ds_config import _zero_section
+
+    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "train_batch_size": "auto", "gradient_clipping": 1.0, "zero_optimization": _zero_section(3, False, False),
+              "zero_allow_untested_optimizer": True, "steps_per_print": 10**9, "wall_clock_breakdown": False,
+              "bf16": {"enabled": False}, "fp16": {"enabled": False}}
+    with open(path, "w") as f:
+        json.dump(config, f, indent=1)
+    return path
+
+
+def first_error_line(text: str) -> str:
+    """The line naming the exception of the first traceback (else the last non-empty line)."""
+    lines = [l.rstrip() for l in text.splitlines() if l.strip()]
+    for i, line in enumerate(lines):
+        if line.startswith("Traceback"):
+            for later in lines[i + 1:]:
+                if not later.startswith((" ", "\t", "Traceback")) and ("Error" in later or "Exception" in later
+                                                                         or ":" in later):
+                    return later.strip()
+    for line in reversed(lines):
+        if "Error" in line or "error" in line:
+            return line.strip()
+    return lines[-1] if lines else "(no output)"
+
+
+def run_trl(args, model_dir: str, prompts: str, out_dir: str) -> dict:
+    python = os.path.join(TRL_VENV, "bin", "python")
+    if not os.path.exists(python):
+        return {"error": f"{python} does not exist (create bench/.venv-trl, see bench/README.md)"}
+    os.makedirs(out_dir, exist_ok=True)
+    result_path = os.path.join(out_dir, "trl_result.json")
+    if os.path.exists(result_path):
+        os.remove(result_path)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "ACCELERATE_"))}
+    env.update({"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                "PYTHONWARNINGS": "ignore", "PATH": os.path.join(TRL_VENV, "bin") + os.pathsep + env.get("PATH", ""),
+                "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_MIXED_PRECISION": "no",
+                "ACCELERATE_DEEPSPEED_CONFIG_FILE": ds_zero3_config(os.path.join(out_dir, "ds_zero3.json")),
+                "PYTHONPATH": REPO})
+    if args.malloc_tuning:
+        env.update(MALLOC_ENV)
+    cmd = [python, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(args.master_port + 7),
+           os.path.join(REPO, "bench", "peer_trl.py"), "--worker", "--model_name_or_path", model_dir,
+           "--prompts", prompts, "--prompt_len", str(args.prompt_len), "--answer_len", str(args.answer_len),
+           "--batch_size", str(args.batch_size), "--train_batch_size", str(args.train_batch_size),
+           "--ppo_epochs", str(args.ppo_epochs), "--steps", str(args.steps), "--output_dir", out_dir,
+           "--out", result_path]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.time()
+    log_path = os.path.join(out_dir, "trl.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.run(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout)
+    wall = time.time() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    with open(log_path) as f:
+        text = f.read()
+    if proc.returncode != 0 or not os.path.exists(result_path):
+        return {"error": first_error_line(text), "exit": proc.returncode, "log": log_path}
+    with open(result_path) as f:
+        r = json.load(f)
+    timed = r["steps"][args.warmup:] or r["steps"]
+    total = sum(s["step_s"] for s in timed)
+    r.update(wall_s=wall, cpu_s=(after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime),
+             step_s=statistics.median(s["step_s"] for s in timed), all_step_s=[s["step_s"] for s in timed],
+             samples_per_s=statistics.median(s["samples_per_s"] for s in timed),
+             **{f"{k}_s": statistics.median(s[f"{k}_s"] for s in timed) for k in ("gen", "exp", "train", "other")},
+             **{f"{k}_share": sum(s[f"{k}_s"] for s in timed) / total for k in ("gen", "exp", "train", "other")})
+    print(f"  [{wall:.0f} s] TRL: {len(r['steps'])} iterations, median {r['step_s']:.2f} s", file=sys.stderr,
+          flush=True)
+    return r
+
+
+def main(argv=None):
+    from bench import step3
+    from bench.generation import SMOL, machine_lines
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--model_name_or_path", default=None, help=f"default: {SMOL}")
+    p.add_argument("--steps", type=int, default=None, help="PPO iterations per side (default: tiny 6, else 3)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--prompt_len", type=int, default=32)
+    p.add_argument("--answer_len", type=int, default=24)
+    p.add_argument("--batch_size", type=int, default=8, help="rollout prompts per rank")
+    p.add_argument("--train_batch_size", type=int, default=4, help="PPO mini-batch per rank")
+    p.add_argument("--ppo_epochs", type=int, default=1)
+    p.add_argument("--num_prompts", type=int, default=256)
+    p.add_argument("--malloc_tuning", action="store_true",
+                   help=f"set {' '.join(f'{k}={v}' for k, v in MALLOC_ENV.items())} for BOTH sides")
+    p.add_argument("--skip_ours", action="store_true", help="TRL only (for debugging)")
+    p.add_argument("--master_port", type=int, default=29561)
+    p.add_argument("--timeout", type=int, default=600)
+    p.add_argument("--save", default=None)
+    args = p.parse_args(argv)
+    if args.batch_size % args.train_batch_size:
+        raise SystemExit("error: --train_batch_size must divide --batch_size")
+    if args.tiny:
+        from utils.tiny_model import make_tiny_model_cached
+
+        model_dir = make_tiny_model_cached("llama")
+    else:
+        model_dir = args.model_name_or_path or SMOL
+    args.steps = args.steps or (6 if args.tiny else 3)
+    prompts = step3.write_prompts(os.path.join(step3.RUNS, "prompts.jsonl"), args.num_prompts)
+    if args.malloc_tuning:
+        os.environ.update(MALLOC_ENV)  # inherited by our step 3 launch too
+
+    trl_version = "?"
+    try:
+        trl_version = subprocess.run([os.path.join(TRL_VENV, "bin", "python"), "-c",
+                                      "import trl, torch, deepspeed, transformers, accelerate;"
+                                      "print(trl.__version__, torch.__version__, deepspeed.__version__,"
+                                      " transformers.__version__, accelerate.__version__)"],
+                                     capture_output=True, text=True, timeout=120).stdout.strip() or "?"
+    except (OSError, subprocess.SubprocessError):
+        pass
+    lines = [f"# bench/peer_trl.py  {time.strftime('%Y-%m-%d %H:%M:%S')}",
+             f"machine: {os.cpu_count()} CPU cores; SHARED with other engineers' runs: timings are noisy",
+             f"TRL venv {TRL_VENV}: trl torch deepspeed transformers accelerate = {trl_version}",
+             f"model: {model_dir}; fp32; ZeRO-3 both sides (ours: hybrid generation mode; TRL: "
+             f"ds3_gather_for_generation); 2 ranks, OMP_NUM_THREADS=1; malloc tuning: "
+             f"{'ON for both sides' if args.malloc_tuning else 'off for both sides'}",
+             f"PPO: {args.steps} iterations per side (first {args.warmup} dropped), rollout {args.batch_size}/rank x 2, "
+             f"prompt <= {args.prompt_len}, answer exactly {args.answer_len} tokens, sampled T=1, mini-batch "
+             f"{args.train_batch_size}, {args.ppo_epochs} PPO epoch(s); prompts {prompts}"]
+    lines += machine_lines("before")
+    print("\n".join(lines), flush=True)
+
+    ours = None
+    if not args.skip_ours:
+        step3_args = argparse.Namespace(**{**vars(args), "timeout": args.timeout})
+        ours = step3.run_config(step3_args, model_dir, prompts, "z3+hybrid", args.master_port)
+    trl_dir = os.path.join(step3.RUNS, "trl", os.path.basename(model_dir.rstrip("/")))
+    theirs = run_trl(args, model_dir, prompts, trl_dir)
+
+    out = ["", f"{'side':28s} {'s/iter':>7s} {'samples/s':>9s} {'gen s':>6s} {'exp s':>6s} {'train s':>7s} "
+               f"{'other s':>7s} {'wall s':>7s} {'cpu/wall':>8s}   all iterations (s)"]
+    if ours:
+        out.append(f"{'ours (step3_ppo, z3+hybrid)':28s} {ours['step_s']:7.2f} {ours['samples_per_s']:9.2f} "
+                   f"{ours['gen_s']:6.2f} {ours['exp_s']:6.2f} {ours['train_s']:7.2f} {'-':>7s} {ours['wall_s']:7.0f} "
+                   f"{ours['cpu_s'] / ours['wall_s']:8.2f}   " + " ".join(f"{s:.2f}" for s in ours["all_step_s"]))
+    if "error" in theirs:
+        out.append(f"TRL could not run: {theirs['error']}")
+        if "log" in theirs:
+            out.append(f"  (exit {theirs.get('exit')}; full log: {theirs['log']})")
+    else:
+        out.append(f"{'TRL 1.12.0 PPOTrainer':28s} {theirs['step_s']:7.2f} {theirs['samples_per_s']:9.2f} "
+                   f"{theirs['gen_s']:6.2f} {theirs['exp_s']:6.2f} {theirs['train_s']:7.2f} {theirs['other_s']:7.2f} "
+                   f"{theirs['wall_s']:7.0f} "
+                   f"{theirs['cpu_s'] / theirs['wall_s']:8.2f}   " + " ".join(f"{s:.2f}" for s in theirs["all_step_s"]))
+        out.append(f"  TRL: deepspeed enabled {theirs['deepspeed_enabled']}, ZeRO stage {theirs['zero_stage']}, "
+                   f"world {theirs['world_size']}, threads/rank {theirs['torch_threads']}; its gc.collect() calls "
+                   f"take {theirs['gc_s_per_iteration']:.2f} s per iteration (mean); config {json.dumps(theirs['config'])}")
+        if ours:
+            same_window = theirs["step_s"] - theirs["other_s"]
+            out.append(f"ratio ours/TRL samples/s = {ours['samples_per_s'] / theirs['samples_per_s']:.2f}x  "
+                       f"(target >= 1.5x; TRL's full iteration)")
+            out.append(f"ratio ours/TRL, TRL without its between-iteration 'other' (the window our trainer times) = "
+                       f"{same_window / ours['step_s']:.2f}x")
+            out.append(f"per phase, TRL s / our s (medians): generation {theirs['gen_s'] / ours['gen_s']:.2f}x, "
+                       f"experience {theirs['exp_s'] / ours['exp_s']:.2f}x, training "
+                       f"{theirs['train_s'] / ours['train_s']:.2f}x  (> 1: ours faster)")
+    out += machine_lines("after")
+    print("\n".join(out), flush=True)
+    if args.save:
+        with open(args.save, "w") as f:
+            f.write("\n".join(lines + out) + "\n")
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv[1:]:
+        worker(sys.argv[1:])
+    else:
+        main()

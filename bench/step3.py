@@ -1,0 +1,223 @@
+"""Benchmark of the real step 3 (python -m step3_ppo.main, deepspeed launcher, 2 CPU ranks).
+
+    python bench/step3.py --tiny                                  # tiny random llama
+    python bench/step3.py                                         # SmolLM2-135M-shaped model
+    python bench/step3.py --save bench/results/2026-11-30-step3-smol.txt
+
+For each configuration (default: ZeRO-3 and ZeRO-2 for actor AND critic, each with and without
+--enable_hybrid_engine) it runs --steps PPO iterations of the unmodified step 3 on the same model
+(actor = reference = the model; critic = reward model = its backbone + a fresh value head, which
+RewardModel.from_pretrained builds for a base model), then reads OUTPUT_DIR/metrics.jsonl: the
+first iteration is a warm-up and is dropped; the rest give the median seconds per iteration
+(time/generation_s + time/experience_s + time/train_s, rank 0), the median samples/s (the
+trainer's own samples_per_s: rows of both ranks / iteration time) and the share of generation,
+experience making (the four no-grad forwards: actor, reference, critic, reward) and training
+(PPO epochs: actor + critic forward/backward/step) in the summed iteration time.
+
+Prompts: the first --num_prompts prompts of data/demo/pairs/train.jsonl written as a JSONL of
+{"prompt"} rows (bench/runs/prompts.jsonl; the TRL peer reads the same file), all given to step 3
+(--data_split 0,0,1). Answers have a FIXED length (--min_answer_seq_len = --max_answer_seq_len),
+sampled at temperature 1 (top_k 0, top_p 1), so every configuration does the same work.
+Configurations run one after the other (not interleaved): their ratios carry the drift of the
+shared machine between runs; 'cpu/wall' (CPU seconds of both ranks / wall seconds of the launch,
+2.0 = both cores ours) shows how much of the machine each run got.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from bench.generation import SMOL, machine_lines  # noqa: E402
+
+RUNS = os.path.join(REPO, "bench", "runs")
+DEMO_PAIRS = os.path.join(REPO, "data", "demo", "pairs", "train.jsonl")
+CONFIGS = {  # name: (actor/critic ZeRO stage, --enable_hybrid_engine)
+    "z3+hybrid": (3, True),
+    "z3": (3, False),
+    "z2+hybrid": (2, True),
+    "z2": (2, False),
+}
+
+
+def write_prompts(path: str, n: int) -> str:
+    """The first n prompts of the demo pairs as {"prompt"} rows (shared with bench/peer_trl.py)."""
+    if not os.path.exists(DEMO_PAIRS):
+        raise SystemExit(f"error: {DEMO_PAIRS} is missing (python -m data.make_demo_data --out data/demo --seed 0)")
+    rows = []
+    with open(DEMO_PAIRS) as f:
+        for line in f:
+            if line.strip():
+                rows.append({"prompt": json.loads(line)["prompt"]})
+            if len(rows) == n:
+                break
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    return path
+
+
+def step3_command(args, model_dir: str, prompts: str, stage: int, hybrid: bool, out_dir: str, port: int) -> list[str]:
+    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(port), "--module", "step3_ppo.main",
+           "--actor_model_name_or_path", model_dir, "--critic_model_name_or_path", model_dir,
+           "--data_path", prompts, "--data_split", "0,0,1",
+           "--actor_zero_stage", str(stage), "--critic_zero_stage", str(stage), "--dtype", "fp32",
+           "--max_prompt_seq_len", str(args.prompt_len), "--max_answer_seq_len", str(args.answer_len),
+           "--min_answer_seq_len", str(args.answer_len), "--temperature", "1.0", "--top_k", "0", "--top_p", "1.0",
+           "--per_device_generation_batch_size", str(args.batch_size), "--generation_batches", "1",
+           "--per_device_training_batch_size", str(args.train_batch_size), "--ppo_epochs", str(args.ppo_epochs),
+           "--actor_learning_rate", "1e-6", "--critic_learning_rate", "1e-6", "--lr_scheduler_type", "constant",
+           "--max_steps", str(args.steps), "--seed", "1234", "--output_dir", out_dir]
+    if hybrid:
+        cmd.append("--enable_hybrid_engine")
+    return cmd
+
+
+def summarize(rows: list[dict], warmup: int) -> dict:
+    timed = rows[warmup:] or rows
+    parts = {"gen": "time/generation_s", "exp": "time/experience_s", "train": "time/train_s"}
+    step_s = [sum(r[k] for k in parts.values()) for r in timed]
+    total = sum(step_s)
+    return {"steps_timed": len(timed), "step_s": statistics.median(step_s), "all_step_s": step_s,
+            "samples_per_s": statistics.median(r["samples_per_s"] for r in timed),
+            **{f"{name}_s": statistics.median(r[k] for r in timed) for name, k in parts.items()},
+            **{f"{name}_share": sum(r[k] for r in timed) / total for name, k in parts.items()}}
+
+
+def by_name(results):
+    return {r["name"]: r for r in results}
+
+
+def run_config(args, model_dir, prompts, name, port) -> dict:
+    stage, hybrid = CONFIGS[name]
+    out_dir = os.path.join(RUNS, "step3", f"{os.path.basename(model_dir.rstrip('/'))}-{name.replace('+', '_')}")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.makedirs(out_dir)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONWARNINGS": "ignore"}
+    cmd = step3_command(args, model_dir, prompts, stage, hybrid, out_dir, port)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.time()
+    with open(os.path.join(out_dir, "launch.log"), "w") as log:
+        proc = subprocess.run(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout)
+    wall = time.time() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    metrics_path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.exists(metrics_path) or os.path.getsize(metrics_path) == 0:
+        with open(os.path.join(out_dir, "launch.log")) as f:
+            tail = f.read()[-3000:]
+        oom = " (a rank was KILLED, signal 9: out of memory?)" if "return code = -9" in tail else ""
+        raise SystemExit(f"error: {name}: no metrics (exit {proc.returncode}){oom}; log tail:\n{tail}")
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    for sub in ("actor", "critic"):  # the exported models are not needed here (hundreds of MB each)
+        shutil.rmtree(os.path.join(out_dir, sub), ignore_errors=True)
+    result = {"name": name, "zero_stage": stage, "hybrid": hybrid, "exit": proc.returncode, "wall_s": wall,
+              "max_rss_mib": after.ru_maxrss / 1024,
+              "cpu_s": cpu, "iterations": len(rows), **summarize(rows, args.warmup)}
+    print(f"  [{wall:.0f} s] {name}: exit {proc.returncode}, {len(rows)} iterations, "
+          f"median {result['step_s']:.2f} s/iteration, largest process so far {result['max_rss_mib']:.0f} MiB",
+          file=sys.stderr, flush=True)
+    return result
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="tiny random llama (utils.tiny_model)")
+    p.add_argument("--model_name_or_path", default=None, help=f"default: {SMOL}")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {list(CONFIGS)}")
+    p.add_argument("--steps", type=int, default=None, help="PPO iterations per run (default: tiny 6, else 3)")
+    p.add_argument("--warmup", type=int, default=1, help="first iterations left out of the medians")
+    p.add_argument("--prompt_len", type=int, default=32, help="--max_prompt_seq_len")
+    p.add_argument("--answer_len", type=int, default=24, help="fixed answer length (min = max)")
+    p.add_argument("--batch_size", type=int, default=8, help="--per_device_generation_batch_size (rollout per rank)")
+    p.add_argument("--train_batch_size", type=int, default=4, help="--per_device_training_batch_size (PPO mini-batch)")
+    p.add_argument("--ppo_epochs", type=int, default=1)
+    p.add_argument("--num_prompts", type=int, default=256)
+    p.add_argument("--master_port", type=int, default=29541)
+    p.add_argument("--timeout", type=int, default=600, help="seconds per launch")
+    p.add_argument("--save", default=None)
+    args = p.parse_args(argv)
+    if args.tiny:
+        from utils.tiny_model import make_tiny_model_cached
+
+        model_dir = make_tiny_model_cached("llama")
+    else:
+        model_dir = args.model_name_or_path or SMOL
+    args.steps = args.steps or (6 if args.tiny else 3)
+    names = [n for n in args.configs.split(",") if n]
+    for n in names:
+        if n not in CONFIGS:
+            raise SystemExit(f"error: unknown configuration {n!r}; choose from {list(CONFIGS)}")
+    prompts = write_prompts(os.path.join(RUNS, "prompts.jsonl"), args.num_prompts)
+
+    import deepspeed
+    import torch
+    import transformers
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        cfg = json.load(f)
+    lines = [f"# bench/step3.py  {time.strftime('%Y-%m-%d %H:%M:%S')}",
+             f"machine: {os.cpu_count()} CPU cores; SHARED with other engineers' runs: timings are noisy",
+             f"launch: deepspeed --num_gpus 2 --module step3_ppo.main (2 CPU ranks, gloo), OMP_NUM_THREADS=1; "
+             f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}; "
+             f"no malloc tuning (MALLOC_* unset)",
+             f"model: {model_dir} ({cfg.get('model_type')}, hidden {cfg.get('hidden_size')}, layers "
+             f"{cfg.get('num_hidden_layers')}, vocab {cfg.get('vocab_size')}), fp32, full fine-tuning (no LoRA), "
+             f"actor = reference, critic = reward = backbone + fresh value head",
+             f"PPO: {args.steps} iterations per run (first {args.warmup} dropped), rollout {args.batch_size} prompts per "
+             f"rank (x2 ranks), prompt <= {args.prompt_len} tokens, answer exactly {args.answer_len} tokens "
+             f"(sampled, T=1), PPO mini-batch {args.train_batch_size}, {args.ppo_epochs} PPO epoch(s)",
+             f"prompts: {prompts} ({args.num_prompts} rows from data/demo/pairs/train.jsonl), --data_split 0,0,1"]
+    lines += machine_lines("before")
+    print("\n".join(lines), flush=True)
+    results = []
+    for i, name in enumerate(names):
+        results.append(run_config(args, model_dir, prompts, name, args.master_port + i))
+
+    head = (f"{'config':11s} {'s/iter':>7s} {'samples/s':>9s} {'gen s':>6s} {'exp s':>6s} {'train s':>7s} "
+            f"{'gen %':>6s} {'exp %':>6s} {'train %':>7s} {'wall s':>7s} {'cpu/wall':>8s}   all iterations (s)")
+    out = ["", head]
+    for r in results:
+        out.append(f"{r['name']:11s} {r['step_s']:7.2f} {r['samples_per_s']:9.2f} {r['gen_s']:6.2f} {r['exp_s']:6.2f} "
+                   f"{r['train_s']:7.2f} {100 * r['gen_share']:5.1f}% {100 * r['exp_share']:5.1f}% "
+                   f"{100 * r['train_share']:6.1f}% {r['wall_s']:7.0f} {r['cpu_s'] / r['wall_s']:8.2f}   "
+                   + " ".join(f"{s:.2f}" for s in r["all_step_s"]))
+    out.append("(s/iter, gen/exp/train s: medians of rank 0's iteration times; %: share of the summed timed "
+               "iterations; wall s: whole launch incl. start-up, model loading and the final export)")
+    out.append("peak RSS of the largest rank process so far (MiB, cumulative max): "
+               + ", ".join(f"{r['name']} {r['max_rss_mib']:.0f}" for r in results))
+    if "z2+hybrid" in by_name(results) and "z2" in by_name(results):
+        out.append("note: without LoRA, z2 and z2+hybrid run the SAME code (no ZeRO-3 gather, nothing to merge): "
+                   "their difference is the run-to-run noise of this machine")
+    for r in results:
+        shares = {"generation": r["gen_share"], "experience (4 forwards)": r["exp_share"], "training": r["train_share"]}
+        big = max(shares, key=shares.get)
+        out.append(f"biggest share in {r['name']}: {big} ({100 * shares[big]:.0f}%)")
+    by = {r["name"]: r for r in results}
+    for a, b in (("z3+hybrid", "z3"), ("z2+hybrid", "z2"), ("z2+hybrid", "z3+hybrid"), ("z2", "z3")):
+        if a in by and b in by:
+            out.append(f"speed-up {a} over {b}: {by[b]['step_s'] / by[a]['step_s']:.2f}x per iteration "
+                       f"(generation {by[b]['gen_s'] / by[a]['gen_s']:.2f}x)")
+    out += machine_lines("after")
+    print("\n".join(out), flush=True)
+    if args.save:
+        with open(args.save, "w") as f:
+            f.write("\n".join(lines + out) + "\n")
+        with open(os.path.splitext(args.save)[0] + ".json", "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
