@@ -20,8 +20,8 @@ from utils.distributed import all_reduce_sum, init_distributed, is_rank0, rank_b
 from utils.ds_config import train_ds_config
 from utils.logging import MetricsLogger, print_rank0
 from utils.model import causal_lm_logits, hf_zero3_disabled, load_causal_lm, load_tokenizer
-from utils.training import (add_data_args, add_engine_args, add_model_args, build_trained_engine, spec_from_args,
-                            validate_engine_args)
+from utils.training import (add_data_args, add_engine_args, add_model_args, build_trained_engine, run_micro_batches,
+                            spec_from_args, validate_engine_args)
 
 
 def parse_args(argv=None):
@@ -118,40 +118,24 @@ def main(argv=None):
     guard = BadStepGuard(loop, args.max_bad_steps, checkpointing)
     start = time.time()
     progress = _progress(total_steps, loop.step)
-    accumulated = []
-    while loop.step < total_steps and loop.epoch < args.num_train_epochs:
-        sampler.set_epoch(loop.epoch)
-        for index, batch in enumerate(loader):
-            if index < loop.batches_in_epoch:
-                continue  # consumed before the checkpoint this run resumed from
-            loop.batches_in_epoch = index + 1
-            logits = causal_lm_logits(engine, batch["input_ids"], batch["attention_mask"])
-            nll, count = response_nll(logits, batch["labels"])
-            loss = nll / count.clamp(min=1)
-            if not guard.all_finite(loss):
-                print_rank0(f"[step1] skipped a batch with a non-finite loss ({loop.bad_steps} so far)")
-                continue
-            engine.backward(loss)
-            engine.step()
-            accumulated.append(loss.item())
-            if not engine.is_gradient_accumulation_boundary():
-                continue
-            loop.step += 1
-            (mean_loss,) = all_reduce_sum([sum(accumulated) / len(accumulated)])
-            mean_loss /= world_size()
-            accumulated = []
-            logger.log(loop.step, {"train/loss": mean_loss, "train/lr": engine.get_lr()[0], "epoch": loop.epoch,
-                                   "train/bad_steps": loop.bad_steps})
-            if progress is not None:
-                progress.update(1)
-                progress.set_postfix(loss=f"{mean_loss:.4f}")
-            if args.print_loss:
-                print_rank0(f"[step1] step {loop.step} loss {mean_loss:.4f}")
-            checkpointing.maybe_save(loop, {"ppl_before": ppl_before})
-            if loop.step >= total_steps:
-                break
-        else:
-            loop.epoch, loop.batches_in_epoch = loop.epoch + 1, 0
+    def micro_step(batch):
+        logits = causal_lm_logits(engine, batch["input_ids"], batch["attention_mask"])
+        nll, count = response_nll(logits, batch["labels"])
+        return nll / count.clamp(min=1), ()
+
+    def on_step(means):
+        (mean_loss,) = means
+        logger.log(loop.step, {"train/loss": mean_loss, "train/lr": engine.get_lr()[0], "epoch": loop.epoch,
+                               "train/bad_steps": loop.bad_steps})
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(loss=f"{mean_loss:.4f}")
+        if args.print_loss:
+            print_rank0(f"[step1] step {loop.step} loss {mean_loss:.4f}")
+        checkpointing.maybe_save(loop, {"ppl_before": ppl_before})
+
+    run_micro_batches(engine, loader, sampler, loop, total_steps, args.num_train_epochs, guard, micro_step, on_step,
+                      "step1")
     if progress is not None:
         progress.close()
 

@@ -24,8 +24,8 @@ from utils.logging import MetricsLogger, print_rank0
 from utils.model import hf_zero3_disabled, load_tokenizer
 from utils.reward_model import (RewardModel, export_reward_model, pair_metrics, pairwise_loss, sequence_score,
                                 split_pair_batch)
-from utils.training import (add_data_args, add_engine_args, add_model_args, build_trained_engine, spec_from_args,
-                            validate_engine_args)
+from utils.training import (add_data_args, add_engine_args, add_model_args, build_trained_engine, run_micro_batches,
+                            spec_from_args, validate_engine_args)
 
 
 def parse_args(argv=None):
@@ -151,43 +151,28 @@ def main(argv=None):
     guard = BadStepGuard(loop, args.max_bad_steps, checkpointing)
     start, eval_time = time.time(), 0.0
     progress = _progress(total_steps, loop.step)
-    accumulated = []
-    while loop.step < total_steps and loop.epoch < args.num_train_epochs:
-        sampler.set_epoch(loop.epoch)
-        for index, batch in enumerate(loader):
-            if index < loop.batches_in_epoch:
-                continue  # consumed before the checkpoint this run resumed from
-            loop.batches_in_epoch = index + 1
-            chosen, rejected = pair_scores(engine, batch)
-            loss = pairwise_loss(chosen, rejected, args.margin)
-            if not guard.all_finite(loss):
-                print_rank0(f"[step2] skipped a batch with a non-finite loss ({loop.bad_steps} so far)")
-                continue
-            engine.backward(loss)
-            engine.step()
-            m = pair_metrics(chosen, rejected)
-            accumulated.append((loss.item(), m["accuracy"], m["margin_mean"]))
-            if not engine.is_gradient_accumulation_boundary():
-                continue
-            loop.step += 1
-            sums = [sum(col) / len(accumulated) for col in zip(*accumulated)]
-            mean_loss, mean_acc, mean_margin = (v / world_size() for v in all_reduce_sum(sums))
-            accumulated = []
-            logger.log(loop.step, {"train/loss": mean_loss, "train/accuracy": mean_acc, "train/margin": mean_margin,
-                                   "train/lr": engine.get_lr()[0], "epoch": loop.epoch,
-                                   "train/bad_steps": loop.bad_steps})
-            if progress is not None:
-                progress.update(1)
-                progress.set_postfix(loss=f"{mean_loss:.4f}", acc=f"{mean_acc:.2f}")
-            if args.print_loss:
-                print_rank0(f"[step2] step {loop.step} loss {mean_loss:.4f} accuracy {mean_acc:.3f}")
-            if args.eval_interval and loop.step % args.eval_interval == 0 and loop.step < total_steps:
-                eval_time += run_eval(loop.step)["time/eval_s"]
-            checkpointing.maybe_save(loop, {"before": before})
-            if loop.step >= total_steps:
-                break
-        else:
-            loop.epoch, loop.batches_in_epoch = loop.epoch + 1, 0
+
+    def micro_step(batch):
+        chosen, rejected = pair_scores(engine, batch)
+        m = pair_metrics(chosen, rejected)
+        return pairwise_loss(chosen, rejected, args.margin), (m["accuracy"], m["margin_mean"])
+
+    def on_step(means):
+        nonlocal eval_time
+        mean_loss, mean_acc, mean_margin = means
+        logger.log(loop.step, {"train/loss": mean_loss, "train/accuracy": mean_acc, "train/margin": mean_margin,
+                               "train/lr": engine.get_lr()[0], "epoch": loop.epoch, "train/bad_steps": loop.bad_steps})
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(loss=f"{mean_loss:.4f}", acc=f"{mean_acc:.2f}")
+        if args.print_loss:
+            print_rank0(f"[step2] step {loop.step} loss {mean_loss:.4f} accuracy {mean_acc:.3f}")
+        if args.eval_interval and loop.step % args.eval_interval == 0 and loop.step < total_steps:
+            eval_time += run_eval(loop.step)["time/eval_s"]
+        checkpointing.maybe_save(loop, {"before": before})
+
+    run_micro_batches(engine, loader, sampler, loop, total_steps, args.num_train_epochs, guard, micro_step, on_step,
+                      "step2")
     if progress is not None:
         progress.close()
     elapsed = time.time() - start - eval_time  # optimisation only: evaluations are timed apart

@@ -180,3 +180,40 @@ def build_trained_engine(model: torch.nn.Module, ds_config: dict, spec: EngineSp
     engine = initialize_engine(model, ds_config, optimizer, scheduler)
     engine.train()  # from_pretrained returns eval mode: without this, dropout would silently stay off
     return engine
+
+
+def run_micro_batches(engine, loader, sampler, loop, total_steps: int, num_epochs: int, guard, micro_step,
+                      on_step, name: str) -> None:
+    """The training loop of steps 1 and 2, resumable from `loop`'s position.
+
+    `micro_step(batch) -> (loss, extra_stats)`; a non-finite loss (on any rank) skips its update.
+    At each gradient-accumulation boundary `loop.step` advances and `on_step([mean loss, mean
+    extra stats...])` gets the means over the accumulated micro-batches and all ranks.
+    """
+    from utils.distributed import all_reduce_sum, world_size
+    from utils.logging import print_rank0
+
+    accumulated = []
+    while loop.step < total_steps and loop.epoch < num_epochs:
+        sampler.set_epoch(loop.epoch)
+        for index, batch in enumerate(loader):
+            if index < loop.batches_in_epoch:
+                continue  # consumed before the checkpoint this run resumed from
+            loop.batches_in_epoch = index + 1
+            loss, extra = micro_step(batch)
+            if not guard.all_finite(loss):
+                print_rank0(f"[{name}] skipped a batch with a non-finite loss ({loop.bad_steps} so far)")
+                continue
+            engine.backward(loss)
+            engine.step()
+            accumulated.append((loss.item(), *extra))
+            if not engine.is_gradient_accumulation_boundary():
+                continue
+            loop.step += 1
+            local_means = [sum(column) / len(accumulated) for column in zip(*accumulated)]
+            accumulated = []
+            on_step([value / world_size() for value in all_reduce_sum(local_means)])
+            if loop.step >= total_steps:
+                break
+        else:
+            loop.epoch, loop.batches_in_epoch = loop.epoch + 1, 0
