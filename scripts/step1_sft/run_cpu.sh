@@ -12,6 +12,6 @@ deepspeed --num_gpus "${NUM_RANKS:-2}" --master_port "$MASTER_PORT" --module ste
   --zero_stage 3 --dtype fp32 --max_seq_len 64 \
   --per_device_train_batch_size 8 --per_device_eval_batch_size 16 --gradient_accumulation_steps 1 \
   --learning_rate 5e-5 --lr_scheduler_type cosine --num_warmup_steps 5 --weight_decay 0.0 \
-  --num_train_epochs 1 --max_steps "${MAX_STEPS:-60}" --seed 1234 --dropout 0.0 \
+  --num_train_epochs 1 --max_steps "${MAX_STEPS:-40}" --seed 1234 --dropout 0.0 \
   --output_dir "$OUTPUT" "$@" 2>&1 | tee "$OUTPUT/train.log"
 exit "${PIPESTATUS[0]}"
