@@ -12,8 +12,13 @@ MASTER_PORT_GIVEN="${MASTER_PORT:-}"
 MASTER_PORT="${MASTER_PORT:-$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
 DEMO_DATA="${DEMO_DATA:-$ROOT/data/demo}"
 
-default_model() {  # prints the converted SmolLM2-135M-Instruct directory (converted once)
-  python -m utils.default_model --print_path 2>/dev/null | tail -n 1
+# Both print only the model folder on stdout (progress and library warnings go to stderr) and
+# fail the script when the folder cannot be made.
+default_model() {  # the converted SmolLM2-135M-Instruct directory (converted once)
+  python -m utils.default_model --print_path
+}
+tiny_model() {  # a tiny random model of architecture $1 (gpt2, llama, opt), built once into the cache
+  python -m utils.tiny_model --arch "$1" --print_path
 }
 
 # Runs a launcher command with its output copied to LOG, and forwards SIGTERM/SIGINT to the whole

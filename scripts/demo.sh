@@ -18,17 +18,16 @@ while [ $# -gt 0 ]; do
     *) echo "unknown argument: $1 (use --step 1 2 3, --output_root DIR, --quick)" >&2; exit 2 ;;
   esac
 done
-bash "$ROOT/scripts/setup.sh"
-source "$ROOT/.venv/bin/activate"
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-cd "$ROOT"
+USER_OMP_NUM_THREADS="${OMP_NUM_THREADS:-}"
+# shellcheck source=common.sh
+source "$ROOT/scripts/common.sh"  # set-up, venv, offline mode, default_model/tiny_model
 python -m data.make_demo_data --out "$ROOT/data/demo" >/dev/null
 STEP1="$OUTPUT_ROOT/step1" STEP2="$OUTPUT_ROOT/step2" STEP3="$OUTPUT_ROOT/step3"
 if [ "$QUICK" = 1 ]; then
-  BASE="$(python -c 'from utils.tiny_model import make_tiny_model_cached as m; print(m("llama"))')"
+  BASE="$(tiny_model llama)"
   S1=(--max_steps 3) S2=(--max_steps 3) S3=(--max_steps 2 --max_answer_seq_len 8) EVAL=(--num_prompts 8 --max_new_tokens 8)
 else
-  BASE="$(python -m utils.default_model --print_path 2>/dev/null | tail -n 1)"
+  BASE="$(default_model)"
   S1=() S2=() S3=() EVAL=(--num_prompts 64)
 fi
 start=$(date +%s)
@@ -48,7 +47,7 @@ done
 if [ -f "$STEP3/actor/model.safetensors" ]; then
   t0=$(date +%s)
   echo "[demo] evaluating SFT vs RLHF on held-out prompts"
-  OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}" python -m step3_ppo.eval --sft_model "$STEP1" --rlhf_model "$STEP3/actor" \
+  OMP_NUM_THREADS="${USER_OMP_NUM_THREADS:-2}" python -m step3_ppo.eval --sft_model "$STEP1" --rlhf_model "$STEP3/actor" \
     --reward_model "$STEP2" --out "$OUTPUT_ROOT/eval.json" "${EVAL[@]}" | tee "$OUTPUT_ROOT/eval.txt"
   echo "[demo] evaluation took $(( $(date +%s) - t0 )) s"
 fi

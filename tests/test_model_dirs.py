@@ -174,3 +174,31 @@ def test_converted_default_model():
     with torch.no_grad():
         logits = model(**ids, use_cache=False).logits
     assert torch.isfinite(logits).all()
+
+
+def _stdout_of(code_or_args, env_extra=None):
+    import subprocess
+    import sys
+
+    from tests.launch import ROOT, subprocess_env
+
+    env = subprocess_env()
+    env.update(env_extra or {})
+    args = [sys.executable] + (["-c", code_or_args] if isinstance(code_or_args, str) else code_or_args)
+    proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout
+
+
+def test_print_path_keeps_library_noise_off_stdout():
+    """Scripts read `$(python -m ... --print_path)`: prints and fd-level writes must go to stderr."""
+    out = _stdout_of("import os; from utils.cache import print_path_for_scripts as p; "
+                     "p(lambda: (print('noise'), os.write(1, b'fd noise\\n'), '/some/dir')[-1])")
+    assert out == "/some/dir\n"
+
+
+def test_tiny_model_cli_prints_only_the_folder_on_a_cold_cache(tmp_path):
+    """CI regression: on a cold cache DeepSpeed's import warning landed in the captured path."""
+    out = _stdout_of(["-m", "utils.tiny_model", "--arch", "gpt2", "--print_path"], {"RLHF_CACHE": str(tmp_path)})
+    lines = out.splitlines()
+    assert len(lines) == 1 and os.path.isdir(lines[0]) and lines[0].startswith(str(tmp_path)), out

@@ -20,3 +20,24 @@ def relax_permissions(path: str) -> None:
         full = os.path.join(path, name)
         if os.path.isfile(full):
             os.chmod(full, 0o666 & ~umask)
+
+
+def print_path_for_scripts(make_path) -> None:
+    """Run `make_path()` with everything it prints sent to stderr, then print only its result.
+
+    Shell scripts read a model folder as `$(python -m ... --print_path)`. Libraries imported on
+    the way (DeepSpeed's accelerator warning, op builds) write to stdout, some of them at the file
+    descriptor level, so fd 1 itself is pointed at stderr while the work runs.
+    """
+    import sys
+
+    sys.stdout.flush()
+    saved_stdout = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        path = make_path()
+        sys.stdout.flush()
+    finally:
+        os.dup2(saved_stdout, 1)
+        os.close(saved_stdout)
+    print(path, flush=True)

@@ -23,7 +23,7 @@ import shutil
 import tempfile
 import time
 
-from utils.cache import default_cache_root, relax_permissions
+from utils.cache import default_cache_root, print_path_for_scripts, relax_permissions
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -167,11 +167,11 @@ def main(argv=None) -> None:
     parser.add_argument("--print_path", action="store_true", help="only print the directory (for scripts)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.print_path:
+        print_path_for_scripts(lambda: ensure_default_model(args.out))
+        return
     start = time.time()
     path = ensure_default_model(args.out)
-    if args.print_path:
-        print(path)
-        return
     print(f"model dir: {path} (ready in {time.time() - start:.1f} s)")
     for key, value in describe(path).items():
         print(f"  {key}: {value}")

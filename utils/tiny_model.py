@@ -37,7 +37,7 @@ import os
 import shutil
 import tempfile
 
-from utils.cache import default_cache_root, relax_permissions
+from utils.cache import default_cache_root, print_path_for_scripts, relax_permissions
 
 ARCHS = ("gpt2", "llama", "opt")
 PAD_TOKEN = "<pad>"
@@ -185,16 +185,27 @@ def _read_marker(path: str):
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", choices=ARCHS, required=True)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", default=None,
+                        help="folder to write; default: the shared cache entry for --arch (default sizes only)")
+    parser.add_argument("--print_path", action="store_true",
+                        help="print only the model folder on stdout (for scripts); all else goes to stderr")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--max_positions", type=int, default=512)
     args = parser.parse_args(argv)
-    out = make_tiny_model(args.arch, args.out, seed=args.seed, hidden_size=args.hidden, num_layers=args.layers,
-                          num_heads=args.heads, max_positions=args.max_positions)
-    print(out)
+
+    def make() -> str:
+        if args.out is None:
+            return make_tiny_model_cached(args.arch)
+        return make_tiny_model(args.arch, args.out, seed=args.seed, hidden_size=args.hidden,
+                               num_layers=args.layers, num_heads=args.heads, max_positions=args.max_positions)
+
+    if args.print_path:
+        print_path_for_scripts(make)
+    else:
+        print(make())
 
 
 if __name__ == "__main__":
