@@ -17,6 +17,9 @@ DEMO_DATA="${DEMO_DATA:-$ROOT/data/demo}"
 default_model() {  # the converted SmolLM2-135M-Instruct directory (converted once)
   python -m utils.default_model --print_path
 }
+step1_output_or_default_model() {  # step 2's backbone: out/step1 when step 1 ran, else the default
+  if [ -f "$ROOT/out/step1/model.safetensors" ]; then echo "$ROOT/out/step1"; else default_model; fi
+}
 tiny_model() {  # a tiny random model of architecture $1 (gpt2, llama, opt), built once into the cache
   python -m utils.tiny_model --arch "$1" --print_path
 }

@@ -28,8 +28,38 @@ def init_distributed(timeout_s: int = 600) -> None:
     if "RANK" not in os.environ:
         os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
+    tune_malloc()
     deepspeed.init_distributed(timeout=datetime.timedelta(seconds=timeout_s), auto_mpi_discovery=False)
     _unlink_shm_buffer()
+
+
+# glibc mallopt parameters (malloc.h) and the values `tune_malloc` sets (mallopt takes C ints).
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4
+MALLOC_TUNING = {"MALLOC_MMAP_MAX_": (_M_MMAP_MAX, 0),
+                 "MALLOC_TRIM_THRESHOLD_": (_M_TRIM_THRESHOLD, 2**31 - 1),
+                 "MALLOC_TOP_PAD_": (_M_TOP_PAD, 1 << 30)}
+
+
+def tune_malloc() -> bool:
+    """Keep freed memory in the heap for reuse instead of unmapping it (glibc only).
+
+    ZeRO-3 gathers and frees parameter and gradient buffers of tens of MB on every forward and
+    backward. glibc serves blocks over 32 MB with a fresh mmap and unmaps them on free, so every
+    gather page-faults and zero-fills its memory again (shared/notes/peer-trl.md). Serving all
+    blocks from the heap and never trimming it removes those faults once the heap has grown to
+    the working set (a bounded plateau, not a leak). Skipped when the user set any of these
+    MALLOC_* variables or RLHF_MALLOC_TUNING=0. Returns whether it was applied.
+    """
+    if os.environ.get("RLHF_MALLOC_TUNING", "1") == "0" or any(name in os.environ for name in MALLOC_TUNING):
+        return False
+    import ctypes
+    import ctypes.util
+
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc (musl, macOS)
+        return False
+    return all(mallopt(param, value) == 1 for param, value in MALLOC_TUNING.values())
 
 
 def _unlink_shm_buffer() -> None:

@@ -10,9 +10,7 @@
 # usage: bash scripts/step2_reward/run_cpu.sh [OUTPUT_DIR] [extra step2_reward/main.py arguments]
 source "$(dirname "$0")/../common.sh"
 OUTPUT="${1:-$ROOT/out/step2}"; shift || true
-if [ -z "${MODEL:-}" ]; then
-  if [ -f "$ROOT/out/step1/model.safetensors" ]; then MODEL="$ROOT/out/step1"; else MODEL="$(default_model)"; fi
-fi
+MODEL="${MODEL:-$(step1_output_or_default_model)}"
 if [ -z "${DATA:-}" ]; then ensure_demo_data; DATA="$DEMO_DATA/pairs"; fi
 mkdir -p "$OUTPUT"
 echo "[step2] model $MODEL, data $DATA, output $OUTPUT"

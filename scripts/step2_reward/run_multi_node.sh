@@ -4,9 +4,7 @@
 #        MULTI_NODE_MODE=no_ssh NODE_RANK=i MASTER_ADDR=host0 MASTER_PORT=p ... (one node per call)
 source "$(dirname "$0")/../common.sh"
 OUTPUT="${1:-$ROOT/out/step2}"; shift || true
-if [ -z "${MODEL:-}" ]; then
-  if [ -f "$ROOT/out/step1/model.safetensors" ]; then MODEL="$ROOT/out/step1"; else MODEL="$(default_model)"; fi
-fi
+MODEL="${MODEL:-$(step1_output_or_default_model)}"
 if [ -z "${DATA:-}" ]; then ensure_demo_data; DATA="$DEMO_DATA/pairs"; fi
 mkdir -p "$OUTPUT"
 LAUNCH="$(multi_node_launcher "${HOSTFILE:-./hostfile}")"

@@ -3,9 +3,7 @@
 # usage: MODEL=path/to/step1/output bash scripts/step2_reward/run_single_gpu.sh [OUTPUT_DIR] [extra args]
 source "$(dirname "$0")/../common.sh"
 OUTPUT="${1:-$ROOT/out/step2}"; shift || true
-if [ -z "${MODEL:-}" ]; then
-  if [ -f "$ROOT/out/step1/model.safetensors" ]; then MODEL="$ROOT/out/step1"; else MODEL="$(default_model)"; fi
-fi
+MODEL="${MODEL:-$(step1_output_or_default_model)}"
 if [ -z "${DATA:-}" ]; then ensure_demo_data; DATA="$DEMO_DATA/pairs"; fi
 mkdir -p "$OUTPUT"
 deepspeed --num_gpus 1 --master_port "$MASTER_PORT" --module step2_reward.main \
