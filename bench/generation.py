@@ -35,7 +35,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-SMOL = os.path.join(REPO, ".cache", "models", "SmolLM2-135M-Instruct")
+from bench.common import SMOL, machine_line, machine_lines, malloc_line, save_report  # noqa: E402
+
 MODE_LABELS = {"limit_1proc": "(1)  limit: unsharded plain generate, 1 process",
                "unsharded": "(1b) limit side by side: unsharded copy on each rank",
                "plain": "(2)  plain generate, ZeRO-3 (synced_gpus)",
@@ -332,37 +333,17 @@ def _trim_profile(text: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------- orchestrator
-def machine_lines(label: str) -> list[str]:
-    load = os.getloadavg()
-    mem = {}
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                k, v = line.split(":")
-                mem[k] = int(v.split()[0]) // 1024
-    except OSError:
-        pass
-    return [f"load average {label}: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (1/5/15 min); "
-            f"memory available {mem.get('MemAvailable', '?')} MiB of {mem.get('MemTotal', '?')} MiB"]
-
-
 def header_lines(args, model_dir: str) -> list[str]:
     import torch
     import deepspeed
     import transformers
     import peft
 
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
-    except OSError:
-        pass
     with open(os.path.join(model_dir, "config.json")) as f:
         cfg = json.load(f)
     return [
         f"# bench/generation.py  {time.strftime('%Y-%m-%d %H:%M:%S')}",
-        f"machine: {os.cpu_count()} CPU cores ({cpu}); SHARED with other engineers' runs: timings are noisy",
+        machine_line(), malloc_line(),
         f"threads: OMP_NUM_THREADS=1 in every process (1 process for (1), 2 ranks for the rest)",
         f"versions: python {platform.python_version()}, torch {torch.__version__}, deepspeed {deepspeed.__version__}, "
         f"transformers {transformers.__version__}, peft {peft.__version__}",
@@ -517,10 +498,7 @@ def main(argv=None):
         out += ["", f"=== profile of {MODE_LABELS.get(mode, mode)}", text]
     out += machine_lines("after") + [f"total wall time {time.time() - wall:.0f} s"]
     print("\n".join(out), flush=True)
-    if args.save:
-        os.makedirs(os.path.dirname(os.path.abspath(args.save)), exist_ok=True)
-        with open(args.save, "w") as f:
-            f.write("\n".join(lines + out) + "\n")
+    save_report(args.save, lines + out)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,9 @@ on both sides), rollout (--batch_size prompts per rank x 2 ranks), answer length
 min = max; TRL has no stop token, so it always generates response_length tokens), sampling at
 temperature 1 (top_k 0, top_p 1), PPO mini-batch (--train_batch_size), PPO epochs, fp32 (TRL:
 bf16=False and ACCELERATE_MIXED_PRECISION=no), no gradient checkpointing (TRL's default is on:
-turned off), ZeRO-3 on both sides (ours: --actor/critic_zero_stage 3 --enable_hybrid_engine;
-TRL: through accelerate's environment (ACCELERATE_USE_DEEPSPEED, shared/notes) with the same ZeRO-3
-section as ours and ds3_gather_for_generation=True, TRL's own gathered generation), torch AdamW on
+turned off), the same ZeRO stage on both sides (--zero_stage, default 3; ours: --actor/critic_zero_stage
+and --enable_hybrid_engine; TRL: through accelerate's environment (ACCELERATE_USE_DEEPSPEED,
+shared/notes) with the same ZeRO section as ours, ds3_gather_for_generation=True), torch AdamW on
 both sides, no eval generations (num_sample_generations=0), no saving.
 
 TRL batch mapping: per_device_train_batch_size = rollout per rank, gradient_accumulation_steps 1,
@@ -42,6 +42,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
+
+from bench.common import RUNS, SMOL, machine_line, machine_lines, malloc_line, save_report  # noqa: E402
 
 TRL_VENV = os.path.join(REPO, "bench", ".venv-trl")
 MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "17179869184", "MALLOC_TOP_PAD_": "1073741824"}
@@ -183,12 +185,13 @@ def worker(argv) -> None:
 
 
 # ------------------------------------------------------------------------------------- orchestrator
-def ds_zero3_config(path: str) -> str:
-    """Our ZeRO-3 section (utils.ds_config) for TRL through accelerate, batch sizes left to accelerate."""
+def ds_config_file(path: str, stage: int) -> str:
+    """Our ZeRO section (utils.ds_config) for TRL through accelerate, batch sizes left to accelerate."""
     from utils.ds_config import _zero_section
 
     config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-              "train_batch_size": "auto", "gradient_clipping": 1.0, "zero_optimization": _zero_section(3, False, False),
+              "train_batch_size": "auto", "gradient_clipping": 1.0,
+              "zero_optimization": _zero_section(stage, False, False),
               "zero_allow_untested_optimizer": True, "steps_per_print": 10**9, "wall_clock_breakdown": False,
               "bf16": {"enabled": False}, "fp16": {"enabled": False}}
     with open(path, "w") as f:
@@ -223,7 +226,8 @@ def run_trl(args, model_dir: str, prompts: str, out_dir: str) -> dict:
     env.update({"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
                 "PYTHONWARNINGS": "ignore", "PATH": os.path.join(TRL_VENV, "bin") + os.pathsep + env.get("PATH", ""),
                 "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_MIXED_PRECISION": "no",
-                "ACCELERATE_DEEPSPEED_CONFIG_FILE": ds_zero3_config(os.path.join(out_dir, "ds_zero3.json")),
+                "ACCELERATE_DEEPSPEED_CONFIG_FILE": ds_config_file(os.path.join(out_dir, f"ds_zero{args.zero_stage}.json"),
+                                                                    args.zero_stage),
                 "PYTHONPATH": REPO})
     if args.malloc_tuning:
         env.update(MALLOC_ENV)
@@ -260,7 +264,6 @@ def run_trl(args, model_dir: str, prompts: str, out_dir: str) -> dict:
 
 def main(argv=None):
     from bench import step3
-    from bench.generation import SMOL, machine_lines
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true")
@@ -273,6 +276,7 @@ def main(argv=None):
     p.add_argument("--train_batch_size", type=int, default=4, help="PPO mini-batch per rank")
     p.add_argument("--ppo_epochs", type=int, default=1)
     p.add_argument("--num_prompts", type=int, default=256)
+    p.add_argument("--zero_stage", type=int, default=3, choices=[2, 3], help="ZeRO stage of BOTH sides")
     p.add_argument("--malloc_tuning", action="store_true",
                    help=f"set {' '.join(f'{k}={v}' for k, v in MALLOC_ENV.items())} for BOTH sides")
     p.add_argument("--skip_ours", action="store_true", help="TRL only (for debugging)")
@@ -289,7 +293,7 @@ def main(argv=None):
     else:
         model_dir = args.model_name_or_path or SMOL
     args.steps = args.steps or (6 if args.tiny else 3)
-    prompts = step3.write_prompts(os.path.join(step3.RUNS, "prompts.jsonl"), args.num_prompts)
+    prompts = step3.write_prompts(os.path.join(RUNS, "prompts.jsonl"), args.num_prompts)
     if args.malloc_tuning:
         os.environ.update(MALLOC_ENV)  # inherited by our step 3 launch too
 
@@ -303,11 +307,12 @@ def main(argv=None):
     except (OSError, subprocess.SubprocessError):
         pass
     lines = [f"# bench/peer_trl.py  {time.strftime('%Y-%m-%d %H:%M:%S')}",
-             f"machine: {os.cpu_count()} CPU cores; SHARED with other engineers' runs: timings are noisy",
+             machine_line(),
              f"TRL venv {TRL_VENV}: trl torch deepspeed transformers accelerate = {trl_version}",
-             f"model: {model_dir}; fp32; ZeRO-3 both sides (ours: hybrid generation mode; TRL: "
-             f"ds3_gather_for_generation); 2 ranks, OMP_NUM_THREADS=1; malloc tuning: "
-             f"{'ON for both sides' if args.malloc_tuning else 'off for both sides'}",
+             f"model: {model_dir}; fp32; ZeRO-{args.zero_stage} both sides (ours: --enable_hybrid_engine; TRL: "
+             f"ds3_gather_for_generation=True); 2 ranks, OMP_NUM_THREADS=1",
+             "ours: " + malloc_line() + "; TRL: " + ("the same MALLOC_* environment" if args.malloc_tuning
+                                                     else "glibc defaults"),
              f"PPO: {args.steps} iterations per side (first {args.warmup} dropped), rollout {args.batch_size}/rank x 2, "
              f"prompt <= {args.prompt_len}, answer exactly {args.answer_len} tokens, sampled T=1, mini-batch "
              f"{args.train_batch_size}, {args.ppo_epochs} PPO epoch(s); prompts {prompts}"]
@@ -317,14 +322,14 @@ def main(argv=None):
     ours = None
     if not args.skip_ours:
         step3_args = argparse.Namespace(**{**vars(args), "timeout": args.timeout})
-        ours = step3.run_config(step3_args, model_dir, prompts, "z3+hybrid", args.master_port)
-    trl_dir = os.path.join(step3.RUNS, "trl", os.path.basename(model_dir.rstrip("/")))
+        ours = step3.run_config(step3_args, model_dir, prompts, f"z{args.zero_stage}+hybrid", args.master_port)
+    trl_dir = os.path.join(RUNS, "trl", f"{os.path.basename(model_dir.rstrip('/'))}-z{args.zero_stage}")
     theirs = run_trl(args, model_dir, prompts, trl_dir)
 
     out = ["", f"{'side':28s} {'s/iter':>7s} {'samples/s':>9s} {'gen s':>6s} {'exp s':>6s} {'train s':>7s} "
                f"{'other s':>7s} {'wall s':>7s} {'cpu/wall':>8s}   all iterations (s)"]
     if ours:
-        out.append(f"{'ours (step3_ppo, z3+hybrid)':28s} {ours['step_s']:7.2f} {ours['samples_per_s']:9.2f} "
+        out.append(f"{'ours (step3_ppo, ' + ours['name'] + ')':28s} {ours['step_s']:7.2f} {ours['samples_per_s']:9.2f} "
                    f"{ours['gen_s']:6.2f} {ours['exp_s']:6.2f} {ours['train_s']:7.2f} {'-':>7s} {ours['wall_s']:7.0f} "
                    f"{ours['cpu_s'] / ours['wall_s']:8.2f}   " + " ".join(f"{s:.2f}" for s in ours["all_step_s"]))
     if "error" in theirs:
@@ -350,9 +355,7 @@ def main(argv=None):
                        f"{theirs['train_s'] / ours['train_s']:.2f}x  (> 1: ours faster)")
     out += machine_lines("after")
     print("\n".join(out), flush=True)
-    if args.save:
-        with open(args.save, "w") as f:
-            f.write("\n".join(lines + out) + "\n")
+    save_report(args.save, lines + out)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
     python bench/step3.py --tiny                                  # tiny random llama
     python bench/step3.py                                         # SmolLM2-135M-shaped model
     python bench/step3.py --save bench/results/2026-11-30-step3-smol.txt
+    python bench/step3.py --ab [--tiny]     # hybrid on/off A/B in ONE process (side by side)
 
 For each configuration (default: ZeRO-3 and ZeRO-2 for actor AND critic, each with and without
 --enable_hybrid_engine) it runs --steps PPO iterations of the unmodified step 3 on the same model
@@ -38,9 +39,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.generation import SMOL, machine_lines  # noqa: E402
+from bench.common import RUNS, SMOL, machine_line, machine_lines, malloc_line, save_report  # noqa: E402
 
-RUNS = os.path.join(REPO, "bench", "runs")
 DEMO_PAIRS = os.path.join(REPO, "data", "demo", "pairs", "train.jsonl")
 CONFIGS = {  # name: (actor/critic ZeRO stage, --enable_hybrid_engine)
     "z3+hybrid": (3, True),
@@ -92,6 +92,149 @@ def summarize(rows: list[dict], warmup: int) -> dict:
             "samples_per_s": statistics.median(r["samples_per_s"] for r in timed),
             **{f"{name}_s": statistics.median(r[k] for r in timed) for name, k in parts.items()},
             **{f"{name}_share": sum(r[k] for r in timed) / total for name, k in parts.items()}}
+
+
+def logits_to_keep_patch():
+    """PROPOSED change, applied by monkeypatching for the A/B only (project code is not edited):
+    step3_ppo/trainer.py policy_logprobs computes the LM head (and log-softmax) only for the
+    positions that predict response tokens (transformers' `logits_to_keep`), not for the prompt.
+    The prompt length of the packed batch is read from the `pack` call that precedes every
+    policy_logprobs call in PPOTrainer.score_rows and train_minibatch. Returns (install, uninstall)."""
+    import torch
+
+    from step3_ppo import ppo
+    from step3_ppo import trainer as trainer_module
+    from utils.model import position_ids_from_attention_mask
+
+    original_pack, original_logprobs = trainer_module.pack, trainer_module.policy_logprobs
+    last = {}
+
+    def pack(rows, pad_token_id):
+        batch = original_pack(rows, pad_token_id)
+        last["prompt_len"] = batch["prompt_len"]
+        return batch
+
+    def policy_logprobs(engine, input_ids, attention_mask, temperature, return_entropy=False):
+        p, length = last["prompt_len"], input_ids.shape[1]
+        out = engine(input_ids=input_ids, attention_mask=attention_mask,
+                     position_ids=position_ids_from_attention_mask(attention_mask), use_cache=False,
+                     logits_to_keep=length - p + 1)
+        logits = out.logits[:, :-1]  # positions p-1 .. L-2: they predict the response tokens p .. L-1
+        if temperature != 1.0:
+            logits = logits / temperature
+        pad = (input_ids.shape[0], p - 1)
+        logprobs = torch.cat([torch.zeros(pad), ppo.logprobs_from_logits(logits, input_ids[:, p:])], dim=1)
+        if return_entropy:
+            entropy = torch.cat([torch.zeros(pad), ppo.entropy_from_logits(logits.detach())], dim=1)
+            return logprobs, entropy
+        return logprobs
+
+    def install():
+        trainer_module.pack, trainer_module.policy_logprobs = pack, policy_logprobs
+
+    def uninstall():
+        trainer_module.pack, trainer_module.policy_logprobs = original_pack, original_logprobs
+
+    return install, uninstall, original_logprobs, policy_logprobs, last
+
+
+def ab_worker(argv) -> None:
+    """One rank of the A/B run: step 3's own setup() and PPOTrainer.step(), alternating per
+    iteration between arm A and arm B (A, B, A, ...): both arms share the process, the engines and
+    the moment, so their ratio is side by side. Rank 0 appends one JSON row per iteration.
+    --ab_variant hybrid: A = plain generation, B = hybrid generation mode.
+    --ab_variant logits_to_keep: both hybrid; B with the proposed policy_logprobs (logits_to_keep_patch)."""
+    import torch
+
+    from step3_ppo.main import parse_args, setup
+    from utils.distributed import is_rank0
+
+    out = argv[argv.index("--ab_out") + 1]
+    variant = argv[argv.index("--ab_variant") + 1]
+    argv = [a for i, a in enumerate(argv) if a not in ("--ab_worker", "--ab_out", "--ab_variant")
+            and argv[i - 1] not in ("--ab_out", "--ab_variant") and not a.startswith("--local_rank")]
+    run = setup(parse_args(argv))
+    patch = logits_to_keep_patch() if variant == "logits_to_keep" else None
+    batches = iter(run.loader)
+    for step in range(run.total_steps):
+        arm_b = step % 2 == 1
+        extra = {}
+        if patch is None:
+            run.trainer.config.enable_hybrid_engine = arm_b
+        else:
+            run.trainer.config.enable_hybrid_engine = True
+            install, uninstall, original, patched, last = patch
+            (install if arm_b else uninstall)()
+            if step == 0:  # the proposed log-probs against the project's on one packed batch
+                from step3_ppo.experience import pack
+
+                rows = run.trainer.generate_rows(next(iter(run.loader)))
+                batch = pack(rows, run.trainer.config.pad_token_id)
+                last["prompt_len"] = batch["prompt_len"]
+                with torch.no_grad():
+                    a = original(run.trainer.actor, batch["input_ids"], batch["attention_mask"], 1.0)
+                    b = patched(run.trainer.actor, batch["input_ids"], batch["attention_mask"], 1.0)
+                mask = batch["action_mask"]
+                extra["logprobs_max_abs_diff"] = float(((a - b) * mask).abs().max())
+        metrics, _ = run.trainer.step([next(batches)], step)
+        if is_rank0():
+            with open(out, "a") as f:
+                f.write(json.dumps({"step": step, "hybrid": arm_b, **extra, **metrics}) + "\n")
+            print(f"[bench.step3 ab] iteration {step} arm {'B' if arm_b else 'A'}: "
+                  f"{sum(metrics[k] for k in ('time/generation_s', 'time/experience_s', 'time/train_s')):.2f} s",
+                  file=sys.stderr, flush=True)
+
+
+def run_ab(args, model_dir, prompts) -> list[str]:
+    stage = args.ab_stage
+    out_dir = os.path.join(RUNS, "step3", f"{os.path.basename(model_dir.rstrip('/'))}-ab-{args.ab_variant}-z{stage}")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.makedirs(out_dir)
+    ab_out = os.path.join(out_dir, "ab.jsonl")
+    cmd = step3_command(args, model_dir, prompts, stage, False, out_dir, args.master_port)
+    cmd[cmd.index("step3_ppo.main")] = "bench.step3"
+    cmd += ["--ab_worker", "--ab_out", ab_out, "--ab_variant", args.ab_variant]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONWARNINGS": "ignore"}
+    start = time.time()
+    with open(os.path.join(out_dir, "launch.log"), "w") as log:
+        proc = subprocess.run(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout)
+    wall = time.time() - start
+    rows = []
+    if os.path.exists(ab_out):
+        with open(ab_out) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    if len(rows) < 4:
+        with open(os.path.join(out_dir, "launch.log")) as f:
+            tail = f.read()[-3000:]
+        raise SystemExit(f"error: A/B run: {len(rows)} iterations (exit {proc.returncode}); log tail:\n{tail}")
+    timed = rows[2:]  # the first plain/hybrid pair is the warm-up
+    names = {"hybrid": ("plain", "hybrid"), "logits_to_keep": ("project", "proposed")}[args.ab_variant]
+    what = {"hybrid": "plain / hybrid generation",
+            "logits_to_keep": "the project's policy_logprobs / the PROPOSED one with logits_to_keep (hybrid on in both)"}
+    lines = ["", f"A/B in ONE process (ZeRO-{stage} actor and critic; iterations alternate {what[args.ab_variant]}; "
+                 f"first pair dropped; {len(timed)} timed; launch {wall:.0f} s, exit {proc.returncode})",
+             f"{'arm':8s} {'s/iter':>7s} {'samples/s':>9s} {'gen s':>6s} {'exp s':>6s} {'train s':>7s} "
+             f"{'gen %':>6s} {'exp %':>6s} {'train %':>7s}   all iterations (s)"]
+    arms = {}
+    for hybrid in (False, True):
+        arm = summarize([r for r in timed if r["hybrid"] == hybrid], 0)
+        arms[hybrid] = arm
+        lines.append(f"{names[hybrid]:8s} {arm['step_s']:7.2f} {arm['samples_per_s']:9.2f} "
+                     f"{arm['gen_s']:6.2f} {arm['exp_s']:6.2f} {arm['train_s']:7.2f} {100 * arm['gen_share']:5.1f}% "
+                     f"{100 * arm['exp_share']:5.1f}% {100 * arm['train_share']:6.1f}%   "
+                     + " ".join(f"{x:.2f}" for x in arm["all_step_s"]))
+    p, h = arms[False], arms[True]
+    if "logprobs_max_abs_diff" in rows[0]:
+        lines.append(f"log-probs of the proposed policy_logprobs vs the project's on one rollout batch: max abs diff "
+                     f"{rows[0]['logprobs_max_abs_diff']:.2e} (action positions)")
+    lines.append(f"{names[1]} over {names[0]} (side by side): {p['step_s'] / h['step_s']:.2f}x per iteration, generation "
+                 f"{p['gen_s'] / h['gen_s']:.2f}x, experience {p['exp_s'] / h['exp_s']:.2f}x, training "
+                 f"{p['train_s'] / h['train_s']:.2f}x")
+    shares = {"generation": h["gen_share"], "experience (4 forwards)": h["exp_share"], "training": h["train_share"]}
+    big = max(shares, key=shares.get)
+    lines.append(f"biggest share with {names[1]}: {big} ({100 * shares[big]:.0f}%)")
+    return lines
 
 
 def by_name(results):
@@ -147,6 +290,11 @@ def main(argv=None):
     p.add_argument("--num_prompts", type=int, default=256)
     p.add_argument("--master_port", type=int, default=29541)
     p.add_argument("--timeout", type=int, default=600, help="seconds per launch")
+    p.add_argument("--ab", action="store_true",
+                   help="instead of the four launches: ONE launch whose iterations alternate plain/hybrid generation")
+    p.add_argument("--ab_stage", type=int, default=3, choices=[2, 3], help="ZeRO stage of the A/B run")
+    p.add_argument("--ab_variant", choices=["hybrid", "logits_to_keep"], default="hybrid",
+                   help="hybrid: plain vs hybrid generation; logits_to_keep: the proposed policy_logprobs vs the project's")
     p.add_argument("--save", default=None)
     args = p.parse_args(argv)
     if args.tiny:
@@ -155,7 +303,7 @@ def main(argv=None):
         model_dir = make_tiny_model_cached("llama")
     else:
         model_dir = args.model_name_or_path or SMOL
-    args.steps = args.steps or (6 if args.tiny else 3)
+    args.steps = args.steps or ((10 if args.tiny else 8) if args.ab else (6 if args.tiny else 3))
     names = [n for n in args.configs.split(",") if n]
     for n in names:
         if n not in CONFIGS:
@@ -169,10 +317,9 @@ def main(argv=None):
     with open(os.path.join(model_dir, "config.json")) as f:
         cfg = json.load(f)
     lines = [f"# bench/step3.py  {time.strftime('%Y-%m-%d %H:%M:%S')}",
-             f"machine: {os.cpu_count()} CPU cores; SHARED with other engineers' runs: timings are noisy",
+             machine_line(), malloc_line(),
              f"launch: deepspeed --num_gpus 2 --module step3_ppo.main (2 CPU ranks, gloo), OMP_NUM_THREADS=1; "
-             f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}; "
-             f"no malloc tuning (MALLOC_* unset)",
+             f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}",
              f"model: {model_dir} ({cfg.get('model_type')}, hidden {cfg.get('hidden_size')}, layers "
              f"{cfg.get('num_hidden_layers')}, vocab {cfg.get('vocab_size')}), fp32, full fine-tuning (no LoRA), "
              f"actor = reference, critic = reward = backbone + fresh value head",
@@ -180,8 +327,16 @@ def main(argv=None):
              f"rank (x2 ranks), prompt <= {args.prompt_len} tokens, answer exactly {args.answer_len} tokens "
              f"(sampled, T=1), PPO mini-batch {args.train_batch_size}, {args.ppo_epochs} PPO epoch(s)",
              f"prompts: {prompts} ({args.num_prompts} rows from data/demo/pairs/train.jsonl), --data_split 0,0,1"]
+    if args.ab:
+        lines[4] = lines[4].replace(f"PPO: {args.steps} iterations per run (first {args.warmup} dropped)",
+                                    f"PPO: {args.steps} iterations in one run")
     lines += machine_lines("before")
     print("\n".join(lines), flush=True)
+    if args.ab:
+        out = run_ab(args, model_dir, prompts) + machine_lines("after")
+        print("\n".join(out), flush=True)
+        save_report(args.save, lines + out)
+        return
     results = []
     for i, name in enumerate(names):
         results.append(run_config(args, model_dir, prompts, name, args.master_port + i))
@@ -212,12 +367,14 @@ def main(argv=None):
                        f"(generation {by[b]['gen_s'] / by[a]['gen_s']:.2f}x)")
     out += machine_lines("after")
     print("\n".join(out), flush=True)
+    save_report(args.save, lines + out)
     if args.save:
-        with open(args.save, "w") as f:
-            f.write("\n".join(lines + out) + "\n")
         with open(os.path.splitext(args.save)[0] + ".json", "w") as f:
             json.dump(results, f, indent=1)
 
 
 if __name__ == "__main__":
-    main()
+    if "--ab_worker" in sys.argv[1:]:
+        ab_worker(sys.argv[1:])
+    else:
+        main()

@@ -101,13 +101,21 @@ def optimizer_param_groups(model: torch.nn.Module, weight_decay: float, learning
 
 
 def build_optimizer(param_groups: list[dict], learning_rate: float, offload: bool):
-    """torch AdamW (no JIT compile on CPU); DeepSpeed's CPU Adam when the optimizer is offloaded."""
+    """torch's fused AdamW (no JIT compile); DeepSpeed's CPU Adam when the optimizer is offloaded.
+
+    Fused: one vectorised pass over each tensor instead of a chain of element-wise ops; on one CPU
+    thread a 67M-parameter step (a SmolLM2 ZeRO partition) takes 0.036 s instead of 0.24 s
+    (bench/optimizer_step.py). Falls back to the default implementation where fused is unsupported.
+    """
     betas = (0.9, 0.95)
     if offload:
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
         return DeepSpeedCPUAdam(param_groups, lr=learning_rate, betas=betas, adamw_mode=True)
-    return torch.optim.AdamW(param_groups, lr=learning_rate, betas=betas)
+    try:
+        return torch.optim.AdamW(param_groups, lr=learning_rate, betas=betas, fused=True)
+    except (RuntimeError, ValueError):  # a dtype or device without a fused kernel
+        return torch.optim.AdamW(param_groups, lr=learning_rate, betas=betas)
 
 
 def build_scheduler(optimizer, name: str, num_warmup_steps: int, num_training_steps: int):

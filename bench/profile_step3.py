@@ -1,0 +1,99 @@
+"""Where one PPO training phase of step 3 spends its CPU time (torch.profiler, rank 0).
+
+    python bench/profile_step3.py [--tiny] [--stage 3] [--save bench/results/DATE-step3-training-profile.txt]
+
+Runs step 3's own setup() on 2 ranks with the workload of bench/step3.py (hybrid generation
+mode), makes two warm-up iterations, then profiles the PPO mini-batch updates (actor and critic
+forward, backward, optimizer step) of one more rollout and prints the operators by self CPU time
+and by total CPU time. This is how the training share was taken apart on 2026-11-30.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from bench.common import RUNS, SMOL, machine_line, malloc_line, save_report  # noqa: E402
+
+
+def worker(argv) -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from step3_ppo.main import parse_args, setup
+    from utils.distributed import is_rank0
+
+    out = argv[argv.index("--report") + 1]
+    argv = [a for i, a in enumerate(argv) if a not in ("--worker", "--report") and argv[i - 1] != "--report"
+            and not a.startswith("--local_rank")]
+    run = setup(parse_args(argv))
+    trainer, batches = run.trainer, iter(run.loader)
+    for step in range(2):
+        trainer.step([next(batches)], step)
+    rows = trainer.generate_rows(next(batches))
+    trainer.score_rows(rows)
+    trainer.compute_advantages(rows)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for minibatch in trainer.minibatches(rows, 2, 0):
+            trainer.train_minibatch(minibatch)
+    if is_rank0():
+        table = prof.key_averages()
+        with open(out, "w") as f:
+            f.write("by self CPU time\n" + table.table(sort_by="self_cpu_time_total", row_limit=25) +
+                    "\nby total CPU time (includes children and waits)\n" +
+                    table.table(sort_by="cpu_time_total", row_limit=30))
+
+
+def main(argv=None) -> None:
+    from bench import step3
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--model_name_or_path", default=None, help=f"default: {SMOL}")
+    p.add_argument("--stage", type=int, default=3, choices=[2, 3])
+    p.add_argument("--prompt_len", type=int, default=32)
+    p.add_argument("--answer_len", type=int, default=24)
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--train_batch_size", type=int, default=4)
+    p.add_argument("--ppo_epochs", type=int, default=1)
+    p.add_argument("--master_port", type=int, default=29561)
+    p.add_argument("--save", default=None)
+    args = p.parse_args(argv)
+    args.steps = 10
+    if args.tiny:
+        from utils.tiny_model import make_tiny_model_cached
+
+        model_dir = make_tiny_model_cached("llama")
+    else:
+        model_dir = args.model_name_or_path or SMOL
+    prompts = step3.write_prompts(os.path.join(RUNS, "prompts.jsonl"), 256)
+    out_dir = os.path.join(RUNS, "profile")
+    os.makedirs(out_dir, exist_ok=True)
+    report = os.path.join(out_dir, "report.txt")
+    cmd = step3.step3_command(args, model_dir, prompts, args.stage, True, out_dir, args.master_port)
+    cmd[cmd.index("step3_ppo.main")] = "bench.profile_step3"
+    cmd += ["--worker", "--report", report]
+    header = [f"# bench/profile_step3.py: PPO training phase of one rollout ({args.batch_size} rows per rank, "
+              f"mini-batch {args.train_batch_size}), ZeRO-{args.stage}, model {model_dir}",
+              machine_line(), malloc_line()]
+    print("\n".join(header), flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with open(os.path.join(out_dir, "launch.log"), "w") as log:
+        proc = subprocess.run(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=900)
+    if proc.returncode != 0 or not os.path.exists(report):
+        raise SystemExit(f"error: profile run exited {proc.returncode}; see {out_dir}/launch.log")
+    with open(report) as f:
+        body = f.read()
+    print(body)
+    save_report(args.save, header + [body])
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv[1:]:
+        worker(sys.argv[1:])
+    else:
+        main()
