@@ -3,7 +3,7 @@
 # embedded SmolLM2-135M-Instruct unless MODEL / DATA are set. ZeRO-2, not 3: on one CPU machine
 # ZeRO-3's per-layer gathers cost more time than the memory they save for a 135M model (pass
 # --zero_stage 3 to try; the tests run step 1 under ZeRO-3). Measured on an idle 2-core machine:
-# held-out perplexity 132.6 -> 48.5 in 289 s (40 steps of 16 sequences, 6.2 s/step; ZeRO-3: 6.7).
+# held-out perplexity 132.6 -> 48.5 in 275 s (40 steps of 16 sequences, 5.9 s/step; ZeRO-3: 6.7).
 # usage: bash scripts/step1_sft/run_cpu.sh [OUTPUT_DIR] [extra step1_sft/main.py arguments]
 source "$(dirname "$0")/../common.sh"
 OUTPUT="${1:-$ROOT/out/step1}"; shift || true

@@ -4,7 +4,7 @@
 # exists, else the embedded SmolLM2-135M-Instruct, unless MODEL / DATA are set.
 # LoRA (rank 16, every Linear of the backbone, base frozen) + the value head, 40 steps of 16 pairs
 # (4 per rank x 2 accumulation x 2 ranks). Measured on SmolLM2-135M-Instruct on an idle 2-core
-# machine: held-out accuracy 0.53 -> 0.88 on the 300 eval pairs in 290 s (5.0 s/step; ZeRO-3: 8.3).
+# machine: held-out accuracy 0.53 -> 0.88 on the 300 eval pairs in 291 s (5.0 s/step; ZeRO-3: 8.3).
 # usage: bash scripts/step2_reward/run_cpu.sh [OUTPUT_DIR] [extra step2_reward/main.py arguments]
 source "$(dirname "$0")/../common.sh"
 OUTPUT="${1:-$ROOT/out/step2}"; shift || true
