@@ -8,20 +8,18 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import time
 
 import torch
 import torch.nn.functional as F
 
 from utils.checkpoint import BadStepGuard, Checkpointing, export_hf_model
-from utils.data import SFTCollator, build_step_rows, distributed_loader, tokenize_sft
-from utils.distributed import all_reduce_sum, init_distributed, is_rank0, rank_batches, set_seed, world_size
-from utils.ds_config import train_ds_config
-from utils.logging import MetricsLogger, print_rank0
+from utils.data import SFTCollator, build_step_rows, tokenize_sft
+from utils.distributed import all_reduce_sum, init_distributed, is_rank0, rank_batches, set_seed
+from utils.logging import print_rank0, progress_bar
 from utils.model import causal_lm_logits, hf_zero3_disabled, load_causal_lm, load_tokenizer
-from utils.training import (add_data_args, add_engine_args, add_model_args, build_trained_engine, run_micro_batches,
-                            spec_from_args, validate_engine_args)
+from utils.training import (add_data_args, add_engine_args, add_model_args, build_trained_engine, micro_batch_schedule,
+                            run_micro_batches, spec_from_args, train_ds_config_from_args, validate_engine_args)
 
 
 def parse_args(argv=None):
@@ -92,21 +90,14 @@ def main(argv=None):
     print_rank0(f"[step1] train examples {len(train_examples)} {train_stats}; eval examples {len(eval_examples)} {eval_stats}")
     collator = SFTCollator(tokenizer.pad_token_id)
 
-    sampler, loader = distributed_loader(train_examples, args.per_device_train_batch_size, collator, args.seed)
-    steps_per_epoch = math.ceil(len(loader) / args.gradient_accumulation_steps)
-    total_steps = steps_per_epoch * args.num_train_epochs
-    if args.max_steps:
-        total_steps = min(total_steps, args.max_steps)
-
-    ds_config = train_ds_config(args.zero_stage, world_size(), args.per_device_train_batch_size,
-                                args.gradient_accumulation_steps, args.dtype, args.offload, args.gradient_clipping)
+    sampler, loader, total_steps = micro_batch_schedule(train_examples, collator, args)
+    ds_config = train_ds_config_from_args(args)
     model = load_causal_lm(args.model_name_or_path, tokenizer, ds_config, args.dropout, args.trust_remote_code)
     engine = build_trained_engine(model, ds_config, spec_from_args(args), total_steps)
 
     checkpointing = Checkpointing(args, {"model": engine})
     loop, shared, _ = checkpointing.restore()
-    logger = MetricsLogger(args.output_dir, args.enable_tensorboard, args.tensorboard_path,
-                           keep_until_step=loop.step if checkpointing.last_path else None)
+    logger = checkpointing.metrics_logger(args, loop)
     if checkpointing.last_path:
         ppl_before = shared["ppl_before"]
         print_rank0(f"[step1] resumed from {checkpointing.last_path} at step {loop.step}")
@@ -117,7 +108,7 @@ def main(argv=None):
 
     guard = BadStepGuard(loop, args.max_bad_steps, checkpointing)
     start = time.time()
-    progress = _progress(total_steps, loop.step)
+    progress = progress_bar(total_steps, loop.step, "step1 sft")
     def micro_step(batch):
         logits = causal_lm_logits(engine, batch["input_ids"], batch["attention_mask"])
         nll, count = response_nll(logits, batch["labels"])
@@ -150,14 +141,6 @@ def main(argv=None):
                 f"(reloaded logits differ from the engine's by at most {diff:.2e})")
     logger.log(loop.step, {"export/logits_max_abs_diff": diff})
     logger.close()
-
-
-def _progress(total: int, done: int = 0):
-    if not is_rank0():
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=done, desc="step1 sft", dynamic_ncols=True)
 
 
 if __name__ == "__main__":

@@ -11,21 +11,19 @@ from_pretrained directory, value_head.safetensors, reward_model.json).
 from __future__ import annotations
 
 import argparse
-import math
 import time
 
 import torch
 
 from utils.checkpoint import BadStepGuard, Checkpointing
-from utils.data import PairCollator, build_step_rows, distributed_loader, tokenize_pairs
-from utils.distributed import all_reduce_sum, init_distributed, is_rank0, rank_batches, set_seed, world_size
-from utils.ds_config import train_ds_config
-from utils.logging import MetricsLogger, print_rank0
+from utils.data import PairCollator, build_step_rows, tokenize_pairs
+from utils.distributed import all_reduce_sum, init_distributed, is_rank0, rank_batches, set_seed
+from utils.logging import print_rank0, progress_bar
 from utils.model import hf_zero3_disabled, load_tokenizer
 from utils.reward_model import (RewardModel, export_reward_model, pair_metrics, pairwise_loss, sequence_score,
                                 split_pair_batch)
-from utils.training import (add_data_args, add_engine_args, add_model_args, build_trained_engine, run_micro_batches,
-                            spec_from_args, validate_engine_args)
+from utils.training import (add_data_args, add_engine_args, add_model_args, build_trained_engine, micro_batch_schedule,
+                            run_micro_batches, spec_from_args, train_ds_config_from_args, validate_engine_args)
 
 
 def parse_args(argv=None):
@@ -118,14 +116,8 @@ def main(argv=None):
         print_rank0("[step2] WARNING: no held-out pairs; eval metrics will be 0")
     collator = PairCollator(tokenizer.pad_token_id)
 
-    sampler, loader = distributed_loader(train_pairs, args.per_device_train_batch_size, collator, args.seed)
-    steps_per_epoch = math.ceil(len(loader) / args.gradient_accumulation_steps)
-    total_steps = steps_per_epoch * args.num_train_epochs
-    if args.max_steps:
-        total_steps = min(total_steps, args.max_steps)
-
-    ds_config = train_ds_config(args.zero_stage, world_size(), args.per_device_train_batch_size,
-                                args.gradient_accumulation_steps, args.dtype, args.offload, args.gradient_clipping)
+    sampler, loader, total_steps = micro_batch_schedule(train_pairs, collator, args)
+    ds_config = train_ds_config_from_args(args)
     model = RewardModel.from_pretrained(args.model_name_or_path, tokenizer, ds_config, args.dropout,
                                         args.trust_remote_code)
     engine = build_trained_engine(model, ds_config, spec_from_args(args), total_steps)
@@ -140,8 +132,7 @@ def main(argv=None):
 
     checkpointing = Checkpointing(args, {"model": engine})
     loop, shared, _ = checkpointing.restore()
-    logger = MetricsLogger(args.output_dir, args.enable_tensorboard, args.tensorboard_path,
-                           keep_until_step=loop.step if checkpointing.last_path else None)
+    logger = checkpointing.metrics_logger(args, loop)
     if checkpointing.last_path:
         before = shared["before"]
         print_rank0(f"[step2] resumed from {checkpointing.last_path} at step {loop.step}")
@@ -150,7 +141,7 @@ def main(argv=None):
 
     guard = BadStepGuard(loop, args.max_bad_steps, checkpointing)
     start, eval_time = time.time(), 0.0
-    progress = _progress(total_steps, loop.step)
+    progress = progress_bar(total_steps, loop.step, "step2 reward")
 
     def micro_step(batch):
         chosen, rejected = pair_scores(engine, batch)
@@ -190,14 +181,6 @@ def main(argv=None):
                 f"(reloaded scores differ from the engine's by at most {diff:.2e}; export and check {export_time:.1f} s)")
     logger.log(step, {"export/score_max_abs_diff": diff, "time/export_s": export_time})
     logger.close()
-
-
-def _progress(total: int, done: int = 0):
-    if not is_rank0():
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=done, desc="step2 reward", dynamic_ncols=True)
 
 
 if __name__ == "__main__":

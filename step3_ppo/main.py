@@ -24,10 +24,10 @@ from utils.checkpoint import BadStepGuard, Checkpointing, export_hf_model
 from utils.data import (PromptCollator, SFTCollator, build_step_rows, distributed_loader, read_texts,
                         tokenize_prompts, tokenize_texts)
 from utils.distributed import init_distributed, is_rank0, set_seed, world_size
-from utils.logging import MetricsLogger, print_rank0
+from utils.logging import print_rank0, progress_bar
 from utils.model import check_model_path, load_tokenizer
 from utils.reward_model import export_reward_model
-from utils.training import add_checkpoint_args, add_data_args
+from utils.training import add_checkpoint_args, add_data_args, total_training_steps
 
 
 def parse_args(argv=None):
@@ -215,9 +215,7 @@ def setup(args) -> Setup:
         raise SystemExit(f"error: {len(prompts)} prompts are too few for one PPO iteration of "
                          f"{args.per_device_generation_batch_size} x {args.generation_batches} per rank on "
                          f"{world_size()} ranks")
-    total_steps = steps_per_epoch * args.num_train_epochs
-    if args.max_steps:
-        total_steps = min(total_steps, args.max_steps)
+    total_steps = total_training_steps(steps_per_epoch, args)
     engines = build_engines(args, tokenizer, total_steps)
     trainer = PPOTrainer(engines, ppo_config(args, tokenizer), kl_controller(args),
                          unsupervised_batches(args, tokenizer))
@@ -242,10 +240,9 @@ def train(run: Setup) -> int:
         trainer.kl_ctl.load_state_dict(shared["kl_ctl"])
         trainer.reward_moments.load_state_dict(rank_state["reward_moments"])
         print_rank0(f"[step3] resumed from {checkpointing.last_path} at step {loop.step}")
-    logger = MetricsLogger(args.output_dir, args.enable_tensorboard, args.tensorboard_path,
-                           keep_until_step=loop.step if checkpointing.last_path else None)
+    logger = checkpointing.metrics_logger(args, loop)
     trainer.guard = BadStepGuard(loop, args.max_bad_steps, checkpointing)
-    progress = _progress(run.total_steps, loop.step)
+    progress = progress_bar(run.total_steps, loop.step, "step3 ppo")
     while loop.step < run.total_steps and loop.epoch < args.num_train_epochs:
         run.sampler.set_epoch(loop.epoch)
         batches = iter(run.loader)
@@ -294,14 +291,6 @@ def _print_answer(tokenizer, row, step: int) -> None:
     answer = tokenizer.decode(row.response_ids, skip_special_tokens=True)
     print(f"\n[step3 {step}] prompt: {prompt!r}\n[step3 {step}] answer: {answer!r}\n[step3 {step}] score: {row.score:.3f}",
           flush=True)
-
-
-def _progress(total: int, done: int = 0):
-    if not is_rank0():
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, initial=done, desc="step3 ppo", dynamic_ncols=True)
 
 
 if __name__ == "__main__":

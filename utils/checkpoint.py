@@ -258,6 +258,13 @@ class Checkpointing:
         self.last_path = path
         return loop, shared, rank_state
 
+    def metrics_logger(self, args, loop: LoopState):
+        """The run's metrics.jsonl: a resumed run keeps the rows up to the step it resumed from."""
+        from utils.logging import MetricsLogger
+
+        return MetricsLogger(args.output_dir, args.enable_tensorboard, args.tensorboard_path,
+                             keep_until_step=loop.step if self.last_path else None)
+
     def maybe_save(self, loop: LoopState, shared: dict | None = None, rank_state: dict | None = None,
                    force: bool = False) -> None:
         if not force and (self.interval <= 0 or loop.step % self.interval):

@@ -64,3 +64,12 @@ def read_metrics(output_dir: str) -> list[dict]:
     path = os.path.join(output_dir, "metrics.jsonl")
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def progress_bar(total: int, done: int, desc: str):
+    """A tqdm bar of training steps on rank 0 (None elsewhere); `done` counts steps before a resume."""
+    if not is_rank0():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=done, desc=desc, dynamic_ncols=True)

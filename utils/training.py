@@ -153,6 +153,31 @@ class EngineSpec:
     num_warmup_steps: int = 0
 
 
+def total_training_steps(steps_per_epoch: int, args) -> int:
+    """Optimizer steps (PPO iterations in step 3) of the run: the epochs, cut at --max_steps."""
+    total = steps_per_epoch * args.num_train_epochs
+    return min(total, args.max_steps) if args.max_steps else total
+
+
+def micro_batch_schedule(examples: list, collator, args):
+    """Steps 1-2: the rank's sampler and loader, and the optimizer steps the run will take."""
+    import math
+
+    from utils.data import distributed_loader
+
+    sampler, loader = distributed_loader(examples, args.per_device_train_batch_size, collator, args.seed)
+    return sampler, loader, total_training_steps(math.ceil(len(loader) / args.gradient_accumulation_steps), args)
+
+
+def train_ds_config_from_args(args) -> dict:
+    """Steps 1-2: the DeepSpeed config of the one trained engine, from the common flags."""
+    from utils.distributed import world_size
+    from utils.ds_config import train_ds_config
+
+    return train_ds_config(args.zero_stage, world_size(), args.per_device_train_batch_size,
+                           args.gradient_accumulation_steps, args.dtype, args.offload, args.gradient_clipping)
+
+
 def spec_from_args(args, prefix: str = "") -> EngineSpec:
     """Read `--{prefix}name` flags, falling back to the unprefixed `--name` (step 3's actor_/critic_)."""
     values = {}
