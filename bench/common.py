@@ -7,7 +7,6 @@ import platform
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = os.path.join(REPO, "bench", "runs")
 SMOL = os.path.join(REPO, ".cache", "models", "SmolLM2-135M-Instruct")
-MALLOC_VARS = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_THRESHOLD_")
 
 
 def cpu_name() -> str:
@@ -46,13 +45,14 @@ def machine_line() -> str:
 
 def malloc_line(env: dict | None = None) -> str:
     """Which allocator settings the launched processes get (utils.distributed.tune_malloc)."""
+    from utils.distributed import malloc_tuning_wanted
+
     env = os.environ if env is None else env
-    set_vars = {k: env[k] for k in MALLOC_VARS if k in env}
-    if set_vars:
-        return "malloc: " + " ".join(f"{k}={v}" for k, v in set_vars.items()) + " (environment; tune_malloc skipped)"
-    if env.get("RLHF_MALLOC_TUNING", "1") == "0":
-        return "malloc: glibc defaults (RLHF_MALLOC_TUNING=0)"
-    return "malloc: the project's tune_malloc (mallopt at init: no mmap, no trim, 1 GB top pad)"
+    set_vars = " ".join(f"{k}={v}" for k, v in env.items() if k.startswith("MALLOC_"))
+    if malloc_tuning_wanted(env):
+        return ("malloc: the project's tune_malloc (mallopt at init: no mmap, no trim, 1 GB top pad)"
+                + (f"; also in the environment: {set_vars}" if set_vars else ""))
+    return f"malloc: {set_vars or 'glibc defaults'} (tune_malloc off: the environment chose)"
 
 
 def machine_lines(label: str) -> list[str]:
@@ -69,7 +69,10 @@ def machine_lines(label: str) -> list[str]:
             f"memory available {mem.get('MemAvailable', '?')} MiB of {mem.get('MemTotal', '?')} MiB"]
 
 
-def save_report(path: str | None, lines: list[str]) -> None:
+def finish_report(path: str | None, header: list[str], body: list[str]) -> None:
+    """Print the body (the header was printed when the run started) and save header + body to `path`."""
+    print("\n".join(body), flush=True)
+    lines = header + body
     if path:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:

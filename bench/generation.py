@@ -35,7 +35,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.common import SMOL, machine_line, machine_lines, malloc_line, save_report  # noqa: E402
+from bench.common import SMOL, machine_line, machine_lines, malloc_line, finish_report  # noqa: E402
 
 MODE_LABELS = {"limit_1proc": "(1)  limit: unsharded plain generate, 1 process",
                "unsharded": "(1b) limit side by side: unsharded copy on each rank",
@@ -89,8 +89,6 @@ def hybrid_steps(engine, generate_fn, proposed: bool):
     copy back: only peft's `merged_adapters` bookkeeping is reset. Persistent parameters (kept whole
     on every rank) and ZeRO < 3 keep the save/unmerge/restore path.
     """
-    import contextlib
-
     import deepspeed
     import torch
     from deepspeed.runtime.zero import parameter_offload as zero_offload
@@ -311,7 +309,7 @@ def worker(argv):
             stats = pstats.Stats(prof, stream=stream)
             stream.write(f"--- cProfile, rank 0, one call of mode {mode}: top functions by own time\n")
             stats.sort_stats("tottime").print_stats(14)
-            stream.write(f"--- same call, by cumulative time\n")
+            stream.write("--- same call, by cumulative time\n")
             stats.sort_stats("cumulative").print_stats(22)
             if os.environ.get("BENCH_PROFILE_CALLERS"):  # e.g. "disable": who calls the matching functions
                 stats.print_callers(os.environ["BENCH_PROFILE_CALLERS"])
@@ -344,7 +342,7 @@ def header_lines(args, model_dir: str) -> list[str]:
     return [
         f"# bench/generation.py  {time.strftime('%Y-%m-%d %H:%M:%S')}",
         machine_line(), malloc_line(),
-        f"threads: OMP_NUM_THREADS=1 in every process (1 process for (1), 2 ranks for the rest)",
+        "threads: OMP_NUM_THREADS=1 in every process (1 process for (1), 2 ranks for the rest)",
         f"versions: python {platform.python_version()}, torch {torch.__version__}, deepspeed {deepspeed.__version__}, "
         f"transformers {transformers.__version__}, peft {peft.__version__}",
         f"model: {model_dir} ({cfg.get('model_type')}, hidden {cfg.get('hidden_size')}, layers "
@@ -418,7 +416,6 @@ def main(argv=None):
               str(args.prompt_len), "--new_tokens", str(args.new_tokens)]
     timed = common + ["--repeats", str(args.repeats), "--plain_repeats", str(args.plain_repeats),
                       "--overhead_repeats", str(args.overhead_repeats)]
-    once = common + ["--repeats", "0"]
     lines = header_lines(args, model_dir) + machine_lines("before")
     print("\n".join(lines), flush=True)
     wall = time.time()
@@ -497,8 +494,7 @@ def main(argv=None):
     for mode, text in profiles.items():
         out += ["", f"=== profile of {MODE_LABELS.get(mode, mode)}", text]
     out += machine_lines("after") + [f"total wall time {time.time() - wall:.0f} s"]
-    print("\n".join(out), flush=True)
-    save_report(args.save, lines + out)
+    finish_report(args.save, lines, out)
 
 
 if __name__ == "__main__":

@@ -43,10 +43,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.common import RUNS, SMOL, machine_line, machine_lines, malloc_line, save_report  # noqa: E402
+from bench.common import RUNS, SMOL, machine_line, machine_lines, malloc_line, finish_report  # noqa: E402
+from utils.distributed import malloc_tuning_env  # noqa: E402
 
 TRL_VENV = os.path.join(REPO, "bench", ".venv-trl")
-MALLOC_ENV = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "17179869184", "MALLOC_TOP_PAD_": "1073741824"}
+MALLOC_ENV = malloc_tuning_env()  # tune_malloc's settings, for TRL's processes too
 
 
 # --------------------------------------------------------------------------------------- TRL worker
@@ -354,8 +355,7 @@ def main(argv=None):
                        f"experience {theirs['exp_s'] / ours['exp_s']:.2f}x, training "
                        f"{theirs['train_s'] / ours['train_s']:.2f}x  (> 1: ours faster)")
     out += machine_lines("after")
-    print("\n".join(out), flush=True)
-    save_report(args.save, lines + out)
+    finish_report(args.save, lines, out)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.common import RUNS, SMOL, machine_line, malloc_line, save_report  # noqa: E402
+from bench.common import RUNS, SMOL, machine_line, malloc_line, finish_report  # noqa: E402
 
 
 def worker(argv) -> None:
@@ -88,8 +88,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"error: profile run exited {proc.returncode}; see {out_dir}/launch.log")
     with open(report) as f:
         body = f.read()
-    print(body)
-    save_report(args.save, header + [body])
+    finish_report(args.save, header, [body])
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.common import RUNS, SMOL, machine_line, machine_lines, malloc_line, save_report  # noqa: E402
+from bench.common import RUNS, SMOL, machine_line, machine_lines, malloc_line, finish_report  # noqa: E402
 
 DEMO_PAIRS = os.path.join(REPO, "data", "demo", "pairs", "train.jsonl")
 CONFIGS = {  # name: (actor/critic ZeRO stage, --enable_hybrid_engine)
@@ -334,8 +334,7 @@ def main(argv=None):
     print("\n".join(lines), flush=True)
     if args.ab:
         out = run_ab(args, model_dir, prompts) + machine_lines("after")
-        print("\n".join(out), flush=True)
-        save_report(args.save, lines + out)
+        finish_report(args.save, lines, out)
         return
     results = []
     for i, name in enumerate(names):
@@ -366,8 +365,7 @@ def main(argv=None):
             out.append(f"speed-up {a} over {b}: {by[b]['step_s'] / by[a]['step_s']:.2f}x per iteration "
                        f"(generation {by[b]['gen_s'] / by[a]['gen_s']:.2f}x)")
     out += machine_lines("after")
-    print("\n".join(out), flush=True)
-    save_report(args.save, lines + out)
+    finish_report(args.save, lines, out)
     if args.save:
         with open(os.path.splitext(args.save)[0] + ".json", "w") as f:
             json.dump(results, f, indent=1)

@@ -5,6 +5,7 @@ import sys
 import pytest
 
 from tests.launch import ROOT, subprocess_env
+from utils.distributed import MALLOC_TUNING
 
 # torch allocates with posix_memalign: with tuning the heap first grows to a plateau (a bounded
 # number of such buffers), after which every allocation reuses resident memory.
@@ -26,7 +27,7 @@ print(applied, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 def _probe(tuned: bool, **env) -> tuple[str, int]:
     full_env = subprocess_env()
-    for name in ("RLHF_MALLOC_TUNING", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_"):
+    for name in ("RLHF_MALLOC_TUNING", *MALLOC_TUNING):
         full_env.pop(name, None)
     full_env.update(env)
     out = subprocess.run([sys.executable, "-c", PROBE, "1" if tuned else "0"], cwd=ROOT, env=full_env,

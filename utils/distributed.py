@@ -40,6 +40,16 @@ MALLOC_TUNING = {"MALLOC_MMAP_MAX_": (_M_MMAP_MAX, 0),
                  "MALLOC_TOP_PAD_": (_M_TOP_PAD, 1 << 30)}
 
 
+def malloc_tuning_wanted(env=os.environ) -> bool:
+    """False when the user chose: RLHF_MALLOC_TUNING=0, or any of the MALLOC_* variables set."""
+    return env.get("RLHF_MALLOC_TUNING", "1") != "0" and not any(name in env for name in MALLOC_TUNING)
+
+
+def malloc_tuning_env() -> dict:
+    """The same settings as MALLOC_* environment variables (for processes that are not ours)."""
+    return {name: str(value) for name, (_, value) in MALLOC_TUNING.items()}
+
+
 def tune_malloc() -> bool:
     """Keep freed memory in the heap for reuse instead of unmapping it (glibc only).
 
@@ -50,7 +60,7 @@ def tune_malloc() -> bool:
     the working set (a bounded plateau, not a leak). Skipped when the user set any of these
     MALLOC_* variables or RLHF_MALLOC_TUNING=0. Returns whether it was applied.
     """
-    if os.environ.get("RLHF_MALLOC_TUNING", "1") == "0" or any(name in os.environ for name in MALLOC_TUNING):
+    if not malloc_tuning_wanted():
         return False
     import ctypes
     import ctypes.util
