@@ -91,11 +91,11 @@ def hybrid_steps(engine, generate_fn, proposed: bool):
     """
     import deepspeed
     import torch
-    from deepspeed.runtime.zero import parameter_offload as zero_offload
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     from peft import PeftModel
     from peft.tuners.lora import LoraLayer
 
-    from step3_ppo.hybrid import _zero3_offload
+    from step3_ppo.hybrid import _hooks_lifted, _zero3_offload
 
     marks = [("start", time.perf_counter(), time.process_time())]
 
@@ -106,13 +106,14 @@ def hybrid_steps(engine, generate_fn, proposed: bool):
     was_training = module.training
     engine.eval()
     offload = _zero3_offload(engine)
-    gathered = deepspeed.zero.GatheredParameters(list(module.parameters()), enabled=offload is not None)
+    partitioned = [p for p in module.parameters() if getattr(p, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE]
+    gathered = deepspeed.zero.GatheredParameters(partitioned, enabled=offload is not None)
     gathered.__enter__()
     mark("gather (allgather of all params)")
-    if offload is not None:
-        offload._remove_module_hooks()
-        offload.forward_hooks, offload.backward_hooks = [], []
-    mark("remove ZeRO-3 hooks")
+    lifted = _hooks_lifted(offload) if offload is not None else None
+    if lifted is not None:
+        lifted.__enter__()
+    mark("lift ZeRO-3 hooks")
     layers = [m for m in module.modules() if isinstance(m, LoraLayer)] if isinstance(module, PeftModel) else []
     if proposed and offload is not None:
         keep = [m for m in layers if getattr(m.get_base_layer().weight, "ds_persist", False)]
@@ -142,12 +143,9 @@ def hybrid_steps(engine, generate_fn, proposed: bool):
             for m, w in zip(keep, saved):
                 m.get_base_layer().weight.copy_(w)
         mark("copy saved weights back")
-        if offload is not None:
-            offload.setup_zero_stage3_hooks()
-            stack = zero_offload.FWD_MODULE_STACK
-            if len(stack) > 1 and stack[-1] is module:
-                stack.pop()
-        mark("re-register ZeRO-3 hooks")
+        if lifted is not None:
+            lifted.__exit__(None, None, None)
+        mark("put ZeRO-3 hooks back")
         gathered.__exit__(None, None, None)
         mark("release (re-partition)")
         engine.train(was_training)

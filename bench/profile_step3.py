@@ -34,8 +34,7 @@ def worker(argv) -> None:
     trainer, batches = run.trainer, iter(run.loader)
     for step in range(2):
         trainer.step([next(batches)], step)
-    rows = trainer.generate_rows(next(batches))
-    trainer.score_rows(rows)
+    rows, _, _ = trainer.make_experience([next(batches)])
     trainer.compute_advantages(rows)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for minibatch in trainer.minibatches(rows, 2, 0):

@@ -5,8 +5,10 @@
 Builds the actor as step 3 does (ZeRO stage, optional LoRA), then generates greedily from the same
 left-padded prompts (1) with plain `generate` (ZeRO-3: `synced_gpus`), (2) in the hybrid generation
 mode with LoRA merged and (3) without merging. Rank 0 writes whether the tokens agree, whether the
-parameters are partitioned again afterwards and whether the weights came back bit for bit, plus
-tokens per second per rank (median over --repeats after a warm-up).
+parameters are partitioned again afterwards, whether the weights came back bit for bit, whether
+DeepSpeed's module hooks and recorded parameter trace survived the hybrid mode unchanged, how far a
+forward in `hybrid.gathered` (how step 3 scores the rollout) is from the hooked ZeRO-3 forward
+(how it trains), plus tokens per second per rank (median over --repeats after a warm-up).
 """
 from __future__ import annotations
 
@@ -17,10 +19,10 @@ import time
 
 import torch
 
-from step3_ppo.hybrid import generate
+from step3_ppo.hybrid import gathered, generate
 from utils.distributed import init_distributed, is_rank0, set_seed, world_size
 from utils.ds_config import train_ds_config
-from utils.model import load_causal_lm, load_tokenizer
+from utils.model import causal_lm_logits, load_causal_lm, load_tokenizer
 from utils.training import EngineSpec, build_trained_engine
 
 
@@ -33,7 +35,8 @@ def parse_args(argv=None):
     p.add_argument("--prompt_len", type=int, default=16, help="longest prompt in tokens (others shorter)")
     p.add_argument("--new_tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--modes", default="plain,hybrid,hybrid_unmerged")
+    p.add_argument("--modes", default="hybrid,hybrid_unmerged,plain",
+                   help="hybrid first: plain ZeRO-3 generate invalidates DeepSpeed's trace itself")
     p.add_argument("--dtype", default="fp32")
     p.add_argument("--out", default=None, help="JSON result file (rank 0)")
     p.add_argument("--local_rank", type=int, default=-1)
@@ -72,6 +75,25 @@ def full_weights(engine) -> list[torch.Tensor]:
         return [p.detach().clone() for p in params]
 
 
+def zero3_hook_state(engine):
+    """The module hooks of every submodule and DeepSpeed's trace mode: what hybrid mode must leave as it was."""
+    hooks = [(list(m._forward_pre_hooks), list(m._forward_hooks)) for m in engine.module.modules()]
+    coordinator = engine.optimizer.parameter_offload.get_param_coordinator()
+    trace = "complete" if coordinator.is_complete_trace() else "invalid" if coordinator.is_invalid_trace() else "record"
+    return hooks, trace
+
+
+def gathered_forward_max_abs_diff(engine, sequences: torch.Tensor, mask: torch.Tensor) -> float:
+    """Max |logit difference| between a forward inside `hybrid.gathered` and the hooked forward."""
+    engine.eval()
+    with torch.no_grad():
+        hooked = causal_lm_logits(engine, sequences, mask)
+        with gathered(engine):
+            whole = causal_lm_logits(engine, sequences, mask)
+    engine.train()
+    return float((hooked - whole).abs().max())
+
+
 def main(argv=None):
     args = parse_args(argv)
     init_distributed()
@@ -81,7 +103,12 @@ def main(argv=None):
     model = load_causal_lm(args.model_name_or_path, tokenizer, config, dropout=0.0)
     spec = EngineSpec(learning_rate=0.0, lora_dim=args.lora_dim, lora_learning_rate=0.0)
     engine = build_trained_engine(model, config, spec, total_steps=1)
-    if args.lora_dim:  # non-zero LoRA weights, so merging really changes the weights
+    prompts = make_prompts(tokenizer, args.batch_size, args.prompt_len, seed=1)
+    if args.zero_stage == 3:  # training steps (lr 0) first, so DeepSpeed has recorded its parameter trace
+        for _ in range(2):
+            engine.backward(causal_lm_logits(engine, prompts["input_ids"], prompts["attention_mask"]).mean() * 0.0)
+            engine.step()
+    if args.lora_dim:  # non-zero LoRA weights (set after the steps: the optimizer's fp32 copy would undo them), so merging really changes the weights
         import deepspeed
 
         with torch.no_grad():
@@ -89,7 +116,6 @@ def main(argv=None):
                 if "lora_B" in name:
                     with deepspeed.zero.GatheredParameters([p], modifier_rank=0, enabled=args.zero_stage == 3):
                         p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
-    prompts = make_prompts(tokenizer, args.batch_size, args.prompt_len, seed=1)
     kwargs = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens, "do_sample": False,
               "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
               "temperature": None, "top_p": None, "top_k": None}
@@ -100,6 +126,7 @@ def main(argv=None):
     tokens = {}
     for mode in args.modes.split(","):
         hybrid, merge = settings[mode]
+        hook_state = zero3_hook_state(engine) if args.zero_stage == 3 else None
         times = []
         for _ in range(args.repeats + 1):  # the first call is a warm-up
             start = time.perf_counter()
@@ -111,6 +138,12 @@ def main(argv=None):
         result["modes"][mode] = {"seconds": seconds,
                                  "tokens_per_s_per_rank": args.batch_size * args.new_tokens / seconds,
                                  "partitioned_after": partitioned(engine) if args.zero_stage == 3 else None}
+        if hook_state is not None:
+            result["modes"][mode].update(hooks_unchanged=zero3_hook_state(engine)[0] == hook_state[0],
+                                         trace_before=hook_state[1], trace_after=zero3_hook_state(engine)[1])
+    if args.zero_stage == 3:
+        result["gathered_forward_max_abs_diff"] = gathered_forward_max_abs_diff(
+            engine, out, torch.cat([prompts["attention_mask"], torch.ones_like(out[:, args.prompt_len:])], dim=1))
     weights_after = full_weights(engine)
     first = next(iter(tokens.values()))
     result["tokens_equal"] = all(torch.equal(first, t) for t in tokens.values())

@@ -10,6 +10,7 @@ mode in step3_ppo/hybrid.py. Two KL terms appear here and are never confused:
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ import torch
 
 from step3_ppo import ppo
 from step3_ppo.experience import Row, from_token_layout, pack, split_generation, to_token_layout
-from step3_ppo.hybrid import generate
+from step3_ppo.hybrid import gathered, generate
 from utils.distributed import all_reduce_max, all_reduce_sum, world_size
 from utils.model import causal_lm_logits
 from utils.reward_model import sequence_score
@@ -100,25 +101,58 @@ class PPOTrainer:
         return split_generation(sequences.cpu(), prompt_batch["input_ids"].cpu(),
                                 prompt_batch["attention_mask"].cpu(), self.config.eos_token_id)
 
+    def inference_weights(self, engine):
+        """With the hybrid engine, a no-grad phase holds the whole model gathered once (hybrid.gathered)."""
+        return gathered(engine) if self.config.enable_hybrid_engine else contextlib.nullcontext()
+
     @torch.no_grad()
-    def score_rows(self, rows: list[Row]) -> None:
-        """The four forwards on one packed batch; fills old/ref log-probs, values and scores."""
+    def score_rows(self, rows: list[Row], engine, name: str) -> None:
+        """One no-grad forward of `engine` on the packed rows, stored on each row as `name`.
+
+        old_logprobs (actor) / ref_logprobs (reference) / old_values (critic) per action, or the
+        sequence `score` of the reward model.
+        """
         c = self.config
         batch = pack(rows, c.pad_token_id)
         ids, mask, action_mask = batch["input_ids"], batch["attention_mask"], batch["action_mask"]
-        for engine in (self.actor, self.ref, self.critic, self.reward):
-            engine.eval()
-        old_logprobs = policy_logprobs(self.actor, ids, mask, c.temperature if c.do_sample else 1.0)
-        ref_logprobs = policy_logprobs(self.ref, ids, mask, c.temperature if c.do_sample else 1.0)
-        values = self.critic(ids, mask)[:, :-1].float()
-        scores = sequence_score(self.reward(ids, mask).float(), mask)
-        self.actor.train()
-        self.critic.train()
-        p = batch["prompt_len"]
-        for name, tensor in (("old_logprobs", old_logprobs), ("ref_logprobs", ref_logprobs), ("old_values", values)):
-            from_token_layout(rows, name, tensor * action_mask, p)
-        for row, score in zip(rows, scores.tolist()):
-            row.score = score
+        was_training = engine.module.training
+        engine.eval()
+        try:
+            if name == "score":
+                for row, score in zip(rows, sequence_score(engine(ids, mask).float(), mask).tolist()):
+                    row.score = score
+                return
+            if name == "old_values":
+                tensor = engine(ids, mask)[:, :-1].float()
+            else:
+                tensor = policy_logprobs(engine, ids, mask, c.temperature if c.do_sample else 1.0)
+            from_token_layout(rows, name, tensor * action_mask, batch["prompt_len"])
+        finally:
+            engine.train(was_training)
+
+    def make_experience(self, prompt_batches: list[dict]) -> tuple[list[Row], float, float]:
+        """Rollout, then the four no-grad forwards; returns the rows and the generation/experience seconds.
+
+        The actor's old log-probs are computed while its weights are still gathered for generation
+        (hybrid), on the unmerged weights training uses; each other engine is gathered once for
+        all prompt batches.
+        """
+        rows_per_batch, generation_s, experience_s = [], 0.0, 0.0
+        with self.inference_weights(self.actor):
+            for prompt_batch in prompt_batches:
+                t0 = time.time()
+                rows = self.generate_rows(prompt_batch)
+                t1 = time.time()
+                self.score_rows(rows, self.actor, "old_logprobs")
+                generation_s, experience_s = generation_s + t1 - t0, experience_s + time.time() - t1
+                rows_per_batch.append(rows)
+        t0 = time.time()
+        for engine, name in ((self.ref, "ref_logprobs"), (self.critic, "old_values"), (self.reward, "score")):
+            with self.inference_weights(engine):
+                for rows in rows_per_batch:
+                    self.score_rows(rows, engine, name)
+        experience_s += time.time() - t0
+        return [row for rows in rows_per_batch for row in rows], generation_s, experience_s
 
     def compute_advantages(self, rows: list[Row]) -> dict:
         """Rewards (score on the last action, KL penalty per action), GAE, whitening over the rollout."""
@@ -206,18 +240,15 @@ class PPOTrainer:
     # ------------------------------------------------------------------ one iteration
     def step(self, prompt_batches: list[dict], step: int) -> tuple[dict, list[Row]]:
         """Rollout over the prompt batches, then PPO epochs; returns metrics averaged over ranks."""
-        t0 = time.time()
-        rows_per_batch = [self.generate_rows(batch) for batch in prompt_batches]
-        t1 = time.time()
-        for rows in rows_per_batch:
-            self.score_rows(rows)
-        rows = [row for batch_rows in rows_per_batch for row in batch_rows]
+        rows, generation_s, experience_s = self.make_experience(prompt_batches)
         if not self.finite(torch.tensor([r.score for r in rows])):
             # a NaN/inf reward would poison advantages and every update: skip the whole iteration
-            return {"ppo/skipped_non_finite": 1.0, "time/generation_s": t1 - t0,
-                    "time/experience_s": time.time() - t1}, rows
+            return {"ppo/skipped_non_finite": 1.0, "time/generation_s": generation_s,
+                    "time/experience_s": experience_s}, rows
+        t0 = time.time()
         exp_stats = self.compute_advantages(rows)
         t2 = time.time()
+        experience_s += t2 - t0
 
         train_stats = [self.train_minibatch(mb) for epoch in range(self.config.ppo_epochs)
                        for mb in self.minibatches(rows, step, epoch)]
@@ -250,10 +281,10 @@ class PPOTrainer:
             "value/explained_variance": totals["explained_variance_sum"] / ranks,
             "gen/response_len_mean": totals["response_len_sum"] / rows_total,
             "gen/eos_fraction": totals["eos_sum"] / rows_total,
-            "time/generation_s": t1 - t0,
-            "time/experience_s": t2 - t1,
+            "time/generation_s": generation_s,
+            "time/experience_s": experience_s,
             "time/train_s": t3 - t2,
-            "samples_per_s": rows_total / (t3 - t0),
+            "samples_per_s": rows_total / (generation_s + experience_s + t3 - t2),
             "ppo/skipped_non_finite": 0.0,
         }
         for key in train_stats[0]:

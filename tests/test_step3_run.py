@@ -10,7 +10,9 @@ from tests.test_step3_lr0 import write_prompts
 
 def test_generation_modes_agree_and_repartition(tiny_llama, tmp_path):
     """Greedy tokens: plain ZeRO-3 generate == hybrid generation mode (LoRA merged) == hybrid unmerged;
-    afterwards every parameter is partitioned again and the weights are bit-for-bit unchanged."""
+    afterwards every parameter is partitioned again, the weights are bit-for-bit unchanged, DeepSpeed's
+    hooks and recorded trace are as before (else the next training step loses its prefetch), and a
+    forward with the model gathered once (how the rollout is scored) equals the hooked one."""
     out = tmp_path / "generation.json"
     proc = run_deepspeed("step3_ppo.generation_check", ["--model_name_or_path", tiny_llama, "--lora_dim", 4,
                                                         "--zero_stage", 3, "--out", out])
@@ -20,6 +22,10 @@ def test_generation_modes_agree_and_repartition(tiny_llama, tmp_path):
     assert result["tokens_equal"], result["tokens"]
     assert result["weights_unchanged"]
     assert all(mode["partitioned_after"] for mode in result["modes"].values())
+    for mode in ("hybrid", "hybrid_unmerged"):
+        state = result["modes"][mode]
+        assert state["hooks_unchanged"] and state["trace_before"] == state["trace_after"] == "complete", state
+    assert result["gathered_forward_max_abs_diff"] <= 1e-6
 
 
 def test_two_rank_zero3_hybrid_lr0_log_ratio_and_exports(tiny_gpt2, tmp_path):
