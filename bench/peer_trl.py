@@ -280,6 +280,9 @@ def main(argv=None):
     p.add_argument("--zero_stage", type=int, default=3, choices=[2, 3], help="ZeRO stage of BOTH sides")
     p.add_argument("--malloc_tuning", action="store_true",
                    help=f"set {' '.join(f'{k}={v}' for k, v in MALLOC_ENV.items())} for BOTH sides")
+    p.add_argument("--malloc_trim_threshold", type=int, default=None,
+                   help="with --malloc_tuning: MALLOC_TRIM_THRESHOLD_ for both sides instead of tune_malloc's "
+                        "2^31-1 (mallopt takes an int; the variable does not: shared/notes used 17179869184)")
     p.add_argument("--skip_ours", action="store_true", help="TRL only (for debugging)")
     p.add_argument("--master_port", type=int, default=29561)
     p.add_argument("--timeout", type=int, default=600)
@@ -295,6 +298,10 @@ def main(argv=None):
         model_dir = args.model_name_or_path or SMOL
     args.steps = args.steps or (6 if args.tiny else 3)
     prompts = step3.write_prompts(os.path.join(RUNS, "prompts.jsonl"), args.num_prompts)
+    if args.malloc_trim_threshold is not None:
+        if not args.malloc_tuning:
+            raise SystemExit("error: --malloc_trim_threshold needs --malloc_tuning")
+        MALLOC_ENV["MALLOC_TRIM_THRESHOLD_"] = str(args.malloc_trim_threshold)
     if args.malloc_tuning:
         os.environ.update(MALLOC_ENV)  # inherited by our step 3 launch too
 
@@ -304,7 +311,8 @@ def main(argv=None):
                                       "import trl, torch, deepspeed, transformers, accelerate;"
                                       "print(trl.__version__, torch.__version__, deepspeed.__version__,"
                                       " transformers.__version__, accelerate.__version__)"],
-                                     capture_output=True, text=True, timeout=120).stdout.strip() or "?"
+                                     capture_output=True, text=True, timeout=120).stdout.strip()
+        trl_version = trl_version.splitlines()[-1] if trl_version else "?"  # DeepSpeed warns on stdout first
     except (OSError, subprocess.SubprocessError):
         pass
     lines = [f"# bench/peer_trl.py  {time.strftime('%Y-%m-%d %H:%M:%S')}",

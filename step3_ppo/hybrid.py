@@ -6,7 +6,8 @@ every new token through the engine's module hooks; here the parameters are gathe
 whole `generate` call and the hooks are lifted while it runs, then restored, and the parameters
 are partitioned again on the way out (gathered memory released). LoRA adapters are merged into the
 weights while generating (one matmul per layer instead of three) and the original weights are put
-back bit for bit afterwards.
+back bit for bit afterwards. Step 3 also scores the rollout on models gathered once (`gathered`):
+the no-grad forwards need no per-layer fetch and release either.
 """
 from __future__ import annotations
 

@@ -50,7 +50,8 @@ def parse_args(argv=None):
     g.add_argument("--top_k", type=int, default=0)
     g.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
     g.add_argument("--enable_hybrid_engine", action="store_true",
-                   help="generation mode: ZeRO-3 params gathered once, hooks lifted, LoRA merged")
+                   help="generation mode: ZeRO-3 params gathered once, hooks lifted, LoRA merged; the rollout's "
+                        "no-grad forwards also on models gathered once")
     g.add_argument("--no_merge_lora_for_generation", action="store_true")
     g = p.add_argument_group("PPO")
     g.add_argument("--per_device_training_batch_size", type=int, default=4, help="PPO mini-batch size")
