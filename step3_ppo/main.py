@@ -51,8 +51,11 @@ def parse_args(argv=None):
     g.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
     g.add_argument("--enable_hybrid_engine", action="store_true",
                    help="generation mode: ZeRO-3 params gathered once, hooks lifted, LoRA merged; the rollout's "
-                        "no-grad forwards also on models gathered once")
+                        "no-grad forwards also on models gathered once (see --no_gathered_experience)")
     g.add_argument("--no_merge_lora_for_generation", action="store_true")
+    g.add_argument("--no_gathered_experience", action="store_true",
+                   help="with the hybrid engine, score the rollout through ZeRO-3's per-layer hooks instead of "
+                        "on models gathered whole (less memory when critic or reward model outgrow the actor)")
     g = p.add_argument_group("PPO")
     g.add_argument("--per_device_training_batch_size", type=int, default=4, help="PPO mini-batch size")
     g.add_argument("--ppo_epochs", type=int, default=1)
@@ -158,7 +161,8 @@ def ppo_config(args, tokenizer) -> PPOConfig:
         whiten_advantages=not args.no_whiten_advantages, cliprange=args.cliprange,
         cliprange_value=args.cliprange_value, unsup_coef=args.unsup_coef,
         enable_hybrid_engine=args.enable_hybrid_engine,
-        merge_lora_for_generation=not args.no_merge_lora_for_generation, seed=args.seed)
+        merge_lora_for_generation=not args.no_merge_lora_for_generation,
+        gathered_experience=not args.no_gathered_experience, seed=args.seed)
 
 
 def kl_controller(args):

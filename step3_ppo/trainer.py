@@ -49,6 +49,7 @@ class PPOConfig:
     unsup_coef: float = 27.8
     enable_hybrid_engine: bool = False
     merge_lora_for_generation: bool = True
+    gathered_experience: bool = True  # with the hybrid engine: score the rollout on models gathered whole
     seed: int = 1234
 
 
@@ -102,8 +103,14 @@ class PPOTrainer:
                                 prompt_batch["attention_mask"].cpu(), self.config.eos_token_id)
 
     def inference_weights(self, engine):
-        """With the hybrid engine, a no-grad phase holds the whole model gathered once (hybrid.gathered)."""
-        return gathered(engine) if self.config.enable_hybrid_engine else contextlib.nullcontext()
+        """With the hybrid engine, a no-grad phase holds the whole model gathered once (hybrid.gathered).
+
+        One model at a time, as large as the actor in generation mode; `gathered_experience=False`
+        keeps the per-layer hooks for models bigger than that.
+        """
+        if self.config.enable_hybrid_engine and self.config.gathered_experience:
+            return gathered(engine)
+        return contextlib.nullcontext()
 
     @torch.no_grad()
     def score_rows(self, rows: list[Row], engine, name: str) -> None:

@@ -28,7 +28,10 @@ def test_generation_modes_agree_and_repartition(tiny_llama, tmp_path):
     assert result["gathered_forward_max_abs_diff"] <= 1e-6
 
 
-def test_two_rank_zero3_hybrid_lr0_log_ratio_and_exports(tiny_gpt2, tmp_path):
+@pytest.mark.parametrize("experience", ["gathered", "hooked"])
+def test_two_rank_zero3_hybrid_lr0_log_ratio_and_exports(tiny_gpt2, tmp_path, experience):
+    """lr 0 under ZeRO-3 + hybrid: the rollout scored on gathered models (default) or through the
+    per-layer hooks (--no_gathered_experience) gives the same log-probs as the hooked training forward."""
     write_prompts(tmp_path / "prompts.jsonl", 40)
     out = str(tmp_path / "out")
     args = ["--actor_model_name_or_path", tiny_gpt2, "--critic_model_name_or_path", tiny_gpt2,
@@ -37,6 +40,8 @@ def test_two_rank_zero3_hybrid_lr0_log_ratio_and_exports(tiny_gpt2, tmp_path):
             "--actor_learning_rate", 0, "--critic_learning_rate", 0, "--max_prompt_seq_len", 32,
             "--max_answer_seq_len", 6, "--per_device_generation_batch_size", 4, "--generation_batches", 2,
             "--per_device_training_batch_size", 2, "--ppo_epochs", 2, "--max_steps", 2, "--seed", 5]
+    if experience == "hooked":
+        args.append("--no_gathered_experience")
     proc = run_deepspeed("step3_ppo.main", args, log_path=str(tmp_path / "log.txt"))
     assert os.path.exists(os.path.join(out, "critic", "value_head.safetensors")), tail(proc)
     rows = metrics(out)
