@@ -91,11 +91,10 @@ def hybrid_steps(engine, generate_fn, proposed: bool):
     """
     import deepspeed
     import torch
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     from peft import PeftModel
     from peft.tuners.lora import LoraLayer
 
-    from step3_ppo.hybrid import _hooks_lifted, _zero3_offload
+    from step3_ppo.hybrid import _hooks_lifted, _zero3_offload, partitioned_params
 
     marks = [("start", time.perf_counter(), time.process_time())]
 
@@ -106,8 +105,7 @@ def hybrid_steps(engine, generate_fn, proposed: bool):
     was_training = module.training
     engine.eval()
     offload = _zero3_offload(engine)
-    partitioned = [p for p in module.parameters() if getattr(p, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE]
-    gathered = deepspeed.zero.GatheredParameters(partitioned, enabled=offload is not None)
+    gathered = deepspeed.zero.GatheredParameters(partitioned_params(module), enabled=offload is not None)
     gathered.__enter__()
     mark("gather (allgather of all params)")
     lifted = _hooks_lifted(offload) if offload is not None else None

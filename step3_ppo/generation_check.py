@@ -108,7 +108,8 @@ def main(argv=None):
         for _ in range(2):
             engine.backward(causal_lm_logits(engine, prompts["input_ids"], prompts["attention_mask"]).mean() * 0.0)
             engine.step()
-    if args.lora_dim:  # non-zero LoRA weights (set after the steps: the optimizer's fp32 copy would undo them), so merging really changes the weights
+    if args.lora_dim:  # non-zero LoRA weights, so merging really changes the weights (set after the steps:
+        # the optimizer's fp32 copy would undo them)
         import deepspeed
 
         with torch.no_grad():
@@ -139,8 +140,9 @@ def main(argv=None):
                                  "tokens_per_s_per_rank": args.batch_size * args.new_tokens / seconds,
                                  "partitioned_after": partitioned(engine) if args.zero_stage == 3 else None}
         if hook_state is not None:
-            result["modes"][mode].update(hooks_unchanged=zero3_hook_state(engine)[0] == hook_state[0],
-                                         trace_before=hook_state[1], trace_after=zero3_hook_state(engine)[1])
+            hooks_after, trace_after = zero3_hook_state(engine)
+            result["modes"][mode].update(hooks_unchanged=hooks_after == hook_state[0], trace_before=hook_state[1],
+                                         trace_after=trace_after)
     if args.zero_stage == 3:
         result["gathered_forward_max_abs_diff"] = gathered_forward_max_abs_diff(
             engine, out, torch.cat([prompts["attention_mask"], torch.ones_like(out[:, args.prompt_len:])], dim=1))

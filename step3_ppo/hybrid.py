@@ -50,6 +50,13 @@ def _hooks_lifted(offload):
             hooks.update(saved[key])
 
 
+def partitioned_params(module) -> list:
+    """The ZeRO-3 parameters of `module` whose data lives split across ranks (not gathered, not persistent)."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    return [p for p in module.parameters() if getattr(p, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE]
+
+
 @contextlib.contextmanager
 def gathered(engine):
     """The whole model on every rank for no-grad work, in ONE gather; a no-op below ZeRO-3.
@@ -64,10 +71,8 @@ def gathered(engine):
         yield
         return
     import deepspeed
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    params = [p for p in engine.module.parameters() if p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
-    with deepspeed.zero.GatheredParameters(params), _hooks_lifted(offload):
+    with deepspeed.zero.GatheredParameters(partitioned_params(engine.module)), _hooks_lifted(offload):
         yield
 
 
