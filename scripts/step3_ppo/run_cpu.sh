@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Step 3 on CPU: 2 ranks (gloo), actor/reference from step 1, critic/reward from step 2, all ZeRO-3,
 # hybrid generation mode, prompts from the demo pairs (the half step 2 did not use). 15 iterations
-# of 16 rollouts take 421 s on an idle 2-core machine (~26 s/iteration) for the demo's result.
+# of 16 rollouts take 359 s on an idle 2-core machine (~21 s/iteration) for the demo's result.
 # usage: bash scripts/step3_ppo/run_cpu.sh [OUTPUT_DIR] [extra step3_ppo/main.py arguments]
 #        ACTOR=dir CRITIC=dir DATA="src ..." override the inputs.
 source "$(dirname "$0")/../common.sh"
