@@ -4,16 +4,11 @@ from __future__ import annotations
 import datetime
 import os
 import random
-import socket
 
 import numpy as np
 import torch
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from utils.ports import free_port
 
 
 def init_distributed(timeout_s: int = 600) -> None:
@@ -27,7 +22,7 @@ def init_distributed(timeout_s: int = 600) -> None:
 
     if "RANK" not in os.environ:
         os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())})
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     tune_malloc()
     deepspeed.init_distributed(timeout=datetime.timedelta(seconds=timeout_s), auto_mpi_discovery=False)
     _unlink_shm_buffer()
