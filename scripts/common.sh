@@ -9,7 +9,7 @@ export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" TRANSFORMERS_OFFLINE="${TRANSFORMER
 # One thread per rank: on a 2-core machine two ranks with more threads each run ~3x slower.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 MASTER_PORT_GIVEN="${MASTER_PORT:-}"
-MASTER_PORT="${MASTER_PORT:-$(python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}"
+MASTER_PORT="${MASTER_PORT:-$(python -m utils.ports)}"
 DEMO_DATA="${DEMO_DATA:-$ROOT/data/demo}"
 
 # Both print only the model folder on stdout (progress and library warnings go to stderr) and
@@ -26,13 +26,21 @@ tiny_model() {  # a tiny random model of architecture $1 (gpt2, llama, opt), bui
 
 # Runs a launcher command with its output copied to LOG, and forwards SIGTERM/SIGINT to the whole
 # launch: deepspeed's --no_ssh runner does not pass them on, so a stopped node would keep training.
+# The copy (tee) is this shell's child, outside the launch, so it keeps logging the launch's last
+# words after a signal and is waited for (up to 10 s, in case an orphan of the launch keeps the
+# pipe open): LOG is complete when this returns. Returns the launch's exit status.
 run_logged() {  # run_logged LOG command...
   local log="$1"; shift
-  "$@" > >(tee "$log") 2>&1 &
-  local launcher_pid=$! rc
+  local log_fd tee_pid launcher_pid rc i
+  exec {log_fd}> >(exec tee -i "$log")
+  tee_pid=$!
+  "$@" >&"$log_fd" 2>&1 {log_fd}>&- &
+  launcher_pid=$!
+  exec {log_fd}>&-
   trap 'pkill -TERM -P "$launcher_pid"; kill -TERM "$launcher_pid" 2>/dev/null' TERM INT
   wait "$launcher_pid"; rc=$?
   while kill -0 "$launcher_pid" 2>/dev/null; do wait "$launcher_pid"; rc=$?; done
+  for i in $(seq 100); do kill -0 "$tee_pid" 2>/dev/null || break; sleep 0.1; done
   return "$rc"
 }
 
@@ -59,4 +67,64 @@ multi_node_launcher() {  # prints the launcher prefix for the given hostfile
     done
     echo "env DS_ENV_FILE=$env_file deepspeed --hostfile $hostfile --master_port $MASTER_PORT${MASTER_ADDR:+ --master_addr $MASTER_ADDR}"
   fi
+}
+
+# The run scripts scripts/step{1_sft,2_reward,3_ppo}/run_{cpu,single_gpu,single_node,multi_node}.sh
+# are each one call of launch_step, which does their common part:
+#   launch_step KIND MODULE DEMO_SOURCE [STEP FLAGS...] -- [OUTPUT_DIR] [EXTRA ARGS...]
+# KIND         the launcher: cpu          deepspeed --num_gpus ${NUM_RANKS:-2} (gloo ranks here)
+#                            single_gpu   deepspeed --num_gpus 1
+#                            single_node  deepspeed (every local GPU)
+#                            multi_node   multi_node_launcher ${HOSTFILE:-./hostfile} (see above)
+# MODULE       step1_sft.main, step2_reward.main or step3_ppo.main
+# DEMO_SOURCE  the data/demo source used when DATA is unset: sft or pairs (made on first use)
+# STEP FLAGS   the step's own flags (--data_split ...); everything after -- is the run script's "$@".
+# Launched: LAUNCHER --module MODULE MODEL_ARGS --data_path $DATA STEP_FLAGS --output_dir OUTPUT_DIR
+# EXTRA_ARGS (last, so they override), where MODEL_ARGS is --model_name_or_path $MODEL (steps 1, 2)
+# or --actor_model_name_or_path $ACTOR --critic_model_name_or_path $CRITIC (step 3) and $DATA is
+# word-split (several sources). Defaults: OUTPUT_DIR out/stepN; MODEL default_model (step 1),
+# step1_output_or_default_model (step 2); ACTOR ${STEP1_DIR:-out/step1}; CRITIC ${STEP2_DIR:-out/step2}.
+# The output is copied to OUTPUT_DIR/train.log (multi_node: train.log.node${NODE_RANK:-0}) by
+# run_logged. Returns the launch's exit status (or a failing preamble step's, before any launch).
+launch_step() {
+  local kind="$1" module="$2" demo_source="$3" step launch rc
+  shift 3
+  local -a flags=() launcher=()
+  while [ $# -gt 0 ] && [ "$1" != "--" ]; do flags+=("$1"); shift; done
+  [ "${1:-}" = "--" ] && shift
+  case "$module" in
+    step1_*) step=1 ;; step2_*) step=2 ;; step3_*) step=3 ;;
+    *) echo "launch_step: unknown step module $module" >&2; return 2 ;;
+  esac
+  OUTPUT="${1:-$ROOT/out/step$step}"; shift || true
+  local -a model_args
+  case "$step" in
+    1) MODEL="${MODEL:-$(default_model)}" || return; model_args=(--model_name_or_path "$MODEL") ;;
+    2) MODEL="${MODEL:-$(step1_output_or_default_model)}" || return; model_args=(--model_name_or_path "$MODEL") ;;
+    3) ACTOR="${ACTOR:-${STEP1_DIR:-$ROOT/out/step1}}"; CRITIC="${CRITIC:-${STEP2_DIR:-$ROOT/out/step2}}"
+       model_args=(--actor_model_name_or_path "$ACTOR" --critic_model_name_or_path "$CRITIC") ;;
+  esac
+  if [ -z "${DATA:-}" ]; then ensure_demo_data || return; DATA="$DEMO_DATA/$demo_source"; fi
+  mkdir -p "$OUTPUT" || return
+  local log="$OUTPUT/train.log"
+  case "$kind" in
+    cpu) launcher=(deepspeed --num_gpus "${NUM_RANKS:-2}" --master_port "$MASTER_PORT") ;;
+    single_gpu) launcher=(deepspeed --num_gpus 1 --master_port "$MASTER_PORT") ;;
+    single_node) launcher=(deepspeed --master_port "$MASTER_PORT") ;;
+    multi_node) launch="$(multi_node_launcher "${HOSTFILE:-./hostfile}")" || return
+                read -ra launcher <<< "$launch"; log="$OUTPUT/train.log.node${NODE_RANK:-0}" ;;
+    *) echo "launch_step: unknown kind $kind (cpu, single_gpu, single_node, multi_node)" >&2; return 2 ;;
+  esac
+  if [ "$step" = 3 ]; then
+    echo "[step3] actor $ACTOR, critic $CRITIC, data $DATA, output $OUTPUT"
+  else
+    echo "[step$step] model $MODEL, data $DATA, output $OUTPUT"
+  fi
+  # shellcheck disable=SC2086  # DATA holds one or several sources
+  run_logged "$log" "${launcher[@]}" --module "$module" "${model_args[@]}" --data_path $DATA "${flags[@]}" \
+    --output_dir "$OUTPUT" "$@"
+  rc=$?
+  # DeepSpeed's CPU shared-memory comm op never unlinks its buffers (69 MB per rank per run).
+  [ "$kind" = cpu ] && rm -f /dev/shm/deepspeed_allreduce_buffer_*_"${MASTER_PORT}"_*
+  return "$rc"
 }

@@ -1,20 +1,17 @@
 #!/usr/bin/env bash
-# Step 1 on CPU: 2 ranks (gloo) through the deepspeed launcher, ZeRO-2, the demo data and the
-# embedded SmolLM2-135M-Instruct unless MODEL / DATA are set. ZeRO-2, not 3: on one CPU machine
-# ZeRO-3's per-layer gathers cost more time than the memory they save for a 135M model (pass
-# --zero_stage 3 to try; the tests run step 1 under ZeRO-3). Measured on an idle 2-core machine:
-# held-out perplexity 132.6 -> 48.5 in 275 s (40 steps of 16 sequences, 5.9 s/step; ZeRO-3: 6.7).
-# usage: bash scripts/step1_sft/run_cpu.sh [OUTPUT_DIR] [extra step1_sft/main.py arguments]
+# Step 1 (SFT) on CPU: 2 ranks (gloo) through the deepspeed launcher, ZeRO-2, fp32, the demo data and
+# the embedded SmolLM2-135M-Instruct. ZeRO-2, not 3: on one CPU machine ZeRO-3's per-layer gathers
+# cost more time than the memory they save for a 135M model (pass --zero_stage 3 to try; the tests
+# run step 1 under ZeRO-3). Measured on an idle 2-core machine: held-out perplexity 132.6 -> 48.5 in
+# 275 s (40 steps of 16 sequences, 5.9 s/step; ZeRO-3: 6.7).
+# usage: bash scripts/step1_sft/run_cpu.sh [OUTPUT_DIR (out/step1)] [extra step1_sft/main.py arguments]
+# env: MODEL (default: the converted SmolLM2-135M-Instruct), DATA (sources; default data/demo/sft),
+#      NUM_RANKS (2), MAX_STEPS (40), MASTER_PORT (a free one). Log: OUTPUT_DIR/train.log.
 source "$(dirname "$0")/../common.sh"
-OUTPUT="${1:-$ROOT/out/step1}"; shift || true
-MODEL="${MODEL:-$(default_model)}"
-if [ -z "${DATA:-}" ]; then ensure_demo_data; DATA="$DEMO_DATA/sft"; fi
-mkdir -p "$OUTPUT"
-deepspeed --num_gpus "${NUM_RANKS:-2}" --master_port "$MASTER_PORT" --module step1_sft.main \
-  --model_name_or_path "$MODEL" --data_path $DATA --data_split 10,0,0 \
+launch_step cpu step1_sft.main sft \
+  --data_split 10,0,0 \
   --zero_stage 2 --dtype fp32 --max_seq_len 64 \
   --per_device_train_batch_size 8 --per_device_eval_batch_size 16 --gradient_accumulation_steps 1 \
   --learning_rate 5e-5 --lr_scheduler_type cosine --num_warmup_steps 5 --weight_decay 0.0 \
   --num_train_epochs 1 --max_steps "${MAX_STEPS:-40}" --seed 1234 --dropout 0.0 \
-  --output_dir "$OUTPUT" "$@" 2>&1 | tee "$OUTPUT/train.log"
-exit "${PIPESTATUS[0]}"
+  -- "$@"

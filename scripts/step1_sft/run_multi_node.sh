@@ -1,16 +1,15 @@
 #!/usr/bin/env bash
-# Step 1 on several nodes through the deepspeed launcher and a hostfile ("host slots=N" per line).
-# usage: HOSTFILE=./hostfile MODEL=... bash scripts/step1_sft/run_multi_node.sh [OUTPUT_DIR] [extra args]
+# Step 1 (SFT) on several nodes through the deepspeed launcher and a hostfile ("host slots=N" per
+# line): ZeRO-3, bf16. The output directory must be on a filesystem every node sees.
+# usage: HOSTFILE=./hostfile MODEL=... bash scripts/step1_sft/run_multi_node.sh [OUTPUT_DIR (out/step1)] [extra args]
 #        MULTI_NODE_MODE=no_ssh NODE_RANK=i MASTER_ADDR=host0 MASTER_PORT=p ... (one node per call)
+# env: HOSTFILE (./hostfile), MULTI_NODE_MODE (ssh | no_ssh), NODE_RANK, MASTER_ADDR, MASTER_PORT,
+#      MODEL (default: the converted SmolLM2-135M-Instruct), DATA (sources; default data/demo/sft),
+#      DTYPE (bf16). Log: OUTPUT_DIR/train.log.node$NODE_RANK (node0 in ssh mode).
 source "$(dirname "$0")/../common.sh"
-OUTPUT="${1:-$ROOT/out/step1}"; shift || true
-MODEL="${MODEL:-$(default_model)}"
-if [ -z "${DATA:-}" ]; then ensure_demo_data; DATA="$DEMO_DATA/sft"; fi
-mkdir -p "$OUTPUT"
-LAUNCH="$(multi_node_launcher "${HOSTFILE:-./hostfile}")"
-run_logged "$OUTPUT/train.log.node${NODE_RANK:-0}" $LAUNCH --module step1_sft.main \
-  --model_name_or_path "$MODEL" --data_path $DATA --data_split 10,0,0 \
+launch_step multi_node step1_sft.main sft \
+  --data_split 10,0,0 \
   --zero_stage 3 --dtype "${DTYPE:-bf16}" --max_seq_len 512 \
   --per_device_train_batch_size 4 --per_device_eval_batch_size 4 \
   --learning_rate 9.65e-6 --num_train_epochs 4 --seed 1234 \
-  --output_dir "$OUTPUT" "$@"
+  -- "$@"

@@ -1,27 +1,21 @@
 #!/usr/bin/env bash
-# Step 2 on CPU: 2 ranks (gloo) through the deepspeed launcher, ZeRO-2, fp32, the demo pairs (the
-# step-2 half, --data_split 0,5,5; step 3 uses the other half) and the step-1 output out/step1 when it
-# exists, else the embedded SmolLM2-135M-Instruct, unless MODEL / DATA are set.
+# Step 2 (reward model) on CPU: 2 ranks (gloo) through the deepspeed launcher, ZeRO-2, fp32, the demo
+# pairs (the step-2 half, --data_split 0,5,5; step 3 uses the other half) and the step-1 output
+# out/step1 when it exists, else the embedded SmolLM2-135M-Instruct.
 # LoRA (rank 16, every Linear of the backbone, base frozen) + the value head, 40 steps of 16 pairs
 # (4 per rank x 2 accumulation x 2 ranks). Measured on SmolLM2-135M-Instruct on an idle 2-core
 # machine: held-out accuracy 0.53 -> 0.88 on the 300 eval pairs in 291 s (5.0 s/step; ZeRO-3: 8.3).
-# usage: bash scripts/step2_reward/run_cpu.sh [OUTPUT_DIR] [extra step2_reward/main.py arguments]
+# usage: bash scripts/step2_reward/run_cpu.sh [OUTPUT_DIR (out/step2)] [extra step2_reward/main.py arguments]
+# env: MODEL (default: out/step1 if it holds a model, else SmolLM2-135M-Instruct), DATA (sources;
+#      default data/demo/pairs), NUM_RANKS (2), MAX_STEPS (40), MASTER_PORT (a free one).
+#      Log: OUTPUT_DIR/train.log.
 source "$(dirname "$0")/../common.sh"
-OUTPUT="${1:-$ROOT/out/step2}"; shift || true
-MODEL="${MODEL:-$(step1_output_or_default_model)}"
-if [ -z "${DATA:-}" ]; then ensure_demo_data; DATA="$DEMO_DATA/pairs"; fi
-mkdir -p "$OUTPUT"
-echo "[step2] model $MODEL, data $DATA, output $OUTPUT"
-deepspeed --num_gpus "${NUM_RANKS:-2}" --master_port "$MASTER_PORT" --module step2_reward.main \
-  --model_name_or_path "$MODEL" --data_path $DATA --data_split 0,5,5 \
+launch_step cpu step2_reward.main pairs \
+  --data_split 0,5,5 \
   --zero_stage 2 --dtype fp32 --max_seq_len 64 \
   --per_device_train_batch_size 4 --per_device_eval_batch_size 32 --gradient_accumulation_steps 2 \
   --lora_dim 16 --only_optimize_lora --lora_learning_rate 2e-3 \
   --learning_rate 2e-3 --lr_scheduler_type cosine --num_warmup_steps 2 --weight_decay 0.0 \
   --num_train_epochs 1 --max_steps "${MAX_STEPS:-40}" --seed 1234 --dropout 0.0 \
   --eval_interval 0 --eval_iters 0 \
-  --output_dir "$OUTPUT" "$@" 2>&1 | tee "$OUTPUT/train.log"
-status="${PIPESTATUS[0]}"
-# DeepSpeed's CPU shared-memory comm op never unlinks its buffers (69 MB per rank per run).
-rm -f /dev/shm/deepspeed_allreduce_buffer_*_"${MASTER_PORT}"_*
-exit "$status"
+  -- "$@"

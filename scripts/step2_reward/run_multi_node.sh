@@ -1,18 +1,16 @@
 #!/usr/bin/env bash
-# Step 2 on several nodes through the deepspeed launcher and a hostfile ("host slots=N" per line).
-# usage: HOSTFILE=./hostfile MODEL=... bash scripts/step2_reward/run_multi_node.sh [OUTPUT_DIR] [extra args]
+# Step 2 (reward model) on several nodes through the deepspeed launcher and a hostfile ("host slots=N"
+# per line): ZeRO-3, bf16, full fine-tuning. The output directory must be on a filesystem every node sees.
+# usage: HOSTFILE=./hostfile MODEL=... bash scripts/step2_reward/run_multi_node.sh [OUTPUT_DIR (out/step2)] [extra args]
 #        MULTI_NODE_MODE=no_ssh NODE_RANK=i MASTER_ADDR=host0 MASTER_PORT=p ... (one node per call)
+# env: HOSTFILE (./hostfile), MULTI_NODE_MODE (ssh | no_ssh), NODE_RANK, MASTER_ADDR, MASTER_PORT,
+#      MODEL (default: out/step1 if it holds a model, else SmolLM2-135M-Instruct), DATA (sources;
+#      default data/demo/pairs), DTYPE (bf16). Log: OUTPUT_DIR/train.log.node$NODE_RANK (node0 in ssh mode).
 source "$(dirname "$0")/../common.sh"
-OUTPUT="${1:-$ROOT/out/step2}"; shift || true
-MODEL="${MODEL:-$(step1_output_or_default_model)}"
-if [ -z "${DATA:-}" ]; then ensure_demo_data; DATA="$DEMO_DATA/pairs"; fi
-mkdir -p "$OUTPUT"
-LAUNCH="$(multi_node_launcher "${HOSTFILE:-./hostfile}")"
-$LAUNCH --module step2_reward.main \
-  --model_name_or_path "$MODEL" --data_path $DATA --data_split 0,5,5 \
+launch_step multi_node step2_reward.main pairs \
+  --data_split 0,5,5 \
   --zero_stage 3 --dtype "${DTYPE:-bf16}" --max_seq_len 512 \
   --per_device_train_batch_size 4 --per_device_eval_batch_size 4 \
   --learning_rate 9.65e-6 --weight_decay 0.1 --num_train_epochs 1 --seed 1234 \
   --dropout 0.0 --eval_interval 100 --eval_iters 100 \
-  --output_dir "$OUTPUT" "$@" 2>&1 | tee "$OUTPUT/train.log.node${NODE_RANK:-0}"
-exit "${PIPESTATUS[0]}"
+  -- "$@"

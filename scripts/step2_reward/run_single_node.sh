@@ -1,16 +1,14 @@
 #!/usr/bin/env bash
-# Step 2 on one node with every local GPU: ZeRO-3, bf16, full fine-tuning (DeepSpeed-Chat's settings).
-# usage: MODEL=path/to/step1/output bash scripts/step2_reward/run_single_node.sh [OUTPUT_DIR] [extra args]
+# Step 2 (reward model) on one node with every local GPU: ZeRO-3, bf16, full fine-tuning
+# (DeepSpeed-Chat's settings).
+# usage: MODEL=path/to/step1/output bash scripts/step2_reward/run_single_node.sh [OUTPUT_DIR (out/step2)] [extra args]
+# env: MODEL (default: out/step1 if it holds a model, else SmolLM2-135M-Instruct), DATA (sources;
+#      default data/demo/pairs), MASTER_PORT (a free one). Log: OUTPUT_DIR/train.log.
 source "$(dirname "$0")/../common.sh"
-OUTPUT="${1:-$ROOT/out/step2}"; shift || true
-MODEL="${MODEL:-$(step1_output_or_default_model)}"
-if [ -z "${DATA:-}" ]; then ensure_demo_data; DATA="$DEMO_DATA/pairs"; fi
-mkdir -p "$OUTPUT"
-deepspeed --master_port "$MASTER_PORT" --module step2_reward.main \
-  --model_name_or_path "$MODEL" --data_path $DATA --data_split 0,5,5 \
+launch_step single_node step2_reward.main pairs \
+  --data_split 0,5,5 \
   --zero_stage 3 --dtype bf16 --max_seq_len 512 \
   --per_device_train_batch_size 8 --per_device_eval_batch_size 8 --gradient_accumulation_steps 1 \
   --learning_rate 9.65e-6 --weight_decay 0.1 --num_train_epochs 1 --num_warmup_steps 0 --seed 1234 \
   --dropout 0.0 --eval_interval 100 --eval_iters 100 \
-  --output_dir "$OUTPUT" "$@" 2>&1 | tee "$OUTPUT/train.log"
-exit "${PIPESTATUS[0]}"
+  -- "$@"

@@ -1,0 +1,159 @@
+"""The run scripts scripts/step*/run_*.sh (fast, nothing is trained): syntax, the shared helper
+(launch_step in scripts/common.sh, which launches through run_logged), one --data_split convention,
+and the helper's preamble run against a stub launcher.
+
+The stub replaces `deepspeed` as an exported bash function, not as a file first on PATH: sourcing
+scripts/common.sh activates .venv, which puts .venv/bin (and its real deepspeed) in front of PATH,
+while a function wins over any PATH entry and needs no change to the scripts.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import subprocess
+
+import pytest
+
+from tests.launch import ROOT, subprocess_env
+
+SCRIPTS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "scripts", "step*", "run_*.sh")))
+KINDS = ("cpu", "single_gpu", "single_node", "multi_node")
+STEP_DIRS = ("step1_sft", "step2_reward", "step3_ppo")
+# every variable a run script reads, so the caller's environment cannot leak into a check
+SCRIPT_ENV = ("MODEL", "ACTOR", "CRITIC", "DATA", "NUM_RANKS", "MAX_STEPS", "DTYPE", "HOSTFILE", "MULTI_NODE_MODE",
+              "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "STEP1_DIR", "STEP2_DIR", "DEMO_DATA")
+
+
+def read(rel: str) -> str:
+    with open(os.path.join(ROOT, rel)) as f:
+        return f.read()
+
+
+def code_lines(text: str) -> str:
+    """The script without its comment lines."""
+    return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
+
+
+def test_the_twelve_run_scripts_are_there():
+    assert SCRIPTS == sorted(f"scripts/{d}/run_{k}.sh" for d in STEP_DIRS for k in KINDS)
+
+
+@pytest.mark.parametrize("script", SCRIPTS + ["scripts/common.sh", "scripts/demo.sh"])
+def test_bash_syntax(script):
+    proc = subprocess.run(["bash", "-n", os.path.join(ROOT, script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_run_script_is_one_launch_step_call(script):
+    text = read(script)
+    code = code_lines(text)
+    step_dir, name = script.split("/")[1:]
+    kind = name[len("run_"):-len(".sh")]
+    assert text.startswith("#!/usr/bin/env bash\n# Step ")
+    assert "# usage: " in text and "# env: " in text
+    assert 'source "$(dirname "$0")/../common.sh"' in code
+    calls = re.findall(r"^launch_step (\S+) (\S+) (\S+) ", code, re.M)
+    assert calls == [(kind, f"{step_dir}.main", "sft" if step_dir == "step1_sft" else "pairs")]
+    assert code.rstrip().endswith('-- "$@"'), "the script's arguments go last, after --"
+    for bare in ("| tee", "PIPESTATUS", "deepspeed ", "mkdir", "ensure_demo_data", "shift"):
+        assert bare not in code, f"{script} repeats the preamble/launch itself ({bare!r})"
+
+
+def test_launch_step_launches_through_run_logged():
+    common = read("scripts/common.sh")
+    body = re.search(r"^launch_step\(\) \{\n(.*?)^\}\n", common, re.M | re.S).group(1)
+    assert re.search(r'^\s*run_logged "\$log" "\$\{launcher\[@\]\}" --module', body, re.M)
+    assert "| tee" not in code_lines(common)
+    assert "python -m utils.ports" in common and "import socket" not in common
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_data_split_convention(script):
+    """data/demo/sft feeds step 1 only (10,0,0); steps 2 and 3 share data/demo/pairs (0,5,5)."""
+    splits = re.findall(r"--data_split\s+(\S+)", code_lines(read(script)))
+    assert splits == (["10,0,0"] if "/step1_sft/" in script else ["0,5,5"])
+
+
+STUB = """#!/bin/sh
+for a in "$@"; do echo "ARG $a"; done
+exit 3
+"""
+
+
+def run_with_stub(tmp_path, script: str, args: list, **env_extra) -> tuple[subprocess.CompletedProcess, str]:
+    stub = tmp_path / "deepspeed_stub"
+    stub.write_text(STUB)
+    stub.chmod(0o755)
+    demo = tmp_path / "demo"  # a demo data folder ensure_demo_data accepts as made
+    (demo / "pairs").mkdir(parents=True)
+    (demo / "pairs" / "eval.jsonl").write_text("")
+    env = subprocess_env()
+    for var in SCRIPT_ENV:
+        env.pop(var, None)
+    env.update({"DEMO_DATA": str(demo), "BASH_FUNC_deepspeed%%": f'() {{ exec "{stub}" "$@"; }}'})
+    env.update(env_extra)
+    proc = subprocess.run(["bash", os.path.join(ROOT, script), *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    return proc, str(demo)
+
+
+def launched(text: str) -> list[str]:
+    return [line[len("ARG "):] for line in text.splitlines() if line.startswith("ARG ")]
+
+
+def test_preamble_cpu_step1(tmp_path):
+    out = tmp_path / "new" / "out"  # made by the helper, parents included
+    proc, demo = run_with_stub(tmp_path, "scripts/step1_sft/run_cpu.sh", [str(out), "--foo", "a b"],
+                               MODEL="/some/model", MAX_STEPS="7", NUM_RANKS="1", MASTER_PORT="12345")
+    assert proc.returncode == 3, proc.stdout + proc.stderr  # the launch's status
+    log = out / "train.log"
+    assert log.is_file()
+    argv = launched(log.read_text())
+    assert argv == launched(proc.stdout)  # the log is a copy of the launch's output, complete at exit
+    assert argv[:9] == ["--num_gpus", "1", "--master_port", "12345", "--module", "step1_sft.main",
+                        "--model_name_or_path", "/some/model", "--data_path"]
+    assert argv[9:12] == [f"{demo}/sft", "--data_split", "10,0,0"]
+    assert argv[-4:] == ["--output_dir", str(out), "--foo", "a b"]  # "$@" extras come last
+    assert argv[argv.index("--max_steps") + 1] == "7" and argv[argv.index("--zero_stage") + 1] == "2"
+    assert f"[step1] model /some/model, data {demo}/sft, output {out}" in proc.stdout
+
+
+def test_preamble_step3_defaults(tmp_path):
+    """ACTOR from STEP1_DIR, CRITIC out/step2 (unset); DATA with several sources is split into words."""
+    out = tmp_path / "out"
+    proc, _ = run_with_stub(tmp_path, "scripts/step3_ppo/run_single_node.sh", [str(out)],
+                            STEP1_DIR="/s1", DATA="/d/a /d/b", MASTER_PORT="12345")
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    argv = launched(proc.stdout)
+    assert argv[:4] == ["--master_port", "12345", "--module", "step3_ppo.main"]
+    assert argv[4:11] == ["--actor_model_name_or_path", "/s1", "--critic_model_name_or_path",
+                          os.path.join(ROOT, "out", "step2"), "--data_path", "/d/a", "/d/b"]
+    assert argv[11:13] == ["--data_split", "0,5,5"]
+    assert argv[-2:] == ["--output_dir", str(out)] and (out / "train.log").is_file()
+
+
+def test_preamble_multi_node_no_ssh(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
+    out = tmp_path / "out"
+    proc, demo = run_with_stub(tmp_path, "scripts/step2_reward/run_multi_node.sh", [str(out), "--x"],
+                               MODEL="/m", HOSTFILE=str(hostfile), MULTI_NODE_MODE="no_ssh", NODE_RANK="1",
+                               MASTER_ADDR="127.0.0.1", MASTER_PORT="12345", DTYPE="fp32")
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    log = out / "train.log.node1"
+    assert log.is_file() and not (out / "train.log").exists()
+    argv = launched(log.read_text())
+    assert argv[:11] == ["--hostfile", str(hostfile), "--no_ssh", "--node_rank", "1", "--master_addr", "127.0.0.1",
+                         "--master_port", "12345", "--module", "step2_reward.main"]
+    assert argv[11:16] == ["--model_name_or_path", "/m", "--data_path", f"{demo}/pairs", "--data_split"]
+    assert argv[argv.index("--dtype") + 1] == "fp32"
+    assert argv[-3:] == ["--output_dir", str(out), "--x"]
+
+
+def test_missing_hostfile_stops_before_launch(tmp_path):
+    proc, _ = run_with_stub(tmp_path, "scripts/step1_sft/run_multi_node.sh", [str(tmp_path / "out")],
+                            MODEL="/m", HOSTFILE=str(tmp_path / "nothere"))
+    assert proc.returncode == 2 and "hostfile" in proc.stderr
+    assert not launched(proc.stdout)
