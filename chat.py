@@ -1,7 +1,7 @@
 """Multi-turn terminal chat with a trained model (DeepSpeed-Chat's chat.py).
 
     python chat.py --model_name_or_path DIR [--max_new_tokens 128] [--system TEXT]
-                   [--template {auto,chat,human_assistant}] [--sample [--temperature T --top_p P --top_k K]]
+                   [--template {auto,chat,human_assistant}] [--do_sample [--temperature T --top_p P --top_k K]]
 
 Templates:
 - `chat`: the tokenizer's own chat template (`apply_chat_template(messages, add_generation_prompt=True)`);
@@ -13,7 +13,7 @@ Templates:
 
 Commands: `clear` resets the history, `quit` / `exit` / end of input (Ctrl-D) ends the chat.
 When stdin is not a terminal (piped), each input line is one user turn and is echoed.
-Greedy decoding by default; `--sample` samples.
+Greedy decoding by default; `--do_sample` samples.
 """
 from __future__ import annotations
 
@@ -25,23 +25,21 @@ TEMPLATES = ("auto", "chat", "human_assistant")
 
 
 def parse_args(argv=None):
+    from utils.flags import add_generation_args, resolve_generation_args
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model_name_or_path", required=True)
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--system", default=None, help="system message prepended to the conversation")
     p.add_argument("--template", choices=TEMPLATES, default="auto")
-    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top_p", type=float, default=1.0)
-    p.add_argument("--top_k", type=int, default=0)
+    add_generation_args(p, do_sample=False)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
     p.add_argument("--trust_remote_code", action="store_true")
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         p.error(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}")
-    if args.sample and args.temperature <= 0:
-        p.error(f"--temperature must be > 0 when sampling, got {args.temperature}")
+    resolve_generation_args(args)
     return args
 
 
@@ -129,7 +127,7 @@ def main(argv=None) -> int:
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"Chatting with {args.model_name_or_path} (template: {template}, "
-              f"{'sampling' if args.sample else 'greedy'}). 'clear' resets, 'quit' or Ctrl-D ends.", flush=True)
+              f"{'sampling' if args.do_sample else 'greedy'}). 'clear' resets, 'quit' or Ctrl-D ends.", flush=True)
     turn = 0
     while True:
         try:
@@ -151,7 +149,7 @@ def main(argv=None) -> int:
             continue
         conversation.add("user", text)
         answer = generate_answers_from_ids(
-            model, tokenizer, [conversation.prompt_ids(max_prompt)], args.max_new_tokens, do_sample=args.sample,
+            model, tokenizer, [conversation.prompt_ids(max_prompt)], args.max_new_tokens, do_sample=args.do_sample,
             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed + turn)[0]
         reply = conversation.clean_reply(answer.text)
         conversation.add("assistant", reply)

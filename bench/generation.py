@@ -158,6 +158,8 @@ def worker(argv):
     from step3_ppo.hybrid import generate, generation_mode
     from utils.distributed import init_distributed, is_rank0, set_seed, world_size
     from utils.ds_config import train_ds_config
+    from utils.forward import GenerationSettings, generation_kwargs
+    from utils.forward import generate as forward_generate
     from utils.model import load_causal_lm, load_tokenizer
 
     args = worker_args(argv)
@@ -166,9 +168,8 @@ def worker(argv):
     set_seed(0)
     tokenizer = load_tokenizer(args.model_name_or_path, padding_side="left")
     prompts = make_prompts(tokenizer, args.batch_size, args.prompt_len, seed=1)
-    kwargs = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens, "do_sample": False,
-              "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
-              "temperature": None, "top_p": None, "top_k": None}
+    greedy = GenerationSettings(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
+    kwargs = generation_kwargs(greedy, tokenizer.eos_token_id, tokenizer.pad_token_id)
 
     plain_model = None
     if "unsharded" in modes:  # built first, with transformers' ZeRO-3 flag off (load_causal_lm unsets it)
@@ -202,14 +203,13 @@ def worker(argv):
     def run(mode):
         ids, mask = prompts["input_ids"], prompts["attention_mask"]
         if mode == "unsharded":
-            return plain_model.generate(input_ids=ids, attention_mask=mask, use_cache=True, synced_gpus=False,
-                                        **kwargs)
+            return forward_generate(plain_model, ids, mask, synced_gpus=False, **kwargs)
         if mode == "plain":
             return generate(engine, ids, mask, hybrid=False, **kwargs)
         if mode in ("hybrid_steps", "hybrid_proposed"):  # the per-call overhead: 4 prompt tokens, 1 new token
             short = {**kwargs, "max_new_tokens": 1, "min_new_tokens": 1}
-            out, steps = hybrid_steps(engine, lambda: engine.module.generate(
-                input_ids=ids[:, -4:], attention_mask=mask[:, -4:], use_cache=True, synced_gpus=False, **short),
+            out, steps = hybrid_steps(engine, lambda: forward_generate(
+                engine.module, ids[:, -4:], mask[:, -4:], synced_gpus=False, **short),
                 proposed=mode == "hybrid_proposed")
             split.setdefault(mode, []).append(steps)
             return out
@@ -220,8 +220,7 @@ def worker(argv):
         ctx.__enter__()
         t1 = time.perf_counter()
         try:
-            out = engine.module.generate(input_ids=ids, attention_mask=mask, use_cache=True, synced_gpus=False,
-                                         **kwargs)
+            out = forward_generate(engine.module, ids, mask, synced_gpus=False, **kwargs)
         finally:
             t2 = time.perf_counter()
             ctx.__exit__(None, None, None)

@@ -94,48 +94,29 @@ def summarize(rows: list[dict], warmup: int) -> dict:
             **{f"{name}_share": sum(r[k] for r in timed) / total for name, k in parts.items()}}
 
 
-def logits_to_keep_patch():
-    """PROPOSED change, applied by monkeypatching for the A/B only (project code is not edited):
-    step3_ppo/trainer.py policy_logprobs computes the LM head (and log-softmax) only for the
-    positions that predict response tokens (transformers' `logits_to_keep`), not for the prompt.
-    The prompt length of the packed batch is read from the `pack` call that precedes every
-    policy_logprobs call in PPOTrainer.score_rows and train_minibatch. Returns (install, uninstall)."""
+def logits_to_keep_logprobs(model, batch: dict, temperature: float, return_entropy: bool = False):
+    """PROPOSED policy forward, passed through PPOTrainer's `logprobs_fn` seam for the A/B only: the
+    LM head (and log-softmax) only for the positions that predict response tokens (transformers'
+    `logits_to_keep`), not for the prompt. Same contract as utils.forward.token_logprobs."""
     import torch
 
-    from step3_ppo import ppo
-    from step3_ppo import trainer as trainer_module
-    from utils.model import position_ids_from_attention_mask
+    from utils.forward import model_device
+    from utils.ops import entropy_from_logits, logprobs_from_logits, position_ids_from_attention_mask
 
-    original_pack, original_logprobs = trainer_module.pack, trainer_module.policy_logprobs
-    last = {}
-
-    def pack(rows, pad_token_id):
-        batch = original_pack(rows, pad_token_id)
-        last["prompt_len"] = batch["prompt_len"]
-        return batch
-
-    def policy_logprobs(engine, input_ids, attention_mask, temperature, return_entropy=False):
-        p, length = last["prompt_len"], input_ids.shape[1]
-        out = engine(input_ids=input_ids, attention_mask=attention_mask,
-                     position_ids=position_ids_from_attention_mask(attention_mask), use_cache=False,
-                     logits_to_keep=length - p + 1)
-        logits = out.logits[:, :-1]  # positions p-1 .. L-2: they predict the response tokens p .. L-1
-        if temperature != 1.0:
-            logits = logits / temperature
-        pad = (input_ids.shape[0], p - 1)
-        logprobs = torch.cat([torch.zeros(pad), ppo.logprobs_from_logits(logits, input_ids[:, p:])], dim=1)
-        if return_entropy:
-            entropy = torch.cat([torch.zeros(pad), ppo.entropy_from_logits(logits.detach())], dim=1)
-            return logprobs, entropy
-        return logprobs
-
-    def install():
-        trainer_module.pack, trainer_module.policy_logprobs = pack, policy_logprobs
-
-    def uninstall():
-        trainer_module.pack, trainer_module.policy_logprobs = original_pack, original_logprobs
-
-    return install, uninstall, original_logprobs, policy_logprobs, last
+    device = model_device(model)
+    input_ids, attention_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
+    p, length = batch["prompt_len"], input_ids.shape[1]
+    out = model(input_ids=input_ids, attention_mask=attention_mask,
+                position_ids=position_ids_from_attention_mask(attention_mask), use_cache=False,
+                logits_to_keep=length - p + 1)
+    logits = out.logits[:, :-1]  # positions p-1 .. L-2: they predict the response tokens p .. L-1
+    if temperature != 1.0:
+        logits = logits / temperature
+    pad = torch.zeros((input_ids.shape[0], p - 1), device=device)
+    logprobs = torch.cat([pad, logprobs_from_logits(logits, input_ids[:, p:])], dim=1)
+    if return_entropy:
+        return logprobs, torch.cat([pad, entropy_from_logits(logits.detach())], dim=1)
+    return logprobs
 
 
 def ab_worker(argv) -> None:
@@ -143,7 +124,8 @@ def ab_worker(argv) -> None:
     iteration between arm A and arm B (A, B, A, ...): both arms share the process, the engines and
     the moment, so their ratio is side by side. Rank 0 appends one JSON row per iteration.
     --ab_variant hybrid: A = plain generation, B = hybrid generation mode.
-    --ab_variant logits_to_keep: both hybrid; B with the proposed policy_logprobs (logits_to_keep_patch)."""
+    --ab_variant logits_to_keep: both hybrid; B with the proposed policy forward (logits_to_keep_logprobs),
+    given to the trainer through its logprobs_fn seam."""
     import torch
 
     from step3_ppo.main import parse_args, setup
@@ -154,26 +136,24 @@ def ab_worker(argv) -> None:
     argv = [a for i, a in enumerate(argv) if a not in ("--ab_worker", "--ab_out", "--ab_variant")
             and argv[i - 1] not in ("--ab_out", "--ab_variant") and not a.startswith("--local_rank")]
     run = setup(parse_args(argv))
-    patch = logits_to_keep_patch() if variant == "logits_to_keep" else None
     batches = iter(run.loader)
     for step in range(run.total_steps):
         arm_b = step % 2 == 1
         extra = {}
-        if patch is None:
+        if variant == "hybrid":
             run.trainer.config.enable_hybrid_engine = arm_b
         else:
-            run.trainer.config.enable_hybrid_engine = True
-            install, uninstall, original, patched, last = patch
-            (install if arm_b else uninstall)()
-            if step == 0:  # the proposed log-probs against the project's on one packed batch
-                from step3_ppo.experience import pack
+            from utils.forward import token_logprobs
+            from utils.rollout import pack
 
+            run.trainer.config.enable_hybrid_engine = True
+            run.trainer.logprobs_fn = logits_to_keep_logprobs if arm_b else token_logprobs
+            if step == 0:  # the proposed log-probs against the project's on one packed batch
                 rows = run.trainer.generate_rows(next(iter(run.loader)))
                 batch = pack(rows, run.trainer.config.pad_token_id)
-                last["prompt_len"] = batch["prompt_len"]
                 with torch.no_grad():
-                    a = original(run.trainer.actor, batch["input_ids"], batch["attention_mask"], 1.0)
-                    b = patched(run.trainer.actor, batch["input_ids"], batch["attention_mask"], 1.0)
+                    a = token_logprobs(run.trainer.actor, batch, 1.0)
+                    b = logits_to_keep_logprobs(run.trainer.actor, batch, 1.0)
                 mask = batch["action_mask"]
                 extra["logprobs_max_abs_diff"] = float(((a - b) * mask).abs().max())
         metrics, _ = run.trainer.step([next(batches)], step)

@@ -80,7 +80,8 @@ def worker(args) -> None:
     from step3_ppo.hybrid import gathered
     from utils.distributed import init_distributed, is_rank0
     from utils.ds_config import train_ds_config
-    from utils.model import causal_lm_logits, load_causal_lm
+    from utils.forward import causal_lm_logits, eval_mode
+    from utils.model import load_causal_lm
     from utils.training import build_optimizer, initialize_engine
 
     init_distributed()
@@ -106,10 +107,8 @@ def worker(args) -> None:
     def no_grad_forward(way):
         def run():
             context = {"hooked": contextlib.nullcontext, "gathered": gathered, "re-registered": re_registered}[way]
-            engine.eval()
-            with torch.no_grad(), (context() if way == "hooked" else context(engine)):
+            with torch.no_grad(), eval_mode(engine), (context() if way == "hooked" else context(engine)):
                 causal_lm_logits(engine, ids, mask)
-            engine.train()
         return run
 
     def train_step(k):

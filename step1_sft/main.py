@@ -6,85 +6,48 @@ reported before and after training. The output directory is a plain `from_pretra
 """
 from __future__ import annotations
 
-import argparse
 import math
 import time
 
 import torch
-import torch.nn.functional as F
 
-from utils.checkpoint import BadStepGuard, Checkpointing, export_hf_model
-from utils.data import SFTCollator, build_step_rows, tokenize_sft
-from utils.distributed import all_reduce_sum, init_distributed, is_rank0, rank_batches, set_seed
+from utils.checkpoint import BadStepGuard, Checkpointing, export_hf_model, reload_max_abs_diff
+from utils.data import SFTCollator, tokenize_sft
+from utils.distributed import all_reduce_sum, rank_batches
+from utils.flags import BATCH_FLAGS, single_model_parser, validate_training_args
+from utils.forward import causal_lm_logits, eval_mode, lm_nll
 from utils.logging import print_rank0, progress_bar
-from utils.model import causal_lm_logits, hf_zero3_disabled, load_causal_lm, load_tokenizer
-from utils.training import (add_data_args, add_engine_args, add_model_args, build_trained_engine, micro_batch_schedule,
-                            run_micro_batches, spec_from_args, train_ds_config_from_args, validate_engine_args)
-
+from utils.model import load_causal_lm
+from utils.training import (build_trained_engine, micro_batch_schedule, run_micro_batches, spec_from_args,
+                            start_single_model_run, train_ds_config_from_args)
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_data_args(parser)
-    add_model_args(parser)
-    add_engine_args(parser)
-    parser.add_argument("--print_loss", action="store_true", help="print the loss of every step")
+    parser = single_model_parser(__doc__.splitlines()[0], "local from_pretrained directory or hub name")
     args = parser.parse_args(argv)
-    validate_engine_args(args)
+    validate_training_args(args, positive=BATCH_FLAGS)
     return args
-
-
-def response_nll(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sum of next-token NLL over trained labels (!= -100) and their count."""
-    shift_logits = logits[:, :-1].float()
-    shift_labels = labels[:, 1:]
-    mask = shift_labels != -100
-    nll = F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.clamp(min=0).reshape(-1),
-                          reduction="none").view_as(shift_labels)
-    return (nll * mask).sum(), mask.sum()
 
 
 @torch.no_grad()
 def evaluate_perplexity(engine, examples: list, collator, batch_size: int) -> float:
     """Token-weighted perplexity over all ranks' shares of the held-out examples."""
-    engine.eval()
     total_nll, total_tokens = 0.0, 0.0
-    for batch_examples, weight in rank_batches(examples, batch_size):
-        batch = collator(batch_examples)
-        logits = causal_lm_logits(engine, batch["input_ids"], batch["attention_mask"])
-        nll, count = response_nll(logits, batch["labels"])
-        total_nll += weight * nll.item()
-        total_tokens += weight * count.item()
+    with eval_mode(engine):
+        for batch_examples, weight in rank_batches(examples, batch_size):
+            nll, count = lm_nll(engine, collator(batch_examples))
+            total_nll += weight * nll.item()
+            total_tokens += weight * count.item()
     total_nll, total_tokens = all_reduce_sum([total_nll, total_tokens])
-    engine.train()
     return math.exp(total_nll / max(total_tokens, 1.0))
 
 
-@torch.no_grad()
-def export_logits_max_abs_diff(engine, out_dir: str, batch: dict) -> float:
-    """Reload the exported directory on rank 0 and compare its logits with the engine's (LoRA merged)."""
-    from transformers import AutoModelForCausalLM
-
-    engine.eval()
-    expected = causal_lm_logits(engine, batch["input_ids"], batch["attention_mask"])
-    engine.train()
-    diff = 0.0
-    if is_rank0():
-        with hf_zero3_disabled():
-            reloaded = AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
-        actual = causal_lm_logits(reloaded, batch["input_ids"], batch["attention_mask"])
-        diff = (actual - expected.float()).abs().max().item()
-    return all_reduce_sum([diff])[0]
+def logits_of(model, batch: dict) -> torch.Tensor:
+    return causal_lm_logits(model, batch["input_ids"], batch["attention_mask"])
 
 
 def main(argv=None):
     args = parse_args(argv)
-    init_distributed(args.dist_timeout)
-    set_seed(args.seed)
-
-    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
-    rows = build_step_rows(args.data_path, args.data_split, step=1, seed=args.seed,
-                           sft_only_data_path=args.sft_only_data_path, eval_fraction=args.eval_fraction,
-                           log=print_rank0)
+    tokenizer, rows = start_single_model_run(args, step=1)
     train_examples, train_stats = tokenize_sft(rows.train, tokenizer, args.max_seq_len)
     eval_examples, eval_stats = tokenize_sft(rows.eval, tokenizer, args.max_seq_len)
     print_rank0(f"[step1] train examples {len(train_examples)} {train_stats}; eval examples {len(eval_examples)} {eval_stats}")
@@ -110,8 +73,7 @@ def main(argv=None):
     start = time.time()
     progress = progress_bar(total_steps, loop.step, "step1 sft")
     def micro_step(batch):
-        logits = causal_lm_logits(engine, batch["input_ids"], batch["attention_mask"])
-        nll, count = response_nll(logits, batch["labels"])
+        nll, count = lm_nll(engine, batch)
         return nll / count.clamp(min=1), ()
 
     def on_step(means):
@@ -136,7 +98,7 @@ def main(argv=None):
                 f"training took {elapsed:.1f} s")
     logger.log(loop.step, {"eval/perplexity": ppl_after, "time/train_s": elapsed})
     export_hf_model(engine, tokenizer, args.output_dir)
-    diff = export_logits_max_abs_diff(engine, args.output_dir, collator(eval_examples[:4]))
+    diff = reload_max_abs_diff(engine, lambda: load_causal_lm(args.output_dir), logits_of, collator(eval_examples[:4]))
     print_rank0(f"[step1] saved the fine-tuned model to {args.output_dir} "
                 f"(reloaded logits differ from the engine's by at most {diff:.2e})")
     logger.log(loop.step, {"export/logits_max_abs_diff": diff})

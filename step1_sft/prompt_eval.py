@@ -2,10 +2,11 @@
 
     python -m step1_sft.prompt_eval --model_name_or_path_baseline DIR --model_name_or_path_finetune DIR \
         [--prompts "Human: ...\\n\\nAssistant:" ... | --prompts FILE.jsonl] [--max_new_tokens 64] \
-        [--num_beams N] [--do_sample] [--temperature T] [--top_k K] [--top_p P]
+        [--num_beams N] [--do_sample | --greedy] [--temperature T] [--top_k K] [--top_p P]
 
 Decoding modes: greedy always; beam search when --num_beams N > 1 is given; sampling when
---do_sample is given. With neither, all three run (beam search with 4 beams). Prompts are used
+--do_sample is given. With none of --num_beams, --do_sample and --greedy, all three run (beam
+search with 4 beams). Prompts are used
 verbatim and tokenised exactly as in training (no special tokens; BOS only where the tokenizer's
 config adds one); each model uses its own tokenizer.
 """
@@ -14,6 +15,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+
+from utils.flags import add_generation_args, resolve_generation_args
 
 DEFAULT_PROMPTS = (
     "Human: Continue this movie review: The acting in this film\n\nAssistant:",
@@ -35,18 +38,14 @@ def parse_args(argv=None):
     p.add_argument("--max_prompt_len", type=int, default=256)
     p.add_argument("--num_beams", type=int, default=None, help=f"beam search width (default {DEFAULT_NUM_BEAMS} "
                    "when no mode is chosen)")
-    p.add_argument("--do_sample", action="store_true", help="also sample")
-    p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--top_k", type=int, default=0)
-    p.add_argument("--top_p", type=float, default=1.0)
+    add_generation_args(p, do_sample=None)  # None: greedy, beam search and sampling unless one is chosen
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
     args = p.parse_args(argv)
     if args.num_beams is not None and args.num_beams < 1:
         p.error(f"--num_beams must be >= 1, got {args.num_beams}")
-    if args.do_sample and args.temperature <= 0:
-        p.error(f"--temperature must be > 0 when sampling, got {args.temperature}")
+    resolve_generation_args(args)
     if args.max_new_tokens < 1:
         p.error(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}")
     return args
@@ -55,10 +54,10 @@ def parse_args(argv=None):
 def decoding_modes(args) -> list[tuple[str, dict]]:
     """[(title, generate_answers kwargs)]: greedy, then beam search and/or sampling as requested."""
     beams = args.num_beams
-    if beams is None and not args.do_sample:
+    if beams is None and args.do_sample is None:
         beams, sample = DEFAULT_NUM_BEAMS, True
     else:
-        sample = args.do_sample
+        sample = bool(args.do_sample)
     modes = [("Greedy", {"do_sample": False})]
     if beams is not None and beams > 1:
         modes.append((f"Beam search ({beams} beams)", {"do_sample": False, "num_beams": beams}))

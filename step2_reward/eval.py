@@ -19,10 +19,11 @@ import sys
 
 import torch
 
-from utils.data import DataError, PairCollator, SFTCollator, STEP_FIELDS, load_source, normalize_row, tokenize_pairs, \
-    tokenize_sft
+from utils.data import DataError, PairCollator, SFTCollator, STEP_FIELDS, read_rows, tokenize_pairs, tokenize_sft
+from utils.forward import sequence_scores
+from utils.losses import pair_metrics
 from utils.model import hf_zero3_disabled, load_tokenizer
-from utils.reward_model import RewardModel, pair_metrics, sequence_score, split_pair_batch
+from utils.reward_model import RewardModel, split_pair_batch
 
 
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
@@ -86,25 +87,13 @@ def score_texts(model, tokenizer, items: list[tuple[str, str]], max_seq_len: int
     scores = []
     for i in range(0, len(examples), batch_size):
         batch = collator(examples[i:i + batch_size])
-        scores += model.score(batch["input_ids"], batch["attention_mask"]).tolist()
+        scores += sequence_scores(model, batch["input_ids"], batch["attention_mask"]).tolist()
     return scores
-
-
-def load_pair_rows(source: str) -> tuple[list[dict], str]:
-    """Validated prompt/chosen/rejected rows of a source (errors name file:line), and the split used."""
-    src = load_source(source)
-    records, split = (src.eval, "eval") if src.eval else (src.train, "all")
-    rows = []
-    for obj, origin in records:
-        row = normalize_row(obj, origin, STEP_FIELDS[2])
-        if row is not None:
-            rows.append(row)
-    return rows, split
 
 
 @torch.no_grad()
 def evaluate_pair_file(model, tokenizer, source: str, max_seq_len: int, batch_size: int) -> dict:
-    rows, split = load_pair_rows(source)
+    rows, split = read_rows(source, STEP_FIELDS[2])
     pairs, stats = tokenize_pairs(rows, tokenizer, max_seq_len)
     if not pairs:
         raise SystemExit(f"error: {source}: no usable pairs ({stats})")
@@ -112,8 +101,7 @@ def evaluate_pair_file(model, tokenizer, source: str, max_seq_len: int, batch_si
     chosen, rejected = [], []
     for i in range(0, len(pairs), batch_size):
         batch = collator(pairs[i:i + batch_size])
-        c, r = split_pair_batch(sequence_score(model(batch["input_ids"], batch["attention_mask"]),
-                                               batch["attention_mask"]))
+        c, r = split_pair_batch(sequence_scores(model, batch["input_ids"], batch["attention_mask"]))
         chosen.append(c)
         rejected.append(r)
     metrics = pair_metrics(torch.cat(chosen), torch.cat(rejected))

@@ -10,36 +10,33 @@ from_pretrained directory, value_head.safetensors, reward_model.json).
 """
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 
-from utils.checkpoint import BadStepGuard, Checkpointing
-from utils.data import PairCollator, build_step_rows, tokenize_pairs
-from utils.distributed import all_reduce_sum, init_distributed, is_rank0, rank_batches, set_seed
+from utils.checkpoint import BadStepGuard, Checkpointing, reload_max_abs_diff
+from utils.data import PairCollator, tokenize_pairs
+from utils.distributed import all_reduce_sum, rank_batches
+from utils.flags import BATCH_FLAGS, single_model_parser, validate_training_args
+from utils.forward import eval_mode, sequence_scores
 from utils.logging import print_rank0, progress_bar
-from utils.model import hf_zero3_disabled, load_tokenizer
-from utils.reward_model import (RewardModel, export_reward_model, pair_metrics, pairwise_loss, sequence_score,
-                                split_pair_batch)
-from utils.training import (add_data_args, add_engine_args, add_model_args, build_trained_engine, micro_batch_schedule,
-                            run_micro_batches, spec_from_args, train_ds_config_from_args, validate_engine_args)
+from utils.losses import pair_metrics, pairwise_loss
+from utils.model import load_tokenizer
+from utils.reward_model import RewardModel, export_reward_model, split_pair_batch
+from utils.training import (build_trained_engine, micro_batch_schedule, run_micro_batches, spec_from_args,
+                            start_single_model_run, train_ds_config_from_args)
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_data_args(parser)
-    add_model_args(parser)
-    add_engine_args(parser)
+    parser = single_model_parser(__doc__.splitlines()[0], "causal LM directory (step 1 output) or hub name: the backbone")
     g = parser.add_argument_group("reward model")
     g.add_argument("--margin", type=float, default=0.0, help="loss margin: -log sigmoid(chosen - rejected - margin)")
     g.add_argument("--eval_interval", type=int, default=0,
                    help="evaluate every this many optimizer steps (0: only before and after training)")
     g.add_argument("--eval_iters", type=int, default=0,
                    help="evaluate on at most this many batches per rank (0: all held-out pairs)")
-    parser.add_argument("--print_loss", action="store_true", help="print the loss of every step")
     args = parser.parse_args(argv)
-    validate_engine_args(args)
+    validate_training_args(args, positive=BATCH_FLAGS)
     for name in ("eval_interval", "eval_iters"):
         if getattr(args, name) < 0:
             raise SystemExit(f"error: --{name} must be >= 0, got {getattr(args, name)}")
@@ -48,28 +45,26 @@ def parse_args(argv=None):
 
 def pair_scores(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """(chosen scores [B], rejected scores [B]) of a PairCollator batch in one forward."""
-    values = model(batch["input_ids"], batch["attention_mask"])
-    return split_pair_batch(sequence_score(values, batch["attention_mask"]))
+    return split_pair_batch(sequence_scores(model, batch["input_ids"], batch["attention_mask"]))
 
 
 @torch.no_grad()
 def evaluate_pairs(engine, pairs: list, collator, batch_size: int, max_batches: int = 0) -> dict:
     """Exact held-out pair metrics over all ranks' shares (filler batches weigh 0)."""
-    engine.eval()
     # Sorted by length, so batches hold similar lengths and little padding; the sums are exact in any order.
     pairs = sorted(pairs, key=lambda p: max(len(p["chosen_input_ids"]), len(p["rejected_input_ids"])))
     batches = rank_batches(pairs, batch_size)
     if max_batches:
         batches = batches[:max_batches]  # same count on every rank: ZeRO-3 forwards stay matched
     correct = chosen_sum = rejected_sum = count = 0.0
-    for batch_pairs, weight in batches:
-        chosen, rejected = pair_scores(engine, collator(batch_pairs))
-        correct += weight * (chosen > rejected).sum().item()
-        chosen_sum += weight * chosen.sum().item()
-        rejected_sum += weight * rejected.sum().item()
-        count += weight * chosen.numel()
+    with eval_mode(engine):
+        for batch_pairs, weight in batches:
+            chosen, rejected = pair_scores(engine, collator(batch_pairs))
+            correct += weight * (chosen > rejected).sum().item()
+            chosen_sum += weight * chosen.sum().item()
+            rejected_sum += weight * rejected.sum().item()
+            count += weight * chosen.numel()
     correct, chosen_sum, rejected_sum, count = all_reduce_sum([correct, chosen_sum, rejected_sum, count])
-    engine.train()
     n = max(count, 1.0)
     return {"eval/accuracy": correct / n, "eval/chosen_score": chosen_sum / n,
             "eval/rejected_score": rejected_sum / n, "eval/margin": (chosen_sum - rejected_sum) / n,
@@ -82,31 +77,9 @@ def _format_eval(metrics: dict) -> str:
             f"({metrics['eval/pairs']} pairs)")
 
 
-@torch.no_grad()
-def export_score_max_abs_diff(engine, out_dir: str, batch: dict) -> float:
-    """Reload the exported directory on rank 0 and compare its scores with the engine's (LoRA merged)."""
-    engine.eval()
-    expected = sequence_score(engine(batch["input_ids"], batch["attention_mask"]), batch["attention_mask"])
-    engine.train()
-    diff = 0.0
-    if is_rank0():
-        with hf_zero3_disabled():
-            tokenizer = load_tokenizer(out_dir)
-            reloaded = RewardModel.from_pretrained(out_dir, tokenizer).eval()
-        actual = reloaded.score(batch["input_ids"], batch["attention_mask"])
-        diff = (actual - expected.float()).abs().max().item()
-    return all_reduce_sum([diff])[0]
-
-
 def main(argv=None):
     args = parse_args(argv)
-    init_distributed(args.dist_timeout)
-    set_seed(args.seed)
-
-    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
-    rows = build_step_rows(args.data_path, args.data_split, step=2, seed=args.seed,
-                           sft_only_data_path=args.sft_only_data_path, eval_fraction=args.eval_fraction,
-                           log=print_rank0)
+    tokenizer, rows = start_single_model_run(args, step=2)
     train_pairs, train_stats = tokenize_pairs(rows.train, tokenizer, args.max_seq_len)
     eval_pairs, eval_stats = tokenize_pairs(rows.eval, tokenizer, args.max_seq_len)
     print_rank0(f"[step2] train pairs {len(train_pairs)} {train_stats}; eval pairs {len(eval_pairs)} {eval_stats}")
@@ -175,7 +148,9 @@ def main(argv=None):
     logger.log(step, {"time/train_s": elapsed})
     export_start = time.time()
     export_reward_model(engine, tokenizer, args.output_dir)
-    diff = export_score_max_abs_diff(engine, args.output_dir, collator(eval_pairs[:4] or train_pairs[:4]))
+    diff = reload_max_abs_diff(engine, lambda: RewardModel.from_pretrained(args.output_dir, load_tokenizer(args.output_dir)),
+                               lambda model, batch: sequence_scores(model, batch["input_ids"], batch["attention_mask"]),
+                               collator(eval_pairs[:4] or train_pairs[:4]))
     export_time = time.time() - export_start
     print_rank0(f"[step2] saved the reward model to {args.output_dir} "
                 f"(reloaded scores differ from the engine's by at most {diff:.2e}; export and check {export_time:.1f} s)")

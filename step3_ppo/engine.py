@@ -2,7 +2,8 @@
 
 actor     causal LM from step 1, trained           (--actor_zero_stage, LoRA, optimizer)
 reference causal LM from step 1, frozen            (ZeRO-3 when the actor is, else stage 0)
-critic    RewardModel from step 2, trained         (--critic_zero_stage, LoRA, optimizer)
+critic    RewardModel from step 2, trained         (--critic_zero_stage, LoRA, optimizer; only when the
+                                                   advantage estimator needs one)
 reward    RewardModel from step 2, frozen          (ZeRO-3 when the critic is, else stage 0)
 Dropout is off by default in all of them: with dropout the rollout and training forwards of the
 same weights differ, and the PPO ratio at learning rate 0 is no longer 1.
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from step3_ppo.advantages import needs_critic
 from utils.distributed import is_rank0, world_size
 from utils.ds_config import eval_ds_config, train_ds_config
 from utils.model import load_causal_lm
@@ -24,7 +26,7 @@ from utils.training import build_trained_engine, initialize_engine, spec_from_ar
 class Engines:
     actor: object
     ref: object
-    critic: object
+    critic: object | None  # None when the advantage estimator needs no critic
     reward: object
     ema: "ActorEMA | None" = None
 
@@ -70,9 +72,11 @@ def build_engines(args, tokenizer, total_steps: int) -> Engines:
     ref = load_causal_lm(args.actor_model_name_or_path, tokenizer, ref_config, 0.0, args.trust_remote_code)
     ref = initialize_engine(ref, ref_config)
 
-    critic = RewardModel.from_pretrained(args.critic_model_name_or_path, tokenizer, critic_config,
-                                         args.critic_dropout, args.trust_remote_code)
-    critic = build_trained_engine(critic, critic_config, critic_spec, total_steps)
+    critic = None
+    if needs_critic(args.advantage_estimator):
+        critic = RewardModel.from_pretrained(args.critic_model_name_or_path, tokenizer, critic_config,
+                                             args.critic_dropout, args.trust_remote_code)
+        critic = build_trained_engine(critic, critic_config, critic_spec, total_steps)
 
     reward_config = eval_ds_config(args.critic_zero_stage, ranks, args.per_device_training_batch_size, args.dtype,
                                    args.offload_reward_model)

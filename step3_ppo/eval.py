@@ -2,7 +2,7 @@
 
     python -m step3_ppo.eval --sft_model DIR --rlhf_model DIR --reward_model DIR \
         [--prompts FILE] [--num_prompts 64] [--max_new_tokens 24] \
-        [--greedy | --temperature 1.0 --top_p 1.0 --top_k 0] [--num_samples 3] [--out FILE.json]
+        [--greedy | --do_sample --temperature 1.0 --top_p 1.0 --top_k 0] [--num_samples 3] [--out FILE.json]
 
 For each policy: mean reward-model score, mean score of an independent judge (VADER sentiment,
 never seen by the reward model), mean KL to the SFT model (k1 on the policy's own responses; 0 for
@@ -21,6 +21,7 @@ from utils.model import ModelLoadError, check_model_path
 
 def parse_args(argv=None):
     from utils.evaluation import DEFAULT_PROMPTS
+    from utils.flags import add_generation_args, resolve_generation_args
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sft_model", required=True, help="step 1 output directory (also the KL reference)")
@@ -32,23 +33,14 @@ def parse_args(argv=None):
     p.add_argument("--prompt_seed", type=int, default=0, help="seed of the prompt shuffle")
     p.add_argument("--max_new_tokens", type=int, default=24)
     p.add_argument("--max_prompt_len", type=int, default=256, help="longer prompts keep their last tokens")
-    p.add_argument("--greedy", action="store_true", help="greedy decoding (default: sampling, as in PPO rollouts)")
-    p.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1.0)")
-    p.add_argument("--top_p", type=float, default=None, help="nucleus sampling (default 1.0: off)")
-    p.add_argument("--top_k", type=int, default=None, help="top-k sampling (default 0: off)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (same for both policies)")
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--num_samples", type=int, default=3, help="side-by-side samples to print")
     p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
     p.add_argument("--out", default=None, help="write the full result (with per-prompt rows) as JSON")
+    add_generation_args(p, do_sample=True)  # sampling by default, as in PPO rollouts
     args = p.parse_args(argv)
-    if args.greedy and any(v is not None for v in (args.temperature, args.top_p, args.top_k)):
-        p.error("--greedy cannot be combined with --temperature/--top_p/--top_k")
-    args.temperature = 1.0 if args.temperature is None else args.temperature
-    args.top_p = 1.0 if args.top_p is None else args.top_p
-    args.top_k = 0 if args.top_k is None else args.top_k
-    if not args.greedy and args.temperature <= 0:
-        p.error(f"--temperature must be > 0 when sampling, got {args.temperature} (use --greedy)")
+    resolve_generation_args(args)
     for name in ("num_prompts", "max_new_tokens", "batch_size", "max_prompt_len"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -79,7 +71,7 @@ def main(argv=None) -> dict:
     except (DataError, OSError, ValueError) as e:
         fail(f"--prompts: {e}")
     result = compare_policies(args.sft_model, args.rlhf_model, args.reward_model, prompts, args.max_new_tokens,
-                              do_sample=not args.greedy, temperature=args.temperature, top_p=args.top_p,
+                              do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, batch_size=args.batch_size, num_samples=args.num_samples,
                               seed=args.seed, max_prompt_len=args.max_prompt_len, device=args.device)
     print(format_table(result), flush=True)

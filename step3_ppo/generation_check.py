@@ -22,7 +22,8 @@ import torch
 from step3_ppo.hybrid import gathered, generate
 from utils.distributed import init_distributed, is_rank0, set_seed, world_size
 from utils.ds_config import train_ds_config
-from utils.model import causal_lm_logits, load_causal_lm, load_tokenizer
+from utils.forward import GenerationSettings, causal_lm_logits, eval_mode, generation_kwargs
+from utils.model import load_causal_lm, load_tokenizer
 from utils.training import EngineSpec, build_trained_engine
 
 
@@ -85,12 +86,10 @@ def zero3_hook_state(engine):
 
 def gathered_forward_max_abs_diff(engine, sequences: torch.Tensor, mask: torch.Tensor) -> float:
     """Max |logit difference| between a forward inside `hybrid.gathered` and the hooked forward."""
-    engine.eval()
-    with torch.no_grad():
+    with torch.no_grad(), eval_mode(engine):
         hooked = causal_lm_logits(engine, sequences, mask)
         with gathered(engine):
             whole = causal_lm_logits(engine, sequences, mask)
-    engine.train()
     return float((hooked - whole).abs().max())
 
 
@@ -117,9 +116,8 @@ def main(argv=None):
                 if "lora_B" in name:
                     with deepspeed.zero.GatheredParameters([p], modifier_rank=0, enabled=args.zero_stage == 3):
                         p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
-    kwargs = {"max_new_tokens": args.new_tokens, "min_new_tokens": args.new_tokens, "do_sample": False,
-              "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id,
-              "temperature": None, "top_p": None, "top_k": None}
+    greedy = GenerationSettings(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
+    kwargs = generation_kwargs(greedy, tokenizer.eos_token_id, tokenizer.pad_token_id)
     settings = {"plain": (False, True), "hybrid": (True, True), "hybrid_unmerged": (True, False)}
     weights_before = full_weights(engine)
     result = {"world_size": world_size(), "zero_stage": args.zero_stage, "lora_dim": args.lora_dim,

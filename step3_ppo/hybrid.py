@@ -15,6 +15,9 @@ import contextlib
 
 import torch
 
+from utils.forward import eval_mode
+from utils.forward import generate as forward_generate
+
 
 def _zero3_offload(engine):
     """DeepSpeed's ZeRO-3 parameter manager of an engine (None below stage 3)."""
@@ -100,17 +103,12 @@ def _lora_merged(module):
 @contextlib.contextmanager
 def generation_mode(engine, hybrid: bool, merge_lora: bool = True):
     """Eval mode for sampling; with `hybrid`, parameters gathered once and LoRA merged."""
-    was_training = engine.module.training
-    engine.eval()
-    try:
-        with contextlib.ExitStack() as stack:
-            if hybrid:
-                stack.enter_context(gathered(engine))
-            if hybrid and merge_lora:
-                stack.enter_context(_lora_merged(engine.module))
-            yield
-    finally:
-        engine.train(was_training)
+    with eval_mode(engine), contextlib.ExitStack() as stack:
+        if hybrid:
+            stack.enter_context(gathered(engine))
+        if hybrid and merge_lora:
+            stack.enter_context(_lora_merged(engine.module))
+        yield
 
 
 def needs_synced_gpus(engine, hybrid: bool) -> bool:
@@ -122,7 +120,10 @@ def needs_synced_gpus(engine, hybrid: bool) -> bool:
 @torch.no_grad()
 def generate(engine, input_ids: torch.Tensor, attention_mask: torch.Tensor, hybrid: bool, merge_lora: bool = True,
              **generation_kwargs) -> torch.Tensor:
-    """Sequences [B, P + T] for left-padded prompts [B, P], in the actor's generation mode."""
+    """Sequences [B, P + T] for left-padded prompts [B, P], in the actor's generation mode.
+
+    `generation_kwargs` come from utils.forward.generation_kwargs (KV cache on).
+    """
     with generation_mode(engine, hybrid, merge_lora):
-        return engine.module.generate(input_ids=input_ids, attention_mask=attention_mask, use_cache=True,
-                                      synced_gpus=needs_synced_gpus(engine, hybrid), **generation_kwargs)
+        return forward_generate(engine.module, input_ids, attention_mask,
+                                synced_gpus=needs_synced_gpus(engine, hybrid), **generation_kwargs)

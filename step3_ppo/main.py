@@ -17,101 +17,76 @@ from dataclasses import dataclass
 
 from torch.utils.data import DataLoader, DistributedSampler
 
-from step3_ppo import ppo
+from step3_ppo.advantages import ESTIMATORS
 from step3_ppo.engine import build_engines
+from step3_ppo.rewards import RewardModelReward
+from step3_ppo.shaping import AdaptiveKLController, FixedKLController
 from step3_ppo.trainer import PPOConfig, PPOTrainer
 from utils.checkpoint import BadStepGuard, Checkpointing, export_hf_model
 from utils.data import (PromptCollator, SFTCollator, build_step_rows, distributed_loader, read_texts,
                         tokenize_prompts, tokenize_texts)
 from utils.distributed import init_distributed, is_rank0, set_seed, world_size
+from utils.flags import (add_checkpoint_args, add_data_args, add_generation_args, add_model_args, add_output_args,
+                         add_training_args, resolve_generation_args, validate_training_args)
 from utils.logging import print_rank0, progress_bar
 from utils.model import check_model_path, load_tokenizer
+from utils.ops import KL_ESTIMATORS
 from utils.reward_model import export_reward_model
-from utils.training import add_checkpoint_args, add_data_args, total_training_steps
+from utils.training import total_training_steps
+
+MODELS = ("actor_", "critic_")
+# step 3's own defaults for the per-model flags of utils/flags.py (DeepSpeed-Chat's values; dropout off,
+# else the rollout and training forwards of the same weights differ and the ratio at lr 0 is not 1)
+MODEL_DEFAULTS = {"learning_rate": {"actor_": 9.65e-6, "critic_": 5e-6}, "zero_stage": {"actor_": 3, "critic_": 3},
+                  "dropout": {"actor_": 0.0, "critic_": 0.0}}
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_data_args(p)
-    g = p.add_argument_group("models")
-    g.add_argument("--actor_model_name_or_path", required=True, help="step 1 output (actor and reference)")
-    g.add_argument("--critic_model_name_or_path", required=True, help="step 2 output (critic and reward model)")
-    g.add_argument("--trust_remote_code", action="store_true")
-    g.add_argument("--actor_dropout", type=float, default=0.0, help="dropout of the actor (off by default)")
-    g.add_argument("--critic_dropout", type=float, default=0.0, help="dropout of the critic (off by default)")
-    g = p.add_argument_group("generation")
+    add_model_args(p, {"actor_": "step 1 output (actor and reference)",
+                       "critic_": "step 2 output (critic and reward model)"}, MODEL_DEFAULTS)
+    g = add_generation_args(p, do_sample=True)  # + step 3's rollout flags (DeepSpeed-Chat's names)
     g.add_argument("--per_device_generation_batch_size", type=int, default=4)
     g.add_argument("--generation_batches", type=int, default=1, help="generation batches per PPO iteration")
     g.add_argument("--max_prompt_seq_len", type=int, default=256)
     g.add_argument("--max_answer_seq_len", type=int, default=256)
     g.add_argument("--min_answer_seq_len", type=int, default=1)
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top_p", type=float, default=1.0)
-    g.add_argument("--top_k", type=int, default=0)
-    g.add_argument("--greedy", action="store_true", help="greedy decoding instead of sampling")
     g.add_argument("--enable_hybrid_engine", action="store_true",
                    help="generation mode: ZeRO-3 params gathered once, hooks lifted, LoRA merged; the rollout's "
                         "no-grad forwards also on models gathered once (see --no_gathered_experience)")
-    g.add_argument("--no_merge_lora_for_generation", action="store_true")
-    g.add_argument("--no_gathered_experience", action="store_true",
+    g.add_argument("--no_merge_lora_for_generation", dest="merge_lora_for_generation", action="store_false")
+    g.add_argument("--no_gathered_experience", dest="gathered_experience", action="store_false",
                    help="with the hybrid engine, score the rollout through ZeRO-3's per-layer hooks instead of "
                         "on models gathered whole (less memory when critic or reward model outgrow the actor)")
-    g = p.add_argument_group("PPO")
+    add_training_args(p, MODELS, MODEL_DEFAULTS)
+    g = p.add_argument_group("RL")
     g.add_argument("--per_device_training_batch_size", type=int, default=4, help="PPO mini-batch size")
     g.add_argument("--ppo_epochs", type=int, default=1)
-    g.add_argument("--num_train_epochs", type=int, default=1)
-    g.add_argument("--max_steps", type=int, default=0, help="stop after this many PPO iterations (0: no limit)")
-    g.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    g.add_argument("--actor_learning_rate", type=float, default=9.65e-6)
-    g.add_argument("--critic_learning_rate", type=float, default=5e-6)
-    g.add_argument("--actor_weight_decay", type=float, default=0.0)
-    g.add_argument("--critic_weight_decay", type=float, default=0.0)
-    g.add_argument("--lr_scheduler_type", default="cosine",
-                   choices=["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"])
-    g.add_argument("--num_warmup_steps", type=int, default=0)
-    g.add_argument("--gradient_clipping", type=float, default=1.0)
+    g.add_argument("--advantage_estimator", choices=list(ESTIMATORS), default="gae",
+                   help="; ".join(f"{name}: {e.help}" for name, e in ESTIMATORS.items()))
     g.add_argument("--kl_ctl", type=float, default=0.1, help="initial KL(actor||reference) coefficient")
     g.add_argument("--adaptive_kl", action="store_true", help="Ziegler et al. controller towards --kl_target")
     g.add_argument("--kl_target", type=float, default=6.0)
     g.add_argument("--kl_horizon", type=float, default=10000)
-    g.add_argument("--kl_estimator", choices=ppo.KL_ESTIMATORS, default="k1")
+    g.add_argument("--kl_estimator", choices=KL_ESTIMATORS, default="k1")
     g.add_argument("--kl_in_loss", action="store_true",
                    help="KL to the reference as a k3 loss term (GRPO-style) instead of in the reward")
     g.add_argument("--clip_reward_value", type=float, default=5.0)
     g.add_argument("--normalize_reward", action="store_true", help="score normalised by running mean/std")
     g.add_argument("--gamma", type=float, default=1.0)
     g.add_argument("--lam", type=float, default=0.95)
-    g.add_argument("--no_whiten_advantages", action="store_true")
+    g.add_argument("--no_whiten_advantages", dest="whiten_advantages", action="store_false")
     g.add_argument("--cliprange", type=float, default=0.2)
     g.add_argument("--cliprange_value", type=float, default=0.2)
     g.add_argument("--unsupervised_dataset_name", default=None, help="text/JSON file for the PPO-ptx loss")
     g.add_argument("--unsup_coef", type=float, default=27.8)
-    g.add_argument("--seed", type=int, default=1234)
-    g = p.add_argument_group("DeepSpeed and LoRA")
-    g.add_argument("--actor_zero_stage", type=int, default=3, choices=[0, 1, 2, 3])
-    g.add_argument("--critic_zero_stage", type=int, default=3, choices=[0, 1, 2, 3])
-    g.add_argument("--offload", action="store_true")
+    g = p.add_argument_group("frozen models")
     g.add_argument("--offload_reference_model", action="store_true")
     g.add_argument("--offload_reward_model", action="store_true")
-    g.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
-    g.add_argument("--actor_gradient_checkpointing", action="store_true")
-    g.add_argument("--critic_gradient_checkpointing", action="store_true")
-    g.add_argument("--actor_lora_dim", type=int, default=0)
-    g.add_argument("--actor_lora_module_name", default="")
-    g.add_argument("--critic_lora_dim", type=int, default=0)
-    g.add_argument("--critic_lora_module_name", default="")
-    g.add_argument("--lora_alpha", type=float, default=None)
-    g.add_argument("--only_optimize_lora", action="store_true")
-    g.add_argument("--actor_lora_learning_rate", type=float, default=5e-4)
-    g.add_argument("--critic_lora_learning_rate", type=float, default=5e-4)
     g.add_argument("--enable_ema", action="store_true", help="keep an EMA of the actor, saved as actor_ema/")
-    g.add_argument("--dist_timeout", type=int, default=600)
-    g.add_argument("--local_rank", type=int, default=-1)
     add_checkpoint_args(p)
-    g = p.add_argument_group("output")
-    g.add_argument("--output_dir", required=True)
-    g.add_argument("--enable_tensorboard", action="store_true")
-    g.add_argument("--tensorboard_path", default=None)
+    g = add_output_args(p)
     g.add_argument("--print_answers", action="store_true")
     g.add_argument("--print_answers_interval", type=int, default=1)
     args = p.parse_args(argv)
@@ -124,11 +99,10 @@ def validate_args(args) -> None:
     def fail(msg):
         raise SystemExit(f"error: {msg}")
 
-    for name in ("per_device_generation_batch_size", "per_device_training_batch_size", "generation_batches",
-                 "ppo_epochs", "num_train_epochs", "max_prompt_seq_len", "max_answer_seq_len",
-                 "gradient_accumulation_steps"):
-        if getattr(args, name) < 1:
-            fail(f"--{name} must be >= 1, got {getattr(args, name)}")
+    validate_training_args(args, MODELS, positive=("per_device_generation_batch_size", "per_device_training_batch_size",
+                                                   "generation_batches", "ppo_epochs", "max_prompt_seq_len",
+                                                   "max_answer_seq_len"))
+    resolve_generation_args(args)
     rollout = args.per_device_generation_batch_size * args.generation_batches
     if rollout % args.per_device_training_batch_size:
         fail(f"--per_device_training_batch_size {args.per_device_training_batch_size} does not divide the rollout of "
@@ -136,12 +110,6 @@ def validate_args(args) -> None:
     if not 1 <= args.min_answer_seq_len <= args.max_answer_seq_len:
         fail(f"need 1 <= --min_answer_seq_len ({args.min_answer_seq_len}) <= --max_answer_seq_len "
              f"({args.max_answer_seq_len})")
-    if not args.greedy and args.temperature <= 0:
-        fail(f"--temperature must be > 0 when sampling, got {args.temperature} (use --greedy for greedy decoding)")
-    if args.only_optimize_lora and args.actor_lora_dim <= 0 and args.critic_lora_dim <= 0:
-        fail("--only_optimize_lora needs --actor_lora_dim or --critic_lora_dim > 0")
-    if args.offload and 0 in (args.actor_zero_stage, args.critic_zero_stage):
-        fail("--offload needs ZeRO stage 1, 2 or 3 for the actor and the critic")
     if args.adaptive_kl and args.kl_target <= 0:
         fail(f"--kl_target must be > 0, got {args.kl_target}")
     check_model_path(args.actor_model_name_or_path, "--actor_model_name_or_path")
@@ -150,25 +118,10 @@ def validate_args(args) -> None:
         fail(f"--unsupervised_dataset_name {args.unsupervised_dataset_name!r} does not exist")
 
 
-def ppo_config(args, tokenizer) -> PPOConfig:
-    return PPOConfig(
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-        max_answer_seq_len=args.max_answer_seq_len, min_answer_seq_len=args.min_answer_seq_len,
-        do_sample=not args.greedy, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        per_device_training_batch_size=args.per_device_training_batch_size, ppo_epochs=args.ppo_epochs,
-        kl_estimator=args.kl_estimator, clip_reward_value=args.clip_reward_value,
-        normalize_reward=args.normalize_reward, kl_in_loss=args.kl_in_loss, gamma=args.gamma, lam=args.lam,
-        whiten_advantages=not args.no_whiten_advantages, cliprange=args.cliprange,
-        cliprange_value=args.cliprange_value, unsup_coef=args.unsup_coef,
-        enable_hybrid_engine=args.enable_hybrid_engine,
-        merge_lora_for_generation=not args.no_merge_lora_for_generation,
-        gathered_experience=not args.no_gathered_experience, seed=args.seed)
-
-
 def kl_controller(args):
     if args.adaptive_kl:
-        return ppo.AdaptiveKLController(args.kl_ctl, args.kl_target, args.kl_horizon)
-    return ppo.FixedKLController(args.kl_ctl)
+        return AdaptiveKLController(args.kl_ctl, args.kl_target, args.kl_horizon)
+    return FixedKLController(args.kl_ctl)
 
 
 def unsupervised_batches(args, tokenizer):
@@ -222,14 +175,17 @@ def setup(args) -> Setup:
                          f"{world_size()} ranks")
     total_steps = total_training_steps(steps_per_epoch, args)
     engines = build_engines(args, tokenizer, total_steps)
-    trainer = PPOTrainer(engines, ppo_config(args, tokenizer), kl_controller(args),
+    config = PPOConfig.from_args(args, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    trainer = PPOTrainer(engines, config, kl_controller(args), RewardModelReward(engines.reward, tokenizer.pad_token_id),
                          unsupervised_batches(args, tokenizer))
     return Setup(args, tokenizer, sampler, loader, engines, trainer, steps_per_epoch, total_steps)
 
 
 def checkpointed_engines(engines) -> dict:
     """The engines whose state changes during PPO (the reference and reward model are frozen)."""
-    named = {"actor": engines.actor, "critic": engines.critic}
+    named = {"actor": engines.actor}
+    if engines.critic is not None:
+        named["critic"] = engines.critic
     if engines.ema is not None:
         named["actor_ema"] = engines.ema.engine
     return named
@@ -283,7 +239,8 @@ def main(argv=None):
     print_rank0(f"[step3] {steps} PPO iterations in {time.time() - start:.1f} s")
     engines = run.engines
     export_hf_model(engines.actor, run.tokenizer, os.path.join(args.output_dir, "actor"))
-    export_reward_model(engines.critic, run.tokenizer, os.path.join(args.output_dir, "critic"))
+    if engines.critic is not None:
+        export_reward_model(engines.critic, run.tokenizer, os.path.join(args.output_dir, "critic"))
     if engines.ema is not None:
         export_hf_model(engines.ema.engine, run.tokenizer, os.path.join(args.output_dir, "actor_ema"))
     print_rank0(f"[step3] saved actor/ and critic/ under {args.output_dir}")

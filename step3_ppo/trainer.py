@@ -1,32 +1,38 @@
-"""One PPO iteration: rollout -> experience (four forwards) -> PPO epochs over mini-batches.
+"""One RL iteration: rollout -> experience (no-grad forwards) -> PPO epochs over mini-batches.
 
-The math lives in step3_ppo/ppo.py; batching in step3_ppo/experience.py; the actor's generation
-mode in step3_ppo/hybrid.py. Two KL terms appear here and are never confused:
+The math lives in utils/ops.py, utils/losses.py, step3_ppo/shaping.py (per-token rewards, KL
+coefficient) and step3_ppo/advantages.py (estimators by name); rows and their packing in
+utils/rollout.py; every forward in utils/forward.py; the actor's generation mode in
+step3_ppo/hybrid.py; sequence rewards behind step3_ppo/rewards.py. Two KL terms appear here and
+are never confused:
 - the KL PENALTY: KL(actor || frozen SFT reference), per token, inside the reward
   (`compute_rewards`, coefficient `kl_ctl.value`, fixed or adaptive), or, with `kl_in_loss`,
   as a separate loss term instead;
 - the PPO CLIP: the ratio of the current actor to the OLD (rollout-time) actor, clipped in
-  `actor_loss`. Its log is `ppo/log_ratio_max_abs`, exactly 0 in theory at learning rate 0.
+  `policy_loss`. Its log is `ppo/log_ratio_max_abs`, exactly 0 in theory at learning rate 0.
 """
 from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
-from step3_ppo import ppo
-from step3_ppo.experience import Row, from_token_layout, pack, split_generation, to_token_layout
+from step3_ppo.advantages import get_estimator
 from step3_ppo.hybrid import gathered, generate
+from step3_ppo.shaping import RunningMoments, compute_rewards
+from utils import losses
 from utils.distributed import all_reduce_max, all_reduce_sum, world_size
-from utils.model import causal_lm_logits
-from utils.reward_model import sequence_score
+from utils.forward import (GenerationSettings, eval_mode, generation_kwargs, lm_nll, model_device, to_device,
+                           token_logprobs, token_values)
+from utils.ops import explained_variance, masked_mean, masked_whiten
+from utils.rollout import Row, from_token_layout, pack, split_generation, to_token_layout
 
 
 @dataclass
 class PPOConfig:
-    """Every PPO hyper-parameter, one named flag each in step3_ppo/main.py."""
+    """Every RL hyper-parameter; each field is the flag of the same name in step3_ppo/main.py."""
     eos_token_id: int
     pad_token_id: int
     max_answer_seq_len: int = 64
@@ -37,6 +43,7 @@ class PPOConfig:
     top_k: int = 0
     per_device_training_batch_size: int = 4  # PPO mini-batch size
     ppo_epochs: int = 1
+    advantage_estimator: str = "gae"
     kl_estimator: str = "k1"
     clip_reward_value: float | None = 5.0
     normalize_reward: bool = False
@@ -52,55 +59,49 @@ class PPOConfig:
     gathered_experience: bool = True  # with the hybrid engine: score the rollout on models gathered whole
     seed: int = 1234
 
+    @classmethod
+    def from_args(cls, args, **overrides) -> "PPOConfig":
+        """The config of parsed arguments: each field read from the flag of the same name."""
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+        return cls(**{**values, **overrides})
 
-def policy_logprobs(engine, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
-                    return_entropy: bool = False):
-    """log p(token i+1 | prefix) [B, L-1] of a causal LM engine, with the sampling temperature applied.
-
-    Sampling draws from softmax(logits / T), so the policy whose ratio PPO clips is that one; the
-    reference is scored the same way so the KL compares like with like.
-    """
-    logits = causal_lm_logits(engine, input_ids, attention_mask)[:, :-1]
-    if temperature != 1.0:
-        logits = logits / temperature
-    logprobs = ppo.logprobs_from_logits(logits, input_ids[:, 1:])
-    if return_entropy:
-        return logprobs, ppo.entropy_from_logits(logits.detach())
-    return logprobs
+    @property
+    def generation(self) -> GenerationSettings:
+        return GenerationSettings(max_new_tokens=self.max_answer_seq_len, min_new_tokens=self.min_answer_seq_len,
+                                  do_sample=self.do_sample, temperature=self.temperature, top_p=self.top_p,
+                                  top_k=self.top_k)
 
 
 class PPOTrainer:
-    """Runs PPO iterations over four engines (actor, reference, critic, reward model)."""
+    """Runs RL iterations over the engines: actor, reference, critic (when the estimator needs one), reward.
 
-    def __init__(self, engines, config: PPOConfig, kl_ctl, unsup_batches=None):
-        self.actor, self.ref, self.critic, self.reward = engines.actor, engines.ref, engines.critic, engines.reward
-        self.ema = getattr(engines, "ema", None)
+    `logprobs_fn(model, packed_batch, temperature, return_entropy=False)` is the policy forward
+    (utils.forward.token_logprobs); a benchmark can pass a variant without patching.
+    """
+
+    def __init__(self, engines, config: PPOConfig, kl_ctl, reward, unsup_batches=None, logprobs_fn=token_logprobs):
         self.config = config
+        self.estimator = get_estimator(config.advantage_estimator)
+        self.actor, self.ref = engines.actor, engines.ref
+        self.critic = engines.critic if self.estimator.needs_critic else None
+        self.ema = getattr(engines, "ema", None)
+        self.reward = reward
         self.kl_ctl = kl_ctl
-        self.reward_moments = ppo.RunningMoments()
+        self.reward_moments = RunningMoments()
         self.unsup_batches = unsup_batches
+        self.logprobs_fn = logprobs_fn
         self.guard = None  # BadStepGuard: skips updates with a non-finite reward or loss (set by main)
 
     def finite(self, *values) -> bool:
         return self.guard is None or self.guard.all_finite(*values)
 
     # ------------------------------------------------------------------ rollout + experience
-    def generation_kwargs(self) -> dict:
-        c = self.config
-        kwargs = {"max_new_tokens": c.max_answer_seq_len, "min_new_tokens": c.min_answer_seq_len,
-                  "eos_token_id": c.eos_token_id, "pad_token_id": c.pad_token_id, "do_sample": c.do_sample}
-        if c.do_sample:
-            kwargs.update(temperature=c.temperature, top_p=c.top_p, top_k=c.top_k)
-        else:
-            kwargs.update(temperature=None, top_p=None, top_k=None)
-        return kwargs
-
     def generate_rows(self, prompt_batch: dict) -> list[Row]:
+        c = self.config
         sequences = generate(self.actor, prompt_batch["input_ids"], prompt_batch["attention_mask"],
-                             hybrid=self.config.enable_hybrid_engine,
-                             merge_lora=self.config.merge_lora_for_generation, **self.generation_kwargs())
-        return split_generation(sequences.cpu(), prompt_batch["input_ids"].cpu(),
-                                prompt_batch["attention_mask"].cpu(), self.config.eos_token_id)
+                             hybrid=c.enable_hybrid_engine, merge_lora=c.merge_lora_for_generation,
+                             **generation_kwargs(c.generation, c.eos_token_id, c.pad_token_id))
+        return split_generation(sequences, prompt_batch["input_ids"], prompt_batch["attention_mask"], c.eos_token_id)
 
     def inference_weights(self, engine):
         """With the hybrid engine, a no-grad phase holds the whole model gathered once (hybrid.gathered).
@@ -108,37 +109,31 @@ class PPOTrainer:
         One model at a time, as large as the actor in generation mode; `gathered_experience=False`
         keeps the per-layer hooks for models bigger than that.
         """
-        if self.config.enable_hybrid_engine and self.config.gathered_experience:
+        if engine is not None and self.config.enable_hybrid_engine and self.config.gathered_experience:
             return gathered(engine)
         return contextlib.nullcontext()
 
     @torch.no_grad()
-    def score_rows(self, rows: list[Row], engine, name: str) -> None:
-        """One no-grad forward of `engine` on the packed rows, stored on each row as `name`.
+    def store_logprobs(self, rows: list[Row], engine, name: str) -> None:
+        """One no-grad forward of a causal LM on the packed rows; per-action log-probs stored as `name`."""
+        batch = pack(rows, self.config.pad_token_id)
+        with eval_mode(engine):
+            logprobs = self.logprobs_fn(engine, batch, self.config.generation.logprob_temperature)
+        from_token_layout(rows, name, logprobs, batch["prompt_len"])
 
-        old_logprobs (actor) / ref_logprobs (reference) / old_values (critic) per action, or the
-        sequence `score` of the reward model.
-        """
-        c = self.config
-        batch = pack(rows, c.pad_token_id)
-        ids, mask, action_mask = batch["input_ids"], batch["attention_mask"], batch["action_mask"]
-        was_training = engine.module.training
-        engine.eval()
-        try:
-            if name == "score":
-                for row, score in zip(rows, sequence_score(engine(ids, mask).float(), mask).tolist()):
-                    row.score = score
-                return
-            if name == "old_values":
-                tensor = engine(ids, mask)[:, :-1].float()
-            else:
-                tensor = policy_logprobs(engine, ids, mask, c.temperature if c.do_sample else 1.0)
-            from_token_layout(rows, name, tensor * action_mask, batch["prompt_len"])
-        finally:
-            engine.train(was_training)
+    @torch.no_grad()
+    def store_values(self, rows: list[Row]) -> None:
+        batch = pack(rows, self.config.pad_token_id)
+        with eval_mode(self.critic):
+            values = token_values(self.critic, batch["input_ids"], batch["attention_mask"])
+        from_token_layout(rows, "old_values", values, batch["prompt_len"])
+
+    def store_scores(self, rows: list[Row]) -> None:
+        for row, score in zip(rows, self.reward(rows).tolist()):
+            row.score = score
 
     def make_experience(self, prompt_batches: list[dict]) -> tuple[list[Row], float, float]:
-        """Rollout, then the four no-grad forwards; returns the rows and the generation/experience seconds.
+        """Rollout, then the no-grad forwards; returns the rows and the generation/experience seconds.
 
         The actor's old log-probs are computed while its weights are still gathered for generation
         (hybrid), on the unmerged weights training uses; each other engine is gathered once for
@@ -150,89 +145,94 @@ class PPOTrainer:
                 t0 = time.time()
                 rows = self.generate_rows(prompt_batch)
                 t1 = time.time()
-                self.score_rows(rows, self.actor, "old_logprobs")
+                self.store_logprobs(rows, self.actor, "old_logprobs")
                 generation_s, experience_s = generation_s + t1 - t0, experience_s + time.time() - t1
                 rows_per_batch.append(rows)
         t0 = time.time()
-        for engine, name in ((self.ref, "ref_logprobs"), (self.critic, "old_values"), (self.reward, "score")):
+        phases = [(self.ref, lambda rows: self.store_logprobs(rows, self.ref, "ref_logprobs"))]
+        if self.critic is not None:
+            phases.append((self.critic, self.store_values))
+        phases.append((self.reward.engine, self.store_scores))
+        for engine, store in phases:
             with self.inference_weights(engine):
                 for rows in rows_per_batch:
-                    self.score_rows(rows, engine, name)
+                    store(rows)
         experience_s += time.time() - t0
         return [row for rows in rows_per_batch for row in rows], generation_s, experience_s
 
     def compute_advantages(self, rows: list[Row]) -> dict:
-        """Rewards (score on the last action, KL penalty per action), GAE, whitening over the rollout."""
+        """Rewards (score on the last action, KL penalty per action), advantages, whitening over the rollout."""
         c = self.config
         batch = pack(rows, c.pad_token_id)
         action_mask, p, length = batch["action_mask"], batch["prompt_len"], batch["input_ids"].shape[1]
-        layout = {name: to_token_layout(rows, name, p, length) for name in ("old_logprobs", "ref_logprobs", "old_values")}
+        names = ("old_logprobs", "ref_logprobs") + (("old_values",) if self.critic is not None else ())
+        layout = {name: to_token_layout(rows, name, p, length) for name in names}
+        values = layout.get("old_values", torch.zeros_like(action_mask))
         raw_scores = torch.tensor([r.score for r in rows], dtype=torch.float32)
         scores = raw_scores
         if c.normalize_reward:
             self.reward_moments.update(raw_scores)
             scores = (raw_scores - self.reward_moments.mean) / max(self.reward_moments.std, 1e-8)
         kl_coef_in_reward = 0.0 if c.kl_in_loss else self.kl_ctl.value
-        rewards, kl = ppo.compute_rewards(scores, layout["old_logprobs"], layout["ref_logprobs"], action_mask,
-                                          kl_coef_in_reward, c.clip_reward_value, c.kl_estimator)
-        advantages, returns = ppo.gae_advantages_and_returns(layout["old_values"], rewards, action_mask, c.gamma, c.lam)
+        rewards, kl = compute_rewards(scores, layout["old_logprobs"], layout["ref_logprobs"], action_mask,
+                                      kl_coef_in_reward, c.clip_reward_value, c.kl_estimator)
+        advantages, returns = self.estimator.compute(values, rewards, action_mask, c.gamma, c.lam)
         if c.whiten_advantages:
-            advantages = ppo.masked_whiten(advantages, action_mask)
+            advantages = masked_whiten(advantages, action_mask)
         for name, tensor in (("rewards", rewards), ("advantages", advantages), ("returns", returns), ("kl", kl)):
             from_token_layout(rows, name, tensor, p)
+        explained = explained_variance(values, returns, action_mask).item() if self.critic is not None else 0.0
         return {
             "score_sum": raw_scores.sum().item(),
             "total_reward_sum": (rewards * action_mask).sum().item(),
             "kl_seq_sum": (kl * action_mask).sum().item(),
-            "explained_variance": ppo.explained_variance(layout["old_values"], returns, action_mask).item(),
+            "explained_variance": explained,
         }
 
     # ------------------------------------------------------------------ PPO epochs
     def train_minibatch(self, rows: list[Row]) -> dict:
         c = self.config
         batch = pack(rows, c.pad_token_id)
-        ids, mask, action_mask = batch["input_ids"], batch["attention_mask"], batch["action_mask"]
+        ids, mask = batch["input_ids"], batch["attention_mask"]
         p, length = batch["prompt_len"], ids.shape[1]
-        old = {name: to_token_layout(rows, name, p, length)
-               for name in ("old_logprobs", "ref_logprobs", "old_values", "advantages", "returns")}
+        names = ("old_logprobs", "ref_logprobs", "advantages") + (("old_values", "returns") if self.critic else ())
+        old = to_device({name: to_token_layout(rows, name, p, length) for name in names}, model_device(self.actor))
+        action_mask = batch["action_mask"].to(model_device(self.actor))
 
-        logprobs, entropy = policy_logprobs(self.actor, ids, mask, c.temperature if c.do_sample else 1.0,
-                                            return_entropy=True)
-        actor_loss, actor_stats = ppo.actor_loss(logprobs, old["old_logprobs"], old["advantages"], action_mask,
-                                                 c.cliprange)
+        logprobs, entropy = self.logprobs_fn(self.actor, batch, c.generation.logprob_temperature,
+                                             return_entropy=True)
+        actor_loss, actor_stats = losses.policy_loss(logprobs, old["old_logprobs"], old["advantages"], action_mask,
+                                                     c.cliprange)
         loss = actor_loss
         kl_loss = torch.zeros(())
         if c.kl_in_loss:
-            kl_loss = ppo.kl_penalty_loss(logprobs, old["ref_logprobs"], action_mask)
+            kl_loss = losses.kl_penalty_loss(logprobs, old["ref_logprobs"], action_mask)
             loss = loss + self.kl_ctl.value * kl_loss
         ptx_loss = torch.zeros(())
         if self.unsup_batches is not None:
-            ptx_loss = self.ptx_loss(next(self.unsup_batches))
+            nll, count = lm_nll(self.actor, next(self.unsup_batches))
+            ptx_loss = nll / count.clamp(min=1)
             loss = loss + c.unsup_coef * ptx_loss
         if self.finite(loss):
             self.actor.backward(loss)
             self.actor.step()
 
-        values = self.critic(ids, mask)[:, :-1].float()
-        critic_loss, critic_stats = ppo.critic_loss(values, old["old_values"], old["returns"], action_mask,
-                                                    c.cliprange_value)
-        if self.finite(critic_loss):
-            self.critic.backward(critic_loss)
-            self.critic.step()
-        return {"loss/actor": actor_loss.item(), "loss/critic": critic_loss.item(), "loss/kl": kl_loss.item(),
-                "loss/ptx": ptx_loss.item(), "ppo/clipfrac": actor_stats["clipfrac"].item(),
-                "ppo/approx_kl_old": actor_stats["approx_kl"].item(),
-                "ppo/log_ratio_max_abs": actor_stats["log_ratio_max_abs"].item(),
-                "ppo/entropy": ppo.masked_mean(entropy, action_mask).item(),
-                "value/clipfrac": critic_stats["value_clipfrac"].item()}
-
-    def ptx_loss(self, batch: dict) -> torch.Tensor:
-        """Language-modelling loss on pretraining text (PPO-ptx), trained tokens only."""
-        logits = causal_lm_logits(self.actor, batch["input_ids"], batch["attention_mask"])[:, :-1]
-        labels = batch["labels"][:, 1:]
-        trained = labels != -100
-        logprobs = ppo.logprobs_from_logits(logits, labels.clamp(min=0))
-        return -ppo.masked_mean(logprobs, trained)
+        stats = {"loss/actor": actor_loss.item(), "loss/kl": kl_loss.item(), "loss/ptx": ptx_loss.item(),
+                 "ppo/clipfrac": actor_stats["clipfrac"].item(),
+                 "ppo/approx_kl_old": actor_stats["approx_kl"].item(),
+                 "ppo/log_ratio_max_abs": actor_stats["log_ratio_max_abs"].item(),
+                 "ppo/entropy": masked_mean(entropy, action_mask).item()}
+        if self.critic is not None:
+            critic_mask = action_mask.to(model_device(self.critic))
+            values = token_values(self.critic, ids, mask)
+            critic_loss, critic_stats = losses.value_loss(values, old["old_values"].to(values.device),
+                                                          old["returns"].to(values.device), critic_mask,
+                                                          c.cliprange_value)
+            if self.finite(critic_loss):
+                self.critic.backward(critic_loss)
+                self.critic.step()
+            stats.update({"loss/critic": critic_loss.item(), "value/clipfrac": critic_stats["value_clipfrac"].item()})
+        return stats
 
     def minibatches(self, rows: list[Row], step: int, epoch: int) -> list[list[Row]]:
         """Rows shuffled with a generator seeded by (seed, step, epoch), cut into mini-batches."""
@@ -285,7 +285,6 @@ class PPOTrainer:
             "kl/ref_mean": kl_mean,
             "kl/coef": self.kl_ctl.value,
             "ppo/log_ratio_max_abs": log_ratio_max,
-            "value/explained_variance": totals["explained_variance_sum"] / ranks,
             "gen/response_len_mean": totals["response_len_sum"] / rows_total,
             "gen/eos_fraction": totals["eos_sum"] / rows_total,
             "time/generation_s": generation_s,
@@ -294,6 +293,8 @@ class PPOTrainer:
             "samples_per_s": rows_total / (generation_s + experience_s + t3 - t2),
             "ppo/skipped_non_finite": 0.0,
         }
+        if self.critic is not None:
+            metrics["value/explained_variance"] = totals["explained_variance_sum"] / ranks
         for key in train_stats[0]:
             if key != "ppo/log_ratio_max_abs":
                 metrics[key] = totals[key + "_sum"] / ranks

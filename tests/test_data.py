@@ -1,4 +1,4 @@
-"""Tests of the data layer (utils/data.py) and the demo data generator."""
+"""Tests of the data layer (utils/data/) and the demo data generator."""
 
 import importlib.util
 import json
@@ -134,6 +134,30 @@ def test_folder_with_train_and_eval_files(tmp_path):
     res = build([str(tmp_path / "f")], split="1,0,0", eval_fraction=0.1)
     assert len(res.eval) == 3 and len(res.train) == 27
     assert not {r["origin"] for r in res.eval} & {r["origin"] for r in res.train}
+
+
+def test_read_rows_eval_split_else_all_rows(tmp_path):
+    required = D.STEP_FIELDS[2]
+    # a folder with train + eval files: the eval rows only
+    write_jsonl(tmp_path / "d" / "train.jsonl", rows(5, "t"))
+    write_jsonl(tmp_path / "d" / "eval.jsonl", rows(3, "e"))
+    got, split = D.read_rows(str(tmp_path / "d"), required)
+    assert split == "eval" and [r["prompt"] for r in got] == [f"e prompt {i}" for i in range(3)]
+    assert got[0]["origin"] == f"{tmp_path / 'd' / 'eval.jsonl'}:1"
+    # a single file: all its rows (no held-out fraction, no --data_split cut), empty required field skipped
+    data = rows(4)
+    data[2]["rejected"] = "  "
+    p = write_jsonl(tmp_path / "x.jsonl", data)
+    got, split = D.read_rows(p, required)
+    assert split == "all" and [r["prompt"] for r in got] == ["r prompt 0", "r prompt 1", "r prompt 3"]
+    # the same row is kept when its empty field is not required
+    assert len(D.read_rows(p, D.STEP_FIELDS[1])[0]) == 4
+    # a missing required field names file and line
+    data = rows(3)
+    del data[1]["rejected"]
+    q = write_jsonl(tmp_path / "y.jsonl", data)
+    with pytest.raises(DataError, match=r"y\.jsonl:2: missing field 'rejected'"):
+        D.read_rows(q, required)
 
 
 def test_eval_holdout_size():

@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from step3_ppo.experience import pack
+from utils.ops import sequence_score
+from utils.rollout import pack
 from utils.data import bos_prefix, encode
 from utils.evaluation import (METRIC_COLUMNS, SentimentJudge, compare_policies, format_table, generate_answers,
                               kl_to_reference, load_policy, load_prompts, load_reward_model, reward_scores)
@@ -127,7 +128,7 @@ def test_reward_scores_match_hand_computation(policy, tiny_gpt2):
     batch = pack(answers, reward_tok.pad_token_id)
     with torch.no_grad():
         values = reward_model(batch["input_ids"], batch["attention_mask"])
-        packed = reward_model.sequence_score(values, batch["attention_mask"])
+        packed = sequence_score(values, batch["attention_mask"])
         alone = [reward_model(ids[None], torch.ones_like(ids)[None])[0, -1].item()
                  for ids in (torch.cat([a.prompt_ids, a.response_ids]) for a in answers)]
     assert scores == pytest.approx(packed.tolist(), abs=1e-5)

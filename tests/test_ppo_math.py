@@ -1,4 +1,4 @@
-"""Hand-computed checks of the pure PPO math in step3_ppo.ppo.
+"""Hand-computed checks of the pure RL math: utils.ops, utils.losses, step3_ppo.shaping, step3_ppo.advantages.
 
 Expected numbers are written out (or derived with plain python/math), never
 obtained by calling the function under test.
@@ -11,25 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from step3_ppo.ppo import (
-    AdaptiveKLController,
-    FixedKLController,
-    RunningMoments,
-    actor_loss,
-    compute_rewards,
-    critic_loss,
-    entropy_from_logits,
-    explained_variance,
-    gae_advantages_and_returns,
-    kl_estimate,
-    kl_penalty_loss,
-    last_action_index,
-    logprobs_from_logits,
-    masked_mean,
-    masked_sum,
-    masked_var,
-    masked_whiten,
-)
+from step3_ppo.advantages import gae_advantages_and_returns
+from step3_ppo.shaping import AdaptiveKLController, FixedKLController, RunningMoments, compute_rewards, last_action_index
+from utils.losses import kl_penalty_loss
+from utils.losses import policy_loss as actor_loss
+from utils.losses import value_loss as critic_loss
+from utils.ops import (entropy_from_logits, explained_variance, kl_estimate, logprobs_from_logits, masked_mean,
+                       masked_sum, masked_var, masked_whiten)
 
 NAN = float("nan")
 

@@ -94,9 +94,9 @@ def test_positions_from_arange_would_break_the_invariant(ppo_setup, monkeypatch)
     arch, run = ppo_setup
     if arch != "gpt2":
         pytest.skip("rotary positions are relative: a uniform shift does not change llama's logits")
-    import utils.model
+    import utils.forward
 
-    monkeypatch.setattr(utils.model, "position_ids_from_attention_mask",
+    monkeypatch.setattr(utils.forward, "position_ids_from_attention_mask",
                         lambda mask: torch.arange(mask.shape[1]).expand_as(mask))
     run.trainer.config.per_device_training_batch_size = 1
     metrics, _ = run.trainer.step(prompt_batches(run, 4, offset=12), step=0)

@@ -70,6 +70,24 @@ def export_hf_model(engine, tokenizer, out_dir: str) -> None:
     barrier()
 
 
+@torch.no_grad()
+def reload_max_abs_diff(engine, reload, forward, batch: dict) -> float:
+    """Max |forward(reloaded) - forward(engine)| on `batch`: does the exported directory hold the engine's
+    model (LoRA merged)? `reload()` builds it on rank 0 only, unpartitioned. Call on ALL ranks."""
+    from utils.distributed import all_reduce_sum
+    from utils.forward import eval_mode
+
+    with eval_mode(engine):
+        expected = forward(engine, batch).float()
+    diff = 0.0
+    if is_rank0():
+        with hf_zero3_disabled():
+            reloaded = reload().eval()
+        actual = forward(reloaded, batch).float()
+        diff = (actual - expected.to(actual.device)).abs().max().item()
+    return all_reduce_sum([diff])[0]
+
+
 # --------------------------------------------------------------------------- #
 # Training checkpoints: resume exactly after a crash
 # --------------------------------------------------------------------------- #
@@ -259,11 +277,11 @@ class Checkpointing:
         return loop, shared, rank_state
 
     def metrics_logger(self, args, loop: LoopState):
-        """The run's metrics.jsonl: a resumed run keeps the rows up to the step it resumed from."""
-        from utils.logging import MetricsLogger
+        """The run's MetricsLogger (metrics.jsonl, TensorBoard, W&B): a resumed run keeps the jsonl rows up
+        to the step it resumed from and continues the same W&B run."""
+        from utils.logging import logger_from_args
 
-        return MetricsLogger(args.output_dir, args.enable_tensorboard, args.tensorboard_path,
-                             keep_until_step=loop.step if self.last_path else None)
+        return logger_from_args(args, keep_until_step=loop.step if self.last_path else None)
 
     def maybe_save(self, loop: LoopState, shared: dict | None = None, rank_state: dict | None = None,
                    force: bool = False) -> None:

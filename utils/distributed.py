@@ -113,13 +113,6 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def device() -> torch.device:
-    from deepspeed.accelerator import get_accelerator
-
-    name = get_accelerator().device_name()
-    return torch.device("cpu") if name == "cpu" else torch.device(name, int(os.environ.get("LOCAL_RANK", 0)))
-
-
 def rank_batches(examples: list, batch_size: int) -> list[tuple[list, float]]:
     """This rank's share of `examples` in batches, the SAME number of batches on every rank.
 

@@ -1,10 +1,8 @@
 """Loading tokenizers and causal LMs the same way in every step.
 
-Two rules live here so no step can get them wrong:
-- the pad token is distinct from EOS (else masks built from `input_ids != pad` would hide EOS,
-  the action that carries the reward in step 3);
-- position ids are derived from the attention mask (`cumsum - 1`, clipped at 0) in EVERY forward,
-  so a token gets the same position whatever left padding its batch has.
+The rule that lives here so no step can get it wrong: the pad token is distinct from EOS (else
+masks built from `input_ids != pad` would hide EOS, the action that carries the reward in step 3).
+How models are run (position ids from the attention mask in every forward) is utils/forward.py.
 """
 from __future__ import annotations
 
@@ -113,36 +111,6 @@ def embedding_rows(model: nn.Module) -> int:
     return weight.ds_shape[0] if hasattr(weight, "ds_shape") else weight.shape[0]
 
 
-def position_ids_from_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions counted over real tokens only: `cumsum(mask) - 1`, clipped at 0.
-
-    The same token gets the same position under any left padding, so the rollout forward and
-    every training forward agree (models with absolute positions, like GPT-2, depend on it).
-    """
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def last_one_index(mask: torch.Tensor) -> torch.Tensor:
-    """Index of the last 1 in each row of a 0/1 mask ([B, L] -> [B]), for any padding side.
-
-    Reads the reward model's score at the last real token and places the sequence reward on the
-    last action. Raises when a row has no 1, rather than silently reading a pad position.
-    """
-    mask = mask != 0
-    if not bool(mask.any(dim=-1).all()):
-        bad = (~mask.any(dim=-1)).nonzero().flatten().tolist()
-        raise ValueError(f"rows of the mask without any 1 (empty sequence or no action): {bad}")
-    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
-    return torch.where(mask, positions, torch.full_like(positions, -1)).max(dim=-1).values
-
-
-def causal_lm_logits(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Logits of a forward that always uses mask-derived position ids and no KV cache."""
-    out = model(input_ids=input_ids, attention_mask=attention_mask,
-                position_ids=position_ids_from_attention_mask(attention_mask), use_cache=False)
-    return out.logits
-
-
 def lora_target_modules(model: nn.Module, module_name_filter: str) -> list[str]:
     """Names of the Linear/Conv1D layers whose name contains `module_name_filter` (never the LM head).
 
@@ -173,10 +141,6 @@ def apply_lora(model: nn.Module, lora_dim: int, module_name_filter: str, lora_al
         for name, param in peft_model.named_parameters():
             param.requires_grad = True
     return peft_model
-
-
-def is_lora_param(name: str) -> bool:
-    return "lora_" in name
 
 
 class hf_zero3_disabled:

@@ -3,8 +3,8 @@
 `RewardModel` = a causal-LM backbone without its LM head (`AutoModel`, possibly peft-wrapped)
 plus `v_head = Linear(hidden, 1, bias=False)`, which maps every token's last hidden state to a
 value ([B, L], fp32). A sequence's score is the value at its LAST REAL token (the EOS that ends
-the response), read through the attention mask, so it is right for left and right padding of any
-amount and for pad == EOS. Every forward passes mask-derived position ids and no KV cache, so a
+the response), read through the attention mask (utils.forward.sequence_scores), so it is right
+for left and right padding of any amount and for pad == EOS. Every forward passes mask-derived position ids and no KV cache, so a
 score does not change with padding even for GPT-2's absolute positions.
 
 Saved layout (a directory that `RewardModel.from_pretrained` reloads with identical scores):
@@ -25,10 +25,10 @@ import math
 import os
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from utils.model import last_one_index, load_causal_lm, position_ids_from_attention_mask
+from utils.model import load_causal_lm
+from utils.ops import position_ids_from_attention_mask
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 REWARD_MODEL_FILE = "reward_model.json"
@@ -53,7 +53,7 @@ def _plain_backbone(backbone: nn.Module) -> nn.Module:
 
 
 class RewardModel(nn.Module):
-    """Backbone (AutoModel, maybe peft-wrapped) + v_head: per-token values and last-token scores."""
+    """Backbone (AutoModel, maybe peft-wrapped) + v_head: per-token values (scores: utils.forward)."""
 
     def __init__(self, backbone: nn.Module, v_head: nn.Linear | None = None):
         super().__init__()
@@ -99,34 +99,11 @@ class RewardModel(nn.Module):
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         return self.v_head(hidden).squeeze(-1).float()
 
-    @staticmethod
-    def sequence_score(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """[B]: the value at each row's last real token (any padding side, pad == EOS or not)."""
-        return sequence_score(values, attention_mask)
-
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return sequence_score(self(input_ids, attention_mask), attention_mask)
+        """[B] sequence scores (utils.forward.sequence_scores: the value at the last real token)."""
+        from utils.forward import sequence_scores
 
-
-def sequence_score(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B, L] values -> [B] values at the last position where attention_mask is 1."""
-    index = last_one_index(attention_mask).to(values.device)
-    return values.gather(1, index.unsqueeze(1)).squeeze(1)
-
-
-# --------------------------------------------------------------------------- #
-# Loss and metrics (pure)
-# --------------------------------------------------------------------------- #
-def pairwise_loss(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor, margin: float = 0.0) -> torch.Tensor:
-    """Bradley-Terry loss: mean(-log sigmoid(chosen - rejected - margin)), numerically stable."""
-    return -F.logsigmoid(chosen_scores.float() - rejected_scores.float() - margin).mean()
-
-
-def pair_metrics(chosen_scores: torch.Tensor, rejected_scores: torch.Tensor) -> dict:
-    """accuracy (strict chosen > rejected), mean chosen/rejected scores and mean margin, as floats."""
-    c, r = chosen_scores.detach().float(), rejected_scores.detach().float()
-    return {"accuracy": (c > r).float().mean().item(), "chosen_mean": c.mean().item(),
-            "rejected_mean": r.mean().item(), "margin_mean": (c - r).mean().item()}
+        return sequence_scores(self, input_ids, attention_mask)
 
 
 def split_pair_batch(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

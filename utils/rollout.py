@@ -1,4 +1,5 @@
-"""Rollout rows and how they are packed into batches, the same way at rollout and in training.
+"""Rollout rows and how they are packed into batches, the same way at rollout, in training and in
+evaluation (step 3's PPO and utils/evaluation share them).
 
 A row keeps only real tokens: the prompt without padding, the response up to and including its
 first EOS, and one value per action (old/ref log-probs, values, rewards, advantages, returns).
@@ -13,8 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
-PER_ACTION_FIELDS = ("old_logprobs", "ref_logprobs", "old_values", "rewards", "advantages", "returns", "kl")
 
 
 @dataclass
@@ -33,6 +32,7 @@ def split_generation(sequences: torch.Tensor, prompt_ids: torch.Tensor, prompt_m
     Tokens after the first EOS (HF fills finished rows with pad) are dropped, so they are never
     actions; a response without EOS (length limit reached) keeps all its tokens.
     """
+    sequences, prompt_ids, prompt_mask = sequences.cpu(), prompt_ids.cpu(), prompt_mask.cpu()
     prompt_len = prompt_ids.shape[1]
     rows = []
     for i in range(sequences.shape[0]):
@@ -48,10 +48,14 @@ def split_generation(sequences: torch.Tensor, prompt_ids: torch.Tensor, prompt_m
 
 
 def pack(rows: list[Row], pad_token_id: int) -> dict:
-    """Batch of rows: input_ids/attention_mask [B, P+T], action_mask [B, P+T-1], and P.
+    """Batch of rows: input_ids/attention_mask [B, P+T], action_mask [B, P+T-1], and P (CPU tensors).
+
+    Rows and packed batches stay on the CPU: they are small next to the models, live across the
+    generation / experience / training phases, and the forward helpers (utils/forward.py) move
+    each batch to the device of the model that reads it.
 
     action_mask[b, i] = 1 when token i+1 of row b is one of its response tokens: the per-token
-    layout of step3_ppo/ppo.py (position i is about predicting token i+1).
+    layout of utils/ops.py (position i is about predicting token i+1).
     """
     prompt_len = max(r.prompt_ids.numel() for r in rows)
     response_len = max(r.response_ids.numel() for r in rows)

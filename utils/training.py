@@ -1,84 +1,11 @@
-"""What the three steps share to train an engine: arguments, optimizer, schedule, DeepSpeed init."""
+"""What the three steps share to train an engine: optimizer, schedule, DeepSpeed init, the loop of steps 1-2.
+
+The flags are defined in utils/flags.py."""
 from __future__ import annotations
 
-import argparse
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
-
-
-def add_data_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("data")
-    g.add_argument("--data_path", nargs="+", required=True,
-                   help="JSON/JSONL files, folders of them, or datasets names; several are blended")
-    g.add_argument("--data_split", default="2,4,4", help="shares of each source for steps 1,2,3")
-    g.add_argument("--sft_only_data_path", nargs="*", default=[], help="sources used whole by step 1 only")
-    g.add_argument("--eval_fraction", type=float, default=0.1,
-                   help="held-out share of a source that has no eval/test split of its own")
-
-
-def add_model_args(parser: argparse.ArgumentParser, prefix: str = "") -> None:
-    g = parser.add_argument_group("model")
-    g.add_argument(f"--{prefix}model_name_or_path", required=True, help="local from_pretrained directory or hub name")
-    g.add_argument("--trust_remote_code", action="store_true", help="allow model code shipped with the model")
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("optimisation and DeepSpeed")
-    g.add_argument("--per_device_train_batch_size", type=int, default=8)
-    g.add_argument("--per_device_eval_batch_size", type=int, default=8)
-    g.add_argument("--max_seq_len", type=int, default=512)
-    g.add_argument("--learning_rate", type=float, default=1e-5)
-    g.add_argument("--weight_decay", type=float, default=0.0)
-    g.add_argument("--num_train_epochs", type=int, default=1)
-    g.add_argument("--max_steps", type=int, default=0, help="stop after this many optimizer steps (0: no limit)")
-    g.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    g.add_argument("--lr_scheduler_type", default="cosine",
-                   choices=["linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup"])
-    g.add_argument("--num_warmup_steps", type=int, default=0)
-    g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--gradient_checkpointing", action="store_true")
-    g.add_argument("--dropout", type=float, default=None, help="override every dropout of the model")
-    g.add_argument("--zero_stage", type=int, default=0, choices=[0, 1, 2, 3])
-    g.add_argument("--offload", action="store_true", help="ZeRO offload of optimizer (and ZeRO-3 params) to CPU")
-    g.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
-    g.add_argument("--gradient_clipping", type=float, default=1.0)
-    g.add_argument("--dist_timeout", type=int, default=600, help="seconds a rank waits on a dead peer")
-    g.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
-    g = parser.add_argument_group("LoRA")
-    g.add_argument("--lora_dim", type=int, default=0, help="LoRA rank; 0 disables LoRA")
-    g.add_argument("--lora_alpha", type=float, default=None, help="LoRA alpha (default: lora_dim, scaling 1)")
-    g.add_argument("--lora_module_name", default="", help="substring of the layer names that get LoRA")
-    g.add_argument("--only_optimize_lora", action="store_true", help="freeze the base weights")
-    g.add_argument("--lora_learning_rate", type=float, default=5e-4)
-    add_checkpoint_args(parser)
-    g = parser.add_argument_group("output")
-    g.add_argument("--output_dir", required=True)
-    g.add_argument("--enable_tensorboard", action="store_true")
-    g.add_argument("--tensorboard_path", default=None)
-
-
-def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("checkpoints and robustness")
-    g.add_argument("--save_interval", type=int, default=0,
-                   help="write a resumable checkpoint every N steps under OUTPUT_DIR/checkpoints (0: never)")
-    g.add_argument("--keep_checkpoints", type=int, default=2, help="how many checkpoints to keep")
-    g.add_argument("--resume", action="store_true",
-                   help="continue from the latest checkpoint in OUTPUT_DIR when there is one (else start fresh)")
-    g.add_argument("--max_bad_steps", type=int, default=5,
-                   help="stop after this many consecutive updates with a non-finite loss or reward")
-
-
-def validate_engine_args(args) -> None:
-    """Reject impossible combinations before any model is loaded."""
-    for name in ("per_device_train_batch_size", "per_device_eval_batch_size", "gradient_accumulation_steps",
-                 "max_seq_len", "num_train_epochs"):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"error: --{name} must be >= 1, got {getattr(args, name)}")
-    if args.only_optimize_lora and args.lora_dim <= 0:
-        raise SystemExit("error: --only_optimize_lora needs --lora_dim > 0")
-    if args.offload and args.zero_stage == 0:
-        raise SystemExit("error: --offload needs --zero_stage 1, 2 or 3")
 
 
 def optimizer_param_groups(model: torch.nn.Module, weight_decay: float, learning_rate: float,
@@ -153,6 +80,22 @@ class EngineSpec:
     num_warmup_steps: int = 0
 
 
+def start_single_model_run(args, step: int):
+    """Steps 1-2: process group, seeds, the model's tokenizer and this step's rows; returns (tokenizer, rows)."""
+    from utils.data import build_step_rows
+    from utils.distributed import init_distributed, set_seed
+    from utils.logging import print_rank0
+    from utils.model import load_tokenizer
+
+    init_distributed(args.dist_timeout)
+    set_seed(args.seed)
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
+    rows = build_step_rows(args.data_path, args.data_split, step=step, seed=args.seed,
+                           sft_only_data_path=args.sft_only_data_path, eval_fraction=args.eval_fraction,
+                           log=print_rank0)
+    return tokenizer, rows
+
+
 def total_training_steps(steps_per_epoch: int, args) -> int:
     """Optimizer steps (PPO iterations in step 3) of the run: the epochs, cut at --max_steps."""
     total = steps_per_epoch * args.num_train_epochs
@@ -179,14 +122,12 @@ def train_ds_config_from_args(args) -> dict:
 
 
 def spec_from_args(args, prefix: str = "") -> EngineSpec:
-    """Read `--{prefix}name` flags, falling back to the unprefixed `--name` (step 3's actor_/critic_)."""
-    values = {}
-    for name in EngineSpec.__dataclass_fields__:
-        if hasattr(args, prefix + name):
-            values[name] = getattr(args, prefix + name)
-        elif hasattr(args, name):
-            values[name] = getattr(args, name)
-    return EngineSpec(**values)
+    """The EngineSpec of one trained model: its own flags (utils.flags.PER_MODEL_FLAGS, read as
+    `--{prefix}name`: step 3's actor_/critic_) and the run's shared ones (`--name`)."""
+    from utils.flags import PER_MODEL_FLAGS
+
+    return EngineSpec(**{f.name: getattr(args, (prefix if f.name in PER_MODEL_FLAGS else "") + f.name)
+                         for f in fields(EngineSpec)})
 
 
 def add_lora(model: torch.nn.Module, spec: EngineSpec) -> torch.nn.Module:

@@ -1,0 +1,53 @@
+"""The layering the code promises: steps -> utils, never back; no step imports another; the pure math
+modules import no DeepSpeed, no models and no orchestration. Read from the source (ast), so a lazy import
+inside a function counts too."""
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = ("step1_sft", "step2_reward", "step3_ppo")
+PURE = {"utils/ops.py": set(), "utils/losses.py": {"utils.ops"}, "step3_ppo/advantages.py": {"utils.ops"},
+        "step3_ppo/shaping.py": {"utils.ops"}}
+PURE_ALLOWED_THIRD_PARTY = {"torch", "math", "typing", "dataclasses", "__future__"}
+
+
+def imports(path: str) -> set[str]:
+    with open(os.path.join(ROOT, path)) as f:
+        tree = ast.parse(f.read(), path)
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return names
+
+
+def python_files(folder: str) -> list[str]:
+    out = []
+    for base, _, files in os.walk(os.path.join(ROOT, folder)):
+        out += [os.path.relpath(os.path.join(base, f), ROOT) for f in files if f.endswith(".py")]
+    return sorted(out)
+
+
+@pytest.mark.parametrize("path", python_files("utils"))
+def test_utils_import_no_step(path):
+    bad = [name for name in imports(path) if name.split(".")[0] in STEPS]
+    assert not bad, f"{path} imports {bad}: shared code must not know a step"
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_no_step_imports_another(step):
+    for path in python_files(step):
+        bad = [name for name in imports(path) if name.split(".")[0] in STEPS and name.split(".")[0] != step]
+        assert not bad, f"{path} imports {bad}: steps meet only through utils and saved directories"
+
+
+@pytest.mark.parametrize("path", sorted(PURE))
+def test_pure_math_imports_only_torch_and_ops(path):
+    for name in imports(path):
+        top = name.split(".")[0]
+        assert top in PURE_ALLOWED_THIRD_PARTY or name in PURE[path], \
+            f"{path} (pure math) imports {name}: no DeepSpeed, no models, no orchestration"

@@ -1,0 +1,85 @@
+"""Every loss of utils/losses.py: hand-computed values where new, and a FINITE gradient with nan/inf in
+every padded position (the layout contract of utils/ops.py says padding may hold them)."""
+import math
+
+import pytest
+import torch
+
+from utils import losses
+
+NAN, INF = float("nan"), float("inf")
+MASK = torch.tensor([[0., 1., 1., 0.], [1., 1., 0., 0.]])
+
+
+def poisoned(values, fill):
+    """A [2, 4] leaf tensor: `values` on MASK's actions, `fill` (nan/inf/-inf/-100) everywhere else."""
+    x = torch.full((2, 4), fill)
+    x[MASK != 0] = torch.tensor(values)
+    return x.requires_grad_(True)
+
+
+@pytest.mark.parametrize("fill", [NAN, INF, -INF, -100.0])
+def test_policy_loss_gradient_finite_with_non_finite_padding(fill):
+    logprobs = poisoned([-1.0, -2.0, -0.5, -1.5], fill)
+    old = poisoned([-1.1, -2.0, -0.4, -1.5], fill).detach()
+    advantages = poisoned([1.0, -1.0, 0.5, 2.0], fill).detach()
+    loss, stats = losses.policy_loss(logprobs, old, advantages, MASK, cliprange=0.2)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all()
+    assert (logprobs.grad[MASK == 0] == 0).all()
+    assert math.isfinite(stats["log_ratio_max_abs"].item()) and stats["log_ratio_max_abs"].item() == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("fill", [NAN, INF, -INF])
+def test_value_loss_gradient_finite_with_non_finite_padding(fill):
+    values = poisoned([0.5, 1.0, -0.5, 2.0], fill)
+    old = poisoned([0.4, 1.0, -0.5, 2.5], fill).detach()
+    returns = poisoned([1.0, 1.0, 0.0, 2.0], fill).detach()
+    loss, _ = losses.value_loss(values, old, returns, MASK, cliprange_value=0.2)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(values.grad).all()
+    assert (values.grad[MASK == 0] == 0).all()
+
+
+def test_kl_penalty_loss_gradient_finite_issue_reproduction():
+    """The issue's case: k3 of a pad log-ratio below -88 overflowed exp() and gave a nan gradient."""
+    lp = torch.tensor([[-100., -1., -2.]], requires_grad=True)
+    loss = losses.kl_penalty_loss(lp, torch.tensor([[0., -1.5, -1.]]), torch.tensor([[0., 1., 1.]]))
+    loss.backward()
+    assert torch.isfinite(lp.grad).all() and lp.grad[0, 0] == 0
+    # d/dlp of mean(exp(ref - lp) - 1 + lp - ref) over the 2 actions = (1 - exp(ref - lp)) / 2
+    assert lp.grad[0, 1:].tolist() == pytest.approx([(1 - math.exp(-0.5)) / 2, (1 - math.exp(1.0)) / 2], abs=1e-6)
+
+
+@pytest.mark.parametrize("fill", [NAN, INF, -INF])
+def test_kl_penalty_loss_gradient_finite_with_non_finite_padding(fill):
+    logprobs = poisoned([-1.0, -2.0, -0.5, -1.5], fill)
+    ref = poisoned([-1.2, -1.0, -0.5, -3.0], fill).detach()
+    loss = losses.kl_penalty_loss(logprobs, ref, MASK)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all()
+
+
+@pytest.mark.parametrize("fill", [NAN, INF, -INF])
+def test_sft_nll_gradient_finite_with_non_finite_logits_at_untrained_positions(fill):
+    torch.manual_seed(0)
+    logits = torch.randn(2, 4, 5)
+    labels = torch.tensor([[-100, -100, 3, 1], [-100, 2, 4, -100]])
+    trained = labels[:, 1:] != -100  # position i predicts label i+1
+    logits[:, :-1][~trained] = fill
+    logits[:, -1] = fill  # the last position predicts nothing
+    logits.requires_grad_(True)
+    nll, count = losses.sft_nll(logits, labels)
+    nll.backward()
+    assert count.item() == 4 and torch.isfinite(nll) and torch.isfinite(logits.grad).all()
+    expected = sum(-torch.log_softmax(logits.detach()[b, i], -1)[labels[b, i + 1]].item()
+                   for b in range(2) for i in range(3) if trained[b, i])
+    assert nll.item() == pytest.approx(expected, rel=1e-6)
+
+
+def test_pairwise_loss_gradient_finite_at_extreme_margins():
+    chosen = torch.tensor([-200.0, 0.0, 300.0], requires_grad=True)
+    loss = losses.pairwise_loss(chosen, torch.tensor([200.0, 0.0, -300.0]))
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(chosen.grad).all()
+    assert loss.item() == pytest.approx((400.0 + math.log(2)) / 3, rel=1e-6)

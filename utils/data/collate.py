@@ -1,0 +1,84 @@
+"""Padding batches (SFT, pair and prompt collators) and the distributed data loader."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from utils.data.tokenize import IGNORE_INDEX
+
+
+def pad_batch(seqs: Sequence[Sequence[int]], pad_value: int, side: str = "right",
+              length: int | None = None) -> torch.Tensor:
+    """Pad lists of ints to one length on ``side`` -> LongTensor [B, L]."""
+    if side not in ("left", "right"):
+        raise ValueError(f"padding side must be 'left' or 'right', got {side!r}")
+    length = max(map(len, seqs)) if length is None else length
+    out = torch.full((len(seqs), length), pad_value, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if len(s):
+            start = 0 if side == "right" else length - len(s)
+            out[i, start:start + len(s)] = torch.as_tensor(list(s), dtype=torch.long)
+    return out
+
+
+def _mask(seqs: Sequence[Sequence[int]], side: str) -> torch.Tensor:
+    return pad_batch([[1] * len(s) for s in seqs], 0, side)
+
+
+class SFTCollator:
+    """Right-pads SFT examples: input_ids (pad id), attention_mask, labels (-100)."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, batch: Sequence[dict]) -> dict:
+        ids = [ex["input_ids"] for ex in batch]
+        return {"input_ids": pad_batch(ids, self.pad_token_id),
+                "attention_mask": _mask(ids, "right"),
+                "labels": pad_batch([ex["labels"] for ex in batch], IGNORE_INDEX)}
+
+
+class PairCollator:
+    """Pairs -> [2B, L]: the B chosen rows first, then the B rejected rows
+    (DeepSpeed-Chat's layout: one forward pass, split the rewards in half)."""
+
+    def __init__(self, pad_token_id: int, padding_side: str = "right"):
+        self.pad_token_id = pad_token_id
+        self.padding_side = padding_side
+
+    def __call__(self, batch: Sequence[dict]) -> dict:
+        seqs = [ex["chosen_input_ids"] for ex in batch] + [ex["rejected_input_ids"] for ex in batch]
+        return {"input_ids": pad_batch(seqs, self.pad_token_id, self.padding_side),
+                "attention_mask": _mask(seqs, self.padding_side)}
+
+
+class PromptCollator:
+    """Left-pads prompts so generation continues right after each prompt."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, batch: Sequence[dict]) -> dict:
+        ids = [ex["input_ids"] for ex in batch]
+        return {"input_ids": pad_batch(ids, self.pad_token_id, "left"),
+                "attention_mask": _mask(ids, "left")}
+
+
+def distributed_loader(examples: Sequence, batch_size: int, collate_fn, seed: int, drop_last: bool = False):
+    """(sampler, loader): this rank's shuffled share of `examples`, the order fixed by (seed, epoch).
+
+    The loader gets its own generator: a DataLoader otherwise draws its base seed from the GLOBAL
+    torch RNG each time an epoch's iterator is created, which would shift dropout and sampling
+    randomness after a resume.
+    """
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    sampler = DistributedSampler(examples, num_replicas=ranks, rank=rank, shuffle=True, seed=seed)
+    loader = DataLoader(examples, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=drop_last,
+                        generator=torch.Generator().manual_seed(seed))
+    return sampler, loader

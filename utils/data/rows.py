@@ -1,0 +1,193 @@
+"""Selecting and normalising the rows of one step: ``--data_split``, validation, splitting, blending."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Sequence
+
+from utils.data.sources import DataError, Source, _looks_like_path, load_source
+
+STEP_FIELDS = {1: ("prompt", "chosen"), 2: ("prompt", "chosen", "rejected"), 3: ("prompt",)}
+STEP_NAMES = {1: "step 1 (SFT)", 2: "step 2 (reward model)", 3: "step 3 (PPO)"}
+
+
+@dataclass
+class StepRows:
+    """Normalised rows of one step: ``train``, ``eval`` and counting ``stats``."""
+
+    train: list = field(default_factory=list)
+    eval: list = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- #
+# --data_split
+# --------------------------------------------------------------------------- #
+def parse_data_split(s: str) -> list[float]:
+    """Parse ``--data_split`` ("2,4,4") into fractions for steps 1, 2, 3."""
+    parts = [p.strip() for p in str(s).split(",")]
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        raise DataError(f"--data_split {s!r}: expected 3 comma-separated numbers, e.g. '2,4,4'") from None
+    if len(values) != 3:
+        raise DataError(f"--data_split {s!r}: expected 3 numbers (steps 1,2,3), got {len(values)}")
+    if any(not v >= 0 or v == float("inf") for v in values) or sum(values) <= 0:
+        raise DataError(f"--data_split {s!r}: numbers must be finite, non-negative and sum to > 0")
+    total = sum(values)
+    return [v / total for v in values]
+
+
+# --------------------------------------------------------------------------- #
+# Normalising rows
+# --------------------------------------------------------------------------- #
+def normalize_row(obj, origin: str, required: Sequence[str]) -> dict | None:
+    """Validate one raw record; return the normalised row, or None if a
+    required field is empty/whitespace (the caller counts the skip).
+
+    ``response`` is a synonym of ``chosen``.  Required fields must be strings;
+    optional non-string fields are recorded as None.
+    """
+    if not isinstance(obj, dict):
+        raise DataError(f"{origin}: expected a JSON object, got {type(obj).__name__}")
+    values = {
+        "prompt": obj.get("prompt"),
+        "chosen": obj.get("chosen") if obj.get("chosen") is not None else obj.get("response"),
+        "rejected": obj.get("rejected"),
+    }
+    for name in required:
+        if values[name] is None:
+            hint = " (or 'response')" if name == "chosen" else ""
+            raise DataError(f"{origin}: missing field '{name}'{hint}")
+        if not isinstance(values[name], str):
+            raise DataError(f"{origin}: field '{name}' must be a string, got {type(values[name]).__name__}")
+    if any(not values[name].strip() for name in required):
+        return None
+    row = {k: (v if isinstance(v, str) else None) for k, v in values.items()}
+    row["origin"] = origin
+    return row
+
+
+def _normalize_all(records: Iterable, required: Sequence[str], stats: dict) -> list:
+    rows = []
+    for obj, origin in records:
+        row = normalize_row(obj, origin, required)
+        if row is None:
+            stats["skipped_empty"] += 1
+        else:
+            rows.append(row)
+    return rows
+
+
+def read_rows(source: str, required: Sequence[str]) -> tuple[list[dict], str]:
+    """Validated rows of one source, and the split they come from (for evaluation).
+
+    The rows of the source's own eval split when it has one ("eval"), else of
+    all its rows ("all"); no ``--data_split`` cut, no held-out fraction.  A row
+    with an empty required field is skipped (``normalize_row`` returned None);
+    any other bad row raises DataError naming file:line.
+    """
+    src = load_source(source)
+    records, split = (src.eval, "eval") if src.eval else (src.train, "all")
+    rows = []
+    for obj, origin in records:
+        row = normalize_row(obj, origin, required)
+        if row is not None:
+            rows.append(row)
+    return rows, split
+
+
+# --------------------------------------------------------------------------- #
+# Splitting and blending
+# --------------------------------------------------------------------------- #
+def _rng(seed: int, *keys: str) -> random.Random:
+    """A RNG keyed by seed and strings; stable across processes (unlike hash())."""
+    digest = hashlib.sha256("\0".join([str(seed), *keys]).encode()).digest()
+    return random.Random(int.from_bytes(digest[:8], "big"))
+
+
+def _source_key(source: str) -> str:
+    """Key for per-source permutations: "data/x/" and "./data/x" agree."""
+    return os.path.normpath(source) if _looks_like_path(source) or os.path.exists(source) else source
+
+
+def eval_size(n: int, eval_fraction: float) -> int:
+    """Rows held out for eval from a source without an eval split."""
+    if n <= 0 or eval_fraction <= 0:
+        return 0
+    k = int(round(n * eval_fraction))
+    return min(n - 1, max(1, k)) if n >= 10 else min(k, n - 1)
+
+
+def split_bounds(n: int, fractions: Sequence[float]) -> list[int]:
+    """Boundaries [0, b1, b2, n] of the 3 contiguous per-step parts."""
+    cum, bounds = 0.0, [0]
+    for frac in fractions[:-1]:
+        cum += frac
+        bounds.append(min(n, int(round(cum * n))))
+    return bounds + [n]
+
+
+def split_source(src: Source, fractions: Sequence[float], step: int, seed: int,
+                 eval_fraction: float) -> tuple[list, list]:
+    """(this step's train records, eval records) of one source.
+
+    The permutation depends only on (seed, source) and is applied to the raw
+    records *before* any step-specific validation, so the three steps cut the
+    very same order and their parts are disjoint.
+    """
+    order = list(range(len(src.train)))
+    _rng(seed, "split", _source_key(src.name)).shuffle(order)
+    if src.eval is None:
+        n_eval = eval_size(len(order), eval_fraction)
+        ev = [src.train[i] for i in sorted(order[:n_eval])]
+        order = order[n_eval:]
+    else:
+        ev = src.eval
+    b = split_bounds(len(order), fractions)
+    return [src.train[i] for i in order[b[step - 1]:b[step]]], ev
+
+
+def build_step_rows(data_paths: Sequence[str], data_split: str, step: int, seed: int,
+                    sft_only_data_path: Sequence[str] = (), eval_fraction: float = 0.1,
+                    log: Callable[[str], None] = print) -> StepRows:
+    """Train/eval rows of ``step`` (1, 2 or 3) blended from all sources.
+
+    Each source contributes its step part (see ``split_source``) and its whole
+    eval split; ``sft_only_data_path`` sources feed step 1 only, with all their
+    train rows (their eval split, own or held out, goes to step 1's eval).
+    """
+    if step not in STEP_FIELDS:
+        raise DataError(f"step must be 1, 2 or 3, got {step!r}")
+    fractions = parse_data_split(data_split)
+    data_paths = list(data_paths)
+    sft_only = list(sft_only_data_path) if step == 1 else []
+    if not data_paths and not sft_only:
+        raise DataError(f"{STEP_NAMES[step]}: no data sources given (--data_path)")
+    required = STEP_FIELDS[step]
+    stats = {"step": step, "rows_read": 0, "skipped_empty": 0, "sources": {}}
+    train, evals = [], []
+    for name, whole in [(p, False) for p in data_paths] + [(p, True) for p in sft_only]:
+        src = load_source(name)
+        stats["rows_read"] += len(src.train) + len(src.eval or [])
+        # sft-only sources are not cut by --data_split: all their train rows go to step 1
+        tr_rec, ev_rec = split_source(src, (1.0, 0.0, 0.0) if whole else fractions, step, seed, eval_fraction)
+        tr, ev = _normalize_all(tr_rec, required, stats), _normalize_all(ev_rec, required, stats)
+        stats["sources"][name] = {"read": len(src.train) + len(src.eval or []),
+                                  "train": len(tr), "eval": len(ev), "sft_only": whole}
+        train += tr
+        evals += ev
+    _rng(seed, "blend", str(step)).shuffle(train)
+    stats.update(train=len(train), eval=len(evals))
+    names = data_paths + sft_only
+    if not train:
+        raise DataError(f"{STEP_NAMES[step]}: 0 training rows from sources {names} with "
+                        f"--data_split {data_split} (fractions {[round(f, 3) for f in fractions]}); "
+                        f"give this step a larger share or more data")
+    log(f"[data] {STEP_NAMES[step]}: {len(train)} train / {len(evals)} eval rows from "
+        f"{len(names)} source(s); read {stats['rows_read']}, skipped_empty {stats['skipped_empty']}"
+        + ("" if evals else "; WARNING: eval split is empty"))
+    return StepRows(train=train, eval=evals, stats=stats)

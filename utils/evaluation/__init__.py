@@ -1,0 +1,41 @@
+"""Evaluation of the pipeline's models in ONE plain process (no DeepSpeed, no ZeRO, fp32).
+
+What it measures, for the SFT policy and the RLHF (PPO) policy on the same prompts:
+- `reward`: the step-2 reward model's score of prompt + response (the value at the last real token),
+  i.e. the quantity PPO optimised; it can be gamed, so it is not enough on its own;
+- `judge`: an INDEPENDENT judge the reward model never trained on (VADER sentiment of the
+  response text, for the demo task "continue a movie review positively");
+- `KL to SFT`: per-sequence sum over response tokens of log p_policy - log p_sft on the policy's
+  OWN responses (k1, an unbiased estimate of KL(policy || SFT) when the responses are sampled);
+  0 for the SFT policy itself;
+- response length (tokens, the EOS included) and the fraction of responses that ended with EOS.
+
+Prompts are tokenised exactly as in training (`utils.data.tokenize_prompts`: no special tokens,
+plus BOS only where the tokenizer's config adds one), left-padded by `PromptCollator`; responses
+are cut at their first EOS by `utils.rollout.split_generation`, and packed for scoring by
+`utils.rollout.pack` (every forward goes through utils/forward.py: mask-derived position ids), so a score does not
+depend on the batch a row happens to be in.
+
+One concern per module (imports go one way, each from utils only):
+- `loading`: the models (eval mode, fp32) and their tokenizers, `same_vocabulary`, `load_prompts`;
+- `answers`: `Answer`, `generate_answers` / `generate_answers_from_ids`, `retokenize`;
+- `scoring`: `reward_scores`, `sequence_logprobs`, `kl_to_reference`;
+- `judge`: `SentimentJudge` (VADER);
+- `compare`: `compare_policies` (SFT vs RLHF), `summarize` and `format_table`.
+Every public name is re-exported here: `from utils.evaluation import X`.
+"""
+from utils.evaluation.loading import (DEFAULT_PROMPTS, REPO_ROOT, default_device, load_policy, load_prompts,
+                                      load_reward_model, same_vocabulary)
+from utils.evaluation.answers import Answer, generate_answers, generate_answers_from_ids, retokenize
+from utils.evaluation.scoring import kl_to_reference, reward_scores, sequence_logprobs
+from utils.evaluation.judge import SentimentJudge
+from utils.evaluation.compare import METRIC_COLUMNS, POLICIES, compare_policies, format_table, summarize
+
+__all__ = [
+    "DEFAULT_PROMPTS", "REPO_ROOT", "default_device", "load_policy", "load_prompts", "load_reward_model",
+    "same_vocabulary",
+    "Answer", "generate_answers", "generate_answers_from_ids", "retokenize",
+    "kl_to_reference", "reward_scores", "sequence_logprobs",
+    "SentimentJudge",
+    "METRIC_COLUMNS", "POLICIES", "compare_policies", "format_table", "summarize",
+]

@@ -1,0 +1,88 @@
+"""Generation for evaluation: `Answer`s of a policy (prompts tokenised like training), re-tokenisation."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from utils.data import PromptCollator, bos_prefix, encode, tokenize_prompts
+from utils.forward import GenerationSettings, eval_mode, generate, generation_kwargs, model_device
+from utils.rollout import Row, split_generation
+
+_NO_PROMPT_LIMIT = 1 << 30
+
+
+@dataclass
+class Answer(Row):
+    """A generated answer: a `Row` (prompt_ids, response_ids, ended_with_eos; packable with `pack`)
+    plus the prompt text and the decoded response text (special tokens skipped)."""
+
+    prompt: str = ""
+    text: str = ""
+
+
+def generate_answers(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, do_sample: bool = False,
+                     temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, num_beams: int = 1,
+                     batch_size: int = 8, seed: int = 0, max_prompt_len: int | None = None) -> list[Answer]:
+    """One answer per prompt, generated in left-padded batches of `batch_size`; stops at EOS.
+
+    Prompts are tokenised like training (`tokenize_prompts`: no special tokens, BOS only where the
+    tokenizer's config adds one; `max_prompt_len` keeps the LAST tokens of a longer prompt, None
+    keeps all). Each answer holds the real prompt ids, the response ids up to and including the
+    first EOS (all `max_new_tokens` tokens when none came), `ended_with_eos`, the prompt and the
+    decoded response text. Sampling draws from a torch RNG seeded with `seed` inside a forked RNG
+    state (the caller's global RNG is left untouched).
+    """
+    prompts = list(prompts)
+    examples, _ = tokenize_prompts([{"prompt": p} for p in prompts], tokenizer, max_prompt_len or _NO_PROMPT_LIMIT)
+    return generate_answers_from_ids(model, tokenizer, [ex["input_ids"] for ex in examples], max_new_tokens,
+                                     do_sample, temperature, top_p, top_k, num_beams, batch_size, seed, prompts)
+
+
+@torch.no_grad()
+def generate_answers_from_ids(model, tokenizer, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int,
+                              do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
+                              num_beams: int = 1, batch_size: int = 8, seed: int = 0,
+                              prompts: Sequence[str] | None = None) -> list[Answer]:
+    """`generate_answers` for prompts already tokenised (lists of ids, used as they are)."""
+    prompt_ids = [list(ids) for ids in prompt_ids]
+    if not prompt_ids:
+        return []
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    empty = [i for i, ids in enumerate(prompt_ids) if not ids]
+    if empty:
+        raise ValueError(f"prompts {empty} are empty after tokenisation")
+    texts = list(prompts) if prompts is not None else [tokenizer.decode(ids) for ids in prompt_ids]
+    settings = GenerationSettings(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+                                  top_p=top_p, top_k=top_k, num_beams=num_beams)
+    kwargs = generation_kwargs(settings, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    collate = PromptCollator(tokenizer.pad_token_id)
+    device = model_device(model)
+    answers: list[Answer] = []
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with eval_mode(model), torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        for start in range(0, len(prompt_ids), batch_size):
+            batch = collate([{"input_ids": ids} for ids in prompt_ids[start:start + batch_size]])
+            sequences = generate(model, batch["input_ids"], batch["attention_mask"], **kwargs)
+            rows = split_generation(sequences, batch["input_ids"], batch["attention_mask"], tokenizer.eos_token_id)
+            for prompt, row in zip(texts[start:start + batch_size], rows):
+                text = tokenizer.decode(row.response_ids.tolist(), skip_special_tokens=True)
+                answers.append(Answer(prompt_ids=row.prompt_ids, response_ids=row.response_ids,
+                                      ended_with_eos=row.ended_with_eos, prompt=prompt, text=text))
+    return answers
+
+
+def retokenize(answers: Sequence[Answer], tokenizer) -> list[Answer]:
+    """The same prompt/response TEXTS tokenised for another tokenizer (a reward model of another family)."""
+    out = []
+    for a in answers:
+        response = encode(tokenizer, a.text) + ([tokenizer.eos_token_id] if a.ended_with_eos else [])
+        if not response:
+            response = [tokenizer.eos_token_id]
+        out.append(Answer(prompt_ids=torch.tensor(bos_prefix(tokenizer) + encode(tokenizer, a.prompt)),
+                          response_ids=torch.tensor(response), ended_with_eos=a.ended_with_eos,
+                          prompt=a.prompt, text=a.text))
+    return out

@@ -1,0 +1,176 @@
+"""Every command-line flag, defined ONCE per group and used by all entry points.
+
+Names are DeepSpeed-Chat's where it has them (users know them). A flag that belongs to one
+trained model (its path, learning rate, ZeRO stage, LoRA, ...) is declared in `PER_MODEL_FLAGS`
+and added once per model prefix: `--learning_rate` in steps 1 and 2, `--actor_learning_rate` and
+`--critic_learning_rate` in step 3, from the same definition; utils.training.spec_from_args reads
+them back through the same table. Each entry point passes only its defaults.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Sequence
+
+SCHEDULER_TYPES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
+
+# name -> add_argument keywords; one flag per model prefix ("" in steps 1-2; "actor_", "critic_" in step 3)
+PER_MODEL_FLAGS = {
+    "learning_rate": dict(type=float, default=1e-5, help="learning rate of the base weights"),
+    "weight_decay": dict(type=float, default=0.0),
+    "zero_stage": dict(type=int, default=0, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage"),
+    "gradient_checkpointing": dict(action="store_true", help="recompute activations in the backward pass"),
+    "dropout": dict(type=float, default=None, help="override every dropout of the model (None: the model's)"),
+    "lora_dim": dict(type=int, default=0, help="LoRA rank; 0 disables LoRA"),
+    "lora_module_name": dict(default="", help="substring of the layer names that get LoRA (default: every Linear)"),
+    "lora_learning_rate": dict(type=float, default=5e-4, help="learning rate of the LoRA adapters"),
+}
+
+
+def _add(group, name: str, prefixes: Sequence[str], defaults: dict | None = None, **spec) -> None:
+    """One flag per prefix from one definition; `defaults` maps a prefix to its own default."""
+    for prefix in prefixes:
+        kwargs = dict(spec)
+        if defaults and prefix in defaults:
+            kwargs["default"] = defaults[prefix]
+        group.add_argument(f"--{prefix}{name}", **kwargs)
+
+
+def add_per_model(group, names: Sequence[str], prefixes: Sequence[str], defaults: dict | None = None) -> None:
+    """The PER_MODEL_FLAGS `names`, once per prefix; `defaults` = {name: {prefix: value}}."""
+    for name in names:
+        _add(group, name, prefixes, (defaults or {}).get(name), **PER_MODEL_FLAGS[name])
+
+
+# --------------------------------------------------------------------------- #
+# Groups
+# --------------------------------------------------------------------------- #
+def add_data_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("data")
+    g.add_argument("--data_path", nargs="+", required=True,
+                   help="JSON/JSONL files, folders of them, or datasets names; several are blended")
+    g.add_argument("--data_split", default="2,4,4", help="shares of each source for steps 1,2,3")
+    g.add_argument("--sft_only_data_path", nargs="*", default=[], help="sources used whole by step 1 only")
+    g.add_argument("--eval_fraction", type=float, default=0.1,
+                   help="held-out share of a source that has no eval/test split of its own")
+
+
+def add_model_args(parser: argparse.ArgumentParser, models: dict[str, str], defaults: dict | None = None) -> None:
+    """`--{prefix}model_name_or_path` (required) and `--{prefix}dropout` per model; `models` = {prefix: help}."""
+    g = parser.add_argument_group("model")
+    for prefix, help_text in models.items():
+        g.add_argument(f"--{prefix}model_name_or_path", required=True, help=help_text)
+    add_per_model(g, ["dropout"], list(models), defaults)
+    g.add_argument("--trust_remote_code", action="store_true", help="allow model code shipped with the model")
+
+
+BATCH_FLAGS = ("per_device_train_batch_size", "per_device_eval_batch_size", "max_seq_len")
+
+
+def add_batch_args(parser: argparse.ArgumentParser) -> None:
+    """Steps 1-2: micro-batch sizes and sequence length (step 3 has its own rollout/mini-batch sizes)."""
+    g = parser.add_argument_group("batches")
+    g.add_argument("--per_device_train_batch_size", type=int, default=8)
+    g.add_argument("--per_device_eval_batch_size", type=int, default=8)
+    g.add_argument("--max_seq_len", type=int, default=512)
+
+
+def add_training_args(parser: argparse.ArgumentParser, prefixes: Sequence[str] = ("",),
+                      defaults: dict | None = None) -> None:
+    """Schedule, optimizer, DeepSpeed and LoRA flags; the per-model ones once per prefix."""
+    g = parser.add_argument_group("optimisation and DeepSpeed")
+    g.add_argument("--num_train_epochs", type=int, default=1)
+    g.add_argument("--max_steps", type=int, default=0,
+                   help="stop after this many optimizer steps (PPO iterations in step 3; 0: no limit)")
+    g.add_argument("--gradient_accumulation_steps", type=int, default=1)
+    g.add_argument("--lr_scheduler_type", default="cosine", choices=SCHEDULER_TYPES)
+    g.add_argument("--num_warmup_steps", type=int, default=0)
+    g.add_argument("--gradient_clipping", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=1234)
+    add_per_model(g, ["learning_rate", "weight_decay", "zero_stage", "gradient_checkpointing"], prefixes, defaults)
+    g.add_argument("--offload", action="store_true", help="ZeRO offload of optimizer (and ZeRO-3 params) to CPU")
+    g.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    g.add_argument("--dist_timeout", type=int, default=600, help="seconds a rank waits on a dead peer")
+    g.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    g = parser.add_argument_group("LoRA")
+    add_per_model(g, ["lora_dim", "lora_module_name", "lora_learning_rate"], prefixes, defaults)
+    g.add_argument("--lora_alpha", type=float, default=None, help="LoRA alpha (default: lora_dim, scaling 1)")
+    g.add_argument("--only_optimize_lora", action="store_true", help="freeze the base weights")
+
+
+def add_generation_args(parser: argparse.ArgumentParser, do_sample: bool | None) -> argparse._ArgumentGroup:
+    """Greedy or sampling, spelled one way everywhere: `--do_sample` / `--greedy` (`do_sample` default
+    per entry point; None lets it decide), and the sampling knobs. `resolve_generation_args` checks them."""
+    g = parser.add_argument_group("generation")
+    mode = g.add_mutually_exclusive_group()
+    mode.add_argument("--do_sample", dest="do_sample", action="store_true", default=do_sample,
+                      help="sample" + (" (default)" if do_sample else ""))
+    mode.add_argument("--greedy", dest="do_sample", action="store_false",
+                      help="greedy decoding" + (" (default)" if do_sample is False else ""))
+    g.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1.0)")
+    g.add_argument("--top_p", type=float, default=None, help="nucleus sampling (default 1.0: off)")
+    g.add_argument("--top_k", type=int, default=None, help="top-k sampling (default 0: off)")
+    return g
+
+
+def resolve_generation_args(args) -> None:
+    """Fill the sampling defaults; a sampling knob with --greedy, or a temperature <= 0, stops the run."""
+    given = [f"--{name}" for name in ("temperature", "top_p", "top_k") if getattr(args, name) is not None]
+    if args.do_sample is False and given:
+        raise SystemExit(f"error: --greedy cannot be combined with {', '.join(given)}")
+    args.temperature = 1.0 if args.temperature is None else args.temperature
+    args.top_p = 1.0 if args.top_p is None else args.top_p
+    args.top_k = 0 if args.top_k is None else args.top_k
+    if args.do_sample and args.temperature <= 0:
+        raise SystemExit(f"error: --temperature must be > 0 when sampling, got {args.temperature} "
+                         f"(use --greedy for greedy decoding)")
+
+
+def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("checkpoints and robustness")
+    g.add_argument("--save_interval", type=int, default=0,
+                   help="write a resumable checkpoint every N steps under OUTPUT_DIR/checkpoints (0: never)")
+    g.add_argument("--keep_checkpoints", type=int, default=2, help="how many checkpoints to keep")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in OUTPUT_DIR when there is one (else start fresh)")
+    g.add_argument("--max_bad_steps", type=int, default=5,
+                   help="stop after this many consecutive updates with a non-finite loss or reward")
+
+
+def add_output_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Output directory and the metric sinks (metrics.jsonl always; TensorBoard, wandb on request)."""
+    g = parser.add_argument_group("output")
+    g.add_argument("--output_dir", required=True)
+    g.add_argument("--enable_tensorboard", action="store_true")
+    g.add_argument("--tensorboard_path", default=None, help="default: OUTPUT_DIR/tensorboard")
+    g.add_argument("--enable_wandb", action="store_true", help="also log to Weights & Biases (needs wandb)")
+    g.add_argument("--wandb_project", default="rlhf-ds")
+    g.add_argument("--wandb_run_name", default=None, help="default: the output directory's name")
+    return g
+
+
+def single_model_parser(description: str, model_help: str) -> argparse.ArgumentParser:
+    """Steps 1 and 2 (one trained model): data, model, batch, training, checkpoint and output flags."""
+    parser = argparse.ArgumentParser(description=description)
+    add_data_args(parser)
+    add_model_args(parser, {"": model_help})
+    add_batch_args(parser)
+    add_training_args(parser)
+    add_checkpoint_args(parser)
+    add_output_args(parser)
+    parser.add_argument("--print_loss", action="store_true", help="print the loss of every step")
+    return parser
+
+
+# --------------------------------------------------------------------------- #
+# Checks shared by the training entry points
+# --------------------------------------------------------------------------- #
+def validate_training_args(args, prefixes: Sequence[str] = ("",), positive: Sequence[str] = ()) -> None:
+    """Impossible settings stop the run here, before any model is loaded."""
+    for name in ("gradient_accumulation_steps", "num_train_epochs", *positive):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"error: --{name} must be >= 1, got {getattr(args, name)}")
+    if args.only_optimize_lora and all(getattr(args, f"{p}lora_dim") <= 0 for p in prefixes):
+        raise SystemExit(f"error: --only_optimize_lora needs {' or '.join(f'--{p}lora_dim' for p in prefixes)} > 0")
+    stage_zero = [f"--{p}zero_stage" for p in prefixes if getattr(args, f"{p}zero_stage") == 0]
+    if args.offload and stage_zero:
+        raise SystemExit(f"error: --offload needs {' and '.join(stage_zero)} 1, 2 or 3")

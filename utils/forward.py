@@ -1,0 +1,157 @@
+"""The ONE way every model of the project is run: forwards, device placement, eval mode, generation.
+
+Every forward of a causal LM or of a value-head model (reward model, critic) goes through here,
+whether the model is a DeepSpeed engine (any ZeRO stage) or a plain module:
+- position ids come from the attention mask (utils.ops.position_ids_from_attention_mask) and the
+  KV cache is off, so a token's log-prob or value does not depend on the padding of its batch;
+- inputs are moved to the model's device here (rows, packed batches and data-loader batches stay
+  on the CPU until a forward reads them);
+- log-prob and loss math is fp32 whatever the model's dtype.
+Generation settings (greedy or sampling, temperature, top-p, top-k) are built into `generate`
+keyword arguments in one place too, for step 3's rollout, its evaluation, prompt_eval and chat.py.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from utils.losses import sft_nll
+from utils.ops import entropy_from_logits, logprobs_from_logits, position_ids_from_attention_mask, sequence_score
+
+
+# --------------------------------------------------------------------------- #
+# Device placement and mode
+# --------------------------------------------------------------------------- #
+def model_device(model: nn.Module) -> torch.device:
+    """The device a model's (or DeepSpeed engine's) inputs must be on."""
+    device = getattr(model, "device", None)
+    if isinstance(device, (torch.device, str)):
+        return torch.device(device)
+    for param in model.parameters():
+        return param.device
+    return torch.device("cpu")
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """The batch with every tensor on `device` (other values as they are; no copy when already there)."""
+    return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
+
+
+@contextlib.contextmanager
+def eval_mode(*models):
+    """Models (or engines) in eval mode (dropout off) inside; each one's previous mode restored after."""
+    states = [getattr(m, "module", m).training for m in models]
+    for m in models:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m, state in zip(models, states):
+            m.train(state)
+
+
+# --------------------------------------------------------------------------- #
+# Forwards
+# --------------------------------------------------------------------------- #
+def causal_lm_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """Logits [B, L, V] of a causal LM: mask-derived position ids, no KV cache, inputs on its device."""
+    device = model_device(model)
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    out = model(input_ids=input_ids, attention_mask=attention_mask,
+                position_ids=position_ids_from_attention_mask(attention_mask), use_cache=False)
+    return out.logits
+
+
+def token_logprobs(model: nn.Module, batch: dict, temperature: float = 1.0, return_entropy: bool = False):
+    """log p(token i+1 | prefix) [B, L-1] fp32 of a packed batch (utils.rollout.pack: input_ids,
+    attention_mask, ...), in the layout of utils/ops.py; optionally with the per-token entropy.
+
+    `temperature` divides the logits first: sampling draws from softmax(logits / T), so the policy
+    whose ratio PPO clips is that one, and the reference is scored the same way so that the KL
+    compares like with like.
+    """
+    input_ids = batch["input_ids"]
+    logits = causal_lm_logits(model, input_ids, batch["attention_mask"])[:, :-1]
+    if temperature != 1.0:
+        logits = logits / temperature
+    logprobs = logprobs_from_logits(logits, input_ids[:, 1:])
+    if return_entropy:
+        return logprobs, entropy_from_logits(logits.detach())
+    return logprobs
+
+
+def lm_nll(model: nn.Module, batch: dict) -> tuple[Tensor, Tensor]:
+    """(sum of next-token NLL over the trained labels of `batch`, their count): step 1, PPO-ptx, perplexity."""
+    logits = causal_lm_logits(model, batch["input_ids"], batch["attention_mask"])
+    return sft_nll(logits, batch["labels"])
+
+
+def token_values(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """Per-token values [B, L-1] fp32 of a value-head model (the critic), in the layout of utils/ops.py.
+
+    Position i is the value of the state in which token i+1 is chosen. The RewardModel's forward
+    derives its position ids from the mask itself (utils/reward_model.py).
+    """
+    device = model_device(model)
+    return model(input_ids.to(device), attention_mask.to(device))[:, :-1].float()
+
+
+def sequence_scores(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """[B] fp32: a value-head model's value at each row's last real token (the reward model's score)."""
+    device = model_device(model)
+    attention_mask = attention_mask.to(device)
+    return sequence_score(model(input_ids.to(device), attention_mask).float(), attention_mask)
+
+
+# --------------------------------------------------------------------------- #
+# Generation
+# --------------------------------------------------------------------------- #
+@dataclass
+class GenerationSettings:
+    """How answers are decoded; utils/flags.py add_generation_args defines the flags of the sampling part."""
+    max_new_tokens: int
+    do_sample: bool = True
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_new_tokens: int | None = None
+    num_beams: int | None = None
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.do_sample and not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}")
+        if self.num_beams is not None and self.num_beams < 1:
+            raise ValueError(f"num_beams must be >= 1, got {self.num_beams}")
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature of the distribution the answers are drawn from (1 for greedy decoding)."""
+        return self.temperature if self.do_sample else 1.0
+
+
+def generation_kwargs(settings: GenerationSettings, eos_token_id: int, pad_token_id: int) -> dict:
+    """`generate` keyword arguments; the sampling knobs are passed only when sampling (None otherwise,
+    so a model's generation_config cannot switch them on behind our back)."""
+    kwargs = {"max_new_tokens": settings.max_new_tokens, "do_sample": settings.do_sample,
+              "eos_token_id": eos_token_id, "pad_token_id": pad_token_id, "use_cache": True}
+    if settings.min_new_tokens is not None:
+        kwargs["min_new_tokens"] = settings.min_new_tokens
+    if settings.num_beams is not None:
+        kwargs["num_beams"] = settings.num_beams
+    if settings.do_sample:
+        kwargs.update(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
+    else:
+        kwargs.update(temperature=None, top_p=None, top_k=None)
+    return kwargs
+
+
+@torch.no_grad()
+def generate(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, **kwargs) -> Tensor:
+    """Sequences [B, P + T] of a plain (unwrapped) causal LM for left-padded prompts [B, P], on its device."""
+    device = model_device(model)
+    return model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **kwargs)

@@ -1,0 +1,121 @@
+"""Every training loss of the project, pure tensors (no DeepSpeed, no models, no orchestration).
+
+- ``sft_nll``: next-token NLL on trained labels (step 1, PPO-ptx, perplexity);
+- ``pairwise_loss`` / ``pair_metrics``: the reward model's Bradley-Terry loss (step 2);
+- ``policy_loss``: PPO's clipped surrogate against the OLD policy (step 3's actor);
+- ``value_loss``: the clipped value loss (step 3's critic);
+- ``kl_penalty_loss``: KL(actor || reference) as a loss term (GRPO-style alternative to the
+  in-reward penalty).
+
+Per-token losses follow the layout of utils/ops.py (``[B, L-1]``, ``action_mask``). Every input
+is selected with the mask BEFORE any arithmetic: a pad may hold nan/inf (a log-prob below -88 at
+a pad label, a stored 0 against a live -inf), and ``where(mask, f(x), 0)`` alone still
+back-propagates ``0 * f'(x) = nan`` into ``x``. ``tests/test_losses.py`` checks that every loss's
+gradient is finite with nan/inf in all padded positions.
+"""
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from utils.ops import kl_estimate, masked_mean, select
+
+__all__ = ["IGNORE_INDEX", "sft_nll", "pairwise_loss", "pair_metrics", "policy_loss", "value_loss",
+           "kl_penalty_loss"]
+
+IGNORE_INDEX = -100
+
+
+def sft_nll(logits: Tensor, labels: Tensor) -> Tuple[Tensor, Tensor]:
+    """(sum of next-token NLL over trained labels, their count), in fp32.
+
+    ``logits`` ``[B, L, V]`` of the whole sequence, ``labels`` ``[B, L]`` with ``IGNORE_INDEX``
+    on untrained tokens (prompt, padding); the prediction at position i is scored against label
+    i+1. ``F.cross_entropy`` (one fused log-softmax + gather) rather than ops.logprobs_from_logits:
+    it is what step 1 has always trained with, and the demo's digits depend on its rounding.
+    Logits of untrained positions are zeroed first, so a non-finite logit there cannot reach the
+    gradient.
+    """
+    shift_labels = labels[:, 1:].to(logits.device)
+    mask = shift_labels != IGNORE_INDEX
+    shift_logits = select(logits[:, :-1].float(), mask.unsqueeze(-1))
+    nll = F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.clamp(min=0).reshape(-1),
+                          reduction="none").view_as(shift_labels)
+    return select(nll, mask).sum(), mask.sum()
+
+
+def pairwise_loss(chosen_scores: Tensor, rejected_scores: Tensor, margin: float = 0.0) -> Tensor:
+    """Bradley-Terry loss: mean(-log sigmoid(chosen - rejected - margin)), numerically stable."""
+    return -F.logsigmoid(chosen_scores.float() - rejected_scores.float() - margin).mean()
+
+
+def pair_metrics(chosen_scores: Tensor, rejected_scores: Tensor) -> dict:
+    """accuracy (strict chosen > rejected), mean chosen/rejected scores and mean margin, as floats."""
+    c, r = chosen_scores.detach().float(), rejected_scores.detach().float()
+    return {"accuracy": (c > r).float().mean().item(), "chosen_mean": c.mean().item(),
+            "rejected_mean": r.mean().item(), "margin_mean": (c - r).mean().item()}
+
+
+def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, action_mask: Tensor,
+                cliprange: float) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """PPO clipped surrogate, token-level masked mean over all actions of the mini-batch.
+
+    ``ratio = exp(logprobs - old_logprobs)`` is ALWAYS against the old (rollout-time) policy,
+    never the reference model; at the first PPO epoch it is exactly 1.
+    ``loss = mean(max(-A * ratio, -A * clip(ratio, 1±eps)))``: the pessimistic bound removes the
+    incentive to move the ratio outside the trust region in the direction the advantage favours.
+
+    Stats (detached): ``clipfrac`` fraction of actions where the clipped term is the active one;
+    ``approx_kl`` = masked mean of the k2 estimator ``0.5 * (logp - old_logp)**2`` of
+    KL(old || new) (a drift monitor); ``log_ratio_max_abs`` = max |logp - old_logp| over
+    actions (0 if none).
+    """
+    logprobs, old_logprobs = select(logprobs, action_mask), select(old_logprobs, action_mask)
+    advantages = select(advantages, action_mask)
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    pg1 = -advantages * ratio
+    pg2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    loss = masked_mean(torch.max(pg1, pg2), action_mask)
+    with torch.no_grad():
+        lr = log_ratio.detach()
+        stats = {
+            "clipfrac": masked_mean((pg2 > pg1).float(), action_mask),
+            "approx_kl": masked_mean(0.5 * lr**2, action_mask),
+            "log_ratio_max_abs": lr.abs().max() if lr.numel() else lr.new_zeros(()),
+        }
+    return loss, stats
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, action_mask: Tensor,
+               cliprange_value: float) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """Clipped value loss: ``0.5 * mean(max((V - R)^2, (V_clip - R)^2))`` over actions.
+
+    ``V_clip = old_values + clamp(values - old_values, ±cliprange_value)``. Why: keeps the critic
+    from moving far from its rollout-time predictions in one update (mirrors the policy trust
+    region). ``value_clipfrac`` is the fraction of actions where the clipped error is the active
+    (larger) one.
+    """
+    values, old_values = select(values, action_mask), select(old_values, action_mask)
+    returns = select(returns, action_mask)
+    values_clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+    vf1 = (values - returns) ** 2
+    vf2 = (values_clipped - returns) ** 2
+    loss = 0.5 * masked_mean(torch.max(vf1, vf2), action_mask)
+    with torch.no_grad():
+        stats = {"value_clipfrac": masked_mean((vf2 > vf1).float(), action_mask)}
+    return loss, stats
+
+
+def kl_penalty_loss(logprobs: Tensor, ref_logprobs: Tensor, action_mask: Tensor) -> Tensor:
+    """GRPO-style "KL in the loss": masked mean of k3 KL(actor || reference).
+
+    Differentiable w.r.t. ``logprobs`` (ref is a constant). An ALTERNATIVE to the in-reward
+    penalty of step 3's reward shaping; the two are not used together (that would penalise KL
+    twice).
+    """
+    logprobs, ref_logprobs = select(logprobs, action_mask), select(ref_logprobs.detach(), action_mask)
+    return masked_mean(kl_estimate(logprobs, ref_logprobs, "k3"), action_mask)
