@@ -191,7 +191,7 @@ def run_ab(args, model_dir, prompts) -> list[str]:
     timed = rows[2:]  # the first plain/hybrid pair is the warm-up
     names = {"hybrid": ("plain", "hybrid"), "logits_to_keep": ("project", "proposed")}[args.ab_variant]
     what = {"hybrid": "plain / hybrid generation",
-            "logits_to_keep": "the project's policy_logprobs / the PROPOSED one with logits_to_keep (hybrid on in both)"}
+            "logits_to_keep": "the project's token_logprobs / the PROPOSED one with logits_to_keep (hybrid on in both)"}
     lines = ["", f"A/B in ONE process (ZeRO-{stage} actor and critic; iterations alternate {what[args.ab_variant]}; "
                  f"first pair dropped; {len(timed)} timed; launch {wall:.0f} s, exit {proc.returncode})",
              f"{'arm':8s} {'s/iter':>7s} {'samples/s':>9s} {'gen s':>6s} {'exp s':>6s} {'train s':>7s} "
@@ -206,7 +206,7 @@ def run_ab(args, model_dir, prompts) -> list[str]:
                      + " ".join(f"{x:.2f}" for x in arm["all_step_s"]))
     p, h = arms[False], arms[True]
     if "logprobs_max_abs_diff" in rows[0]:
-        lines.append(f"log-probs of the proposed policy_logprobs vs the project's on one rollout batch: max abs diff "
+        lines.append(f"log-probs of the proposed logits_to_keep_logprobs vs the project's on one rollout batch: max abs diff "
                      f"{rows[0]['logprobs_max_abs_diff']:.2e} (action positions)")
     lines.append(f"{names[1]} over {names[0]} (side by side): {p['step_s'] / h['step_s']:.2f}x per iteration, generation "
                  f"{p['gen_s'] / h['gen_s']:.2f}x, experience {p['exp_s'] / h['exp_s']:.2f}x, training "
@@ -274,7 +274,7 @@ def main(argv=None):
                    help="instead of the four launches: ONE launch whose iterations alternate plain/hybrid generation")
     p.add_argument("--ab_stage", type=int, default=3, choices=[2, 3], help="ZeRO stage of the A/B run")
     p.add_argument("--ab_variant", choices=["hybrid", "logits_to_keep"], default="hybrid",
-                   help="hybrid: plain vs hybrid generation; logits_to_keep: the proposed policy_logprobs vs the project's")
+                   help="hybrid: plain vs hybrid generation; logits_to_keep: the proposed logits_to_keep_logprobs vs the project's")
     p.add_argument("--save", default=None)
     args = p.parse_args(argv)
     if args.tiny:
