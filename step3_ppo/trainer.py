@@ -195,7 +195,7 @@ class PPOTrainer:
         batch = pack(rows, c.pad_token_id)
         ids, mask = batch["input_ids"], batch["attention_mask"]
         p, length = batch["prompt_len"], ids.shape[1]
-        names = ("old_logprobs", "ref_logprobs", "advantages") + (("old_values", "returns") if self.critic else ())
+        names = ("old_logprobs", "ref_logprobs", "advantages") + (("old_values", "returns") if self.critic is not None else ())
         old = to_device({name: to_token_layout(rows, name, p, length) for name in names}, model_device(self.actor))
         action_mask = batch["action_mask"].to(model_device(self.actor))
 
