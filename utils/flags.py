@@ -26,19 +26,13 @@ PER_MODEL_FLAGS = {
 }
 
 
-def _add(group, name: str, prefixes: Sequence[str], defaults: dict | None = None, **spec) -> None:
-    """One flag per prefix from one definition; `defaults` maps a prefix to its own default."""
-    for prefix in prefixes:
-        kwargs = dict(spec)
-        if defaults and prefix in defaults:
-            kwargs["default"] = defaults[prefix]
-        group.add_argument(f"--{prefix}{name}", **kwargs)
-
-
 def add_per_model(group, names: Sequence[str], prefixes: Sequence[str], defaults: dict | None = None) -> None:
-    """The PER_MODEL_FLAGS `names`, once per prefix; `defaults` = {name: {prefix: value}}."""
+    """The PER_MODEL_FLAGS `names`, once per prefix; `defaults` = {name: {prefix: value}} overrides."""
     for name in names:
-        _add(group, name, prefixes, (defaults or {}).get(name), **PER_MODEL_FLAGS[name])
+        own = (defaults or {}).get(name, {})
+        for prefix in prefixes:
+            spec = {**PER_MODEL_FLAGS[name], **({"default": own[prefix]} if prefix in own else {})}
+            group.add_argument(f"--{prefix}{name}", **spec)
 
 
 # --------------------------------------------------------------------------- #

@@ -191,13 +191,14 @@ class MetricsLogger:
 
 def logger_from_args(args, keep_until_step: int | None = None) -> MetricsLogger:
     """The run's MetricsLogger from its parsed flags. Reads args.output_dir, args.enable_tensorboard,
-    args.tensorboard_path and, when present, args.enable_wandb, args.wandb_project, args.wandb_run_name,
-    args.wandb_entity, args.wandb_dir, args.wandb_mode; vars(args) becomes the W&B run config."""
+    args.tensorboard_path and, when present, args.enable_wandb, args.wandb_project, args.wandb_run_name
+    (default: the output directory's name, as the flag's help says), args.wandb_entity, args.wandb_dir,
+    args.wandb_mode; vars(args) becomes the W&B run config."""
     return MetricsLogger(
         args.output_dir, args.enable_tensorboard, args.tensorboard_path, keep_until_step=keep_until_step,
         enable_wandb=getattr(args, "enable_wandb", False),
         wandb_project=getattr(args, "wandb_project", None),
-        wandb_run_name=getattr(args, "wandb_run_name", None),
+        wandb_run_name=getattr(args, "wandb_run_name", None) or os.path.basename(os.path.normpath(args.output_dir)),
         wandb_entity=getattr(args, "wandb_entity", None),
         wandb_dir=getattr(args, "wandb_dir", None),
         wandb_mode=getattr(args, "wandb_mode", None),
