@@ -16,8 +16,13 @@ from utils.ports import free_port  # noqa: F401  (the tests take their ports fro
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+# set in os.environ by a test that ran a trainer in-process (utils.distributed.init_distributed): a child
+# that inherited them would join that process group's port instead of starting its own
+PROCESS_GROUP_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def subprocess_env(**extra) -> dict:
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in PROCESS_GROUP_VARS}
     env.update({"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                 "TOKENIZERS_PARALLELISM": "false"})
     env.update({k: str(v) for k, v in extra.items()})
