@@ -18,8 +18,9 @@ from utils.flags import BATCH_FLAGS, single_model_parser, validate_training_args
 from utils.forward import causal_lm_logits, eval_mode, lm_nll
 from utils.logging import print_rank0, progress_bar
 from utils.model import load_causal_lm
-from utils.training import (build_trained_engine, micro_batch_schedule, run_micro_batches, spec_from_args,
-                            start_single_model_run, train_ds_config_from_args)
+from utils.accelerator import PhaseMemory
+from utils.training import (build_trained_engine, loop_metrics, memory_postfix, micro_batch_schedule, run_micro_batches,
+                            spec_from_args, start_single_model_run, train_ds_config_from_args)
 
 def parse_args(argv=None):
     parser = single_model_parser(__doc__.splitlines()[0], "local from_pretrained directory or hub name")
@@ -55,7 +56,8 @@ def main(argv=None):
 
     sampler, loader, total_steps = micro_batch_schedule(train_examples, collator, args)
     ds_config = train_ds_config_from_args(args)
-    model = load_causal_lm(args.model_name_or_path, tokenizer, ds_config, args.dropout, args.trust_remote_code)
+    model = load_causal_lm(args.model_name_or_path, tokenizer, ds_config, args.dropout, args.trust_remote_code,
+                           attn_implementation=args.attn_implementation)
     engine = build_trained_engine(model, ds_config, spec_from_args(args), total_steps)
 
     checkpointing = Checkpointing(args, {"model": engine})
@@ -70,6 +72,7 @@ def main(argv=None):
         logger.log(0, {"eval/perplexity": ppl_before})
 
     guard = BadStepGuard(loop, args.max_bad_steps, checkpointing)
+    memory = PhaseMemory()
     start = time.time()
     progress = progress_bar(total_steps, loop.step, "step1 sft")
     def micro_step(batch):
@@ -78,17 +81,17 @@ def main(argv=None):
 
     def on_step(means):
         (mean_loss,) = means
-        logger.log(loop.step, {"train/loss": mean_loss, "train/lr": engine.get_lr()[0], "epoch": loop.epoch,
-                               "train/bad_steps": loop.bad_steps})
+        metrics = {"train/loss": mean_loss, "train/lr": engine.get_lr()[0], **loop_metrics(loop, memory)}
+        logger.log(loop.step, metrics)
         if progress is not None:
             progress.update(1)
-            progress.set_postfix(loss=f"{mean_loss:.4f}")
+            progress.set_postfix(loss=f"{mean_loss:.4f}", **memory_postfix(metrics))
         if args.print_loss:
             print_rank0(f"[step1] step {loop.step} loss {mean_loss:.4f}")
         checkpointing.maybe_save(loop, {"ppl_before": ppl_before})
 
     run_micro_batches(engine, loader, sampler, loop, total_steps, args.num_train_epochs, guard, micro_step, on_step,
-                      "step1")
+                      "step1", memory)
     if progress is not None:
         progress.close()
 

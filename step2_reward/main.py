@@ -23,8 +23,9 @@ from utils.logging import print_rank0, progress_bar
 from utils.losses import pair_metrics, pairwise_loss
 from utils.model import load_tokenizer
 from utils.reward_model import RewardModel, export_reward_model, split_pair_batch
-from utils.training import (build_trained_engine, micro_batch_schedule, run_micro_batches, spec_from_args,
-                            start_single_model_run, train_ds_config_from_args)
+from utils.accelerator import PhaseMemory
+from utils.training import (build_trained_engine, loop_metrics, memory_postfix, micro_batch_schedule, run_micro_batches,
+                            spec_from_args, start_single_model_run, train_ds_config_from_args)
 
 
 def parse_args(argv=None):
@@ -92,7 +93,7 @@ def main(argv=None):
     sampler, loader, total_steps = micro_batch_schedule(train_pairs, collator, args)
     ds_config = train_ds_config_from_args(args)
     model = RewardModel.from_pretrained(args.model_name_or_path, tokenizer, ds_config, args.dropout,
-                                        args.trust_remote_code)
+                                        args.trust_remote_code, args.attn_implementation)
     engine = build_trained_engine(model, ds_config, spec_from_args(args), total_steps)
 
     def run_eval(step: int) -> dict:
@@ -113,6 +114,7 @@ def main(argv=None):
         before = run_eval(0)
 
     guard = BadStepGuard(loop, args.max_bad_steps, checkpointing)
+    memory = PhaseMemory()
     start, eval_time = time.time(), 0.0
     progress = progress_bar(total_steps, loop.step, "step2 reward")
 
@@ -124,11 +126,12 @@ def main(argv=None):
     def on_step(means):
         nonlocal eval_time
         mean_loss, mean_acc, mean_margin = means
-        logger.log(loop.step, {"train/loss": mean_loss, "train/accuracy": mean_acc, "train/margin": mean_margin,
-                               "train/lr": engine.get_lr()[0], "epoch": loop.epoch, "train/bad_steps": loop.bad_steps})
+        metrics = {"train/loss": mean_loss, "train/accuracy": mean_acc, "train/margin": mean_margin,
+                   "train/lr": engine.get_lr()[0], **loop_metrics(loop, memory)}
+        logger.log(loop.step, metrics)
         if progress is not None:
             progress.update(1)
-            progress.set_postfix(loss=f"{mean_loss:.4f}", acc=f"{mean_acc:.2f}")
+            progress.set_postfix(loss=f"{mean_loss:.4f}", acc=f"{mean_acc:.2f}", **memory_postfix(metrics))
         if args.print_loss:
             print_rank0(f"[step2] step {loop.step} loss {mean_loss:.4f} accuracy {mean_acc:.3f}")
         if args.eval_interval and loop.step % args.eval_interval == 0 and loop.step < total_steps:
@@ -136,7 +139,7 @@ def main(argv=None):
         checkpointing.maybe_save(loop, {"before": before})
 
     run_micro_batches(engine, loader, sampler, loop, total_steps, args.num_train_epochs, guard, micro_step, on_step,
-                      "step2")
+                      "step2", memory)
     if progress is not None:
         progress.close()
     elapsed = time.time() - start - eval_time  # optimisation only: evaluations are timed apart

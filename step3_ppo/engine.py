@@ -1,10 +1,13 @@
 """The four DeepSpeed engines of step 3 (and the optional EMA of the actor).
 
 actor     causal LM from step 1, trained           (--actor_zero_stage, LoRA, optimizer)
-reference causal LM from step 1, frozen            (ZeRO-3 when the actor is, else stage 0)
+reference causal LM from step 1, frozen            (ZeRO-3 when the actor is, else stage 0; with
+                                                   --offload_reference_model ZeRO-3 with its
+                                                   parameters in CPU memory, whatever the actor's stage)
 critic    RewardModel from step 2, trained         (--critic_zero_stage, LoRA, optimizer; only when the
                                                    advantage estimator needs one)
-reward    RewardModel from step 2, frozen          (ZeRO-3 when the critic is, else stage 0)
+reward    RewardModel from step 2, frozen          (ZeRO-3 when the critic is, else stage 0;
+                                                   --offload_reward_model as the reference's)
 Dropout is off by default in all of them: with dropout the rollout and training forwards of the
 same weights differ, and the PPO ratio at learning rate 0 is no longer 1.
 """
@@ -63,25 +66,27 @@ def build_engines(args, tokenizer, total_steps: int) -> Engines:
                                     args.gradient_accumulation_steps, args.dtype, args.offload, args.gradient_clipping)
     actor_spec, critic_spec = spec_from_args(args, "actor_"), spec_from_args(args, "critic_")
 
+    attn = args.attn_implementation
     actor = load_causal_lm(args.actor_model_name_or_path, tokenizer, actor_config, args.actor_dropout,
-                           args.trust_remote_code)
+                           args.trust_remote_code, attn_implementation=attn)
     actor = build_trained_engine(actor, actor_config, actor_spec, total_steps)
 
     ref_config = eval_ds_config(args.actor_zero_stage, ranks, args.per_device_training_batch_size, args.dtype,
                                 args.offload_reference_model)
-    ref = load_causal_lm(args.actor_model_name_or_path, tokenizer, ref_config, 0.0, args.trust_remote_code)
+    ref = load_causal_lm(args.actor_model_name_or_path, tokenizer, ref_config, 0.0, args.trust_remote_code,
+                         attn_implementation=attn)
     ref = initialize_engine(ref, ref_config)
 
     critic = None
     if needs_critic(args.advantage_estimator):
         critic = RewardModel.from_pretrained(args.critic_model_name_or_path, tokenizer, critic_config,
-                                             args.critic_dropout, args.trust_remote_code)
+                                             args.critic_dropout, args.trust_remote_code, attn)
         critic = build_trained_engine(critic, critic_config, critic_spec, total_steps)
 
     reward_config = eval_ds_config(args.critic_zero_stage, ranks, args.per_device_training_batch_size, args.dtype,
                                    args.offload_reward_model)
     reward = RewardModel.from_pretrained(args.critic_model_name_or_path, tokenizer, reward_config, 0.0,
-                                         args.trust_remote_code)
+                                         args.trust_remote_code, attn)
     reward = initialize_engine(reward, reward_config)
     for frozen in (ref, reward):
         frozen.eval()
@@ -92,7 +97,8 @@ def build_engines(args, tokenizer, total_steps: int) -> Engines:
     if args.enable_ema:
         ema_config = eval_ds_config(args.actor_zero_stage, ranks, args.per_device_training_batch_size, args.dtype,
                                     args.offload_reference_model)
-        ema_model = load_causal_lm(args.actor_model_name_or_path, tokenizer, ema_config, 0.0, args.trust_remote_code)
+        ema_model = load_causal_lm(args.actor_model_name_or_path, tokenizer, ema_config, 0.0, args.trust_remote_code,
+                                   attn_implementation=attn)
         if actor_spec.lora_dim > 0:  # same structure as the actor, so parameters pair up by name
             from utils.training import add_lora
 

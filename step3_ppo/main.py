@@ -25,14 +25,14 @@ from step3_ppo.trainer import PPOConfig, PPOTrainer
 from utils.checkpoint import BadStepGuard, Checkpointing, export_hf_model
 from utils.data import (PromptCollator, SFTCollator, build_step_rows, distributed_loader, read_texts,
                         tokenize_prompts, tokenize_texts)
-from utils.distributed import init_distributed, is_rank0, set_seed, world_size
+from utils.distributed import is_rank0, start_process, world_size
 from utils.flags import (add_checkpoint_args, add_data_args, add_generation_args, add_model_args, add_output_args,
                          add_training_args, resolve_generation_args, validate_training_args)
 from utils.logging import print_rank0, progress_bar
 from utils.model import check_model_path, load_tokenizer
 from utils.ops import KL_ESTIMATORS
 from utils.reward_model import export_reward_model
-from utils.training import total_training_steps
+from utils.training import loop_metrics, memory_postfix, total_training_steps
 
 MODELS = ("actor_", "critic_")
 # step 3's own defaults for the per-model flags of utils/flags.py (DeepSpeed-Chat's values; dropout off,
@@ -59,6 +59,9 @@ def parse_args(argv=None):
     g.add_argument("--no_gathered_experience", dest="gathered_experience", action="store_false",
                    help="with the hybrid engine, score the rollout through ZeRO-3's per-layer hooks instead of "
                         "on models gathered whole (less memory when critic or reward model outgrow the actor)")
+    g.add_argument("--release_inference_cache", action="store_true",
+                   help="after generation and after scoring, give the accelerator allocator's cached blocks (KV "
+                        "caches, gathered weights) back, so training starts from a lower peak (slower next gather)")
     add_training_args(p, MODELS, MODEL_DEFAULTS)
     g = p.add_argument_group("RL")
     g.add_argument("--per_device_training_batch_size", type=int, default=4, help="PPO mini-batch size")
@@ -155,8 +158,7 @@ class Setup:
 
 def setup(args) -> Setup:
     """Everything before the first PPO iteration: process group, tokenizer, prompts, engines, trainer."""
-    init_distributed(args.dist_timeout)
-    set_seed(args.seed)
+    start_process(args)
     tokenizer = load_tokenizer(args.actor_model_name_or_path, args.trust_remote_code, padding_side="left")
     critic_tokenizer = load_tokenizer(args.critic_model_name_or_path, args.trust_remote_code)
     if len(critic_tokenizer) != len(tokenizer) or critic_tokenizer.eos_token_id != tokenizer.eos_token_id:
@@ -214,11 +216,13 @@ def train(run: Setup) -> int:
             loop.batches_in_epoch += args.generation_batches
             metrics, rollout = trainer.step(prompt_batches, loop.step)
             loop.step += 1
-            logger.log(loop.step, {**metrics, "epoch": loop.epoch, "train/bad_steps": loop.bad_steps})
+            loop.overflow_steps += int(metrics.get("train/overflow_skipped", 0))
+            metrics.update(loop_metrics(loop, trainer.memory))
+            logger.log(loop.step, metrics)
             if progress is not None:
                 progress.update(1)
                 progress.set_postfix(score=f"{metrics.get('reward/score_mean', float('nan')):.3f}",
-                                     kl=f"{metrics.get('kl/ref_mean', float('nan')):.3f}")
+                                     kl=f"{metrics.get('kl/ref_mean', float('nan')):.3f}", **memory_postfix(metrics))
             if args.print_answers and loop.step % args.print_answers_interval == 0:
                 _print_answer(run.tokenizer, rollout[0], loop.step)
             checkpointing.maybe_save(loop, {"kl_ctl": trainer.kl_ctl.state_dict()},

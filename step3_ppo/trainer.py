@@ -22,12 +22,13 @@ import torch
 from step3_ppo.advantages import get_estimator
 from step3_ppo.hybrid import gathered, generate
 from step3_ppo.shaping import RunningMoments, compute_rewards
-from utils import losses
+from utils import accelerator, losses
 from utils.distributed import all_reduce_max, all_reduce_sum, world_size
 from utils.forward import (GenerationSettings, eval_mode, generation_kwargs, lm_nll, model_device, to_device,
                            token_logprobs, token_values)
 from utils.ops import explained_variance, masked_mean, masked_whiten
 from utils.rollout import Row, from_token_layout, pack, split_generation, to_token_layout
+from utils.training import OVERFLOW, backward_and_step
 
 
 @dataclass
@@ -57,6 +58,7 @@ class PPOConfig:
     enable_hybrid_engine: bool = False
     merge_lora_for_generation: bool = True
     gathered_experience: bool = True  # with the hybrid engine: score the rollout on models gathered whole
+    release_inference_cache: bool = False  # hand the allocator's cached blocks back after generation
     seed: int = 1234
 
     @classmethod
@@ -91,6 +93,8 @@ class PPOTrainer:
         self.unsup_batches = unsup_batches
         self.logprobs_fn = logprobs_fn
         self.guard = None  # BadStepGuard: skips updates with a non-finite reward or loss (set by main)
+        self.memory = accelerator.PhaseMemory()  # peak memory of generation / experience / training
+        self.overflow_skipped = 0  # updates of this iteration the fp16 loss scaler skipped
 
     def finite(self, *values) -> bool:
         return self.guard is None or self.guard.all_finite(*values)
@@ -140,23 +144,31 @@ class PPOTrainer:
         all prompt batches.
         """
         rows_per_batch, generation_s, experience_s = [], 0.0, 0.0
+        memory = self.memory
         with self.inference_weights(self.actor):
             for prompt_batch in prompt_batches:
                 t0 = time.time()
-                rows = self.generate_rows(prompt_batch)
+                with memory.phase("generation"):
+                    rows = self.generate_rows(prompt_batch)
                 t1 = time.time()
-                self.store_logprobs(rows, self.actor, "old_logprobs")
+                with memory.phase("experience"):
+                    self.store_logprobs(rows, self.actor, "old_logprobs")
                 generation_s, experience_s = generation_s + t1 - t0, experience_s + time.time() - t1
                 rows_per_batch.append(rows)
+        if self.config.release_inference_cache:
+            accelerator.empty_cache()  # the KV caches and the gathered actor's blocks, before the other models
         t0 = time.time()
         phases = [(self.ref, lambda rows: self.store_logprobs(rows, self.ref, "ref_logprobs"))]
         if self.critic is not None:
             phases.append((self.critic, self.store_values))
         phases.append((self.reward.engine, self.store_scores))
-        for engine, store in phases:
-            with self.inference_weights(engine):
-                for rows in rows_per_batch:
-                    store(rows)
+        with memory.phase("experience"):
+            for engine, store in phases:
+                with self.inference_weights(engine):
+                    for rows in rows_per_batch:
+                        store(rows)
+        if self.config.release_inference_cache:
+            accelerator.empty_cache()  # the gathered models' blocks, before training's
         experience_s += time.time() - t0
         return [row for rows in rows_per_batch for row in rows], generation_s, experience_s
 
@@ -214,8 +226,7 @@ class PPOTrainer:
             ptx_loss = nll / count.clamp(min=1)
             loss = loss + c.unsup_coef * ptx_loss
         if self.finite(loss):
-            self.actor.backward(loss)
-            self.actor.step()
+            self.count_overflow(backward_and_step(self.actor, loss))
 
         stats = {"loss/actor": actor_loss.item(), "loss/kl": kl_loss.item(), "loss/ptx": ptx_loss.item(),
                  "ppo/clipfrac": actor_stats["clipfrac"].item(),
@@ -229,10 +240,13 @@ class PPOTrainer:
                                                           old["returns"].to(values.device), critic_mask,
                                                           c.cliprange_value)
             if self.finite(critic_loss):
-                self.critic.backward(critic_loss)
-                self.critic.step()
+                self.count_overflow(backward_and_step(self.critic, critic_loss))
             stats.update({"loss/critic": critic_loss.item(), "value/clipfrac": critic_stats["value_clipfrac"].item()})
         return stats
+
+    def count_overflow(self, outcome) -> None:
+        if outcome == OVERFLOW:
+            self.overflow_skipped += 1
 
     def minibatches(self, rows: list[Row], step: int, epoch: int) -> list[list[Row]]:
         """Rows shuffled with a generator seeded by (seed, step, epoch), cut into mini-batches."""
@@ -257,8 +271,10 @@ class PPOTrainer:
         t2 = time.time()
         experience_s += t2 - t0
 
-        train_stats = [self.train_minibatch(mb) for epoch in range(self.config.ppo_epochs)
-                       for mb in self.minibatches(rows, step, epoch)]
+        self.overflow_skipped = 0
+        with self.memory.phase("training"):
+            train_stats = [self.train_minibatch(mb) for epoch in range(self.config.ppo_epochs)
+                           for mb in self.minibatches(rows, step, epoch)]
         if self.ema is not None:
             self.ema.update(self.actor)
         t3 = time.time()
@@ -292,6 +308,7 @@ class PPOTrainer:
             "time/train_s": t3 - t2,
             "samples_per_s": rows_total / (generation_s + experience_s + t3 - t2),
             "ppo/skipped_non_finite": 0.0,
+            "train/overflow_skipped": float(self.overflow_skipped),  # the same on every rank
         }
         if self.critic is not None:
             metrics["value/explained_variance"] = totals["explained_variance_sum"] / ranks

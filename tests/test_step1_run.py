@@ -39,6 +39,8 @@ def check_run(out: str, proc) -> list[dict]:
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
     diff = [r["export/logits_max_abs_diff"] for r in rows if "export/logits_max_abs_diff" in r]
     assert diff and diff[0] <= 1e-5, diff
+    train = [r for r in rows if "train/loss" in r]  # peak memory of every step, the largest over ranks
+    assert all(r["mem/training_peak_gb"] > 0 and r["train/overflow_steps"] == 0 for r in train), train[-1]
     return rows
 
 

@@ -68,6 +68,7 @@ def test_two_rank_zero3_reward_model_learns_and_exports(tiny_gpt2, pair_data, tm
     assert last["eval/margin"] == pytest.approx(last["eval/chosen_score"] - last["eval/rejected_score"], abs=1e-6)
     train = [r for r in rows if "train/loss" in r]
     assert len(train) == 20 and all("train/accuracy" in r and "train/lr" in r for r in train)
+    assert all(r["mem/training_peak_gb"] > 0 for r in train)
     assert sum(r["train/loss"] for r in train[-5:]) < sum(r["train/loss"] for r in train[:5])
     diff = [r["export/score_max_abs_diff"] for r in rows if "export/score_max_abs_diff" in r]
     assert diff and diff[0] <= 1e-5, diff

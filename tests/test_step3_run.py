@@ -49,6 +49,8 @@ def test_two_rank_zero3_hybrid_lr0_log_ratio_and_exports(tiny_gpt2, tmp_path, ex
     for row in rows:
         assert row["ppo/log_ratio_max_abs"] <= 1e-4, row
         assert row["kl/ref_mean"] == pytest.approx(0.0, abs=1e-4)  # lr 0: actor == reference
+        assert all(row[f"mem/{phase}_peak_gb"] > 0 for phase in ("generation", "experience", "training")), row
+        assert row["train/overflow_skipped"] == 0 and row["train/overflow_steps"] == 0
     from transformers import AutoModelForCausalLM
 
     actor = AutoModelForCausalLM.from_pretrained(os.path.join(out, "actor"))

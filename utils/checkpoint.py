@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from utils import accelerator
 from utils.distributed import barrier, is_rank0, rank, world_size
 from utils.model import hf_zero3_disabled
 
@@ -106,8 +107,9 @@ def rng_state() -> dict:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {"python": random.getstate(), "numpy": [kind, torch.from_numpy(keys.copy()), pos, has_gauss, cached],
              "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    device_state = accelerator.rng_state()
+    if device_state is not None:
+        state["accelerator"] = device_state
     return state
 
 
@@ -117,8 +119,7 @@ def set_rng_state(state: dict) -> None:
     kind, keys, pos, has_gauss, cached = state["numpy"]
     np.random.set_state((kind, keys.numpy(), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    accelerator.set_rng_state(state.get("accelerator"))
 
 
 class TrainingCheckpoints:
@@ -248,6 +249,7 @@ class LoopState:
     epoch: int = 0
     batches_in_epoch: int = 0  # loader batches of `epoch` already consumed
     bad_steps: int = 0  # updates skipped for a non-finite loss or reward
+    overflow_steps: int = 0  # updates DeepSpeed's fp16 loss scaler skipped (gradient overflow)
     bad_in_a_row: int = 0
 
 

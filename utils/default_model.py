@@ -130,13 +130,18 @@ def verify(path: str, question: str = "What is the capital of France?", max_new_
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from utils.forward import GenerationSettings, eval_mode, generate, generation_kwargs
+
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
                                            add_generation_prompt=True)
     inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
-    with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    kwargs = generation_kwargs(GenerationSettings(max_new_tokens=max_new_tokens, do_sample=False),
+                               tokenizer.eos_token_id, pad_token_id)
+    with eval_mode(model):
+        out = generate(model, inputs["input_ids"], inputs["attention_mask"], **kwargs)
     return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
 
 

@@ -12,7 +12,8 @@ from utils.ports import free_port
 
 
 def init_distributed(timeout_s: int = 600) -> None:
-    """Initialise torch.distributed through DeepSpeed (gloo on CPU, nccl on GPU).
+    """Initialise torch.distributed through DeepSpeed, on the backend the accelerator names (gloo on
+    CPU, nccl on CUDA), with this rank bound to its own device first (utils/accelerator.py).
 
     Without a launcher the rank variables are missing and DeepSpeed falls back to MPI discovery,
     which fails without mpi4py (shared/notes); a lone process therefore becomes rank 0 of 1.
@@ -20,12 +21,25 @@ def init_distributed(timeout_s: int = 600) -> None:
     """
     import deepspeed
 
+    from utils import accelerator
+
     if "RANK" not in os.environ:
         os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     tune_malloc()
-    deepspeed.init_distributed(timeout=datetime.timedelta(seconds=timeout_s), auto_mpi_discovery=False)
+    accelerator.set_local_device()
+    deepspeed.init_distributed(dist_backend=accelerator.communication_backend(),
+                               timeout=datetime.timedelta(seconds=timeout_s), auto_mpi_discovery=False)
     _unlink_shm_buffer()
+
+
+def start_process(args) -> None:
+    """What every step does first: process group (--dist_timeout), seeds (--seed), TF32 (--no_tf32)."""
+    from utils import accelerator
+
+    init_distributed(args.dist_timeout)
+    set_seed(args.seed)
+    accelerator.configure_tf32(not args.no_tf32)
 
 
 # glibc mallopt parameters (malloc.h) and the values `tune_malloc` sets (mallopt takes C ints).
@@ -99,12 +113,21 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
-def all_reduce_sum(values: list[float]) -> list[float]:
-    """Sum a few floats over all ranks (float64, so token counts stay exact)."""
-    tensor = torch.tensor(values, dtype=torch.float64)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(tensor)
+def _reduced(values: list[float], op) -> list[float]:
+    """`values` reduced over all ranks, float64 (token counts stay exact), on the rank's own device
+    (NCCL reduces only accelerator tensors; gloo takes CPU ones)."""
+    if not torch.distributed.is_initialized():
+        return [float(v) for v in values]
+    from utils.accelerator import local_device
+
+    tensor = torch.tensor(values, dtype=torch.float64, device=local_device())
+    torch.distributed.all_reduce(tensor, op=op)
     return tensor.tolist()
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Sum a few floats over all ranks."""
+    return _reduced(values, torch.distributed.ReduceOp.SUM)
 
 
 def set_seed(seed: int) -> None:
@@ -130,7 +153,10 @@ def rank_batches(examples: list, batch_size: int) -> list[tuple[list, float]]:
 
 
 def all_reduce_max(value: float) -> float:
-    tensor = torch.tensor([value], dtype=torch.float64)
-    if torch.distributed.is_initialized():
-        torch.distributed.all_reduce(tensor, op=torch.distributed.ReduceOp.MAX)
-    return tensor.item()
+    """The largest of one float over all ranks."""
+    return _reduced([value], torch.distributed.ReduceOp.MAX)[0]
+
+
+def all_reduce_max_list(values: list[float]) -> list[float]:
+    """Each float's largest value over all ranks, in one collective."""
+    return _reduced(values, torch.distributed.ReduceOp.MAX) if values else []

@@ -49,8 +49,14 @@ def train_ds_config(zero_stage: int, world_size: int, micro_batch_size: int, gra
 
 def eval_ds_config(zero_stage: int, world_size: int, micro_batch_size: int = 1, dtype: str = "fp32",
                    offload: bool = False) -> dict:
-    """Config of a frozen engine (reference, reward model): no optimizer; ZeRO-3 partitions it, else stage 0."""
-    stage = 3 if zero_stage == 3 else 0
+    """Config of a frozen engine (reference, reward model): no optimizer; ZeRO-3 partitions it, else stage 0.
+
+    `offload` puts its parameters in CPU memory, fetched layer by layer for each forward: that is
+    ZeRO-3's parameter offload, so an offloaded frozen model is a ZeRO-3 engine whatever the
+    trained model's stage (DeepSpeed-Chat kept stage 0 below an actor at ZeRO-3 and so offloaded
+    nothing while its flags said it did). Each rank keeps its ZeRO-3 partition in CPU memory.
+    """
+    stage = 3 if zero_stage == 3 or offload else 0
     return {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "train_batch_size": micro_batch_size * world_size,

@@ -55,8 +55,12 @@ def add_model_args(parser: argparse.ArgumentParser, models: dict[str, str], defa
         g.add_argument(f"--{prefix}model_name_or_path", required=True, help=help_text)
     add_per_model(g, ["dropout"], list(models), defaults)
     g.add_argument("--trust_remote_code", action="store_true", help="allow model code shipped with the model")
+    g.add_argument("--attn_implementation", default=None, choices=ATTN_IMPLEMENTATIONS,
+                   help="transformers' attention kernel (default: its own choice, sdpa where supported); "
+                        "flash_attention_2 needs the flash_attn package and bf16/fp16 on a GPU")
 
 
+ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 BATCH_FLAGS = ("per_device_train_batch_size", "per_device_eval_batch_size", "max_seq_len")
 
 
@@ -84,6 +88,8 @@ def add_training_args(parser: argparse.ArgumentParser, prefixes: Sequence[str] =
     g.add_argument("--offload", action="store_true", help="ZeRO offload of optimizer (and ZeRO-3 params) to CPU")
     g.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
     g.add_argument("--dist_timeout", type=int, default=600, help="seconds a rank waits on a dead peer")
+    g.add_argument("--no_tf32", action="store_true",
+                   help="full fp32 matmuls on CUDA (TF32 is on by default there; never used on CPU)")
     g.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     g = parser.add_argument_group("LoRA")
     add_per_model(g, ["lora_dim", "lora_module_name", "lora_learning_rate"], prefixes, defaults)
@@ -165,6 +171,14 @@ def validate_training_args(args, prefixes: Sequence[str] = ("",), positive: Sequ
             raise SystemExit(f"error: --{name} must be >= 1, got {getattr(args, name)}")
     if args.only_optimize_lora and all(getattr(args, f"{p}lora_dim") <= 0 for p in prefixes):
         raise SystemExit(f"error: --only_optimize_lora needs {' or '.join(f'--{p}lora_dim' for p in prefixes)} > 0")
+    if getattr(args, "attn_implementation", None) == "flash_attention_2":
+        import importlib.util
+
+        if importlib.util.find_spec("flash_attn") is None:
+            raise SystemExit("error: --attn_implementation flash_attention_2 needs the flash_attn package, which is "
+                             "not installed (leave the flag out for sdpa)")
+        if args.dtype == "fp32":
+            raise SystemExit("error: --attn_implementation flash_attention_2 needs --dtype bf16 or fp16")
     stage_zero = [f"--{p}zero_stage" for p in prefixes if getattr(args, f"{p}zero_stage") == 0]
     if args.offload and stage_zero:
         raise SystemExit(f"error: --offload needs {' and '.join(stage_zero)} 1, 2 or 3")

@@ -30,8 +30,8 @@ def model_device(model: nn.Module) -> torch.device:
     device = getattr(model, "device", None)
     if isinstance(device, (torch.device, str)):
         return torch.device(device)
-    for param in model.parameters():
-        return param.device
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
     return torch.device("cpu")
 
 

@@ -78,11 +78,13 @@ def zero3_model_context(ds_config: dict | None):
 
 
 def load_causal_lm(path: str, tokenizer=None, ds_config: dict | None = None, dropout: float | None = None,
-                   trust_remote_code: bool = False, base_model_only: bool = False) -> nn.Module:
+                   trust_remote_code: bool = False, base_model_only: bool = False,
+                   attn_implementation: str | None = None) -> nn.Module:
     """Load a causal LM (or only its backbone, for reward/critic models) from a directory.
 
     Built partitioned when `ds_config` is ZeRO-3. Embeddings are resized when the tokenizer has
-    more tokens than the model (an added pad token).
+    more tokens than the model (an added pad token). `attn_implementation` (None: transformers'
+    default) picks the attention kernel (--attn_implementation).
     """
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
@@ -91,7 +93,8 @@ def load_causal_lm(path: str, tokenizer=None, ds_config: dict | None = None, dro
     configure_dropout(config, dropout)
     hf_ds_config = zero3_model_context(ds_config)
     cls = AutoModel if base_model_only else AutoModelForCausalLM
-    model = cls.from_pretrained(path, config=config, trust_remote_code=trust_remote_code, dtype=torch.float32)
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    model = cls.from_pretrained(path, config=config, trust_remote_code=trust_remote_code, dtype=torch.float32, **extra)
     model._hf_ds_config = hf_ds_config  # keep alive: ZeRO-3 hooks refer to it through a weakref
     if tokenizer is not None:
         if embedding_rows(model) < len(tokenizer):

@@ -74,13 +74,14 @@ class RewardModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str, tokenizer=None, ds_config: dict | None = None, dropout: float | None = None,
-                        trust_remote_code: bool = False) -> "RewardModel":
+                        trust_remote_code: bool = False, attn_implementation: str | None = None) -> "RewardModel":
         """Backbone of a causal LM / step-1 / step-2 directory; v_head from `value_head.safetensors` if there.
 
         Built ZeRO-3 partitioned when `ds_config` is stage 3 (the v_head is then partitioned by
         `deepspeed.initialize`). Without ds_config a plain model is built.
         """
-        backbone = load_causal_lm(path, tokenizer, ds_config, dropout, trust_remote_code, base_model_only=True)
+        backbone = load_causal_lm(path, tokenizer, ds_config, dropout, trust_remote_code, base_model_only=True,
+                                  attn_implementation=attn_implementation)
         v_head = None
         head_file = os.path.join(path, VALUE_HEAD_FILE)
         if os.path.isfile(head_file):

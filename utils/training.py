@@ -83,12 +83,11 @@ class EngineSpec:
 def start_single_model_run(args, step: int):
     """Steps 1-2: process group, seeds, the model's tokenizer and this step's rows; returns (tokenizer, rows)."""
     from utils.data import build_step_rows
-    from utils.distributed import init_distributed, set_seed
+    from utils.distributed import start_process
     from utils.logging import print_rank0
     from utils.model import load_tokenizer
 
-    init_distributed(args.dist_timeout)
-    set_seed(args.seed)
+    start_process(args)
     tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
     rows = build_step_rows(args.data_path, args.data_split, step=step, seed=args.seed,
                            sft_only_data_path=args.sft_only_data_path, eval_fraction=args.eval_fraction,
@@ -156,17 +155,59 @@ def build_trained_engine(model: torch.nn.Module, ds_config: dict, spec: EngineSp
     return engine
 
 
+APPLIED, OVERFLOW = "applied", "overflow"
+
+
+def backward_and_step(engine, loss) -> str | None:
+    """One micro-batch's `engine.backward` and `engine.step`. Returns None inside a gradient
+    accumulation, else at the boundary APPLIED, or OVERFLOW when DeepSpeed's fp16 dynamic loss
+    scaler skipped the update (the gradients overflowed: it lowers the scale and training goes on;
+    a skip to count, not a bad step). The boundary is read BEFORE `step()`: after it, DeepSpeed's
+    `is_gradient_accumulation_boundary()` already describes the next micro-batch.
+    """
+    boundary = engine.is_gradient_accumulation_boundary()
+    engine.backward(loss)
+    engine.step()
+    if not boundary:
+        return None
+    return APPLIED if engine.was_step_applied() else OVERFLOW
+
+
+def loop_metrics(loop, memory) -> dict:
+    """What every step logs with each optimizer step (PPO iteration in step 3) besides its own figures:
+    the epoch, the updates skipped so far (non-finite, fp16 overflow), and each phase's peak memory
+    since the last call (`mem/<phase>_peak_gb`, the largest over ranks; utils/accelerator.py says
+    what is measured). Collective: every rank calls it."""
+    from utils.distributed import all_reduce_max_list
+
+    peaks = memory.metrics()
+    names = sorted(peaks)
+    return {"epoch": loop.epoch, "train/bad_steps": loop.bad_steps, "train/overflow_steps": loop.overflow_steps,
+            **dict(zip(names, all_reduce_max_list([peaks[n] for n in names])))}
+
+
+def memory_postfix(metrics: dict) -> dict:
+    """{"mem": "<largest phase peak>G"} for a progress bar's postfix ({} when nothing was measured)."""
+    peaks = [v for k, v in metrics.items() if k.startswith("mem/")]
+    return {"mem": f"{max(peaks):.2f}G"} if peaks else {}
+
+
 def run_micro_batches(engine, loader, sampler, loop, total_steps: int, num_epochs: int, guard, micro_step,
-                      on_step, name: str) -> None:
+                      on_step, name: str, memory=None) -> None:
     """The training loop of steps 1 and 2, resumable from `loop`'s position.
 
     `micro_step(batch) -> (loss, extra_stats)`; a non-finite loss (on any rank) skips its update.
     At each gradient-accumulation boundary `loop.step` advances and `on_step([mean loss, mean
-    extra stats...])` gets the means over the accumulated micro-batches and all ranks.
+    extra stats...])` gets the means over the accumulated micro-batches and all ranks; an update
+    the fp16 loss scaler skipped counts in `loop.overflow_steps`. `memory` (a
+    utils.accelerator.PhaseMemory) records the peak of the micro-batches as the "training" phase.
     """
+    import contextlib
+
     from utils.distributed import all_reduce_sum, world_size
     from utils.logging import print_rank0
 
+    phase = memory.phase if memory is not None else (lambda _: contextlib.nullcontext())
     accumulated = []
     while loop.step < total_steps and loop.epoch < num_epochs:
         sampler.set_epoch(loop.epoch)
@@ -174,15 +215,17 @@ def run_micro_batches(engine, loader, sampler, loop, total_steps: int, num_epoch
             if index < loop.batches_in_epoch:
                 continue  # consumed before the checkpoint this run resumed from
             loop.batches_in_epoch = index + 1
-            loss, extra = micro_step(batch)
-            if not guard.all_finite(loss):
-                print_rank0(f"[{name}] skipped a batch with a non-finite loss ({loop.bad_steps} so far)")
-                continue
-            engine.backward(loss)
-            engine.step()
+            with phase("training"):
+                loss, extra = micro_step(batch)
+                if not guard.all_finite(loss):
+                    print_rank0(f"[{name}] skipped a batch with a non-finite loss ({loop.bad_steps} so far)")
+                    continue
+                outcome = backward_and_step(engine, loss)
             accumulated.append((loss.item(), *extra))
-            if not engine.is_gradient_accumulation_boundary():
+            if outcome is None:
                 continue
+            if outcome == OVERFLOW:
+                loop.overflow_steps += 1
             loop.step += 1
             local_means = [sum(column) / len(accumulated) for column in zip(*accumulated)]
             accumulated = []

@@ -61,8 +61,8 @@ def generate_answers_from_ids(model, tokenizer, prompt_ids: Sequence[Sequence[in
     collate = PromptCollator(tokenizer.pad_token_id)
     device = model_device(model)
     answers: list[Answer] = []
-    devices = [device.index or 0] if device.type == "cuda" else []
-    with eval_mode(model), torch.random.fork_rng(devices=devices):
+    devices = [] if device.type == "cpu" else [device]  # the accelerator's generator is forked too
+    with eval_mode(model), torch.random.fork_rng(devices=devices, device_type=device.type):
         torch.manual_seed(seed)
         for start in range(0, len(prompt_ids), batch_size):
             batch = collate([{"input_ids": ids} for ids in prompt_ids[start:start + batch_size]])

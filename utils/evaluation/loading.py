@@ -14,7 +14,10 @@ DEFAULT_PROMPTS = os.path.join("data", "demo", "pairs", "eval.jsonl")
 
 
 def default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """The accelerator DeepSpeed finds (utils/accelerator.py), else the CPU."""
+    from utils.accelerator import local_device
+
+    return local_device()
 
 
 def load_policy(path: str, device: str | torch.device | None = None, trust_remote_code: bool = False):

@@ -1,0 +1,71 @@
+"""What depends on the accelerator, checked on CPU: the device and backend DeepSpeed names, TF32 only on
+CUDA (CPU float32 rounding untouched), frozen-model offload whatever the trained model's ZeRO stage, and
+the CUDA-only flags refused with one readable line where they cannot work."""
+import pytest
+import torch
+
+from utils import accelerator
+from utils.ds_config import eval_ds_config
+
+
+def test_cpu_accelerator_names_cpu_device_and_gloo():
+    assert accelerator.name() == "cpu"
+    assert accelerator.local_device() == torch.device("cpu")
+    assert accelerator.communication_backend() == "gloo"
+    assert accelerator.rng_state() is None
+    accelerator.synchronize()
+    accelerator.empty_cache()  # no-ops on CPU, but callable everywhere
+
+
+def test_tf32_is_never_touched_on_cpu():
+    before = torch.backends.cuda.matmul.fp32_precision
+    accelerator.configure_tf32(True)
+    assert torch.backends.cuda.matmul.fp32_precision == before
+
+
+def test_tf32_on_cuda_on_by_default_and_off_for_the_exact_check(monkeypatch):
+    monkeypatch.setattr(accelerator, "name", lambda: "cuda")
+    before = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.fp32_precision
+    try:
+        accelerator.configure_tf32(True)
+        assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+        accelerator.configure_tf32(False)
+        assert torch.backends.cuda.matmul.fp32_precision == "ieee"
+    finally:
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.fp32_precision = before
+
+
+@pytest.mark.parametrize("trained_stage", [0, 1, 2, 3])
+def test_an_offloaded_frozen_model_is_offloaded_whatever_the_trained_stage(trained_stage):
+    config = eval_ds_config(trained_stage, world_size=1, offload=True)
+    assert config["zero_optimization"]["stage"] == 3
+    assert config["zero_optimization"]["offload_param"]["device"] == "cpu"
+    plain = eval_ds_config(trained_stage, world_size=1, offload=False)
+    assert plain["zero_optimization"]["stage"] == (3 if trained_stage == 3 else 0)
+    assert plain["zero_optimization"]["offload_param"]["device"] == "none"
+
+
+def step1_args(*extra):
+    from step1_sft.main import parse_args
+
+    return ["--model_name_or_path", "m", "--data_path", "d", "--output_dir", "o", *extra]
+
+
+def test_flash_attention_without_the_package_is_refused_before_loading(monkeypatch):
+    import importlib.util
+
+    from step1_sft.main import parse_args
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn"
+                        else real_find_spec(name, *a))
+    with pytest.raises(SystemExit, match="flash_attn package"):
+        parse_args(step1_args("--attn_implementation", "flash_attention_2", "--dtype", "bf16"))
+
+
+def test_attention_and_tf32_flags_parse():
+    from step1_sft.main import parse_args
+
+    args = parse_args(step1_args("--attn_implementation", "sdpa", "--no_tf32"))
+    assert args.attn_implementation == "sdpa" and args.no_tf32
+    assert parse_args(step1_args()).attn_implementation is None

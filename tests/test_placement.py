@@ -1,0 +1,152 @@
+"""Device placement has one home (utils/forward.py): every helper moves a CPU batch to the model's device,
+and no model forward of the project bypasses the helpers.
+
+CUDA is not here, so the "other device" is `meta`: a hand-made module with the HF call signature whose
+parameter lives on meta. An elementwise op between a CPU input and a meta parameter raises ("Tensor on device
+meta is not on the expected device cpu"), exactly as a CPU batch given to a CUDA model would.
+"""
+import ast
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from utils import forward
+from utils.rollout import Row, pack
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VOCAB = 11
+
+
+class MetaCausalLM(nn.Module):
+    """HF-style causal LM (input_ids, attention_mask, position_ids, use_cache -> .logits) on `meta`."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(VOCAB, device="meta"))
+        self.seen_devices = []
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, use_cache=None):
+        self.seen_devices += [t.device.type for t in (input_ids, attention_mask, position_ids)]
+        one_hot = nn.functional.one_hot(input_ids, VOCAB).float()
+        logits = one_hot * self.scale * attention_mask[..., None] + position_ids[..., None]  # raises on CPU input
+        return type("Out", (), {"logits": logits})()
+
+    def generate(self, input_ids, attention_mask, **kwargs):
+        self.seen_devices += [input_ids.device.type, attention_mask.device.type]
+        return torch.cat([input_ids, input_ids[:, -1:]], dim=1) + self.scale[:1].long()  # raises on CPU input
+
+
+class MetaValueModel(nn.Module):
+    """RewardModel-style (input_ids, attention_mask) -> values [B, L], on `meta`."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Parameter(torch.ones(1, device="meta"))
+
+    def forward(self, input_ids, attention_mask):
+        return input_ids.float() * attention_mask * self.head  # raises on a CPU input
+
+
+def cpu_batch():
+    rows = [Row(prompt_ids=torch.tensor([1, 2, 3]), response_ids=torch.tensor([4, 5]), ended_with_eos=True),
+            Row(prompt_ids=torch.tensor([6]), response_ids=torch.tensor([7, 8, 9]), ended_with_eos=False)]
+    batch = pack(rows, pad_token_id=0)
+    batch["labels"] = torch.where(batch["attention_mask"].bool(), batch["input_ids"], torch.full_like(batch["input_ids"], -100))
+    return batch
+
+
+def test_the_stand_in_really_refuses_a_cpu_batch():
+    batch = cpu_batch()
+    with pytest.raises(RuntimeError, match="device"):
+        MetaCausalLM()(batch["input_ids"], batch["attention_mask"], batch["attention_mask"], False)
+    with pytest.raises(RuntimeError, match="device"):
+        MetaValueModel()(batch["input_ids"], batch["attention_mask"])
+
+
+@pytest.mark.parametrize("helper", ["causal_lm_logits", "token_logprobs", "lm_nll", "generate"])
+def test_causal_lm_helpers_move_a_cpu_batch_to_the_models_device(helper):
+    model, batch = MetaCausalLM(), cpu_batch()
+    assert forward.model_device(model).type == "meta"
+    if helper == "causal_lm_logits":
+        out = forward.causal_lm_logits(model, batch["input_ids"], batch["attention_mask"])
+    elif helper == "token_logprobs":
+        out, _ = forward.token_logprobs(model, batch, temperature=0.7, return_entropy=True)
+    elif helper == "lm_nll":
+        out, _ = forward.lm_nll(model, batch)
+    else:
+        out = forward.generate(model, batch["input_ids"], batch["attention_mask"])
+    assert out.device.type == "meta"
+    assert model.seen_devices and set(model.seen_devices) == {"meta"}
+
+
+@pytest.mark.parametrize("helper", ["token_values", "sequence_scores"])
+def test_value_model_helpers_move_a_cpu_batch_to_the_models_device(helper, monkeypatch):
+    batch = cpu_batch()
+    # the score's index check reads a value (.item()), which meta tensors cannot give: keep the values
+    monkeypatch.setattr(forward, "sequence_score", lambda values, mask: values)
+    out = getattr(forward, helper)(MetaValueModel(), batch["input_ids"], batch["attention_mask"])
+    assert out.device.type == "meta"
+
+
+def test_model_device_reads_an_engines_device_attribute():
+    engine = type("Engine", (), {"device": torch.device("meta"), "parameters": lambda self: iter(())})()
+    assert forward.model_device(engine) == torch.device("meta")
+    assert forward.to_device({"a": torch.ones(1), "n": 3}, torch.device("meta"))["a"].device.type == "meta"
+
+
+# --------------------------------------------------------------------------- #
+# No forward bypasses the helpers
+# --------------------------------------------------------------------------- #
+PROJECT_CODE = ("step1_sft", "step2_reward", "step3_ppo", "utils", "chat.py")
+MODEL_INPUT_KEYWORDS = {"input_ids", "attention_mask", "inputs_embeds", "position_ids"}
+MODEL_METHODS = {"generate", "forward"}
+# A model's own forward calling its backbone is inside the model, not a call site of the project.
+ALLOWED = {("utils/forward.py", "*"), ("utils/reward_model.py", "forward")}
+
+
+def project_files():
+    out = []
+    for entry in PROJECT_CODE:
+        path = os.path.join(ROOT, entry)
+        if os.path.isfile(path):
+            out.append(entry)
+            continue
+        for base, _, files in os.walk(path):
+            out += [os.path.relpath(os.path.join(base, f), ROOT) for f in files if f.endswith(".py")]
+    return sorted(out)
+
+
+def model_calls(path: str) -> list[str]:
+    """Calls that look like a model forward or generate: keyword model inputs, or .generate()/.forward()."""
+    with open(os.path.join(ROOT, path)) as f:
+        tree = ast.parse(f.read(), path)
+    found = []
+
+    def visit(node, function: str):
+        for child in ast.iter_child_nodes(node):
+            name = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+            if isinstance(child, ast.Call):
+                keywords = {k.arg for k in child.keywords if k.arg}
+                method = child.func.attr if isinstance(child.func, ast.Attribute) else None
+                if (keywords & MODEL_INPUT_KEYWORDS or method in MODEL_METHODS) and \
+                        (path, function) not in ALLOWED and (path, "*") not in ALLOWED:
+                    found.append(f"{path}:{child.lineno} in {function}(): {ast.unparse(child)[:80]}")
+            visit(child, name)
+
+    visit(tree, "<module>")
+    return found
+
+
+def test_the_scan_finds_a_bypassing_forward(tmp_path, monkeypatch):
+    (tmp_path / "bad.py").write_text("def f(model, ids, mask):\n    return model(input_ids=ids, attention_mask=mask)\n"
+                                     "def g(model, x):\n    return model.generate(x)\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", str(tmp_path))
+    assert len(model_calls("bad.py")) == 2
+
+
+def test_every_model_forward_goes_through_utils_forward():
+    bypasses = [call for path in project_files() for call in model_calls(path)]
+    assert not bypasses, "model forwards outside utils/forward.py (inputs not placed on the model's device):\n" + \
+        "\n".join(bypasses)

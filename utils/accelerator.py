@@ -1,0 +1,157 @@
+"""The ONE home of what depends on the accelerator: the device a rank computes on, the communication
+backend, synchronisation, memory statistics, cache freeing, RNG state and TF32.
+
+Everything goes through DeepSpeed's accelerator abstraction (`deepspeed.accelerator.get_accelerator()`),
+so CPU, CUDA and the other accelerators DeepSpeed knows take the same code: NCCL on CUDA, gloo on CPU,
+as the accelerator names it. The one CPU-specific part is the peak memory: DeepSpeed's CPU
+accelerator samples RSS only when asked (a "max" that misses every peak between two calls), so on
+CPU the kernel's own high-water mark of the process (VmHWM, reset through /proc/self/clear_refs) is
+read instead.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import re
+
+import torch
+
+
+@functools.lru_cache(maxsize=1)
+def get():
+    """DeepSpeed's accelerator of this process (CUDA when a GPU is visible, else CPU, or DS_ACCELERATOR)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator()
+
+
+def name() -> str:
+    """'cpu', 'cuda', ... (the accelerator's device type)."""
+    return get().device_name()
+
+
+def is_cpu() -> bool:
+    return name() == "cpu"
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def local_device() -> torch.device:
+    """The device this rank computes on: cuda:LOCAL_RANK on a GPU node, cpu on CPU."""
+    return torch.device("cpu") if is_cpu() else torch.device(get().device_name(local_rank()))
+
+
+def set_local_device() -> None:
+    """Bind this rank to its own device BEFORE any model is built (ZeRO-3 partitions onto the
+    current device at construction: without this every rank of a node would build on device 0)."""
+    if not is_cpu():
+        get().set_device(local_rank())
+
+
+def communication_backend() -> str:
+    """The torch.distributed backend for this accelerator ('nccl' on CUDA, 'gloo' on CPU)."""
+    return get().communication_backend_name()
+
+
+def synchronize() -> None:
+    """Wait for the device's queued work (timers around asynchronous kernels need it)."""
+    if not is_cpu():
+        get().synchronize()
+
+
+def empty_cache() -> None:
+    """Give the allocator's cached, unused blocks back to the device (no-op on CPU)."""
+    if not is_cpu():
+        get().empty_cache()
+
+
+def configure_tf32(enabled: bool) -> None:
+    """TF32 matmuls and convolutions on CUDA (about 8x fp32's matmul rate on Ampere and later, 10
+    mantissa bits). Never touched on CPU, whose float32 rounding stays exactly as it was; switched
+    off (`--no_tf32`) for the lr=0 log-ratio check, which needs full fp32."""
+    if name() != "cuda":
+        return
+    matmul = torch.backends.cuda.matmul
+    if hasattr(matmul, "fp32_precision"):  # torch >= 2.9: the legacy allow_tf32 flags must not be mixed in
+        matmul.fp32_precision = torch.backends.cudnn.fp32_precision = "tf32" if enabled else "ieee"
+    else:
+        matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+
+
+def rng_state():
+    """The accelerator's RNG state (None on CPU, where torch's own state covers it)."""
+    return None if is_cpu() else get().get_rng_state()
+
+
+def set_rng_state(state) -> None:
+    if state is not None and not is_cpu():
+        get().set_rng_state(state)
+
+
+# --------------------------------------------------------------------------- #
+# Peak memory
+# --------------------------------------------------------------------------- #
+def _vm_hwm_bytes() -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            match = re.search(r"^VmHWM:\s+(\d+)\s+kB", f.read(), re.MULTILINE)
+    except OSError:
+        return None
+    return int(match.group(1)) * 1024 if match else None
+
+
+def reset_peak_memory() -> None:
+    """Start a new peak: the accelerator's peak statistics, or on CPU the process's RSS high-water mark."""
+    if not is_cpu():
+        get().reset_peak_memory_stats()
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux: reset VmHWM to the current RSS
+    except OSError:
+        pass
+
+
+def peak_memory_bytes() -> int:
+    """Peak memory since the last reset: allocated accelerator memory, or on CPU the peak RSS."""
+    if not is_cpu():
+        return int(get().max_memory_allocated())
+    hwm = _vm_hwm_bytes()
+    if hwm is not None:
+        return hwm
+    import resource  # no /proc: the lifetime peak (kB on Linux)
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def memory_kind() -> str:
+    """What peak_memory_bytes measures, for reports."""
+    return "peak RSS (VmHWM)" if is_cpu() else f"peak {name()} memory allocated"
+
+
+class PhaseMemory:
+    """Peak memory per phase of a loop (generation, experience, training, ...), in GB.
+
+    `with memory.phase("generation"): ...` resets the peak on entry and records it on exit; a phase
+    entered several times in one iteration keeps its largest peak until `metrics()` reads and clears it.
+    """
+
+    def __init__(self):
+        self.peaks: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def phase(self, phase_name: str):
+        reset_peak_memory()
+        try:
+            yield
+        finally:
+            self.peaks[phase_name] = max(self.peaks.get(phase_name, 0), peak_memory_bytes())
+
+    def metrics(self) -> dict:
+        """{"mem/<phase>_peak_gb": ...} of the phases seen since the last call; clears them."""
+        out = {f"mem/{phase}_peak_gb": value / 2**30 for phase, value in self.peaks.items()}
+        self.peaks = {}
+        return out
