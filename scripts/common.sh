@@ -1,8 +1,12 @@
 # Sourced by the launch scripts: repository root, venv, offline mode, a free port, demo inputs.
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bash "$ROOT/scripts/setup.sh"
-# shellcheck disable=SC1091
-source "$ROOT/.venv/bin/activate"
+# RLHF_USE_CURRENT_ENV=1: run with the python and packages already on PATH (a cluster's module, a
+# machine without network such as bench/gpu.sh's); otherwise set up and enter the repository's venv.
+if [ -z "${RLHF_USE_CURRENT_ENV:-}" ]; then
+  bash "$ROOT/scripts/setup.sh"
+  # shellcheck disable=SC1091
+  source "$ROOT/.venv/bin/activate"
+fi
 cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" TRANSFORMERS_OFFLINE="${TRANSFORMERS_OFFLINE:-1}" TOKENIZERS_PARALLELISM=false

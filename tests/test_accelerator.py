@@ -46,8 +46,6 @@ def test_an_offloaded_frozen_model_is_offloaded_whatever_the_trained_stage(train
 
 
 def step1_args(*extra):
-    from step1_sft.main import parse_args
-
     return ["--model_name_or_path", "m", "--data_path", "d", "--output_dir", "o", *extra]
 
 

@@ -109,6 +109,19 @@ def test_fresh_v_head_is_deterministic_and_trainable_under_lora(tiny_gpt2):
     assert trainable - {"v_head.weight"} and all("lora_" in n for n in trainable - {"v_head.weight"})
 
 
+
+def test_value_head_takes_the_backbones_dtype(tiny_gpt2):
+    """A backbone built in bf16 (ZeRO-3's zero.Init) gets a bf16 head, fresh or loaded: DeepSpeed casts only
+    non-ZeRO-3 modules, and an fp32 head among bf16 partitions breaks it."""
+    from utils.model import load_causal_lm
+
+    backbone = load_causal_lm(tiny_gpt2, load_tokenizer(tiny_gpt2), base_model_only=True).to(torch.bfloat16)
+    fresh = RewardModel(backbone)
+    loaded = RewardModel(backbone, torch.nn.Linear(fresh.v_head.weight.shape[1], 1, bias=False))
+    assert fresh.v_head.weight.dtype == loaded.v_head.weight.dtype == torch.bfloat16
+    ids = torch.tensor([[1, 2, 3]])
+    assert fresh(ids, torch.ones_like(ids)).dtype == torch.float32
+
 # --------------------------------------------------------------------------- #
 # loss and metrics
 # --------------------------------------------------------------------------- #

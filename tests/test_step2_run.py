@@ -90,3 +90,18 @@ def test_two_rank_zero3_reward_model_learns_and_exports(tiny_gpt2, pair_data, tm
     reloaded = pair_metrics(chosen, rejected)
     assert reloaded["accuracy"] == pytest.approx(last["eval/accuracy"])
     assert reloaded["margin_mean"] == pytest.approx(last["eval/margin"], abs=1e-4)
+
+
+def test_zero3_bf16_reward_model_trains_with_its_head_in_the_backbones_dtype(tiny_llama, pair_data, tmp_path):
+    """ZeRO-3 builds the backbone in bf16 (zero.Init) and deepspeed.initialize casts nothing at stage 3:
+    an fp32 value head made DeepSpeed's partition defragmentation fail (mixed dtypes). bench/gpu.sh's
+    CPU fallback found it before any GPU run did."""
+    from tests.launch import run_module
+
+    out = str(tmp_path / "out")
+    proc = run_module("step2_reward.main", [
+        "--model_name_or_path", tiny_llama, "--data_path", pair_data, "--data_split", "0,10,0", "--output_dir", out,
+        "--zero_stage", 3, "--dtype", "bf16", "--max_steps", 2, "--per_device_train_batch_size", 4,
+        "--per_device_eval_batch_size", 16, "--eval_iters", 1, "--max_seq_len", 32], log_path=str(tmp_path / "log"))
+    assert proc.returncode == 0, tail(proc)
+    assert os.path.isfile(os.path.join(out, "value_head.safetensors"))

@@ -66,7 +66,11 @@ class RewardModel(nn.Module):
                 v_head.weight.normal_(0.0, 1.0 / math.sqrt(hidden + 1), generator=generator)
         if tuple(v_head.weight.shape) != (1, hidden):
             raise ValueError(f"v_head weight has shape {tuple(v_head.weight.shape)}, expected (1, {hidden})")
-        self.v_head = v_head
+        # In the backbone's dtype: a ZeRO-3 backbone is BUILT in bf16/fp16 (zero.Init), and
+        # deepspeed.initialize casts only a non-ZeRO-3 module, so an fp32 head would stay fp32 there
+        # (mixed-dtype partitions, an fp32 Linear on bf16 hidden states).
+        backbone_dtype = next(iter(backbone.parameters()), v_head.weight).dtype
+        self.v_head = v_head.to(backbone_dtype)
 
     @property
     def config(self):
