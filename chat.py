@@ -25,7 +25,7 @@ TEMPLATES = ("auto", "chat", "human_assistant")
 
 
 def parse_args(argv=None):
-    from utils.flags import add_generation_args, resolve_generation_args
+    from utils.flags import add_device_arg, add_generation_args, resolve_generation_args
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model_name_or_path", required=True)
@@ -34,7 +34,7 @@ def parse_args(argv=None):
     p.add_argument("--template", choices=TEMPLATES, default="auto")
     add_generation_args(p, do_sample=False)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
+    add_device_arg(p)
     p.add_argument("--trust_remote_code", action="store_true")
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:

@@ -16,7 +16,7 @@ import argparse
 import os
 import sys
 
-from utils.flags import add_generation_args, resolve_generation_args
+from utils.flags import add_device_arg, add_generation_args, resolve_generation_args
 
 DEFAULT_PROMPTS = (
     "Human: Continue this movie review: The acting in this film\n\nAssistant:",
@@ -41,7 +41,7 @@ def parse_args(argv=None):
     add_generation_args(p, do_sample=None)  # None: greedy, beam search and sampling unless one is chosen
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
+    add_device_arg(p)
     args = p.parse_args(argv)
     if args.num_beams is not None and args.num_beams < 1:
         p.error(f"--num_beams must be >= 1, got {args.num_beams}")

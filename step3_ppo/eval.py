@@ -21,7 +21,7 @@ from utils.model import ModelLoadError, check_model_path
 
 def parse_args(argv=None):
     from utils.evaluation import DEFAULT_PROMPTS
-    from utils.flags import add_generation_args, resolve_generation_args
+    from utils.flags import add_device_arg, add_generation_args, resolve_generation_args
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sft_model", required=True, help="step 1 output directory (also the KL reference)")
@@ -36,7 +36,7 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="sampling seed (same for both policies)")
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--num_samples", type=int, default=3, help="side-by-side samples to print")
-    p.add_argument("--device", default=None, help="cpu / cuda (default: cuda when available)")
+    add_device_arg(p)
     p.add_argument("--out", default=None, help="write the full result (with per-prompt rows) as JSON")
     add_generation_args(p, do_sample=True)  # sampling by default, as in PPO rollouts
     args = p.parse_args(argv)

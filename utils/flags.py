@@ -125,6 +125,13 @@ def resolve_generation_args(args) -> None:
                          f"(use --greedy for greedy decoding)")
 
 
+def add_device_arg(parser: argparse.ArgumentParser) -> None:
+    """`--device` of the stand-alone tools (evaluation, prompt_eval, chat.py); training ranks take theirs
+    from the launcher (utils/accelerator.py)."""
+    parser.add_argument("--device", default=None,
+                        help="cpu, cuda, cuda:1, ... (default: the accelerator DeepSpeed finds, else cpu)")
+
+
 def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("checkpoints and robustness")
     g.add_argument("--save_interval", type=int, default=0,
