@@ -30,6 +30,8 @@ else
   BASE="$(default_model)"
   S1=() S2=() S3=() EVAL=(--num_prompts 64)
 fi
+# a demo run replaces the outputs of the previous one (the training steps refuse a used directory otherwise)
+S1+=(--overwrite_output_dir) S2+=(--overwrite_output_dir) S3+=(--overwrite_output_dir)
 start=$(date +%s)
 for step in "${STEPS[@]}"; do
   t0=$(date +%s)

@@ -53,6 +53,9 @@ def main(argv=None):
     eval_examples, eval_stats = tokenize_sft(rows.eval, tokenizer, args.max_seq_len)
     print_rank0(f"[step1] train examples {len(train_examples)} {train_stats}; eval examples {len(eval_examples)} {eval_stats}")
     collator = SFTCollator(tokenizer.pad_token_id)
+    if not eval_examples:
+        raise SystemExit("error: no held-out examples to evaluate (the eval split is empty: --eval_fraction 0, or "
+                         "too few rows); give --eval_fraction > 0 or a source with an eval/test file")
 
     sampler, loader, total_steps = micro_batch_schedule(train_examples, collator, args)
     ds_config = train_ds_config_from_args(args)
@@ -109,4 +112,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from utils.errors import run_main
+
+    run_main(main)

@@ -17,7 +17,7 @@ import torch
 from utils.checkpoint import BadStepGuard, Checkpointing, reload_max_abs_diff
 from utils.data import PairCollator, tokenize_pairs
 from utils.distributed import all_reduce_sum, rank_batches
-from utils.flags import BATCH_FLAGS, single_model_parser, validate_training_args
+from utils.flags import BATCH_FLAGS, check_range, single_model_parser, validate_training_args
 from utils.forward import eval_mode, sequence_scores
 from utils.logging import print_rank0, progress_bar
 from utils.losses import pair_metrics, pairwise_loss
@@ -37,10 +37,8 @@ def parse_args(argv=None):
     g.add_argument("--eval_iters", type=int, default=0,
                    help="evaluate on at most this many batches per rank (0: all held-out pairs)")
     args = parser.parse_args(argv)
+    check_range(args, 0, ("eval_interval", "eval_iters"))
     validate_training_args(args, positive=BATCH_FLAGS)
-    for name in ("eval_interval", "eval_iters"):
-        if getattr(args, name) < 0:
-            raise SystemExit(f"error: --{name} must be >= 0, got {getattr(args, name)}")
     return args
 
 
@@ -87,7 +85,8 @@ def main(argv=None):
     if not train_pairs:
         raise SystemExit("error: no usable training pairs (see skipped_bad_pairs above)")
     if not eval_pairs:
-        print_rank0("[step2] WARNING: no held-out pairs; eval metrics will be 0")
+        raise SystemExit("error: no held-out pairs to evaluate (the eval split is empty: --eval_fraction 0, or "
+                         "too few rows); give --eval_fraction > 0 or a source with an eval/test file")
     collator = PairCollator(tokenizer.pad_token_id)
 
     sampler, loader, total_steps = micro_batch_schedule(train_pairs, collator, args)
@@ -162,4 +161,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from utils.errors import run_main
+
+    run_main(main)

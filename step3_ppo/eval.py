@@ -84,4 +84,6 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    from utils.errors import run_main
+
+    run_main(main)

@@ -27,7 +27,8 @@ from utils.data import (PromptCollator, SFTCollator, build_step_rows, distribute
                         tokenize_prompts, tokenize_texts)
 from utils.distributed import is_rank0, start_process, world_size
 from utils.flags import (add_checkpoint_args, add_data_args, add_generation_args, add_model_args, add_output_args,
-                         add_training_args, resolve_generation_args, validate_training_args)
+                         add_training_args, check_range, check_sequence_fits, fail, resolve_generation_args,
+                         validate_training_args)
 from utils.logging import print_rank0, progress_bar
 from utils.model import check_model_path, load_tokenizer
 from utils.ops import KL_ESTIMATORS
@@ -99,13 +100,13 @@ def parse_args(argv=None):
 
 def validate_args(args) -> None:
     """Impossible settings stop the run here, before any model is loaded."""
-    def fail(msg):
-        raise SystemExit(f"error: {msg}")
-
-    validate_training_args(args, MODELS, positive=("per_device_generation_batch_size", "per_device_training_batch_size",
-                                                   "generation_batches", "ppo_epochs", "max_prompt_seq_len",
-                                                   "max_answer_seq_len"))
     resolve_generation_args(args)
+    check_range(args, 0, ("cliprange", "cliprange_value", "clip_reward_value"), strict=True)
+    check_range(args, 0, ("kl_ctl", "unsup_coef", "kl_horizon"))
+    check_range(args, 1, ("print_answers_interval",))
+    for name in ("gamma", "lam"):
+        if not 0 <= getattr(args, name) <= 1:
+            fail(f"--{name} must be in [0, 1], got {getattr(args, name)}")
     rollout = args.per_device_generation_batch_size * args.generation_batches
     if rollout % args.per_device_training_batch_size:
         fail(f"--per_device_training_batch_size {args.per_device_training_batch_size} does not divide the rollout of "
@@ -119,6 +120,12 @@ def validate_args(args) -> None:
     check_model_path(args.critic_model_name_or_path, "--critic_model_name_or_path")
     if args.unsupervised_dataset_name and not os.path.exists(args.unsupervised_dataset_name):
         fail(f"--unsupervised_dataset_name {args.unsupervised_dataset_name!r} does not exist")
+    for flag in ("--actor_model_name_or_path", "--critic_model_name_or_path"):
+        check_sequence_fits(getattr(args, flag[2:]), args.max_prompt_seq_len + args.max_answer_seq_len,
+                            "--max_prompt_seq_len + --max_answer_seq_len")
+    validate_training_args(args, MODELS, positive=("per_device_generation_batch_size", "per_device_training_batch_size",
+                                                   "generation_batches", "ppo_epochs", "max_prompt_seq_len",
+                                                   "max_answer_seq_len"))  # last: it checks OUTPUT_DIR
 
 
 def kl_controller(args):
@@ -260,4 +267,6 @@ def _print_answer(tokenizer, row, step: int) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from utils.errors import run_main
+
+    run_main(main)

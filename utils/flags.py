@@ -78,7 +78,7 @@ def add_training_args(parser: argparse.ArgumentParser, prefixes: Sequence[str] =
     g = parser.add_argument_group("optimisation and DeepSpeed")
     g.add_argument("--num_train_epochs", type=int, default=1)
     g.add_argument("--max_steps", type=int, default=0,
-                   help="stop after this many optimizer steps (PPO iterations in step 3; 0: no limit)")
+                   help="stop after this many optimizer steps (PPO iterations in step 3; 0 or -1: no limit)")
     g.add_argument("--gradient_accumulation_steps", type=int, default=1)
     g.add_argument("--lr_scheduler_type", default="cosine", choices=SCHEDULER_TYPES)
     g.add_argument("--num_warmup_steps", type=int, default=0)
@@ -123,6 +123,10 @@ def resolve_generation_args(args) -> None:
     if args.do_sample and args.temperature <= 0:
         raise SystemExit(f"error: --temperature must be > 0 when sampling, got {args.temperature} "
                          f"(use --greedy for greedy decoding)")
+    if not 0 < args.top_p <= 1:
+        raise SystemExit(f"error: --top_p must be in (0, 1], got {args.top_p}")
+    if args.top_k < 0:
+        raise SystemExit(f"error: --top_k must be >= 0 (0: off), got {args.top_k}")
 
 
 def add_device_arg(parser: argparse.ArgumentParser) -> None:
@@ -147,6 +151,9 @@ def add_output_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """Output directory and the metric sinks (metrics.jsonl always; TensorBoard, wandb on request)."""
     g = parser.add_argument_group("output")
     g.add_argument("--output_dir", required=True)
+    g.add_argument("--overwrite_output_dir", action="store_true",
+                   help="start clean in an OUTPUT_DIR a previous run used (its metrics.jsonl and checkpoints are "
+                        "deleted); without it such a directory is refused unless --resume finds a checkpoint there")
     g.add_argument("--enable_tensorboard", action="store_true")
     g.add_argument("--tensorboard_path", default=None, help="default: OUTPUT_DIR/tensorboard")
     g.add_argument("--enable_wandb", action="store_true", help="also log to Weights & Biases (needs wandb)")
@@ -171,11 +178,96 @@ def single_model_parser(description: str, model_help: str) -> argparse.ArgumentP
 # --------------------------------------------------------------------------- #
 # Checks shared by the training entry points
 # --------------------------------------------------------------------------- #
+def fail(message: str):
+    """Stop with one readable line (the entry points print it once: utils/errors.py)."""
+    raise SystemExit(f"error: {message}")
+
+
+def check_range(args, minimum: float, names: Sequence[str], strict: bool = False) -> None:
+    """Each flag in `names` (that the parser has) >= minimum, or > minimum when `strict`."""
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None and (value <= minimum if strict else value < minimum):
+            fail(f"--{name} must be {'>' if strict else '>='} {minimum:g}, got {value}")
+
+
+# Files a run writes into its output directory; a log the launch script writes first does not count.
+RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "model.safetensors", "value_head.safetensors", "config.json",
+               "actor", "critic")
+
+
+def check_output_dir(args, inputs: Sequence[str]) -> None:
+    """No run overwrites its input model or silently mixes with a previous run's outputs.
+
+    An output directory that is an input is refused; a used one (RUN_OUTPUTS) is refused unless
+    --resume finds a checkpoint there or --overwrite_output_dir asks to start clean (then the old
+    metrics.jsonl and checkpoints are deleted, so nothing of the old run is mixed in)."""
+    import os
+    import shutil
+
+    out = os.path.realpath(args.output_dir)
+    for flag, path in inputs:
+        if os.path.isdir(path) and os.path.realpath(path) == out:
+            fail(f"--output_dir {args.output_dir} is the input model of {flag}: the run would overwrite it; "
+                 f"choose another --output_dir")
+    if not os.path.isdir(out):
+        return
+    used = [name for name in RUN_OUTPUTS if os.path.exists(os.path.join(out, name))]
+    if not used:
+        return
+    if getattr(args, "resume", False) and os.path.exists(os.path.join(out, "checkpoints", "latest")):
+        return
+    if not getattr(args, "overwrite_output_dir", False):
+        fail(f"--output_dir {args.output_dir} holds a previous run ({', '.join(used)}): pass --resume to continue "
+             f"from its latest checkpoint, --overwrite_output_dir to start clean, or another --output_dir")
+    for name in ("metrics.jsonl", "checkpoints", "tensorboard"):
+        path = os.path.join(out, name)
+        if os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+        elif os.path.exists(path):
+            os.remove(path)
+
+
+def model_max_positions(path: str) -> int | None:
+    """The longest sequence a local model directory's config allows (None when unknown or not a directory)."""
+    import json
+    import os
+
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        return None
+    with open(config) as f:
+        values = json.load(f)
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length"):
+        if isinstance(values.get(key), int) and values[key] > 0:
+            return values[key]
+    return None
+
+
+def check_sequence_fits(path: str, length: int, what: str) -> None:
+    """`length` tokens fit the model's position table (else an IndexError mid-run, on absolute positions)."""
+    limit = model_max_positions(path)
+    if limit is not None and length > limit:
+        fail(f"{what} = {length} tokens exceeds the {limit} positions of the model at {path}")
+
+
 def validate_training_args(args, prefixes: Sequence[str] = ("",), positive: Sequence[str] = ()) -> None:
     """Impossible settings stop the run here, before any model is loaded."""
-    for name in ("gradient_accumulation_steps", "num_train_epochs", *positive):
+    for name in ("gradient_accumulation_steps", "num_train_epochs", "max_bad_steps", "keep_checkpoints", *positive):
         if getattr(args, name) < 1:
             raise SystemExit(f"error: --{name} must be >= 1, got {getattr(args, name)}")
+    if args.max_steps < -1:
+        fail(f"--max_steps must be >= 0, or -1 (no limit), got {args.max_steps}")
+    args.max_steps = max(args.max_steps, 0)  # -1, as the HF Trainer spells "no limit", is 0 here
+    check_range(args, 0, ["gradient_clipping", "num_warmup_steps", "save_interval"] +
+                [f"{p}{name}" for p in prefixes for name in ("learning_rate", "lora_learning_rate", "weight_decay",
+                                                             "lora_dim")])
+    if not 0 <= args.eval_fraction < 1:
+        fail(f"--eval_fraction must be in [0, 1), got {args.eval_fraction}")
+    for p in prefixes:
+        dropout = getattr(args, f"{p}dropout", None)
+        if dropout is not None and not 0 <= dropout < 1:
+            fail(f"--{p}dropout must be in [0, 1), got {dropout}")
     if args.only_optimize_lora and all(getattr(args, f"{p}lora_dim") <= 0 for p in prefixes):
         raise SystemExit(f"error: --only_optimize_lora needs {' or '.join(f'--{p}lora_dim' for p in prefixes)} > 0")
     if getattr(args, "attn_implementation", None) == "flash_attention_2":
@@ -189,3 +281,7 @@ def validate_training_args(args, prefixes: Sequence[str] = ("",), positive: Sequ
     stage_zero = [f"--{p}zero_stage" for p in prefixes if getattr(args, f"{p}zero_stage") == 0]
     if args.offload and stage_zero:
         raise SystemExit(f"error: --offload needs {' and '.join(stage_zero)} 1, 2 or 3")
+    inputs = [(f"--{p}model_name_or_path", getattr(args, f"{p}model_name_or_path")) for p in prefixes]
+    if hasattr(args, "max_seq_len"):
+        check_sequence_fits(inputs[0][1], args.max_seq_len, "--max_seq_len")
+    check_output_dir(args, inputs)  # last: with --overwrite_output_dir it deletes the old run's outputs

@@ -102,13 +102,21 @@ def total_training_steps(steps_per_epoch: int, args) -> int:
 
 
 def micro_batch_schedule(examples: list, collator, args):
-    """Steps 1-2: the rank's sampler and loader, and the optimizer steps the run will take."""
-    import math
+    """Steps 1-2: the rank's sampler and loader, and the optimizer steps the run will take.
 
+    DeepSpeed's accumulation counter runs on across epochs, so the run takes exactly
+    (micro-batches per epoch x epochs) // accumulation steps updates; none at all is refused here,
+    before any model loads, instead of a run that trains nothing and exits 0."""
     from utils.data import distributed_loader
 
     sampler, loader = distributed_loader(examples, args.per_device_train_batch_size, collator, args.seed)
-    return sampler, loader, total_training_steps(math.ceil(len(loader) / args.gradient_accumulation_steps), args)
+    updates = len(loader) * args.num_train_epochs // args.gradient_accumulation_steps
+    if updates == 0:
+        raise SystemExit(f"error: no optimizer step would be taken: {len(loader)} micro-batches per rank per epoch x "
+                         f"{args.num_train_epochs} epochs is less than --gradient_accumulation_steps "
+                         f"{args.gradient_accumulation_steps} ({len(examples)} examples, --per_device_train_batch_size "
+                         f"{args.per_device_train_batch_size})")
+    return sampler, loader, min(updates, args.max_steps) if args.max_steps else updates
 
 
 def train_ds_config_from_args(args) -> dict:

@@ -183,6 +183,9 @@ def build_step_rows(data_paths: Sequence[str], data_split: str, step: int, seed:
     _rng(seed, "blend", str(step)).shuffle(train)
     stats.update(train=len(train), eval=len(evals))
     names = data_paths + sft_only
+    if not train and not evals and stats["skipped_empty"]:
+        raise DataError(f"{STEP_NAMES[step]}: all {stats['skipped_empty']} rows of this step's share of sources "
+                        f"{names} were skipped as empty (a required field {list(required)} empty or whitespace)")
     if not train:
         raise DataError(f"{STEP_NAMES[step]}: 0 training rows from sources {names} with "
                         f"--data_split {data_split} (fractions {[round(f, 3) for f in fractions]}); "

@@ -1,0 +1,136 @@
+"""Nothing silent, nothing lost, errors a person can read (issue 14): flags out of range, runs that would train
+nothing, an output directory that is an input or holds a previous run, an empty eval split, rows all
+skipped as empty, and one `error:` line (no traceback, once for two ranks) for the project's own errors."""
+import json
+import os
+
+import pytest
+
+from tests.launch import run_deepspeed, run_module, tail
+from tests.test_step1_run import common_args, sft_data  # noqa: F401 (fixture)
+from tests.test_step3_lr0 import write_prompts
+
+
+def step1_args(model, data, out, *extra):
+    return [str(a) for a in common_args(model, data, out)] + list(extra)
+
+
+def step3_args(model, tmp_path, *extra):
+    write_prompts(tmp_path / "prompts.jsonl")
+    return ["--actor_model_name_or_path", model, "--critic_model_name_or_path", model, "--data_path",
+            str(tmp_path / "prompts.jsonl"), "--data_split", "0,0,10", "--output_dir", str(tmp_path / "out"), *extra]
+
+
+@pytest.mark.parametrize("flag,value", [
+    ("--cliprange", "0"), ("--cliprange_value", "-0.1"), ("--kl_ctl", "-0.1"), ("--top_p", "0"), ("--top_p", "1.5"),
+    ("--top_k", "-1"), ("--actor_lora_dim", "-1"), ("--critic_learning_rate", "-1e-5"), ("--gamma", "1.5"),
+    ("--max_steps", "-2"), ("--eval_fraction", "1.0"), ("--actor_dropout", "1.0")])
+def test_step3_flags_out_of_range_are_refused_before_loading(tiny_gpt2, tmp_path, flag, value):
+    from step3_ppo.main import parse_args
+
+    with pytest.raises(SystemExit, match=f"error: {flag}"):
+        parse_args(step3_args(tiny_gpt2, tmp_path, f"{flag}={value}"))
+
+
+def test_max_steps_minus_one_means_no_limit(tiny_gpt2, tmp_path):
+    from step3_ppo.main import parse_args
+
+    assert parse_args(step3_args(tiny_gpt2, tmp_path, "--max_steps", "-1")).max_steps == 0
+
+
+def test_sequences_beyond_the_models_positions_are_refused(tiny_gpt2, tmp_path):
+    from step1_sft.main import parse_args
+    from step3_ppo.main import parse_args as parse_step3
+
+    with pytest.raises(SystemExit, match="--max_seq_len = 600 tokens exceeds the 512 positions"):
+        parse_args(step1_args(tiny_gpt2, "data.jsonl", str(tmp_path / "o"), "--max_seq_len", "600"))
+    with pytest.raises(SystemExit, match="exceeds the 512 positions"):
+        parse_step3(step3_args(tiny_gpt2, tmp_path, "--max_prompt_seq_len", "400", "--max_answer_seq_len", "200"))
+
+
+def test_accumulation_longer_than_an_epoch_is_refused():
+    from utils.training import micro_batch_schedule
+
+    args = type("Args", (), dict(per_device_train_batch_size=4, seed=1, num_train_epochs=1,
+                                 gradient_accumulation_steps=8, max_steps=0))()
+    with pytest.raises(SystemExit, match="no optimizer step would be taken: 3 micro-batches"):
+        micro_batch_schedule(list(range(12)), lambda rows: rows, args)
+    args.gradient_accumulation_steps = 2
+    assert micro_batch_schedule(list(range(12)), lambda rows: rows, args)[2] == 1  # 3 micro-batches // 2
+    args.num_train_epochs = 3
+    assert micro_batch_schedule(list(range(12)), lambda rows: rows, args)[2] == 4  # 9 // 2: the count runs on
+
+
+def test_output_dir_that_is_the_input_model_is_refused(tiny_gpt2, tmp_path):
+    from step1_sft.main import parse_args
+
+    with pytest.raises(SystemExit, match="is the input model of --model_name_or_path"):
+        parse_args(step1_args(tiny_gpt2, "data.jsonl", tiny_gpt2))
+
+
+def test_used_output_dir_is_refused_unless_resume_or_overwrite(tiny_gpt2, tmp_path):
+    from step1_sft.main import parse_args
+
+    out = tmp_path / "out"
+    (out / "checkpoints").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    (out / "train.log").write_text("the launch script's log\n")
+    args = step1_args(tiny_gpt2, "data.jsonl", str(out))
+    with pytest.raises(SystemExit, match="holds a previous run .*--resume.*--overwrite_output_dir"):
+        parse_args(args)
+    with pytest.raises(SystemExit, match="holds a previous run"):
+        parse_args(args + ["--resume"])  # no checkpoint to resume from
+    (out / "checkpoints" / "latest").write_text("step-00000001")
+    parse_args(args + ["--resume"])
+    parse_args(args + ["--overwrite_output_dir"])
+    assert sorted(os.listdir(out)) == ["train.log"]  # the old run's outputs are gone, the log stays
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    (fresh / "train.log").write_text("log\n")
+    parse_args(step1_args(tiny_gpt2, "data.jsonl", str(fresh)))  # a log alone is not a run
+
+
+def test_empty_eval_split_is_refused_before_training(tiny_gpt2, sft_data, tmp_path):  # noqa: F811
+    proc = run_module("step1_sft.main", common_args(tiny_gpt2, sft_data, str(tmp_path / "out")) +
+                      ["--eval_fraction", "0"])
+    assert proc.returncode == 1, tail(proc)
+    assert "error: no held-out examples to evaluate" in proc.stderr
+    assert not os.path.exists(tmp_path / "out" / "model.safetensors")
+
+
+def test_rows_all_skipped_as_empty_say_so(tmp_path):
+    from utils.data import DataError, build_step_rows
+
+    path = tmp_path / "empty.jsonl"
+    path.write_text("".join(json.dumps({"prompt": "  ", "chosen": "a"}) + "\n" for _ in range(4)))
+    with pytest.raises(DataError, match="all 4 rows .* were skipped as empty"):
+        build_step_rows([str(path)], "1,0,0", step=1, seed=1, eval_fraction=0.1)
+
+
+def test_a_known_error_is_one_line_once_for_two_ranks(tiny_gpt2, tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "Human: hi\n\nAssistant:", "response": " yes"}) + "\n{not json\n")
+    proc = run_deepspeed("step1_sft.main", common_args(tiny_gpt2, str(bad), str(tmp_path / "out")), num_ranks=2)
+    assert proc.returncode != 0
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "error:" in line and "bad.jsonl" in line]
+    assert len(lines) == 1 and ":2" in lines[0], tail(proc)
+    assert "Traceback" not in proc.stdout + proc.stderr, tail(proc)
+
+
+def test_run_main_turns_known_errors_into_one_line(capsys):
+    from utils.data import DataError
+    from utils.errors import run_main
+
+    def main(argv):
+        raise DataError("data.jsonl:3: field 'prompt' is missing")
+
+    with pytest.raises(SystemExit) as exc:
+        run_main(main)
+    assert exc.value.code == 1
+    assert capsys.readouterr().err == "error: data.jsonl:3: field 'prompt' is missing\n"
+
+    def bug(argv):
+        raise KeyError("a bug keeps its traceback")
+
+    with pytest.raises(KeyError):
+        run_main(bug)
