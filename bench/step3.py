@@ -7,8 +7,8 @@
 
 For each configuration (default: ZeRO-3 and ZeRO-2 for actor AND critic, each with and without
 --enable_hybrid_engine) it runs --steps PPO iterations of the unmodified step 3 on the same model
-(actor = reference = the model; critic = reward model = its backbone + a fresh value head, which
-RewardModel.from_pretrained builds for a base model), then reads OUTPUT_DIR/metrics.jsonl: the
+(actor = reference = the model; critic = reward model = its backbone + a fresh seeded value head,
+saved once as a reward-model directory under bench/runs/reward_models), then reads OUTPUT_DIR/metrics.jsonl: the
 first iteration is a warm-up and is dropped; the rest give the median seconds per iteration
 (time/generation_s + time/experience_s + time/train_s, rank 0), the median samples/s (the
 trainer's own samples_per_s: rows of both ranks / iteration time) and the share of generation,
@@ -67,9 +67,20 @@ def write_prompts(path: str, n: int) -> str:
     return path
 
 
+def reward_model_dir(model_dir: str) -> str:
+    """The critic / reward model of the benchmark: the model's backbone + a fresh seeded value head, made
+    once under bench/runs (step 3 refuses a plain causal LM as --critic_model_name_or_path)."""
+    from utils.reward_model import VALUE_HEAD_FILE, make_reward_model_dir
+
+    out = os.path.join(RUNS, "reward_models", os.path.basename(model_dir.rstrip("/")))
+    if not os.path.isfile(os.path.join(out, VALUE_HEAD_FILE)):
+        make_reward_model_dir(model_dir, out)
+    return out
+
+
 def step3_command(args, model_dir: str, prompts: str, stage: int, hybrid: bool, out_dir: str, port: int) -> list[str]:
     cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(port), "--module", "step3_ppo.main",
-           "--actor_model_name_or_path", model_dir, "--critic_model_name_or_path", model_dir,
+           "--actor_model_name_or_path", model_dir, "--critic_model_name_or_path", reward_model_dir(model_dir),
            "--data_path", prompts, "--data_split", "0,0,1",
            "--actor_zero_stage", str(stage), "--critic_zero_stage", str(stage), "--dtype", "fp32",
            "--max_prompt_seq_len", str(args.prompt_len), "--max_answer_seq_len", str(args.answer_len),

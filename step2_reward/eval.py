@@ -128,8 +128,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     with hf_zero3_disabled():
         tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
-        model = RewardModel.from_pretrained(args.model_name_or_path, tokenizer,
-                                            trust_remote_code=args.trust_remote_code).eval()
+        model = RewardModel.from_pretrained(args.model_name_or_path, tokenizer, trust_remote_code=args.trust_remote_code,
+                                            require_value_head=True).eval()
     result = {}
     if args.groups:
         items = [(prompt, response) for prompt, responses in args.groups for response in responses]

@@ -32,7 +32,7 @@ from utils.flags import (add_checkpoint_args, add_data_args, add_generation_args
 from utils.logging import print_rank0, progress_bar
 from utils.model import check_model_path, load_tokenizer
 from utils.ops import KL_ESTIMATORS
-from utils.reward_model import export_reward_model
+from utils.reward_model import check_policy_dir, check_reward_model_dir, export_reward_model
 from utils.training import loop_metrics, memory_postfix, total_training_steps
 
 MODELS = ("actor_", "critic_")
@@ -118,6 +118,8 @@ def validate_args(args) -> None:
         fail(f"--kl_target must be > 0, got {args.kl_target}")
     check_model_path(args.actor_model_name_or_path, "--actor_model_name_or_path")
     check_model_path(args.critic_model_name_or_path, "--critic_model_name_or_path")
+    check_policy_dir(args.actor_model_name_or_path, "--actor_model_name_or_path")
+    check_reward_model_dir(args.critic_model_name_or_path, "--critic_model_name_or_path")
     if args.unsupervised_dataset_name and not os.path.exists(args.unsupervised_dataset_name):
         fail(f"--unsupervised_dataset_name {args.unsupervised_dataset_name!r} does not exist")
     for flag in ("--actor_model_name_or_path", "--critic_model_name_or_path"):

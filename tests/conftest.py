@@ -31,3 +31,23 @@ def tiny_opt() -> str:
     from utils.tiny_model import make_tiny_model_cached
 
     return make_tiny_model_cached("opt")
+
+
+def _tiny_reward_model_dir(model_dir: str, out_dir: str) -> str:
+    """A step-2-like reward-model directory of a tiny model (utils.reward_model.make_reward_model_dir):
+    tests that used the plain model as step 3's critic see the same numbers."""
+    from utils.reward_model import make_reward_model_dir
+
+    return make_reward_model_dir(model_dir, out_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_reward(tiny_gpt2, tmp_path_factory) -> str:
+    """Reward-model directory of tiny_gpt2 (for step 3's --critic_model_name_or_path, the evaluation)."""
+    return _tiny_reward_model_dir(tiny_gpt2, str(tmp_path_factory.mktemp("tiny_reward") / "gpt2"))
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_reward(tiny_llama, tmp_path_factory) -> str:
+    """Reward-model directory of tiny_llama (for step 3's --critic_model_name_or_path, the evaluation)."""
+    return _tiny_reward_model_dir(tiny_llama, str(tmp_path_factory.mktemp("tiny_reward") / "llama"))

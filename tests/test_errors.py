@@ -15,9 +15,15 @@ def step1_args(model, data, out, *extra):
     return [str(a) for a in common_args(model, data, out)] + list(extra)
 
 
-def step3_args(model, tmp_path, *extra):
+@pytest.fixture
+def step3_models(tiny_gpt2, tiny_gpt2_reward):
+    return tiny_gpt2, tiny_gpt2_reward
+
+
+def step3_args(models, tmp_path, *extra):
+    """Step 3's flags on a tiny model (actor) and its reward-model directory (critic)."""
     write_prompts(tmp_path / "prompts.jsonl")
-    return ["--actor_model_name_or_path", model, "--critic_model_name_or_path", model, "--data_path",
+    return ["--actor_model_name_or_path", models[0], "--critic_model_name_or_path", models[1], "--data_path",
             str(tmp_path / "prompts.jsonl"), "--data_split", "0,0,10", "--output_dir", str(tmp_path / "out"), *extra]
 
 
@@ -25,27 +31,27 @@ def step3_args(model, tmp_path, *extra):
     ("--cliprange", "0"), ("--cliprange_value", "-0.1"), ("--kl_ctl", "-0.1"), ("--top_p", "0"), ("--top_p", "1.5"),
     ("--top_k", "-1"), ("--actor_lora_dim", "-1"), ("--critic_learning_rate", "-1e-5"), ("--gamma", "1.5"),
     ("--max_steps", "-2"), ("--eval_fraction", "1.0"), ("--actor_dropout", "1.0")])
-def test_step3_flags_out_of_range_are_refused_before_loading(tiny_gpt2, tmp_path, flag, value):
+def test_step3_flags_out_of_range_are_refused_before_loading(step3_models, tmp_path, flag, value):
     from step3_ppo.main import parse_args
 
     with pytest.raises(SystemExit, match=f"error: {flag}"):
-        parse_args(step3_args(tiny_gpt2, tmp_path, f"{flag}={value}"))
+        parse_args(step3_args(step3_models, tmp_path, f"{flag}={value}"))
 
 
-def test_max_steps_minus_one_means_no_limit(tiny_gpt2, tmp_path):
+def test_max_steps_minus_one_means_no_limit(step3_models, tmp_path):
     from step3_ppo.main import parse_args
 
-    assert parse_args(step3_args(tiny_gpt2, tmp_path, "--max_steps", "-1")).max_steps == 0
+    assert parse_args(step3_args(step3_models, tmp_path, "--max_steps", "-1")).max_steps == 0
 
 
-def test_sequences_beyond_the_models_positions_are_refused(tiny_gpt2, tmp_path):
+def test_sequences_beyond_the_models_positions_are_refused(tiny_gpt2, step3_models, tmp_path):
     from step1_sft.main import parse_args
     from step3_ppo.main import parse_args as parse_step3
 
     with pytest.raises(SystemExit, match="--max_seq_len = 600 tokens exceeds the 512 positions"):
         parse_args(step1_args(tiny_gpt2, "data.jsonl", str(tmp_path / "o"), "--max_seq_len", "600"))
     with pytest.raises(SystemExit, match="exceeds the 512 positions"):
-        parse_step3(step3_args(tiny_gpt2, tmp_path, "--max_prompt_seq_len", "400", "--max_answer_seq_len", "200"))
+        parse_step3(step3_args(step3_models, tmp_path, "--max_prompt_seq_len", "400", "--max_answer_seq_len", "200"))
 
 
 def test_accumulation_longer_than_an_epoch_is_refused():

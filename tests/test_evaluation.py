@@ -119,10 +119,10 @@ def test_kl_to_reference(policy):
         assert k == pytest.approx(ratio[p - 1:p - 1 + t].sum().item(), abs=1e-4)
 
 
-def test_reward_scores_match_hand_computation(policy, tiny_gpt2):
+def test_reward_scores_match_hand_computation(policy, tiny_gpt2_reward):
     model, tokenizer = policy
     answers = generate_answers(model, tokenizer, PROMPTS, max_new_tokens=5)
-    reward_model, reward_tok = load_reward_model(tiny_gpt2, "cpu")
+    reward_model, reward_tok = load_reward_model(tiny_gpt2_reward, "cpu")
     scores = reward_scores(reward_model, reward_tok, answers, batch_size=2)
 
     batch = pack(answers, reward_tok.pad_token_id)
@@ -157,13 +157,13 @@ def test_load_prompts(tmp_path):
 
 
 # --------------------------------------------------------------------------- comparison
-def test_compare_policies_and_table(policy, tiny_gpt2, tmp_path):
+def test_compare_policies_and_table(policy, tiny_gpt2, tiny_gpt2_reward, tmp_path):
     model, tokenizer = policy
     rlhf_dir = str(tmp_path / "rlhf")
     sharpened_copy(model).save_pretrained(rlhf_dir)
     tokenizer.save_pretrained(rlhf_dir)
 
-    result = compare_policies(tiny_gpt2, rlhf_dir, tiny_gpt2, PROMPTS, max_new_tokens=4, do_sample=False,
+    result = compare_policies(tiny_gpt2, rlhf_dir, tiny_gpt2_reward, PROMPTS, max_new_tokens=4, do_sample=False,
                               batch_size=2, num_samples=2, device="cpu", log=None)
     json.dumps(result)  # JSON-serialisable
     for name in ("sft", "rlhf"):
@@ -185,7 +185,7 @@ def test_compare_policies_and_table(policy, tiny_gpt2, tmp_path):
     assert result["samples"][0]["rlhf"]["text"].replace("\n", "\\n") in table
 
 
-def test_eval_cli(tiny_gpt2, tmp_path, capsys):
+def test_eval_cli(tiny_gpt2, tiny_gpt2_reward, tmp_path, capsys):
     from step3_ppo import eval as step3_eval
 
     with pytest.raises(SystemExit) as exc:
@@ -194,7 +194,7 @@ def test_eval_cli(tiny_gpt2, tmp_path, capsys):
     assert exc.value.code != 0 and "--sft_model" in capsys.readouterr().err
 
     out = tmp_path / "eval.json"
-    step3_eval.main(["--sft_model", tiny_gpt2, "--rlhf_model", tiny_gpt2, "--reward_model", tiny_gpt2,
+    step3_eval.main(["--sft_model", tiny_gpt2, "--rlhf_model", tiny_gpt2, "--reward_model", tiny_gpt2_reward,
                      "--num_prompts", "2", "--max_new_tokens", "3", "--greedy", "--num_samples", "1",
                      "--device", "cpu", "--out", str(out)])
     printed = capsys.readouterr().out

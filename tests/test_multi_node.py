@@ -135,9 +135,9 @@ def test_step1_two_nodes_match_one_node(cluster, tiny_gpt2, sft_data, tmp_path):
         torch.testing.assert_close(tensor, state_one[name], rtol=1e-5, atol=1e-6)
 
 
-def step3_args(model, prompts, out):
+def step3_args(model, critic, prompts, out):
     """test_step3_run's arguments, with learning rates so that the two runs really train."""
-    return ["--actor_model_name_or_path", model, "--critic_model_name_or_path", model,
+    return ["--actor_model_name_or_path", model, "--critic_model_name_or_path", critic,
             "--data_path", prompts, "--data_split", "0,0,10", "--output_dir", out,
             "--actor_zero_stage", 3, "--critic_zero_stage", 3, "--enable_hybrid_engine", "--dtype", "fp32",
             "--actor_learning_rate", 1e-3, "--critic_learning_rate", 1e-3, "--max_prompt_seq_len", 32,
@@ -145,12 +145,13 @@ def step3_args(model, prompts, out):
             "--per_device_training_batch_size", 2, "--ppo_epochs", 1, "--max_steps", 2, "--seed", 5]
 
 
-def test_step3_two_nodes_match_one_node(cluster, tiny_gpt2, tmp_path):
+def test_step3_two_nodes_match_one_node(cluster, tiny_gpt2, tiny_gpt2_reward, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     write_prompts(prompts, 40)
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    single, run = one_and_two_nodes(cluster, tmp_path, "step3_ppo.main", step3_args(tiny_gpt2, prompts, one),
-                                  step3_args(tiny_gpt2, prompts, two))
+    single, run = one_and_two_nodes(cluster, tmp_path, "step3_ppo.main",
+                                  step3_args(tiny_gpt2, tiny_gpt2_reward, prompts, one),
+                                  step3_args(tiny_gpt2, tiny_gpt2_reward, prompts, two))
     assert os.path.exists(os.path.join(one, "critic", "value_head.safetensors")), single.log()[-3000:]
     assert os.path.exists(os.path.join(two, "critic", "value_head.safetensors")), run.logs()
 

@@ -238,10 +238,13 @@ def test_eval_unescape():
     assert args.groups == [("p\\n", ["r"])]
 
 
-def test_eval_cli_errors(models, tmp_path):
+def test_eval_cli_errors(tiny_gpt2, tiny_gpt2_reward, tmp_path):
     from step2_reward import eval as rw_eval
+    from utils.model import ModelLoadError
 
-    _, _, path = models["gpt2"]
+    path = tiny_gpt2_reward
+    with pytest.raises(ModelLoadError, match="no value_head.safetensors"):  # an SFT/base directory is no RM
+        rw_eval.main(["--model_name_or_path", tiny_gpt2, "--prompt", "p", "--response", "r"])
     with pytest.raises(SystemExit):
         rw_eval.parse_args(["--model_name_or_path", path, "--response", "x"])
     with pytest.raises(SystemExit):

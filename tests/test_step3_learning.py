@@ -6,11 +6,11 @@ from step3_ppo.main import parse_args, setup, train
 from tests.test_step3_lr0 import write_prompts
 
 
-def test_reward_rises(tiny_gpt2, tmp_path):
+def test_reward_rises(tiny_gpt2, tiny_gpt2_reward, tmp_path):
     write_prompts(tmp_path / "prompts.jsonl", 64)
     out = tmp_path / "out"
     args = parse_args([
-        "--actor_model_name_or_path", tiny_gpt2, "--critic_model_name_or_path", tiny_gpt2,
+        "--actor_model_name_or_path", tiny_gpt2, "--critic_model_name_or_path", tiny_gpt2_reward,
         "--data_path", str(tmp_path / "prompts.jsonl"), "--data_split", "0,0,10", "--output_dir", str(out),
         "--actor_zero_stage", "0", "--critic_zero_stage", "0", "--actor_learning_rate", "1e-3",
         "--critic_learning_rate", "1e-2", "--lr_scheduler_type", "constant", "--max_prompt_seq_len", "32",

@@ -27,10 +27,11 @@ def ppo_setup(request, tmp_path_factory):
     from utils.tiny_model import make_tiny_model_cached
 
     model = make_tiny_model_cached(request.param)
+    critic = request.getfixturevalue(f"tiny_{request.param}_reward")  # a step-2-like reward-model directory
     tmp = tmp_path_factory.mktemp(f"lr0_{request.param}")
     write_prompts(tmp / "prompts.jsonl")
     args = parse_args([
-        "--actor_model_name_or_path", model, "--critic_model_name_or_path", model,
+        "--actor_model_name_or_path", model, "--critic_model_name_or_path", critic,
         "--data_path", str(tmp / "prompts.jsonl"), "--data_split", "0,0,10", "--output_dir", str(tmp / "out"),
         "--actor_zero_stage", "0", "--critic_zero_stage", "0", "--actor_learning_rate", "0",
         "--critic_learning_rate", "0", "--max_prompt_seq_len", "32", "--max_answer_seq_len", "10",

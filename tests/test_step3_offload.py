@@ -8,11 +8,11 @@ from tests.test_step3_lr0 import prompt_batches, write_prompts
 
 
 @pytest.fixture(scope="module")
-def offload_run(tiny_llama, tmp_path_factory):
+def offload_run(tiny_llama, tiny_llama_reward, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("offload")
     write_prompts(tmp / "prompts.jsonl")
     return setup(parse_args([
-        "--actor_model_name_or_path", tiny_llama, "--critic_model_name_or_path", tiny_llama,
+        "--actor_model_name_or_path", tiny_llama, "--critic_model_name_or_path", tiny_llama_reward,
         "--data_path", str(tmp / "prompts.jsonl"), "--data_split", "0,0,10", "--output_dir", str(tmp / "out"),
         "--actor_zero_stage", "2", "--critic_zero_stage", "2", "--offload_reference_model", "--offload_reward_model",
         "--actor_learning_rate", "0", "--critic_learning_rate", "0", "--release_inference_cache",

@@ -13,19 +13,21 @@ from tests.test_step3_lr0 import prompt_batches, write_prompts
 from utils.checkpoint import BadStepGuard, LoopState
 
 
-def ppo_args(model, prompts, out, *extra):
-    return ["--actor_model_name_or_path", model, "--critic_model_name_or_path", model,
+def ppo_args(model, prompts, out, *extra, critic=None):
+    """`critic` (default: `model`, enough for tests that stop in parse_args) must be a reward-model dir to train."""
+    return ["--actor_model_name_or_path", model, "--critic_model_name_or_path", critic or model,
             "--data_path", str(prompts), "--data_split", "0,0,10", "--output_dir", str(out),
             "--max_prompt_seq_len", "32", "--max_answer_seq_len", "4", "--per_device_generation_batch_size", "4",
             "--per_device_training_batch_size", "2", "--seed", "11", *map(str, extra)]
 
 
 @pytest.fixture(scope="module")
-def nan_run(tiny_gpt2, tmp_path_factory):
+def nan_run(tiny_gpt2, tiny_gpt2_reward, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("nan")
     write_prompts(tmp / "prompts.jsonl")
     args = parse_args(ppo_args(tiny_gpt2, tmp / "prompts.jsonl", tmp / "out", "--actor_zero_stage", 0,
-                               "--critic_zero_stage", 0, "--actor_learning_rate", 1e-2, "--max_bad_steps", 2))
+                               "--critic_zero_stage", 0, "--actor_learning_rate", 1e-2, "--max_bad_steps", 2,
+                               critic=tiny_gpt2_reward))
     return setup(args)
 
 
@@ -83,7 +85,7 @@ def test_missing_model_directory_is_named(tmp_path):
         parse_args(ppo_args(str(tmp_path / "does-not-exist"), tmp_path / "p.jsonl", tmp_path / "out"))
 
 
-def test_step3_kill_and_resume_matches_uninterrupted(tiny_gpt2, tmp_path):
+def test_step3_kill_and_resume_matches_uninterrupted(tiny_gpt2, tiny_gpt2_reward, tmp_path):
     """Sampling, PPO epochs, the adaptive KL controller and EMA: all must come back exactly."""
     write_prompts(tmp_path / "prompts.jsonl", 64)
 
@@ -91,7 +93,7 @@ def test_step3_kill_and_resume_matches_uninterrupted(tiny_gpt2, tmp_path):
         return ppo_args(tiny_gpt2, tmp_path / "prompts.jsonl", out, "--actor_zero_stage", 3, "--critic_zero_stage", 3,
                         "--enable_hybrid_engine", "--actor_learning_rate", 1e-3, "--critic_learning_rate", 1e-3,
                         "--adaptive_kl", "--kl_target", 0.5, "--kl_horizon", 100, "--enable_ema",
-                        "--ppo_epochs", 2, "--max_steps", 7, "--save_interval", 2)
+                        "--ppo_epochs", 2, "--max_steps", 7, "--save_interval", 2, critic=tiny_gpt2_reward)
 
     full = str(tmp_path / "full")
     proc = run_deepspeed("step3_ppo.main", args(full), log_path=str(tmp_path / "full.log"))

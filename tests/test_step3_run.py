@@ -29,12 +29,12 @@ def test_generation_modes_agree_and_repartition(tiny_llama, tmp_path):
 
 
 @pytest.mark.parametrize("experience", ["gathered", "hooked"])
-def test_two_rank_zero3_hybrid_lr0_log_ratio_and_exports(tiny_gpt2, tmp_path, experience):
+def test_two_rank_zero3_hybrid_lr0_log_ratio_and_exports(tiny_gpt2, tiny_gpt2_reward, tmp_path, experience):
     """lr 0 under ZeRO-3 + hybrid: the rollout scored on gathered models (default) or through the
     per-layer hooks (--no_gathered_experience) gives the same log-probs as the hooked training forward."""
     write_prompts(tmp_path / "prompts.jsonl", 40)
     out = str(tmp_path / "out")
-    args = ["--actor_model_name_or_path", tiny_gpt2, "--critic_model_name_or_path", tiny_gpt2,
+    args = ["--actor_model_name_or_path", tiny_gpt2, "--critic_model_name_or_path", tiny_gpt2_reward,
             "--data_path", tmp_path / "prompts.jsonl", "--data_split", "0,0,10", "--output_dir", out,
             "--actor_zero_stage", 3, "--critic_zero_stage", 3, "--enable_hybrid_engine",
             "--actor_learning_rate", 0, "--critic_learning_rate", 0, "--max_prompt_seq_len", 32,

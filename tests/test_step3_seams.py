@@ -24,14 +24,14 @@ class LengthReward:
 
 
 @pytest.fixture(scope="module")
-def critic_free_run(tiny_gpt2, tmp_path_factory):
+def critic_free_run(tiny_gpt2, tiny_gpt2_reward, tmp_path_factory):
     mp = pytest.MonkeyPatch()
     mp.setitem(advantages.ESTIMATORS, "test_sequence_reward",
                advantages.Estimator(sequence_reward_advantages, needs_critic=False, help="test only"))
     tmp = tmp_path_factory.mktemp("seams")
     write_prompts(tmp / "prompts.jsonl")
     run = setup(parse_args([
-        "--actor_model_name_or_path", tiny_gpt2, "--critic_model_name_or_path", tiny_gpt2,
+        "--actor_model_name_or_path", tiny_gpt2, "--critic_model_name_or_path", tiny_gpt2_reward,
         "--data_path", str(tmp / "prompts.jsonl"), "--data_split", "0,0,10", "--output_dir", str(tmp / "out"),
         "--actor_zero_stage", "0", "--critic_zero_stage", "0", "--actor_learning_rate", "0",
         "--max_prompt_seq_len", "32", "--max_answer_seq_len", "8", "--per_device_generation_batch_size", "4",

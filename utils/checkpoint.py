@@ -11,8 +11,11 @@ from __future__ import annotations
 import copy
 import json
 import os
+import pickle
 import random
+import re
 import shutil
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -100,6 +103,65 @@ DS_TAG = "ds"
 
 class CheckpointError(RuntimeError):
     pass
+
+
+def _deepspeed_state_classes() -> list:
+    """The few classes DeepSpeed pickles into its checkpoint states besides tensors and containers:
+    plain data, rebuilt from numbers/bools/dtypes only (found by saving ZeRO 0-3 checkpoints in fp32
+    and bf16, with and without offload/LoRA, and asking `get_unsafe_globals_in_checkpoint`):
+    - LossScaler: the ZeRO optimizers' `loss_scaler` (fp32/bf16): `cur_scale`, `dynamic`.
+    - DynamicLossScaler: the same under fp16 dynamic loss scaling (scale, iteration counters,
+      window, hysteresis, a torch dtype).
+    - ZeroStageEnum: an int Enum, the ZeRO optimizers' `zero_stage`.
+    - fragment_address: a dataclass of two ints (`numel`, `start`), ZeRO 1-2's param slice mappings.
+    Unpickling one only calls the class with those values or sets its attributes: no code runs."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+def safe_torch_load(path: str, map_location=None):
+    """`torch.load(weights_only=True)` admitting DeepSpeed's plain state classes only; a file holding
+    anything else (a planted pickle whose `__reduce__` calls os.system, ...) raises CheckpointError
+    before any of it runs."""
+    try:
+        with torch.serialization.safe_globals(_deepspeed_state_classes()):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        refused = re.search(r"GLOBAL ([\w.]+)", str(e))
+        what = f" ({refused.group(1)})" if refused else ""
+        raise CheckpointError(f"{path} holds objects other than tensors and plain data{what} "
+                              f"and was not loaded") from None
+
+
+class WeightsOnlyCheckpointEngine:
+    """An engine's own DeepSpeed checkpoint engine, except that `load` goes through `safe_torch_load`
+    (DeepSpeed's TorchCheckpointEngine loads with weights_only=False: any pickle in a .pt file would
+    run on --resume). Every other attribute and method is the wrapped engine's."""
+
+    def __init__(self, inner):
+        self._inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def load(self, path: str, map_location=None):
+        return safe_torch_load(path, map_location=map_location)
+
+
+@contextmanager
+def weights_only_loading(engine):
+    """`engine.load_checkpoint` inside this block reads every file with `safe_torch_load`: the model
+    states (state_dict_factory's loaders), the ZeRO optimizer partitions (`_get_all_zero_checkpoints`)
+    and MoE expert/optimizer files all go through `engine.checkpoint_engine.load`."""
+    original = engine.checkpoint_engine
+    engine.checkpoint_engine = WeightsOnlyCheckpointEngine(original)
+    try:
+        yield
+    finally:
+        engine.checkpoint_engine = original
 
 
 def rng_state() -> dict:
@@ -195,10 +257,11 @@ class TrainingCheckpoints:
             if not _has_optimizer(engine):
                 _load_weights(engine, os.path.join(path, f"{name}.safetensors"))
                 continue
-            loaded, _ = engine.load_checkpoint(os.path.join(path, name), tag=DS_TAG)
+            with weights_only_loading(engine):
+                loaded, _ = engine.load_checkpoint(os.path.join(path, name), tag=DS_TAG)
             if loaded is None:
                 raise CheckpointError(f"DeepSpeed could not load {os.path.join(path, name)}")
-        rank_state = torch.load(os.path.join(path, f"rank{rank():05d}.pt"), weights_only=True)
+        rank_state = safe_torch_load(os.path.join(path, f"rank{rank():05d}.pt"))
         return shared, rank_state
 
     def _prune(self, keep_tag: str) -> None:

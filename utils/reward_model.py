@@ -16,7 +16,9 @@ Saved layout (a directory that `RewardModel.from_pretrained` reloads with identi
 A fresh v_head (no `value_head.safetensors`, e.g. on a step-1 output or a base model) is drawn
 from N(0, 1/(hidden+1)) with a FIXED generator (seed 0): identical on every rank whatever the
 global RNG state, and small enough that initial scores are O(1) but not all tied (a zero init
-would tie every pair and make the "before training" accuracy meaningless).
+would tie every pair and make the "before training" accuracy meaningless). Only step 2 wants
+that: step 3 and the evaluation load with `require_value_head=True`, which refuses such a
+directory, and refuse a reward-model directory as a policy (`check_policy_dir`).
 """
 from __future__ import annotations
 
@@ -27,12 +29,43 @@ import os
 import torch
 from torch import nn
 
-from utils.model import load_causal_lm
+from utils.model import ModelLoadError, load_causal_lm
 from utils.ops import position_ids_from_attention_mask
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 REWARD_MODEL_FILE = "reward_model.json"
 V_HEAD_INIT_SEED = 0
+REWARD_MODEL_KIND, CAUSAL_LM_KIND = "reward_model", "causal_lm"
+
+
+def model_dir_kind(path: str) -> str | None:
+    """What a model directory is: "reward_model" (has value_head.safetensors, a step-2 output),
+    "causal_lm" (any other directory: step-1 output, base model) or None (not a local directory,
+    e.g. a hub name, which is not checked). Looks at file names only, loads nothing."""
+    if not os.path.isdir(path):
+        return None
+    return REWARD_MODEL_KIND if os.path.isfile(os.path.join(path, VALUE_HEAD_FILE)) else CAUSAL_LM_KIND
+
+
+def check_reward_model_dir(path: str, what: str = "reward model") -> None:
+    """Raise ModelLoadError, naming `path`, when it is a local directory without value_head.safetensors."""
+    if model_dir_kind(path) == CAUSAL_LM_KIND:
+        raise ModelLoadError(
+            f"{what} directory {path!r} has no {VALUE_HEAD_FILE}, so it is not a reward model from step 2 "
+            f"(it looks like a step-1/SFT or base model directory); pass the output directory of step2_reward "
+            f"(it has {VALUE_HEAD_FILE} and {REWARD_MODEL_FILE})")
+
+
+def check_policy_dir(path: str, what: str = "policy") -> None:
+    """Raise ModelLoadError, naming `path`, when a directory given as a policy/actor is a reward model
+    (value_head.safetensors or reward_model.json present). A non-directory (hub name) passes."""
+    if not os.path.isdir(path):
+        return
+    found = [name for name in (VALUE_HEAD_FILE, REWARD_MODEL_FILE) if os.path.isfile(os.path.join(path, name))]
+    if found:
+        raise ModelLoadError(
+            f"{what} directory {path!r} has {' and '.join(found)}, so it is a reward model from step 2, not a "
+            f"policy; pass a causal LM (the output directory of step1_sft or a base model)")
 
 
 def backbone_hidden_size(config) -> int:
@@ -78,12 +111,18 @@ class RewardModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str, tokenizer=None, ds_config: dict | None = None, dropout: float | None = None,
-                        trust_remote_code: bool = False, attn_implementation: str | None = None) -> "RewardModel":
+                        trust_remote_code: bool = False, attn_implementation: str | None = None,
+                        require_value_head: bool = False) -> "RewardModel":
         """Backbone of a causal LM / step-1 / step-2 directory; v_head from `value_head.safetensors` if there.
 
+        Without that file the head is fresh (step 2's input), unless `require_value_head` (step 3's
+        critic and reward model, the evaluation): then a local directory without it raises
+        ModelLoadError before anything is loaded (check_reward_model_dir; a hub name is not checked).
         Built ZeRO-3 partitioned when `ds_config` is stage 3 (the v_head is then partitioned by
         `deepspeed.initialize`). Without ds_config a plain model is built.
         """
+        if require_value_head:
+            check_reward_model_dir(path)
         backbone = load_causal_lm(path, tokenizer, ds_config, dropout, trust_remote_code, base_model_only=True,
                                   attn_implementation=attn_implementation)
         v_head = None
@@ -167,3 +206,14 @@ def export_reward_model(engine, tokenizer, out_dir: str) -> None:
         backbone = plain_copy(engine.module.backbone, backbone_state)
         _write_reward_dir(backbone, head_state["weight"], tokenizer, out_dir)
     barrier()
+
+
+def make_reward_model_dir(model_dir: str, out_dir: str) -> str:
+    """A reward-model directory from a causal LM: its backbone and a fresh (seeded) value head, saved as
+    step 2 saves one. For tests and benchmarks that need step 3's critic without training step 2; the
+    scores equal those of the fresh head `RewardModel.from_pretrained(model_dir)` builds."""
+    from utils.model import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    save_reward_model(RewardModel.from_pretrained(model_dir, tokenizer), tokenizer, out_dir)
+    return out_dir

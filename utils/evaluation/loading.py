@@ -24,8 +24,12 @@ def load_policy(path: str, device: str | torch.device | None = None, trust_remot
     """(causal LM in eval mode, fp32, on `device`; its tokenizer with padding_side="left").
 
     The tokenizer gets a pad token distinct from EOS (utils.model.load_tokenizer) and the model's
-    embeddings are resized to it if needed, exactly as in training.
+    embeddings are resized to it if needed, exactly as in training. A reward-model directory (step 2's
+    output: value_head.safetensors / reward_model.json) raises utils.model.ModelLoadError naming it.
     """
+    from utils.reward_model import check_policy_dir
+
+    check_policy_dir(path)
     tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code, padding_side="left")
     model = load_causal_lm(path, tokenizer, trust_remote_code=trust_remote_code)
     model.to(device=device or default_device(), dtype=torch.float32).eval()
@@ -33,12 +37,15 @@ def load_policy(path: str, device: str | torch.device | None = None, trust_remot
 
 
 def load_reward_model(path: str, device: str | torch.device | None = None, trust_remote_code: bool = False):
-    """(RewardModel in eval mode, fp32, on `device`; its tokenizer). A causal-LM directory without
-    `value_head.safetensors` gets a fresh (seeded) head, see utils.reward_model."""
-    from utils.reward_model import RewardModel
+    """(RewardModel in eval mode, fp32, on `device`; its tokenizer). A directory without
+    `value_head.safetensors` (a step-1/SFT or base model) raises utils.model.ModelLoadError naming it,
+    rather than scoring with a fresh random head (utils.reward_model.check_reward_model_dir)."""
+    from utils.reward_model import RewardModel, check_reward_model_dir
 
+    check_reward_model_dir(path)
     tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
-    model = RewardModel.from_pretrained(path, tokenizer, trust_remote_code=trust_remote_code)
+    model = RewardModel.from_pretrained(path, tokenizer, trust_remote_code=trust_remote_code,
+                                        require_value_head=True)
     model.to(device=device or default_device(), dtype=torch.float32).eval()
     return model, tokenizer
 
