@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from utils.checkpoint import BadStepGuard, Checkpointing, export_hf_model, reload_max_abs_diff
+from utils.checkpoint import BadStepGuard, Checkpointing, data_layout, export_hf_model, reload_max_abs_diff
 from utils.data import SFTCollator, tokenize_sft
 from utils.distributed import all_reduce_sum, rank_batches
 from utils.flags import BATCH_FLAGS, single_model_parser, validate_training_args
@@ -63,7 +63,7 @@ def main(argv=None):
                            attn_implementation=args.attn_implementation)
     engine = build_trained_engine(model, ds_config, spec_from_args(args), total_steps)
 
-    checkpointing = Checkpointing(args, {"model": engine})
+    checkpointing = Checkpointing(args, {"model": engine}, data_layout(args, len(train_examples)))
     loop, shared, _ = checkpointing.restore()
     logger = checkpointing.metrics_logger(args, loop)
     if checkpointing.last_path:

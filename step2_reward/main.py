@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from utils.checkpoint import BadStepGuard, Checkpointing, reload_max_abs_diff
+from utils.checkpoint import BadStepGuard, Checkpointing, data_layout, reload_max_abs_diff
 from utils.data import PairCollator, tokenize_pairs
 from utils.distributed import all_reduce_sum, rank_batches
 from utils.flags import BATCH_FLAGS, check_range, single_model_parser, validate_training_args
@@ -103,7 +103,7 @@ def main(argv=None):
         logger.log(step, metrics)
         return metrics
 
-    checkpointing = Checkpointing(args, {"model": engine})
+    checkpointing = Checkpointing(args, {"model": engine}, data_layout(args, len(train_pairs)))
     loop, shared, _ = checkpointing.restore()
     logger = checkpointing.metrics_logger(args, loop)
     if checkpointing.last_path:

@@ -22,7 +22,7 @@ from step3_ppo.engine import build_engines
 from step3_ppo.rewards import RewardModelReward
 from step3_ppo.shaping import AdaptiveKLController, FixedKLController
 from step3_ppo.trainer import PPOConfig, PPOTrainer
-from utils.checkpoint import BadStepGuard, Checkpointing, export_hf_model
+from utils.checkpoint import BadStepGuard, Checkpointing, data_layout, export_hf_model
 from utils.data import (PromptCollator, SFTCollator, build_step_rows, distributed_loader, read_texts,
                         tokenize_prompts, tokenize_texts)
 from utils.distributed import is_rank0, start_process, world_size
@@ -206,7 +206,7 @@ def train(run: Setup) -> int:
     """PPO iterations until --max_steps or the end of --num_train_epochs (resuming with --resume);
     returns the number of iterations done."""
     args, trainer = run.args, run.trainer
-    checkpointing = Checkpointing(args, checkpointed_engines(run.engines))
+    checkpointing = Checkpointing(args, checkpointed_engines(run.engines), data_layout(args, len(run.loader.dataset)))
     loop, shared, rank_state = checkpointing.restore()
     if checkpointing.last_path:
         trainer.kl_ctl.load_state_dict(shared["kl_ctl"])

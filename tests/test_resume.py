@@ -105,3 +105,19 @@ def _env(**extra):
     from tests.launch import subprocess_env
 
     return subprocess_env(**extra)
+
+
+def test_resume_with_another_data_layout_is_refused(tiny_gpt2, sft_data, tmp_path):  # noqa: F811
+    """A resume reads the rows after the checkpoint's position in the loader: another batch size, seed or
+    data would skip or repeat rows silently, so it is refused, naming what differs."""
+    out = str(tmp_path / "out")
+    args = common_args(tiny_gpt2, sft_data, out, steps=2) + ["--zero_stage", 0, "--save_interval", 2]
+    proc = run_module("step1_sft.main", args)
+    assert proc.returncode == 0, tail(proc)
+    proc = run_module("step1_sft.main", args + ["--resume", "--max_steps", 4, "--per_device_train_batch_size", 4,
+                                                "--seed", 8])
+    assert proc.returncode == 1, tail(proc)
+    message = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(message) == 1 and "another data layout" in message[0], tail(proc)
+    assert "--per_device_train_batch_size 8 (this run: 4)" in message[0] and "--seed 7 (this run: 8)" in message[0]
+    assert "Traceback" not in proc.stderr

@@ -239,8 +239,11 @@ class TrainingCheckpoints:
         barrier()
         return final
 
-    def load(self, engines: dict, path: str | None = None) -> tuple[dict, dict]:
-        """Restore every engine from the latest (or given) checkpoint; returns (shared, this rank's) state."""
+    def load(self, engines: dict, path: str | None = None, layout: dict | None = None) -> tuple[dict, dict]:
+        """Restore every engine from the latest (or given) checkpoint; returns (shared, this rank's) state.
+
+        `layout` (data_layout) must match the one the checkpoint was written with, else the run is
+        refused before any engine is touched: the resumed run would skip the wrong rows."""
         path = path or self.latest()
         if path is None:
             raise CheckpointError(f"no checkpoint under {self.root}")
@@ -251,6 +254,15 @@ class TrainingCheckpoints:
                 f"checkpoint {path} was written by {shared['world_size']} ranks but this run has {world_size()}: "
                 f"ZeRO optimizer states are partitioned per rank, so resume with {shared['world_size']} ranks "
                 f"(or start a new run from exported weights)")
+        saved = shared.get("layout")
+        if layout is not None and saved is not None:
+            differ = [f"{key} {saved[key]!r} (this run: {value!r})" for key, value in layout.items()
+                      if key in saved and saved[key] != value]
+            if differ:
+                raise CheckpointError(
+                    f"checkpoint {path} was written with another data layout: {'; '.join(differ)}. The resumed run "
+                    f"would skip or repeat the wrong rows: resume with the checkpoint's settings, or start a new "
+                    f"run (--overwrite_output_dir)")
         if sorted(engines) != shared["engines"]:
             raise CheckpointError(f"checkpoint {path} holds engines {shared['engines']}, this run has {sorted(engines)}")
         for name, engine in engines.items():
@@ -316,6 +328,20 @@ class LoopState:
     bad_in_a_row: int = 0
 
 
+# What decides which rows a resumed run reads next (the loader's order, batch boundaries, the rows).
+DATA_LAYOUT_FLAGS = ("data_path", "data_split", "sft_only_data_path", "eval_fraction", "seed", "max_seq_len",
+                     "max_prompt_seq_len", "per_device_train_batch_size", "gradient_accumulation_steps",
+                     "per_device_generation_batch_size", "generation_batches", "per_device_training_batch_size")
+
+
+def data_layout(args, rows: int) -> dict:
+    """The run's data layout, saved with each checkpoint and compared on --resume: the flags of
+    DATA_LAYOUT_FLAGS it has (as given) and the number of training rows (a changed file changes it).
+    The world size is compared separately."""
+    return {**{f"--{name}": getattr(args, name) for name in DATA_LAYOUT_FLAGS if hasattr(args, name)},
+            "training rows": rows}
+
+
 class Checkpointing:
     """A run's checkpoint policy: `--save_interval`, `--keep_checkpoints`, `--resume`.
 
@@ -324,18 +350,20 @@ class Checkpointing:
     run draws the same samples and dropout masks as an uninterrupted one.
     """
 
-    def __init__(self, args, engines: dict):
+    def __init__(self, args, engines: dict, layout: dict | None = None):
         self.interval = getattr(args, "save_interval", 0)
         self.resume = getattr(args, "resume", False)
         self.store = TrainingCheckpoints(args.output_dir, getattr(args, "keep_checkpoints", 2))
         self.engines = engines
+        self.layout = layout
         self.last_path: str | None = None
 
     def restore(self) -> tuple[LoopState, dict, dict]:
         path = self.store.latest() if self.resume else None
         if path is None:
             return LoopState(), {}, {}
-        shared, rank_state = self.store.load(self.engines, path)
+        shared, rank_state = self.store.load(self.engines, path, self.layout)
+        shared.pop("layout", None)
         set_rng_state(rank_state.pop("rng"))
         loop = LoopState(**shared.pop("loop"))
         self.last_path = path
@@ -352,7 +380,7 @@ class Checkpointing:
                    force: bool = False) -> None:
         if not force and (self.interval <= 0 or loop.step % self.interval):
             return
-        shared = {**(shared or {}), "loop": asdict(loop)}
+        shared = {**(shared or {}), "loop": asdict(loop), **({"layout": self.layout} if self.layout else {})}
         rank_state = {**(rank_state or {}), "rng": rng_state()}
         self.last_path = self.store.save(loop.step, self.engines, shared, rank_state)
 
