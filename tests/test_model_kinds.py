@@ -145,3 +145,16 @@ def test_fixture_reward_dir_is_a_step2_layout(tiny_gpt2_reward, tiny_llama_rewar
     for path in (tiny_gpt2_reward, tiny_llama_reward):
         for name in ("config.json", "model.safetensors", VALUE_HEAD_FILE, REWARD_MODEL_FILE, "tokenizer_config.json"):
             assert os.path.isfile(os.path.join(path, name)), (path, name)
+
+
+def test_a_truncated_weights_file_is_named(tiny_gpt2, tmp_path):
+    import shutil
+
+    from utils.model import ModelLoadError, load_causal_lm
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_gpt2, broken)
+    data = (broken / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ModelLoadError, match="model.safetensors cannot be read .* truncated or corrupt"):
+        load_causal_lm(str(broken))

@@ -1,6 +1,7 @@
 """Reliability: a run killed with SIGKILL after a checkpoint and resumed writes the same metrics
 as an uninterrupted run from the resume point on; a crash while saving leaves the previous
 checkpoint usable; a changed world size is refused with a clear message."""
+import glob
 import json
 import math
 import os
@@ -121,3 +122,21 @@ def test_resume_with_another_data_layout_is_refused(tiny_gpt2, sft_data, tmp_pat
     assert len(message) == 1 and "another data layout" in message[0], tail(proc)
     assert "--per_device_train_batch_size 8 (this run: 4)" in message[0] and "--seed 7 (this run: 8)" in message[0]
     assert "Traceback" not in proc.stderr
+
+
+def test_a_checkpoint_with_a_missing_file_falls_back_to_the_previous_one(tiny_gpt2, sft_data, tmp_path):  # noqa: F811
+    out = str(tmp_path / "out")
+    args = common_args(tiny_gpt2, sft_data, out, steps=4) + ["--zero_stage", 2, "--save_interval", 2,
+                                                             "--keep_checkpoints", 3]
+    proc = run_module("step1_sft.main", args)
+    assert proc.returncode == 0, tail(proc)
+    latest = os.path.join(out, "checkpoints", "step-00000004")
+    optimizer_states = glob.glob(os.path.join(latest, "model", "**", "*optim_states.pt"), recursive=True)
+    assert optimizer_states
+    os.remove(optimizer_states[0])  # an interrupted copy
+    proc = run_module("step1_sft.main", args + ["--resume", "--max_steps", 6])
+    assert proc.returncode == 0, tail(proc)
+    assert "step-00000004 is broken" in proc.stdout + proc.stderr and "is missing" in proc.stdout + proc.stderr
+    assert "resumed from" in proc.stdout + proc.stderr and "step-00000002" in proc.stdout + proc.stderr
+    steps = [r["step"] for r in metrics(out) if "train/loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6], steps

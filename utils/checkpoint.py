@@ -105,6 +105,11 @@ class CheckpointError(RuntimeError):
     pass
 
 
+class BrokenCheckpoint(CheckpointError):
+    """A checkpoint with a missing or unreadable file (an interrupted copy, a full disk): a resume falls
+    back to the previous intact checkpoint. A file refused for what it holds is NOT this: that stops."""
+
+
 def _deepspeed_state_classes() -> list:
     """The few classes DeepSpeed pickles into its checkpoint states besides tensors and containers:
     plain data, rebuilt from numbers/bools/dtypes only (found by saving ZeRO 0-3 checkpoints in fp32
@@ -129,6 +134,10 @@ def safe_torch_load(path: str, map_location=None):
     try:
         with torch.serialization.safe_globals(_deepspeed_state_classes()):
             return torch.load(path, map_location=map_location, weights_only=True)
+    except FileNotFoundError:
+        raise BrokenCheckpoint(f"{path} is missing") from None
+    except (EOFError, RuntimeError) as e:  # a truncated zip: "PytorchStreamReader failed reading ..."
+        raise BrokenCheckpoint(f"{path} cannot be read ({' '.join(str(e).split())[:160]})") from None
     except pickle.UnpicklingError as e:
         refused = re.search(r"GLOBAL ([\w.]+)", str(e))
         what = f" ({refused.group(1)})" if refused else ""
@@ -196,6 +205,13 @@ class TrainingCheckpoints:
     def __init__(self, output_dir: str, keep: int = 2):
         self.root = os.path.join(output_dir, "checkpoints")
         self.keep = keep
+
+    def complete(self) -> list[str]:
+        """The complete checkpoints, newest first."""
+        if not os.path.isdir(self.root):
+            return []
+        tags = sorted((t for t in os.listdir(self.root) if t.startswith("step-")), reverse=True)
+        return [os.path.join(self.root, t) for t in tags if os.path.exists(os.path.join(self.root, t, COMPLETE_FILE))]
 
     def latest(self) -> str | None:
         pointer = os.path.join(self.root, LATEST_FILE)
@@ -267,12 +283,16 @@ class TrainingCheckpoints:
             raise CheckpointError(f"checkpoint {path} holds engines {shared['engines']}, this run has {sorted(engines)}")
         for name, engine in engines.items():
             if not _has_optimizer(engine):
-                _load_weights(engine, os.path.join(path, f"{name}.safetensors"))
+                weights = os.path.join(path, f"{name}.safetensors")
+                try:
+                    _load_weights(engine, weights)
+                except Exception as exc:  # missing or truncated safetensors
+                    raise BrokenCheckpoint(f"{weights} cannot be read ({' '.join(str(exc).split())[:160]})") from exc
                 continue
             with weights_only_loading(engine):
                 loaded, _ = engine.load_checkpoint(os.path.join(path, name), tag=DS_TAG)
             if loaded is None:
-                raise CheckpointError(f"DeepSpeed could not load {os.path.join(path, name)}")
+                raise BrokenCheckpoint(f"DeepSpeed found no model states under {os.path.join(path, name)}")
         rank_state = safe_torch_load(os.path.join(path, f"rank{rank():05d}.pt"))
         return shared, rank_state
 
@@ -359,10 +379,33 @@ class Checkpointing:
         self.last_path: str | None = None
 
     def restore(self) -> tuple[LoopState, dict, dict]:
-        path = self.store.latest() if self.resume else None
-        if path is None:
+        """The latest checkpoint, or, when one of its files is missing or unreadable, the newest intact
+        one before it (every rank agrees on which: a file missing on one rank moves all of them)."""
+        from utils.distributed import all_reduce_max
+        from utils.logging import print_rank0
+
+        if not self.resume or not os.path.exists(os.path.join(self.store.root, LATEST_FILE)):
             return LoopState(), {}, {}
-        shared, rank_state = self.store.load(self.engines, path, self.layout)
+        with open(os.path.join(self.store.root, LATEST_FILE)) as f:
+            pointed = os.path.join(self.store.root, f.read().strip())
+        # the one `latest` names, then the intact ones before it (a newer one the pointer never reached
+        # is a save that did not finish)
+        candidates = [p for p in self.store.complete() if os.path.basename(p) <= os.path.basename(pointed)]
+        problems = [] if pointed in candidates else [f"{pointed} (named by {LATEST_FILE}) is missing or incomplete"]
+        for path in candidates:
+            try:
+                shared, rank_state = self.store.load(self.engines, path, self.layout)
+                broken = 0.0
+            except BrokenCheckpoint as exc:
+                problems.append(str(exc))
+                broken = 1.0
+            if all_reduce_max(broken) == 0.0:
+                break
+            print_rank0(f"[checkpoint] {path} is broken ({problems[-1] if problems else 'on another rank'}); "
+                        f"trying the previous one")
+        else:
+            raise CheckpointError(f"no intact checkpoint under {self.store.root} ({'; '.join(problems) or 'none complete'}"
+                                  f"): start a new run with --overwrite_output_dir, or restore the files")
         shared.pop("layout", None)
         set_rng_state(rank_state.pop("rng"))
         loop = LoopState(**shared.pop("loop"))

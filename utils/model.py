@@ -94,7 +94,15 @@ def load_causal_lm(path: str, tokenizer=None, ds_config: dict | None = None, dro
     hf_ds_config = zero3_model_context(ds_config)
     cls = AutoModel if base_model_only else AutoModelForCausalLM
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    model = cls.from_pretrained(path, config=config, trust_remote_code=trust_remote_code, dtype=torch.float32, **extra)
+    try:
+        model = cls.from_pretrained(path, config=config, trust_remote_code=trust_remote_code, dtype=torch.float32,
+                                    **extra)
+    except Exception as exc:
+        unreadable = unreadable_weight_files(path)
+        if unreadable:
+            raise ModelLoadError(f"model directory {path!r}: {unreadable[0][0]} cannot be read ({unreadable[0][1]}); "
+                                 f"the file is truncated or corrupt (an interrupted save or copy?)") from exc
+        raise
     model._hf_ds_config = hf_ds_config  # keep alive: ZeRO-3 hooks refer to it through a weakref
     if tokenizer is not None:
         if embedding_rows(model) < len(tokenizer):
@@ -106,6 +114,23 @@ def load_causal_lm(path: str, tokenizer=None, ds_config: dict | None = None, dro
             model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.config.use_cache = False
     return model
+
+
+def unreadable_weight_files(path: str) -> list[tuple[str, str]]:
+    """[(file name, reason)] of the .safetensors files of a local directory whose header does not read."""
+    if not os.path.isdir(path):
+        return []
+    from safetensors import safe_open
+
+    bad = []
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            try:
+                with safe_open(os.path.join(path, name), framework="pt") as f:
+                    f.keys()
+            except Exception as exc:  # noqa: BLE001 - any reason it cannot be read is reported
+                bad.append((name, " ".join(str(exc).split())))
+    return bad
 
 
 def embedding_rows(model: nn.Module) -> int:

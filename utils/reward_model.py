@@ -130,7 +130,11 @@ class RewardModel(nn.Module):
         if os.path.isfile(head_file):
             from safetensors.torch import load_file
 
-            weight = load_file(head_file)["weight"].float()
+            try:
+                weight = load_file(head_file)["weight"].float()
+            except Exception as exc:
+                raise ModelLoadError(f"reward model directory {path!r}: {VALUE_HEAD_FILE} cannot be read ({exc}); "
+                                     f"the file is truncated or corrupt (an interrupted save or copy?)") from exc
             v_head = nn.Linear(weight.shape[1], 1, bias=False)
             with torch.no_grad():
                 v_head.weight.copy_(weight)

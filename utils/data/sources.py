@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import codecs
+import csv
+import gzip
+import io
 import json
 import os
+import re
+import sys
+import zlib
 from dataclasses import dataclass
-from typing import Sequence
 
 JSON_EXTS = (".json", ".jsonl")
+# every file type read directly (with file:line origins); anything else goes to ``datasets``
+DATA_EXTS = (".json", ".jsonl", ".jsonl.gz", ".csv", ".parquet")
 EVAL_SPLIT_NAMES = ("eval", "test", "validation")
+# file names (without extension) of a data folder's held-out split; see ``_read_folder``
+FOLDER_EVAL_NAMES = ("eval", "test", "dev", "valid", "validation")
+# metadata of a ``datasets`` folder, never data
+DATASETS_META_FILES = ("dataset_info.json", "dataset_dict.json", "state.json")
 
 
 class DataError(ValueError):
@@ -76,18 +88,49 @@ def _object_value_offsets(text: str, start: int) -> dict:
         i = _skip_ws(text, i + 1)
 
 
-def _read_text(path: str) -> str:
+def _decode(raw: bytes, path: str) -> str:
+    """UTF-8 text of a file's bytes (a leading BOM is dropped); bad bytes raise
+    DataError naming the file, line and column (not a byte offset)."""
+    if raw.startswith(codecs.BOM_UTF8):
+        raw = raw[len(codecs.BOM_UTF8):]
     try:
-        with open(path, encoding="utf-8") as f:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        pos = e.start
+        breaks = list(re.finditer(rb"\r\n|\r|\n", raw[:pos]))
+        line, line_start = len(breaks) + 1, (breaks[-1].end() if breaks else 0)
+        column = len(raw[line_start:pos].decode("utf-8", errors="replace")) + 1
+        raise DataError(f"{path}:{line}: not valid UTF-8 "
+                        f"(byte 0x{raw[pos]:02x} at column {column})") from None
+
+
+def _read_bytes(path: str) -> bytes:
+    try:
+        if path.lower().endswith(".gz"):
+            with gzip.open(path, "rb") as f:
+                return f.read()
+        with open(path, "rb") as f:
             return f.read()
-    except (OSError, UnicodeDecodeError) as e:
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        raise DataError(f"{path}: not a valid gzip file ({e})") from None
+    except OSError as e:
         raise DataError(f"{path}: cannot read data file ({e})") from None
 
 
+def _read_text(path: str) -> str:
+    """Text of a (possibly gzipped) UTF-8 file; a BOM is accepted."""
+    return _decode(_read_bytes(path), path)
+
+
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")  # JSON strings cannot hold a raw CR/LF, but may hold U+2028
+
+
 def _read_jsonl(path: str) -> list:
-    """Records of a .jsonl file; blank lines are allowed, bad lines raise."""
+    """Records of a .jsonl (or .jsonl.gz) file; blank lines are allowed, bad lines raise.
+
+    Lines end at \\n, \\r\\n or \\r only (a U+2028 inside a JSON string is not a line break)."""
     records = []
-    for lineno, line in enumerate(_read_text(path).splitlines(), 1):
+    for lineno, line in enumerate(_LINE_BREAK.split(_read_text(path)), 1):
         if not line.strip():
             continue
         try:
@@ -136,26 +179,177 @@ def _read_json_file(path: str) -> tuple[list, list | None]:
     return (_read_jsonl(path), None) if path.endswith(".jsonl") else _read_json(path)
 
 
-def _split_file(folder: str, names: Sequence[str], stem_names: Sequence[str]) -> str | None:
-    for stem in stem_names:
-        for ext in JSON_EXTS:
-            if stem + ext in names:
-                return os.path.join(folder, stem + ext)
-    return None
+def _read_csv(path: str) -> list:
+    """Records of a .csv file: the header row gives the field names, every value
+    is a string; blank lines are skipped; origins and errors name the row's line."""
+    text = _read_text(path)
+    old_limit = csv.field_size_limit(min(sys.maxsize, 2**31 - 1))  # long responses are normal
+    try:
+        reader = csv.reader(io.StringIO(text, newline=""), strict=True)
+        header, header_line, records, line = None, 0, [], 1
+        try:
+            for values in reader:
+                start, line = line, reader.line_num + 1  # a quoted value may span lines
+                if not values:  # blank line
+                    continue
+                if header is None:
+                    header, header_line = values, start
+                    dup = sorted({v for v in values if values.count(v) > 1})
+                    if dup:
+                        raise DataError(f"{path}:{start}: CSV header repeats column(s) {dup}")
+                    continue
+                if len(values) != len(header):
+                    raise DataError(f"{path}:{start}: CSV row has {len(values)} values, the header "
+                                    f"(line {header_line}) has {len(header)} columns")
+                records.append((dict(zip(header, values)), f"{path}:{start}"))
+        except csv.Error as e:
+            raise DataError(f"{path}:{reader.line_num}: malformed CSV ({e})") from None
+    finally:
+        csv.field_size_limit(old_limit)
+    return records
+
+
+def _read_parquet(path: str) -> list:
+    """Records of a .parquet file (rows as dicts); origins are "path:row N"."""
+    try:
+        import pyarrow.parquet as pq  # lazily: only Parquet sources need it
+    except ImportError:
+        raise DataError(f"{path}: reading .parquet files needs pyarrow (pip install pyarrow)") from None
+    try:
+        rows = pq.read_table(path).to_pylist()
+    except Exception as e:  # pyarrow raises ArrowInvalid, OSError, ...; the user needs the file name
+        raise DataError(f"{path}: cannot read Parquet file ({type(e).__name__}: {e})") from None
+    return [(row, f"{path}:row {i}") for i, row in enumerate(rows, 1)]
+
+
+def _data_ext(name: str) -> str | None:
+    """The data extension (one of DATA_EXTS) ``name`` ends with, if any."""
+    return next((ext for ext in DATA_EXTS if name.lower().endswith(ext)), None)
+
+
+def _read_data_file(path: str) -> tuple[list, list | None]:
+    """(train, eval-or-None) records of one file of a DATA_EXTS type."""
+    ext = _data_ext(path)
+    if ext in JSON_EXTS:
+        return (_read_jsonl(path), None) if ext == ".jsonl" else _read_json(path)
+    if ext == ".jsonl.gz":
+        return _read_jsonl(path), None
+    if ext == ".csv":
+        return _read_csv(path), None
+    if ext == ".parquet":
+        return _read_parquet(path), None
+    raise DataError(f"{path}: not a data file (expected one of {', '.join(DATA_EXTS)})")
+
+
+_SHARD_RE = re.compile(r"^(?P<split>.+?)-(?P<index>\d+)-of-(?P<total>\d+)$")
+
+
+def _folder_data_files(folder: str, names: list) -> list:
+    """The data files of a folder: plain files with a DATA_EXTS extension, less
+    hidden files and ``datasets`` metadata (README.md etc. are not data)."""
+    return sorted(n for n in names if _data_ext(n) and not n.startswith(".")
+                  and n not in DATASETS_META_FILES and os.path.isfile(os.path.join(folder, n)))
+
+
+def _split_files(folder: str, split: str, names: list) -> list:
+    """The file(s) of one split: one ``split.EXT`` or a complete set of
+    ``split-00000-of-0000N.EXT`` shards (sorted by shard index)."""
+    plain = [n for n in names if not _SHARD_RE.match(n[:-len(_data_ext(n))])]
+    shards = {}
+    for n in names:
+        m = _SHARD_RE.match(n[:-len(_data_ext(n))])
+        if m:
+            shards.setdefault((int(m["index"]), int(m["total"])), []).append(n)
+    if len(plain) > 1 or (plain and shards):
+        raise DataError(f"{folder}: several {split} files ({', '.join(names)}); keep one "
+                        f"(or shards named {split}-00000-of-00002.jsonl, {split}-00001-of-00002.jsonl)")
+    if plain:
+        return plain
+    totals = {total for _, total in shards}
+    dup = [n for ns in shards.values() if len(ns) > 1 for n in ns]
+    missing = sorted({(i, t) for t in totals for i in range(t)} - set(shards))
+    if dup or len(totals) > 1 or missing or any(i >= t for i, t in shards):
+        want = ", ".join(f"{split}-{i:05d}-of-{t:05d}.*" for i, t in missing) or "none"
+        raise DataError(f"{folder}: incomplete or inconsistent {split} shards ({', '.join(names)}; "
+                        f"missing: {want})")
+    return [shards[k][0] for k in sorted(shards)]
 
 
 def _read_folder(folder: str, names: list) -> tuple[list, list | None]:
-    """A folder of .json/.jsonl files: train/eval(test) files give the splits,
-    otherwise every file (sorted, for determinism) is train data."""
-    train_file = _split_file(folder, names, ("train",))
-    eval_file = _split_file(folder, names, EVAL_SPLIT_NAMES)
-    if train_file and eval_file:
-        return _read_json_file(train_file)[0], _read_json_file(eval_file)[0]
+    """A data folder, read by file name.
+
+    * Data files are those with a DATA_EXTS extension (.json, .jsonl,
+      .jsonl.gz, .csv, .parquet); other files (README.md, .gitattributes,
+      hidden files, ``datasets`` metadata such as dataset_info.json) and
+      sub-folders are ignored.
+    * Training file: ``train.EXT``, or shards ``train-00000-of-00002.EXT``,
+      ``train-00001-of-00002.EXT`` (the set must be complete).
+    * Held-out file: ``eval``, ``test``, ``dev``, ``valid`` or ``validation``
+      (``.EXT``, or shards likewise).  It is the source's eval split and is
+      never merged into training.  Only one held-out name may be present:
+      several (e.g. dev.jsonl and test.jsonl) are refused, naming them, since
+      which one is the eval split is the user's call.  Without a held-out
+      file, a fraction of the training rows is held out (``--eval_fraction``).
+    * A folder with a train or held-out name must have a training file (a
+      folder with only eval.jsonl is refused, naming the folder and its
+      files), and every other data file in it is refused, naming it.
+    * Backward compatibility: a folder where no data file has a train or
+      held-out name (e.g. only data.jsonl, or a.jsonl and b.jsonl) is all
+      training data (files in sorted order).
+    * A single training file and no held-out file: the file is read as if
+      given alone (a .json with ``train``/``eval`` lists gives both splits);
+      otherwise a .json training file may not carry its own eval list (with
+      a held-out file or several training files it would be ambiguous), and
+      a held-out .json file holds one list of rows.
+    """
+    files = _folder_data_files(folder, names)
+    by_split: dict = {}
+    others = []
+    for n in files:
+        stem = n[:-len(_data_ext(n))]
+        m = _SHARD_RE.match(stem)
+        split = (m["split"] if m else stem).lower()
+        if split == "train" or split in FOLDER_EVAL_NAMES:
+            by_split.setdefault(split, []).append(n)
+        else:
+            others.append(n)
+    if not by_split:  # no split names at all: every data file is training data
+        train_names, eval_names = files, []
+    else:
+        if "train" not in by_split:
+            raise DataError(f"{folder}: no training file (train.jsonl, train.json, train.csv, ... or "
+                            f"train-00000-of-00001.* shards); the folder has: {', '.join(sorted(names))}")
+        if others:
+            raise DataError(f"{folder}: data file(s) {', '.join(others)} match neither the training "
+                            f"name (train.*) nor a held-out name ({'/'.join(FOLDER_EVAL_NAMES)}.*); "
+                            f"rename them or move them out of the folder")
+        held_out = [s for s in FOLDER_EVAL_NAMES if s in by_split]
+        if len(held_out) > 1:
+            named = ", ".join(n for s in held_out for n in by_split[s])
+            raise DataError(f"{folder}: several held-out files ({named}); keep one as the eval split "
+                            f"(eval/test/dev/valid/validation) and move the others out of the folder")
+        train_names = _split_files(folder, "train", by_split["train"])
+        eval_names = _split_files(folder, held_out[0], by_split[held_out[0]]) if held_out else []
+    if len(train_names) == 1 and not eval_names:  # one file: its own splits, as when given alone
+        return _read_data_file(os.path.join(folder, train_names[0]))
     train: list = []
-    for name in sorted(n for n in names if n.endswith(JSON_EXTS)):
-        recs, ev = _read_json_file(os.path.join(folder, name))
-        train += recs + (ev or [])
-    return train, None
+    for n in train_names:
+        recs, ev = _read_data_file(os.path.join(folder, n))
+        if ev is not None:
+            raise DataError(f"{os.path.join(folder, n)}: has its own eval split, but the folder "
+                            + ("has a held-out file" if eval_names else "has several training files")
+                            + "; put held-out rows in one eval.* file")
+        train += recs
+    if not eval_names:
+        return train, None
+    evals: list = []
+    for n in eval_names:
+        recs, ev = _read_data_file(os.path.join(folder, n))
+        if ev is not None:
+            raise DataError(f"{os.path.join(folder, n)}: a held-out file holds one list of rows, "
+                            f"not train/eval lists")
+        evals += recs
+    return train, evals
 
 
 def _read_hf_dataset(source: str) -> tuple[list, list | None]:
@@ -189,20 +383,22 @@ def _looks_like_path(source: str) -> bool:
     """True when a missing ``source`` is clearly meant as a local path (so we
     report it missing instead of asking the hub for a dataset of that name)."""
     first = source.replace(os.sep, "/").split("/")[0]
-    return (source.endswith(JSON_EXTS) or source.startswith((".", "/", "~"))
+    return (_data_ext(source) is not None or source.startswith((".", "/", "~"))
             or source.count("/") >= 2 or ("/" in source and os.path.isdir(first)))
 
 
 def load_source(source: str) -> Source:
     """Read one data source into raw records (no field validation yet).
 
-    A .json/.jsonl file or a folder holding such files is read directly (with
-    line numbers); anything else is handed to ``datasets``.
+    A file of a DATA_EXTS type (.json, .jsonl, .jsonl.gz, .csv, .parquet) or a
+    folder holding such files (read by name, see ``_read_folder``) is read
+    directly (with line numbers); anything else is handed to ``datasets``
+    (as is a ``save_to_disk`` folder).
     """
     path = os.path.expanduser(source)
-    if os.path.isfile(path) and path.endswith(JSON_EXTS):
-        train, ev = _read_json_file(path)
-    elif os.path.isdir(path) and any(n.endswith(JSON_EXTS) for n in _listdir(path)) and not any(
+    if os.path.isfile(path) and _data_ext(path):
+        train, ev = _read_data_file(path)
+    elif os.path.isdir(path) and _folder_data_files(path, _listdir(path)) and not any(
         n in ("dataset_dict.json", "state.json") for n in _listdir(path)
     ):
         train, ev = _read_folder(path, _listdir(path))
