@@ -100,6 +100,7 @@ def test_resume_with_other_world_size_is_refused(tiny_gpt2, sft_data, tmp_path):
     proc = run_deepspeed("step1_sft.main", args + ["--resume", "--max_steps", 4])
     assert proc.returncode != 0
     assert "written by 1 ranks but this run has 2" in proc.stdout + proc.stderr
+    assert "--universal_checkpoint" in proc.stdout + proc.stderr  # names the way through
 
 
 def _env(**extra):
@@ -140,3 +141,46 @@ def test_a_checkpoint_with_a_missing_file_falls_back_to_the_previous_one(tiny_gp
     assert "resumed from" in proc.stdout + proc.stderr and "step-00000002" in proc.stdout + proc.stderr
     steps = [r["step"] for r in metrics(out) if "train/loss" in r]
     assert steps == [1, 2, 3, 4, 5, 6], steps
+
+
+def test_resume_on_another_world_size_through_the_universal_checkpoint(tiny_gpt2, sft_data, tmp_path):  # noqa: F811
+    """ZeRO-2 on 2 ranks, resumed on 1 with --universal_checkpoint: the checkpoint is converted once
+    (deepspeed.checkpoint.ds_to_universal) and loaded with DeepSpeed's universal loading. The weights come
+    back exactly; the rows after the checkpoint are re-sharded, so the losses are close to, not equal to,
+    the uninterrupted 2-rank run's."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    from utils.checkpoint import safe_torch_load
+
+    out = str(tmp_path / "out")
+    args = common_args(tiny_gpt2, sft_data, out, steps=4) + ["--zero_stage", 2, "--save_interval", 2]
+    proc = run_deepspeed("step1_sft.main", args, log_path=str(tmp_path / "two_ranks.log"))
+    full = [r for r in metrics(out) if "train/loss" in r]
+    assert [r["step"] for r in full] == [1, 2, 3, 4], tail(proc)
+    # as if the 2-rank run had died after its step-2 checkpoint
+    checkpoints = os.path.join(out, "checkpoints")
+    shutil.rmtree(os.path.join(checkpoints, "step-00000004"))
+    with open(os.path.join(checkpoints, "latest"), "w") as f:
+        f.write("step-00000002")
+    engine_dir = os.path.join(checkpoints, "step-00000002", "model")
+
+    resume = ["--resume", "--universal_checkpoint"]
+    proc = run_module("step1_sft.main", args + resume + ["--max_steps", 2])  # restore, train nothing, export
+    assert proc.returncode == 0, tail(proc)
+    assert "converting" in proc.stdout and os.path.isdir(os.path.join(engine_dir, "universal")), tail(proc)
+    assert "re-sharded" in proc.stdout, tail(proc)
+    saved = safe_torch_load(os.path.join(engine_dir, "ds", "mp_rank_00_model_states.pt"))["module"]
+    exported = load_file(os.path.join(out, "model.safetensors"))
+    assert exported and all(exported[k].equal(saved[k]) for k in exported)  # the step-2 weights, exactly
+
+    proc = run_module("step1_sft.main", args + resume, log_path=str(tmp_path / "one_rank.log"))
+    assert proc.returncode == 0, tail(proc)
+    assert "converting" not in proc.stdout  # converted once, reused
+    resumed = [r for r in metrics(out) if "train/loss" in r]
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4], resumed
+    for before, after in zip(full[2:], resumed[2:]):
+        assert math.isfinite(after["train/loss"]) and after["train/lr"] == before["train/lr"]
+        # the same weights and optimizer state, half of the 2-rank step's rows
+        assert abs(after["train/loss"] - before["train/loss"]) <= 0.01 * before["train/loss"], (before, after)

@@ -99,6 +99,7 @@ LATEST_FILE = "latest"
 COMPLETE_FILE = "COMPLETE"
 STATE_FILE = "state.json"
 DS_TAG = "ds"
+UNIVERSAL_TAG = "universal"  # <checkpoint>/<engine>/universal: the DeepSpeed checkpoint in the universal format
 
 
 class CheckpointError(RuntimeError):
@@ -255,21 +256,27 @@ class TrainingCheckpoints:
         barrier()
         return final
 
-    def load(self, engines: dict, path: str | None = None, layout: dict | None = None) -> tuple[dict, dict]:
+    def load(self, engines: dict, path: str | None = None, layout: dict | None = None,
+             universal: bool = False) -> tuple[dict, dict]:
         """Restore every engine from the latest (or given) checkpoint; returns (shared, this rank's) state.
 
         `layout` (data_layout) must match the one the checkpoint was written with, else the run is
-        refused before any engine is touched: the resumed run would skip the wrong rows."""
+        refused before any engine is touched: the resumed run would skip the wrong rows.
+        A checkpoint of another world size is refused unless `universal`: then each ZeRO (stage 1-3)
+        engine's DeepSpeed checkpoint is converted to the universal format (rank 0, once, kept in the
+        checkpoint) and loaded from it; ZeRO-0 and weights-only engines load as they are."""
         path = path or self.latest()
         if path is None:
             raise CheckpointError(f"no checkpoint under {self.root}")
         with open(os.path.join(path, STATE_FILE)) as f:
             shared = json.load(f)
-        if shared["world_size"] != world_size():
+        resharded = shared["world_size"] != world_size()
+        if resharded and not universal:
             raise CheckpointError(
                 f"checkpoint {path} was written by {shared['world_size']} ranks but this run has {world_size()}: "
-                f"ZeRO optimizer states are partitioned per rank, so resume with {shared['world_size']} ranks "
-                f"(or start a new run from exported weights)")
+                f"ZeRO optimizer states are partitioned per rank, so resume with {shared['world_size']} ranks, "
+                f"or add --universal_checkpoint to convert the checkpoint to DeepSpeed's universal format and "
+                f"load it on {world_size()} (or start a new run from exported weights)")
         saved = shared.get("layout")
         if layout is not None and saved is not None:
             differ = [f"{key} {saved[key]!r} (this run: {value!r})" for key, value in layout.items()
@@ -289,11 +296,21 @@ class TrainingCheckpoints:
                 except Exception as exc:  # missing or truncated safetensors
                     raise BrokenCheckpoint(f"{weights} cannot be read ({' '.join(str(exc).split())[:160]})") from exc
                 continue
-            with weights_only_loading(engine):
-                loaded, _ = engine.load_checkpoint(os.path.join(path, name), tag=DS_TAG)
+            if resharded and engine.zero_optimization():  # partitioned optimizer states: universal format
+                _convert_to_universal(os.path.join(path, name))
+                with weights_only_loading(engine), universal_loading(engine):
+                    loaded, _ = engine.load_checkpoint(os.path.join(path, name), tag=UNIVERSAL_TAG)
+            else:
+                with weights_only_loading(engine):
+                    loaded, _ = engine.load_checkpoint(os.path.join(path, name), tag=DS_TAG)
             if loaded is None:
                 raise BrokenCheckpoint(f"DeepSpeed found no model states under {os.path.join(path, name)}")
-        rank_state = safe_torch_load(os.path.join(path, f"rank{rank():05d}.pt"))
+        if resharded and rank() >= shared["world_size"]:
+            # a rank the checkpoint had not: rank 0's state without its RNG (this rank keeps its own)
+            rank_state = safe_torch_load(os.path.join(path, f"rank{0:05d}.pt"))
+            rank_state.pop("rng", None)
+        else:
+            rank_state = safe_torch_load(os.path.join(path, f"rank{rank():05d}.pt"))
         return shared, rank_state
 
     def _prune(self, keep_tag: str) -> None:
@@ -301,6 +318,66 @@ class TrainingCheckpoints:
         for tag in tags[:-self.keep] if self.keep > 0 else []:
             if tag != keep_tag:
                 shutil.rmtree(os.path.join(self.root, tag), ignore_errors=True)
+
+
+@contextmanager
+def universal_loading(engine):
+    """`engine.load_checkpoint` inside this block reads a universal checkpoint: DeepSpeed's
+    `checkpoint.load_universal` setting, read from `engine._config` at each load, switched on for
+    that load only (so the engine's own config at `deepspeed.initialize` needs no change)."""
+    original = engine._config.load_universal_checkpoint
+    engine._config.load_universal_checkpoint = True
+    try:
+        yield
+    finally:
+        engine._config.load_universal_checkpoint = original
+
+
+def _convert_to_universal(engine_dir: str) -> str:
+    """`engine_dir/universal` from `engine_dir/ds` (deepspeed.checkpoint.ds_to_universal), converted by rank 0
+    the first time (into a temporary folder, then renamed) and reused after; collective: the other ranks
+    wait. Every file read goes through `safe_torch_load` first (the converter and DeepSpeed's universal
+    loader use torch.load(weights_only=False)): the source files before converting, the converted ones
+    before any rank loads them. A missing or unreadable source file raises BrokenCheckpoint on every rank."""
+    import argparse
+    import glob
+
+    from utils.distributed import all_reduce_max
+    from utils.logging import print_rank0
+
+    source, target = os.path.join(engine_dir, DS_TAG), os.path.join(engine_dir, UNIVERSAL_TAG)
+    failure, message = 0.0, ""
+    if is_rank0():
+        try:
+            if not os.path.isdir(target):
+                for file in sorted(glob.glob(os.path.join(source, "*.pt"))):
+                    safe_torch_load(file)
+                if not glob.glob(os.path.join(source, "*optim_states.pt")):
+                    raise BrokenCheckpoint(f"{source} holds no ZeRO optimizer states")
+                tmp = os.path.join(engine_dir, f".tmp-{UNIVERSAL_TAG}")
+                shutil.rmtree(tmp, ignore_errors=True)
+                print_rank0(f"[checkpoint] converting {source} to DeepSpeed's universal checkpoint format in {target}")
+                from deepspeed.checkpoint import ds_to_universal
+
+                # one process (no worker pool forked from a rank); the ZeRO info DeepSpeed only writes for
+                # tensor-parallel models is injected
+                ds_to_universal.main(argparse.Namespace(
+                    input_folder=source, output_folder=tmp, num_extract_workers=1, num_merge_workers=1,
+                    keep_temp_folder=False, strict=True, inject_missing_state=True))
+                os.rename(tmp, target)
+            for file in sorted(glob.glob(os.path.join(target, "**", "*.pt"), recursive=True)):
+                safe_torch_load(file)
+        except BrokenCheckpoint as exc:
+            failure, message = 1.0, str(exc)
+        except CheckpointError as exc:
+            failure, message = 2.0, str(exc)
+        except Exception as exc:  # the converter's own errors (an unsupported layout, a full disk, ...)
+            failure, message = 2.0, f"converting {source} to the universal format failed: {type(exc).__name__}: {exc}"
+    failure = all_reduce_max(failure)  # every rank raises the same kind (restore() falls back on all or none)
+    if failure:
+        message = message or f"converting {source} to the universal format failed on rank 0"
+        raise (BrokenCheckpoint if failure == 1.0 else CheckpointError)(message)
+    return target
 
 
 def _has_optimizer(engine) -> bool:
@@ -376,6 +453,7 @@ class Checkpointing:
         self.store = TrainingCheckpoints(args.output_dir, getattr(args, "keep_checkpoints", 2))
         self.engines = engines
         self.layout = layout
+        self.universal = getattr(args, "universal_checkpoint", False)
         self.last_path: str | None = None
 
     def restore(self) -> tuple[LoopState, dict, dict]:
@@ -394,7 +472,7 @@ class Checkpointing:
         problems = [] if pointed in candidates else [f"{pointed} (named by {LATEST_FILE}) is missing or incomplete"]
         for path in candidates:
             try:
-                shared, rank_state = self.store.load(self.engines, path, self.layout)
+                shared, rank_state = self.store.load(self.engines, path, self.layout, self.universal)
                 broken = 0.0
             except BrokenCheckpoint as exc:
                 problems.append(str(exc))
@@ -407,8 +485,22 @@ class Checkpointing:
             raise CheckpointError(f"no intact checkpoint under {self.store.root} ({'; '.join(problems) or 'none complete'}"
                                   f"): start a new run with --overwrite_output_dir, or restore the files")
         shared.pop("layout", None)
-        set_rng_state(rank_state.pop("rng"))
+        rng = rank_state.pop("rng", None)
+        if rng is not None:
+            set_rng_state(rng)
         loop = LoopState(**shared.pop("loop"))
+        if shared["world_size"] != world_size():
+            # each rank had read `batches_in_epoch` batches of its shard (DistributedSampler: rank r takes
+            # every n-th row of the epoch's order), so the first saved_ranks * batches_in_epoch batches'
+            # rows are done: on the new ranks that is this many batches of each one's new shard
+            consumed = loop.batches_in_epoch * shared["world_size"]
+            loop.batches_in_epoch = consumed // world_size()
+            exact = "" if consumed % world_size() == 0 else (
+                f"; {consumed % world_size()} batch(es) of rows are read again (not divisible)")
+            print_rank0(f"[checkpoint] resuming {shared['world_size']} ranks' checkpoint on {world_size()} ranks "
+                        f"(universal checkpoint): weights, optimizer and scheduler are restored exactly, the rest of "
+                        f"epoch {loop.epoch} is re-sharded (each rank skips {loop.batches_in_epoch} batches{exact}), so "
+                        f"the row order differs from an uninterrupted run")
         self.last_path = path
         return loop, shared, rank_state
 

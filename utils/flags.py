@@ -143,6 +143,10 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--keep_checkpoints", type=int, default=2, help="how many checkpoints to keep")
     g.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in OUTPUT_DIR when there is one (else start fresh)")
+    g.add_argument("--universal_checkpoint", action="store_true",
+                   help="with --resume: a checkpoint written by another number of ranks is converted to DeepSpeed's "
+                        "universal checkpoint format (once, inside the checkpoint) and loaded from it, instead of "
+                        "being refused")
     g.add_argument("--max_bad_steps", type=int, default=5,
                    help="stop after this many consecutive updates with a non-finite loss or reward")
 
