@@ -14,7 +14,8 @@ from utils.checkpoint import BadStepGuard, LoopState
 
 
 def ppo_args(model, prompts, out, *extra, critic=None):
-    """`critic` (default: `model`, enough for tests that stop in parse_args) must be a reward-model dir to train."""
+    """`critic` (default: `model`, enough for tests that stop in parse_args before the model-kind checks) must
+    be a reward-model directory otherwise."""
     return ["--actor_model_name_or_path", model, "--critic_model_name_or_path", critic or model,
             "--data_path", str(prompts), "--data_split", "0,0,10", "--output_dir", str(out),
             "--max_prompt_seq_len", "32", "--max_answer_seq_len", "4", "--per_device_generation_batch_size", "4",
@@ -75,9 +76,9 @@ def test_consecutive_nan_rewards_stop_the_run(nan_run, monkeypatch):
     (["--temperature", "0"], "--temperature must be > 0"),
     (["--only_optimize_lora"], "--only_optimize_lora needs"),
 ])
-def test_incompatible_flags_fail_before_any_model_is_loaded(tiny_gpt2, tmp_path, flags, message):
+def test_incompatible_flags_fail_before_any_model_is_loaded(tiny_gpt2, tiny_gpt2_reward, tmp_path, flags, message):
     with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)")):
-        parse_args(ppo_args(tiny_gpt2, tmp_path / "p.jsonl", tmp_path / "out", *flags))
+        parse_args(ppo_args(tiny_gpt2, tmp_path / "p.jsonl", tmp_path / "out", *flags, critic=tiny_gpt2_reward))
 
 
 def test_missing_model_directory_is_named(tmp_path):
