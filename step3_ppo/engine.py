@@ -21,7 +21,7 @@ from step3_ppo.advantages import needs_critic
 from utils.distributed import is_rank0, world_size
 from utils.ds_config import eval_ds_config, train_ds_config
 from utils.model import load_causal_lm
-from utils.reward_model import RewardModel, check_policy_dir, check_reward_model_dir
+from utils.reward_model import RewardModel
 from utils.training import build_trained_engine, initialize_engine, spec_from_args
 
 
@@ -59,10 +59,6 @@ class ActorEMA:
 
 
 def build_engines(args, tokenizer, total_steps: int) -> Engines:
-    # Before any model is loaded: the actor (also the reference and EMA) must be a causal LM and the
-    # critic/reward a step-2 reward model, else PPO would silently run against a fresh random head.
-    check_policy_dir(args.actor_model_name_or_path, "--actor_model_name_or_path")
-    check_reward_model_dir(args.critic_model_name_or_path, "--critic_model_name_or_path")
     ranks = world_size()
     actor_config = train_ds_config(args.actor_zero_stage, ranks, args.per_device_training_batch_size,
                                    args.gradient_accumulation_steps, args.dtype, args.offload, args.gradient_clipping)

@@ -184,7 +184,7 @@ def setup(args) -> Setup:
         raise SystemExit(f"error: {len(prompts)} prompts are too few for one PPO iteration of "
                          f"{args.per_device_generation_batch_size} x {args.generation_batches} per rank on "
                          f"{world_size()} ranks")
-    total_steps = total_training_steps(steps_per_epoch, args)
+    total_steps = total_training_steps(steps_per_epoch * args.num_train_epochs, args)
     engines = build_engines(args, tokenizer, total_steps)
     config = PPOConfig.from_args(args, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     trainer = PPOTrainer(engines, config, kl_controller(args), RewardModelReward(engines.reward, tokenizer.pad_token_id),

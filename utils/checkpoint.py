@@ -24,6 +24,7 @@ from torch import nn
 
 from utils import accelerator
 from utils.distributed import barrier, is_rank0, rank, world_size
+from utils.errors import one_line
 from utils.model import hf_zero3_disabled
 
 
@@ -138,7 +139,7 @@ def safe_torch_load(path: str, map_location=None):
     except FileNotFoundError:
         raise BrokenCheckpoint(f"{path} is missing") from None
     except (EOFError, RuntimeError) as e:  # a truncated zip: "PytorchStreamReader failed reading ..."
-        raise BrokenCheckpoint(f"{path} cannot be read ({' '.join(str(e).split())[:160]})") from None
+        raise BrokenCheckpoint(f"{path} cannot be read ({one_line(e, 160)})") from None
     except pickle.UnpicklingError as e:
         refused = re.search(r"GLOBAL ([\w.]+)", str(e))
         what = f" ({refused.group(1)})" if refused else ""
@@ -214,15 +215,19 @@ class TrainingCheckpoints:
         tags = sorted((t for t in os.listdir(self.root) if t.startswith("step-")), reverse=True)
         return [os.path.join(self.root, t) for t in tags if os.path.exists(os.path.join(self.root, t, COMPLETE_FILE))]
 
-    def latest(self) -> str | None:
+    def pointed(self) -> str | None:
+        """The checkpoint the `latest` pointer names (None without a pointer), complete or not."""
         pointer = os.path.join(self.root, LATEST_FILE)
         if not os.path.exists(pointer):
             return None
         with open(pointer) as f:
-            tag = f.read().strip()
-        path = os.path.join(self.root, tag)
-        if not os.path.exists(os.path.join(path, COMPLETE_FILE)):
-            raise CheckpointError(f"{pointer} names {tag!r}, which is missing or incomplete")
+            return os.path.join(self.root, f.read().strip())
+
+    def latest(self) -> str | None:
+        path = self.pointed()
+        if path is not None and not os.path.exists(os.path.join(path, COMPLETE_FILE)):
+            raise CheckpointError(f"{os.path.join(self.root, LATEST_FILE)} names {os.path.basename(path)!r}, "
+                                  f"which is missing or incomplete")
         return path
 
     def save(self, step: int, engines: dict, shared_state: dict, rank_state: dict) -> str:
@@ -294,7 +299,7 @@ class TrainingCheckpoints:
                 try:
                     _load_weights(engine, weights)
                 except Exception as exc:  # missing or truncated safetensors
-                    raise BrokenCheckpoint(f"{weights} cannot be read ({' '.join(str(exc).split())[:160]})") from exc
+                    raise BrokenCheckpoint(f"{weights} cannot be read ({one_line(exc, 160)})") from exc
                 continue
             if resharded and engine.zero_optimization():  # partitioned optimizer states: universal format
                 _convert_to_universal(os.path.join(path, name))
@@ -462,10 +467,9 @@ class Checkpointing:
         from utils.distributed import all_reduce_max
         from utils.logging import print_rank0
 
-        if not self.resume or not os.path.exists(os.path.join(self.store.root, LATEST_FILE)):
+        pointed = self.store.pointed() if self.resume else None
+        if pointed is None:
             return LoopState(), {}, {}
-        with open(os.path.join(self.store.root, LATEST_FILE)) as f:
-            pointed = os.path.join(self.store.root, f.read().strip())
         # the one `latest` names, then the intact ones before it (a newer one the pointer never reached
         # is a save that did not finish)
         candidates = [p for p in self.store.complete() if os.path.basename(p) <= os.path.basename(pointed)]

@@ -21,6 +21,12 @@ def known_errors() -> tuple:
     return (CheckpointError, DataError, ModelLoadError)
 
 
+def one_line(text, limit: int | None = None) -> str:
+    """`text` (an exception, a message) with its whitespace collapsed to single spaces, cut at `limit`."""
+    line = " ".join(str(text).split())
+    return line if limit is None else line[:limit]
+
+
 def _is_rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
@@ -28,7 +34,7 @@ def _is_rank0() -> bool:
 def report(message: str) -> None:
     """Print `message` as one error line, on rank 0 only."""
     if _is_rank0():
-        text = " ".join(str(message).split())
+        text = one_line(message)
         print(text if text.startswith("error:") else f"error: {text}", file=sys.stderr, flush=True)
 
 

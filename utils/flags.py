@@ -35,6 +35,11 @@ def add_per_model(group, names: Sequence[str], prefixes: Sequence[str], defaults
             group.add_argument(f"--{prefix}{name}", **spec)
 
 
+def fail(message: str):
+    """Stop with one readable line (the entry points print it once: utils/errors.py)."""
+    raise SystemExit(f"error: {message}")
+
+
 # --------------------------------------------------------------------------- #
 # Groups
 # --------------------------------------------------------------------------- #
@@ -116,17 +121,17 @@ def resolve_generation_args(args) -> None:
     """Fill the sampling defaults; a sampling knob with --greedy, or a temperature <= 0, stops the run."""
     given = [f"--{name}" for name in ("temperature", "top_p", "top_k") if getattr(args, name) is not None]
     if args.do_sample is False and given:
-        raise SystemExit(f"error: --greedy cannot be combined with {', '.join(given)}")
+        fail(f"--greedy cannot be combined with {', '.join(given)}")
     args.temperature = 1.0 if args.temperature is None else args.temperature
     args.top_p = 1.0 if args.top_p is None else args.top_p
     args.top_k = 0 if args.top_k is None else args.top_k
     if args.do_sample and args.temperature <= 0:
-        raise SystemExit(f"error: --temperature must be > 0 when sampling, got {args.temperature} "
-                         f"(use --greedy for greedy decoding)")
+        fail(f"--temperature must be > 0 when sampling, got {args.temperature} "
+             f"(use --greedy for greedy decoding)")
     if not 0 < args.top_p <= 1:
-        raise SystemExit(f"error: --top_p must be in (0, 1], got {args.top_p}")
+        fail(f"--top_p must be in (0, 1], got {args.top_p}")
     if args.top_k < 0:
-        raise SystemExit(f"error: --top_k must be >= 0 (0: off), got {args.top_k}")
+        fail(f"--top_k must be >= 0 (0: off), got {args.top_k}")
 
 
 def add_device_arg(parser: argparse.ArgumentParser) -> None:
@@ -182,11 +187,6 @@ def single_model_parser(description: str, model_help: str) -> argparse.ArgumentP
 # --------------------------------------------------------------------------- #
 # Checks shared by the training entry points
 # --------------------------------------------------------------------------- #
-def fail(message: str):
-    """Stop with one readable line (the entry points print it once: utils/errors.py)."""
-    raise SystemExit(f"error: {message}")
-
-
 def check_range(args, minimum: float, names: Sequence[str], strict: bool = False) -> None:
     """Each flag in `names` (that the parser has) >= minimum, or > minimum when `strict`."""
     for name in names:
@@ -257,9 +257,8 @@ def check_sequence_fits(path: str, length: int, what: str) -> None:
 
 def validate_training_args(args, prefixes: Sequence[str] = ("",), positive: Sequence[str] = ()) -> None:
     """Impossible settings stop the run here, before any model is loaded."""
-    for name in ("gradient_accumulation_steps", "num_train_epochs", "max_bad_steps", "keep_checkpoints", *positive):
-        if getattr(args, name) < 1:
-            raise SystemExit(f"error: --{name} must be >= 1, got {getattr(args, name)}")
+    check_range(args, 1, ("gradient_accumulation_steps", "num_train_epochs", "max_bad_steps", "keep_checkpoints",
+                          *positive))
     if args.max_steps < -1:
         fail(f"--max_steps must be >= 0, or -1 (no limit), got {args.max_steps}")
     args.max_steps = max(args.max_steps, 0)  # -1, as the HF Trainer spells "no limit", is 0 here
@@ -273,18 +272,18 @@ def validate_training_args(args, prefixes: Sequence[str] = ("",), positive: Sequ
         if dropout is not None and not 0 <= dropout < 1:
             fail(f"--{p}dropout must be in [0, 1), got {dropout}")
     if args.only_optimize_lora and all(getattr(args, f"{p}lora_dim") <= 0 for p in prefixes):
-        raise SystemExit(f"error: --only_optimize_lora needs {' or '.join(f'--{p}lora_dim' for p in prefixes)} > 0")
+        fail(f"--only_optimize_lora needs {' or '.join(f'--{p}lora_dim' for p in prefixes)} > 0")
     if getattr(args, "attn_implementation", None) == "flash_attention_2":
         import importlib.util
 
         if importlib.util.find_spec("flash_attn") is None:
-            raise SystemExit("error: --attn_implementation flash_attention_2 needs the flash_attn package, which is "
-                             "not installed (leave the flag out for sdpa)")
+            fail("--attn_implementation flash_attention_2 needs the flash_attn package, which is "
+                 "not installed (leave the flag out for sdpa)")
         if args.dtype == "fp32":
-            raise SystemExit("error: --attn_implementation flash_attention_2 needs --dtype bf16 or fp16")
+            fail("--attn_implementation flash_attention_2 needs --dtype bf16 or fp16")
     stage_zero = [f"--{p}zero_stage" for p in prefixes if getattr(args, f"{p}zero_stage") == 0]
     if args.offload and stage_zero:
-        raise SystemExit(f"error: --offload needs {' and '.join(stage_zero)} 1, 2 or 3")
+        fail(f"--offload needs {' and '.join(stage_zero)} 1, 2 or 3")
     inputs = [(f"--{p}model_name_or_path", getattr(args, f"{p}model_name_or_path")) for p in prefixes]
     if hasattr(args, "max_seq_len"):
         check_sequence_fits(inputs[0][1], args.max_seq_len, "--max_seq_len")

@@ -11,6 +11,8 @@ import os
 import torch
 from torch import nn
 
+from utils.errors import one_line
+
 PAD_TOKEN = "<pad>"
 
 _DROPOUT_ATTRS = (
@@ -129,7 +131,7 @@ def unreadable_weight_files(path: str) -> list[tuple[str, str]]:
                 with safe_open(os.path.join(path, name), framework="pt") as f:
                     f.keys()
             except Exception as exc:  # noqa: BLE001 - any reason it cannot be read is reported
-                bad.append((name, " ".join(str(exc).split())))
+                bad.append((name, one_line(exc)))
     return bad
 
 

@@ -95,10 +95,9 @@ def start_single_model_run(args, step: int):
     return tokenizer, rows
 
 
-def total_training_steps(steps_per_epoch: int, args) -> int:
-    """Optimizer steps (PPO iterations in step 3) of the run: the epochs, cut at --max_steps."""
-    total = steps_per_epoch * args.num_train_epochs
-    return min(total, args.max_steps) if args.max_steps else total
+def total_training_steps(updates: int, args) -> int:
+    """Optimizer steps (PPO iterations in step 3) of the run: all `updates` of its epochs, cut at --max_steps."""
+    return min(updates, args.max_steps) if args.max_steps else updates
 
 
 def micro_batch_schedule(examples: list, collator, args):
@@ -116,7 +115,7 @@ def micro_batch_schedule(examples: list, collator, args):
                          f"{args.num_train_epochs} epochs is less than --gradient_accumulation_steps "
                          f"{args.gradient_accumulation_steps} ({len(examples)} examples, --per_device_train_batch_size "
                          f"{args.per_device_train_batch_size})")
-    return sampler, loader, min(updates, args.max_steps) if args.max_steps else updates
+    return sampler, loader, total_training_steps(updates, args)
 
 
 def train_ds_config_from_args(args) -> dict:

@@ -175,10 +175,6 @@ def _read_json(path: str) -> tuple[list, list | None]:
                     f"(or 'train'/'eval' lists)")
 
 
-def _read_json_file(path: str) -> tuple[list, list | None]:
-    return (_read_jsonl(path), None) if path.endswith(".jsonl") else _read_json(path)
-
-
 def _read_csv(path: str) -> list:
     """Records of a .csv file: the header row gives the field names, every value
     is a string; blank lines are skipped; origins and errors name the row's line."""
@@ -230,10 +226,10 @@ def _data_ext(name: str) -> str | None:
 def _read_data_file(path: str) -> tuple[list, list | None]:
     """(train, eval-or-None) records of one file of a DATA_EXTS type."""
     ext = _data_ext(path)
-    if ext in JSON_EXTS:
-        return (_read_jsonl(path), None) if ext == ".jsonl" else _read_json(path)
-    if ext == ".jsonl.gz":
+    if ext in (".jsonl", ".jsonl.gz"):
         return _read_jsonl(path), None
+    if ext == ".json":
+        return _read_json(path)
     if ext == ".csv":
         return _read_csv(path), None
     if ext == ".parquet":

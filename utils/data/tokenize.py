@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from utils.data.sources import JSON_EXTS, DataError, _read_json_file, _read_text
+from utils.data.sources import JSON_EXTS, DataError, _read_data_file, _read_text
 
 IGNORE_INDEX = -100
 
@@ -125,7 +125,7 @@ def read_texts(path: str) -> list[str]:
     if not path.endswith(JSON_EXTS):
         return [line for line in _read_text(path).splitlines() if line.strip()]
     texts = []
-    for obj, origin in _read_json_file(path)[0]:
+    for obj, origin in _read_data_file(path)[0]:
         if isinstance(obj, dict) and isinstance(obj.get("text"), str):
             texts.append(obj["text"])
         elif isinstance(obj, dict) and isinstance(obj.get("prompt"), str) and isinstance(obj.get("chosen"), str):

@@ -40,9 +40,8 @@ def load_reward_model(path: str, device: str | torch.device | None = None, trust
     """(RewardModel in eval mode, fp32, on `device`; its tokenizer). A directory without
     `value_head.safetensors` (a step-1/SFT or base model) raises utils.model.ModelLoadError naming it,
     rather than scoring with a fresh random head (utils.reward_model.check_reward_model_dir)."""
-    from utils.reward_model import RewardModel, check_reward_model_dir
+    from utils.reward_model import RewardModel
 
-    check_reward_model_dir(path)
     tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
     model = RewardModel.from_pretrained(path, tokenizer, trust_remote_code=trust_remote_code,
                                         require_value_head=True)
