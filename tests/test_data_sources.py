@@ -10,9 +10,6 @@ import pytest
 from utils import data as D
 from utils.data import DataError
 
-DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "demo")
-
-
 def rows(n, tag="r"):
     return [{"prompt": f"{tag} prompt {i}", "chosen": f"{tag} good {i}", "rejected": f"{tag} bad {i}"}
             for i in range(n)]
@@ -119,9 +116,14 @@ def test_non_data_files_are_ignored(tmp_path):
     assert len(src.train) == 4 and src.eval is None
 
 
-def test_demo_folders_still_read():
+def test_demo_folders_still_read(tmp_path):
+    from data import make_demo_data
+
+    # data/demo is generated (gitignored), so build a small copy: a clean checkout has none
+    make_demo_data.main(["--out", str(tmp_path), "--sft_train", "20", "--sft_eval", "5",
+                         "--pairs_train", "20", "--pairs_eval", "5"])
     for name in ("sft", "pairs"):
-        src = D.load_source(os.path.join(DEMO, name))
+        src = D.load_source(str(tmp_path / name))
         assert src.train and src.eval
         assert src.train[0][1].endswith(os.path.join(name, "train.jsonl") + ":1")
         assert src.eval[0][1].endswith(os.path.join(name, "eval.jsonl") + ":1")
