@@ -79,27 +79,31 @@ class Conversation:
     def add(self, role: str, text: str) -> None:
         self.turns.append((role, text))
 
-    def render(self) -> str:
-        """The conversation so far, ending with the cue for the assistant's next turn."""
+    def prompt(self):
+        """The conversation so far as training's prompts are: a message list for the chat template,
+        or the Human/Assistant string ending with the cue for the assistant's next turn."""
         if self.template == "chat":
-            messages = ([{"role": "system", "content": self.system}] if self.system else []) + [
+            return ([{"role": "system", "content": self.system}] if self.system else []) + [
                 {"role": role, "content": text} for role, text in self.turns]
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         parts = [self.system] if self.system else []
         for role, text in self.turns:
             parts.append(f"Human: {text}" if role == "user" else f"Assistant: {text}")
         return "\n\n".join(parts) + "\n\nAssistant:"
 
     def prompt_ids(self, max_len: int) -> list[int]:
-        """Token ids of `render()`, keeping the LAST `max_len` tokens (BOS kept in front)."""
-        from utils.data import bos_prefix, encode
+        """Token ids of `prompt()` as training tokenises prompts (`tokenize_prompts`): the LAST tokens
+        of a long history, a chat template's header and generation prompt kept."""
+        from utils.data import tokenize_prompts
 
-        ids = encode(self.tokenizer, self.render())
-        prefix = bos_prefix(self.tokenizer)
-        if prefix and ids[:1] == prefix:  # a chat template that writes BOS itself
-            ids = ids[1:]
-        keep = max(1, max_len - len(prefix))
-        return prefix + ids[-keep:]
+        examples, stats = tokenize_prompts([{"prompt": self.prompt()}], self.tokenizer, max_len)
+        if not examples:
+            raise SystemExit(f"error: the conversation does not fit the context ({stats['skipped']})")
+        return examples[0]["input_ids"]
+
+    def stop_ids(self) -> list[int]:
+        from utils.data import stop_token_ids
+
+        return stop_token_ids(self.tokenizer, chat=self.template == "chat")
 
     def clean_reply(self, text: str) -> str:
         """The reply without a continuation the model invents for the user's next turn."""
@@ -150,7 +154,8 @@ def main(argv=None) -> int:
         conversation.add("user", text)
         answer = generate_answers_from_ids(
             model, tokenizer, [conversation.prompt_ids(max_prompt)], args.max_new_tokens, do_sample=args.do_sample,
-            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed + turn)[0]
+            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed + turn,
+            stop_ids=conversation.stop_ids())[0]
         reply = conversation.clean_reply(answer.text)
         conversation.add("assistant", reply)
         turn += 1

@@ -14,7 +14,9 @@ export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" TRANSFORMERS_OFFLINE="${TRANSFORMER
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 MASTER_PORT_GIVEN="${MASTER_PORT:-}"
 MASTER_PORT="${MASTER_PORT:-$(python -m utils.ports)}"
-DEMO_DATA="${DEMO_DATA:-$ROOT/data/demo}"
+# DEMO_FORMAT: chat (messages rows, the model's chat template; default) or raw (Human/Assistant strings)
+DEMO_FORMAT="${DEMO_FORMAT:-chat}"
+if [ "$DEMO_FORMAT" = chat ]; then DEMO_DATA="${DEMO_DATA:-$ROOT/data/demo}"; else DEMO_DATA="${DEMO_DATA:-$ROOT/data/demo_$DEMO_FORMAT}"; fi
 
 # Both print only the model folder on stdout (progress and library warnings go to stderr) and
 # fail the script when the folder cannot be made.
@@ -49,7 +51,7 @@ run_logged() {  # run_logged LOG command...
 }
 
 ensure_demo_data() {
-  [ -f "$DEMO_DATA/pairs/eval.jsonl" ] || python -m data.make_demo_data --out "$DEMO_DATA"
+  [ -f "$DEMO_DATA/pairs/eval.jsonl" ] || python -m data.make_demo_data --out "$DEMO_DATA" --format "$DEMO_FORMAT"
 }
 
 # Multi-node: MULTI_NODE_MODE=ssh (default; the launcher reaches every host of the hostfile over

@@ -3,8 +3,10 @@
 # the embedded SmolLM2-135M-Instruct and the Rotten-Tomatoes demo task, then evaluates the SFT and
 # RLHF policies side by side (reward model, an independent VADER judge, KL to SFT, lengths) and
 # draws OUTPUT_ROOT/step3/curves.png.
-# usage: bash scripts/demo.sh [--step 1 2 3] [--output_root DIR] [--quick]
+# usage: bash scripts/demo.sh [--step 1 2 3] [--output_root DIR] [--quick] [--format chat|raw]
 #   --quick: tiny random models and a few steps (a smoke test of the whole chain, about 2 minutes)
+#   --format: chat (default): the demo rows are conversations rendered with SmolLM2's chat template;
+#             raw: DeepSpeed-Chat's "Human: ...\n\nAssistant:" strings, concatenated as they are
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 STEPS=(1 2 3)
@@ -15,17 +17,23 @@ while [ $# -gt 0 ]; do
     --step) shift; STEPS=(); while [ $# -gt 0 ] && [[ "$1" =~ ^[123]$ ]]; do STEPS+=("$1"); shift; done ;;
     --output_root) OUTPUT_ROOT="$(mkdir -p "$2" && cd "$2" && pwd)"; shift 2 ;;
     --quick) QUICK=1; shift ;;
-    *) echo "unknown argument: $1 (use --step 1 2 3, --output_root DIR, --quick)" >&2; exit 2 ;;
+    --format) export DEMO_FORMAT="$2"; shift 2 ;;
+    *) echo "unknown argument: $1 (use --step 1 2 3, --output_root DIR, --quick, --format chat|raw)" >&2; exit 2 ;;
   esac
 done
 USER_OMP_NUM_THREADS="${OMP_NUM_THREADS:-}"
 # shellcheck source=common.sh
 source "$ROOT/scripts/common.sh"  # set-up, venv, offline mode, default_model/tiny_model
-python -m data.make_demo_data --out "$ROOT/data/demo" >/dev/null
+case "$DEMO_FORMAT" in chat|raw) ;; *) echo "--format must be chat or raw, got $DEMO_FORMAT" >&2; exit 2 ;; esac
+python -m data.make_demo_data --out "$DEMO_DATA" --format "$DEMO_FORMAT" >/dev/null
 STEP1="$OUTPUT_ROOT/step1" STEP2="$OUTPUT_ROOT/step2" STEP3="$OUTPUT_ROOT/step3"
 if [ "$QUICK" = 1 ]; then
   BASE="$(tiny_model llama)"
   S1=(--max_steps 3) S2=(--max_steps 3) S3=(--max_steps 2 --max_answer_seq_len 8) EVAL=(--num_prompts 8 --max_new_tokens 8)
+  # the tiny model has no chat template: give it ChatML (saved with steps 1-2's tokenizers, so step 3 finds it);
+  # its markers are plain text to this tokenizer, so the template's frame alone is ~49 prompt tokens
+  [ "$DEMO_FORMAT" = chat ] && S1+=(--chat_template utils/chat_templates/chatml.jinja) \
+    S2+=(--chat_template utils/chat_templates/chatml.jinja) S3+=(--max_prompt_seq_len 96)
 else
   BASE="$(default_model)"
   S1=() S2=() S3=() EVAL=(--num_prompts 64)
@@ -50,7 +58,8 @@ if [ -f "$STEP3/actor/model.safetensors" ]; then
   t0=$(date +%s)
   echo "[demo] evaluating SFT vs RLHF on held-out prompts"
   OMP_NUM_THREADS="${USER_OMP_NUM_THREADS:-2}" python -m step3_ppo.eval --sft_model "$STEP1" --rlhf_model "$STEP3/actor" \
-    --reward_model "$STEP2" --out "$OUTPUT_ROOT/eval.json" "${EVAL[@]}" | tee "$OUTPUT_ROOT/eval.txt"
+    --reward_model "$STEP2" --prompts "$DEMO_DATA/pairs/eval.jsonl" --out "$OUTPUT_ROOT/eval.json" "${EVAL[@]}" \
+    | tee "$OUTPUT_ROOT/eval.txt"
   echo "[demo] evaluation took $(( $(date +%s) - t0 )) s"
 fi
 echo "[demo] finished in $(( $(date +%s) - start )) s; outputs under $OUTPUT_ROOT (curves: $STEP3/curves.png)"

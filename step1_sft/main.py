@@ -24,6 +24,8 @@ from utils.training import (build_trained_engine, loop_metrics, memory_postfix, 
 
 def parse_args(argv=None):
     parser = single_model_parser(__doc__.splitlines()[0], "local from_pretrained directory or hub name")
+    parser.add_argument("--train_on_last_turn_only", action="store_true",
+                        help="train only a conversation's last assistant turn (default: every assistant turn)")
     args = parser.parse_args(argv)
     validate_training_args(args, positive=BATCH_FLAGS)
     return args
@@ -48,9 +50,9 @@ def logits_of(model, batch: dict) -> torch.Tensor:
 
 def main(argv=None):
     args = parse_args(argv)
-    tokenizer, rows = start_single_model_run(args, step=1)
-    train_examples, train_stats = tokenize_sft(rows.train, tokenizer, args.max_seq_len)
-    eval_examples, eval_stats = tokenize_sft(rows.eval, tokenizer, args.max_seq_len)
+    tokenizer, train_examples, train_stats, eval_examples, eval_stats = start_single_model_run(
+        args, 1, lambda rows, tok: tokenize_sft(rows, tok, args.max_seq_len, args.train_on_last_turn_only),
+        {"max_seq_len": args.max_seq_len, "train_on_last_turn_only": args.train_on_last_turn_only})
     print_rank0(f"[step1] train examples {len(train_examples)} {train_stats}; eval examples {len(eval_examples)} {eval_stats}")
     collator = SFTCollator(tokenizer.pad_token_id)
     if not eval_examples:

@@ -16,7 +16,8 @@ import argparse
 import os
 import sys
 
-from utils.flags import add_device_arg, add_generation_args, resolve_generation_args
+from utils.data import normalize_row, prompt_text
+from utils.flags import add_device_arg, add_format_args, add_generation_args, resolve_generation_args
 
 DEFAULT_PROMPTS = (
     "Human: Continue this movie review: The acting in this film\n\nAssistant:",
@@ -39,6 +40,7 @@ def parse_args(argv=None):
     p.add_argument("--num_beams", type=int, default=None, help=f"beam search width (default {DEFAULT_NUM_BEAMS} "
                    "when no mode is chosen)")
     add_generation_args(p, do_sample=None)  # None: greedy, beam search and sampling unless one is chosen
+    add_format_args(p.add_argument_group("prompt format (as in training)"), template_file=False)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--batch_size", type=int, default=8)
     add_device_arg(p)
@@ -67,14 +69,20 @@ def decoding_modes(args) -> list[tuple[str, dict]]:
     return modes
 
 
-def resolve_prompts(args) -> list[str]:
-    if not args.prompts:
-        return list(DEFAULT_PROMPTS)
-    if len(args.prompts) == 1 and os.path.exists(os.path.expanduser(args.prompts[0])):
+def resolve_prompts(args) -> list:
+    """Strings, or message lists (rendered with the model's chat template): from a file as its rows say
+    (and --apply_chat_template), from the command line as user turns with --apply_chat_template."""
+    from utils.data import RowFormat
+
+    fmt = RowFormat.from_args(args)
+    if args.prompts and len(args.prompts) == 1 and os.path.exists(os.path.expanduser(args.prompts[0])):
         from utils.evaluation import load_prompts
 
-        return load_prompts(args.prompts[0], args.num_prompts, args.seed)
-    return [p.replace("\\n", "\n") for p in args.prompts]
+        return load_prompts(args.prompts[0], args.num_prompts, args.seed, fmt)
+    texts = [p.replace("\\n", "\n") for p in args.prompts] if args.prompts else list(DEFAULT_PROMPTS)
+    if fmt.apply_chat_template:
+        return [normalize_row({"prompt": t}, "--prompts", 3, fmt)["prompt"] for t in texts]
+    return texts
 
 
 def main(argv=None) -> dict:
@@ -99,7 +107,7 @@ def main(argv=None) -> dict:
                                                     max_prompt_len=args.max_prompt_len, **kwargs)
     for i, prompt in enumerate(prompts):
         print(f"\n==================== prompt {i + 1}/{len(prompts)} ====================")
-        print(prompt)
+        print(prompt_text(prompt))
         for title, _ in modes:
             for name in models:
                 a = answers[title, name][i]

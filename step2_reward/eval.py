@@ -19,7 +19,9 @@ import sys
 
 import torch
 
-from utils.data import DataError, PairCollator, SFTCollator, STEP_FIELDS, read_rows, tokenize_pairs, tokenize_sft
+from utils.data import (DEFAULT_FORMAT, DataError, PairCollator, RowFormat, SFTCollator, SkipRow, normalize_row,
+                        read_rows, scored_sequences, tokenize_pairs)
+from utils.flags import add_format_args
 from utils.forward import sequence_scores
 from utils.losses import pair_metrics
 from utils.model import hf_zero3_disabled, load_tokenizer
@@ -58,6 +60,7 @@ def parse_args(argv=None):
                         help="a response to the preceding --prompt; repeatable")
     parser.add_argument("--pairs", default=None, help="JSON/JSONL file (or folder) of prompt/chosen/rejected rows")
     parser.add_argument("--batch_size", type=int, default=16)
+    add_format_args(parser.add_argument_group("row format (as in training)"), template_file=False)
     parser.add_argument("--max_seq_len", type=int, default=512, help="truncation, as in training")
     parser.add_argument("--raw_text", action="store_true",
                         help="keep \\n, \\t, \\\\ as typed (default: newline, tab, backslash)")
@@ -77,12 +80,20 @@ def parse_args(argv=None):
 
 
 @torch.no_grad()
-def score_texts(model, tokenizer, items: list[tuple[str, str]], max_seq_len: int, batch_size: int) -> list[float]:
-    """Scores of (prompt, response) texts; ids = prompt + response + EOS as in training."""
-    rows = [{"prompt": p, "chosen": r} for p, r in items]
-    examples, stats = tokenize_sft(rows, tokenizer, max_seq_len)
-    if stats["skipped_empty"]:
-        raise SystemExit("error: empty prompt or response cannot be scored")
+def score_texts(model, tokenizer, items: list[tuple[str, str]], max_seq_len: int, batch_size: int,
+                fmt=DEFAULT_FORMAT) -> list[float]:
+    """Scores of (prompt, response) texts, tokenised as in training (``scored_sequences``); with
+    ``fmt.apply_chat_template`` the prompt is a user turn and the response an assistant turn."""
+    stats = {"truncated_prompt": 0, "truncated_response": 0}
+    examples = []
+    for p, r in items:
+        try:
+            row = normalize_row({"prompt": p, "chosen": r}, "--prompt/--response", 1, fmt)
+            if row["messages"] is not None:
+                row = {"prompt": row["messages"][:-1], "chosen": row["messages"][-1:], "origin": row["origin"]}
+            examples.append({"input_ids": scored_sequences(row, tokenizer, ("chosen",), max_seq_len, stats)[0]})
+        except SkipRow:
+            raise SystemExit("error: empty prompt or response cannot be scored") from None
     collator = SFTCollator(tokenizer.pad_token_id)
     scores = []
     for i in range(0, len(examples), batch_size):
@@ -92,8 +103,8 @@ def score_texts(model, tokenizer, items: list[tuple[str, str]], max_seq_len: int
 
 
 @torch.no_grad()
-def evaluate_pair_file(model, tokenizer, source: str, max_seq_len: int, batch_size: int) -> dict:
-    rows, split = read_rows(source, STEP_FIELDS[2])
+def evaluate_pair_file(model, tokenizer, source: str, max_seq_len: int, batch_size: int, fmt=DEFAULT_FORMAT) -> dict:
+    rows, split = read_rows(source, 2, fmt)
     pairs, stats = tokenize_pairs(rows, tokenizer, max_seq_len)
     if not pairs:
         raise SystemExit(f"error: {source}: no usable pairs ({stats})")
@@ -133,12 +144,13 @@ def main(argv=None) -> dict:
     result = {}
     if args.groups:
         items = [(prompt, response) for prompt, responses in args.groups for response in responses]
-        scores = score_texts(model, tokenizer, items, args.max_seq_len, args.batch_size)
+        scores = score_texts(model, tokenizer, items, args.max_seq_len, args.batch_size, RowFormat.from_args(args))
         print(format_table(items, scores))
         result["scores"] = scores
     if args.pairs:
         try:
-            metrics = evaluate_pair_file(model, tokenizer, args.pairs, args.max_seq_len, args.batch_size)
+            metrics = evaluate_pair_file(model, tokenizer, args.pairs, args.max_seq_len, args.batch_size,
+                                         RowFormat.from_args(args))
         except DataError as e:
             raise SystemExit(f"error: {e}") from None
         print(f"pairs {metrics['pairs']} ({args.pairs}, split {metrics['split']}; "

@@ -15,7 +15,7 @@ import time
 import torch
 
 from utils.checkpoint import BadStepGuard, Checkpointing, data_layout, reload_max_abs_diff
-from utils.data import PairCollator, tokenize_pairs
+from utils.data import PairCollator, describe_skips, tokenize_pairs
 from utils.distributed import all_reduce_sum, rank_batches
 from utils.flags import BATCH_FLAGS, check_range, single_model_parser, validate_training_args
 from utils.forward import eval_mode, sequence_scores
@@ -78,12 +78,12 @@ def _format_eval(metrics: dict) -> str:
 
 def main(argv=None):
     args = parse_args(argv)
-    tokenizer, rows = start_single_model_run(args, step=2)
-    train_pairs, train_stats = tokenize_pairs(rows.train, tokenizer, args.max_seq_len)
-    eval_pairs, eval_stats = tokenize_pairs(rows.eval, tokenizer, args.max_seq_len)
+    tokenizer, train_pairs, train_stats, eval_pairs, eval_stats = start_single_model_run(
+        args, 2, lambda rows, tok: tokenize_pairs(rows, tok, args.max_seq_len), {"max_seq_len": args.max_seq_len})
     print_rank0(f"[step2] train pairs {len(train_pairs)} {train_stats}; eval pairs {len(eval_pairs)} {eval_stats}")
     if not train_pairs:
-        raise SystemExit("error: no usable training pairs (see skipped_bad_pairs above)")
+        raise SystemExit(f"error: no usable training pairs (skipped_bad_pairs {train_stats['skipped_bad_pairs']}, "
+                         f"other skips: {describe_skips(train_stats['skipped'])})")
     if not eval_pairs:
         raise SystemExit("error: no held-out pairs to evaluate (the eval split is empty: --eval_fraction 0, or "
                          "too few rows); give --eval_fraction > 0 or a source with an eval/test file")

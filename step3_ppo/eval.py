@@ -21,7 +21,7 @@ from utils.model import ModelLoadError, check_model_path
 
 def parse_args(argv=None):
     from utils.evaluation import DEFAULT_PROMPTS
-    from utils.flags import add_device_arg, add_generation_args, resolve_generation_args
+    from utils.flags import add_device_arg, add_format_args, add_generation_args, resolve_generation_args
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sft_model", required=True, help="step 1 output directory (also the KL reference)")
@@ -39,6 +39,7 @@ def parse_args(argv=None):
     add_device_arg(p)
     p.add_argument("--out", default=None, help="write the full result (with per-prompt rows) as JSON")
     add_generation_args(p, do_sample=True)  # sampling by default, as in PPO rollouts
+    add_format_args(p.add_argument_group("prompt format (as in training)"), template_file=False)
     args = p.parse_args(argv)
     resolve_generation_args(args)
     for name in ("num_prompts", "max_new_tokens", "batch_size", "max_prompt_len"):
@@ -63,11 +64,11 @@ def main(argv=None) -> dict:
         except ModelLoadError as e:
             fail(str(e))
 
-    from utils.data import DataError
+    from utils.data import DataError, RowFormat
     from utils.evaluation import compare_policies, format_table, load_prompts
 
     try:
-        prompts = load_prompts(args.prompts, args.num_prompts, args.prompt_seed)
+        prompts = load_prompts(args.prompts, args.num_prompts, args.prompt_seed, RowFormat.from_args(args))
     except (DataError, OSError, ValueError) as e:
         fail(f"--prompts: {e}")
     result = compare_policies(args.sft_model, args.rlhf_model, args.reward_model, prompts, args.max_new_tokens,

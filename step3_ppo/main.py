@@ -23,7 +23,7 @@ from step3_ppo.rewards import RewardModelReward
 from step3_ppo.shaping import AdaptiveKLController, FixedKLController
 from step3_ppo.trainer import PPOConfig, PPOTrainer
 from utils.checkpoint import BadStepGuard, Checkpointing, data_layout, export_hf_model
-from utils.data import (PromptCollator, SFTCollator, build_step_rows, distributed_loader, read_texts,
+from utils.data import (PromptCollator, SFTCollator, describe_skips, distributed_loader, read_texts, stop_token_ids,
                         tokenize_prompts, tokenize_texts)
 from utils.distributed import is_rank0, start_process, world_size
 from utils.flags import (add_checkpoint_args, add_data_args, add_generation_args, add_model_args, add_output_args,
@@ -33,7 +33,7 @@ from utils.logging import print_rank0, progress_bar
 from utils.model import check_model_path, load_tokenizer
 from utils.ops import KL_ESTIMATORS
 from utils.reward_model import check_policy_dir, check_reward_model_dir, export_reward_model
-from utils.training import loop_metrics, memory_postfix, total_training_steps
+from utils.training import loop_metrics, memory_postfix, step_examples, total_training_steps
 
 MODELS = ("actor_", "critic_")
 # step 3's own defaults for the per-model flags of utils/flags.py (DeepSpeed-Chat's values; dropout off,
@@ -168,15 +168,18 @@ class Setup:
 def setup(args) -> Setup:
     """Everything before the first PPO iteration: process group, tokenizer, prompts, engines, trainer."""
     start_process(args)
-    tokenizer = load_tokenizer(args.actor_model_name_or_path, args.trust_remote_code, padding_side="left")
+    tokenizer = load_tokenizer(args.actor_model_name_or_path, args.trust_remote_code, padding_side="left",
+                               chat_template=args.chat_template)
     critic_tokenizer = load_tokenizer(args.critic_model_name_or_path, args.trust_remote_code)
     if len(critic_tokenizer) != len(tokenizer) or critic_tokenizer.eos_token_id != tokenizer.eos_token_id:
         raise SystemExit(f"error: the actor's tokenizer ({args.actor_model_name_or_path}, {len(tokenizer)} tokens) and "
                          f"the critic's ({args.critic_model_name_or_path}, {len(critic_tokenizer)} tokens) differ")
-    rows = build_step_rows(args.data_path, args.data_split, step=3, seed=args.seed, eval_fraction=args.eval_fraction,
-                           log=print_rank0)
-    prompts, stats = tokenize_prompts(rows.train, tokenizer, args.max_prompt_seq_len)
+    prompts, stats, _, _ = step_examples(args, tokenizer, 3, lambda rows: tokenize_prompts(
+        rows, tokenizer, args.max_prompt_seq_len), {"max_prompt_seq_len": args.max_prompt_seq_len}, with_eval=False)
     print_rank0(f"[step3] prompts {len(prompts)} {stats}")
+    if not prompts and stats["skipped"]:
+        raise SystemExit(f"error: every prompt was skipped ({describe_skips(stats['skipped'])}); too_long: not even "
+                         f"the chat template's frame fits --max_prompt_seq_len {args.max_prompt_seq_len}")
     sampler, loader = distributed_loader(prompts, args.per_device_generation_batch_size,
                                          PromptCollator(tokenizer.pad_token_id), args.seed, drop_last=True)
     steps_per_epoch = len(loader) // args.generation_batches
@@ -186,7 +189,9 @@ def setup(args) -> Setup:
                          f"{world_size()} ranks")
     total_steps = total_training_steps(steps_per_epoch * args.num_train_epochs, args)
     engines = build_engines(args, tokenizer, total_steps)
-    config = PPOConfig.from_args(args, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    stop_ids = stop_token_ids(tokenizer, chat=stats["chat"])
+    print_rank0(f"[step3] responses end at {tokenizer.convert_ids_to_tokens(stop_ids)}")
+    config = PPOConfig.from_args(args, stop_token_ids=tuple(stop_ids), pad_token_id=tokenizer.pad_token_id)
     trainer = PPOTrainer(engines, config, kl_controller(args), RewardModelReward(engines.reward, tokenizer.pad_token_id),
                          unsupervised_batches(args, tokenizer))
     return Setup(args, tokenizer, sampler, loader, engines, trainer, steps_per_epoch, total_steps)

@@ -34,7 +34,7 @@ from utils.training import OVERFLOW, backward_and_step
 @dataclass
 class PPOConfig:
     """Every RL hyper-parameter; each field is the flag of the same name in step3_ppo/main.py."""
-    eos_token_id: int
+    stop_token_ids: tuple  # EOS, and for chat prompts the template's end-of-turn token: a response ends at the first
     pad_token_id: int
     max_answer_seq_len: int = 64
     min_answer_seq_len: int = 1
@@ -104,8 +104,8 @@ class PPOTrainer:
         c = self.config
         sequences = generate(self.actor, prompt_batch["input_ids"], prompt_batch["attention_mask"],
                              hybrid=c.enable_hybrid_engine, merge_lora=c.merge_lora_for_generation,
-                             **generation_kwargs(c.generation, c.eos_token_id, c.pad_token_id))
-        return split_generation(sequences, prompt_batch["input_ids"], prompt_batch["attention_mask"], c.eos_token_id)
+                             **generation_kwargs(c.generation, c.stop_token_ids, c.pad_token_id))
+        return split_generation(sequences, prompt_batch["input_ids"], prompt_batch["attention_mask"], c.stop_token_ids)
 
     def inference_weights(self, engine):
         """With the hybrid engine, a no-grad phase holds the whole model gathered once (hybrid.gathered).

@@ -51,3 +51,25 @@ def tiny_gpt2_reward(tiny_gpt2, tmp_path_factory) -> str:
 def tiny_llama_reward(tiny_llama, tmp_path_factory) -> str:
     """Reward-model directory of tiny_llama (for step 3's --critic_model_name_or_path, the evaluation)."""
     return _tiny_reward_model_dir(tiny_llama, str(tmp_path_factory.mktemp("tiny_reward") / "llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_llama(tmp_path_factory) -> str:
+    """tiny_llama's twin with a ChatML template whose end-of-turn token `<|im_end|>` is not EOS."""
+    from utils.tiny_model import make_tiny_model
+
+    return make_tiny_model("llama", str(tmp_path_factory.mktemp("tiny_chat") / "llama"), chat=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_llama_reward(tiny_chat_llama, tmp_path_factory) -> str:
+    return _tiny_reward_model_dir(tiny_chat_llama, str(tmp_path_factory.mktemp("tiny_chat_reward") / "llama"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """The real SmolLM2-135M-Instruct tokenizer (ChatML, EOS = `<|im_end|>`), from the embedded default model."""
+    from utils.default_model import ensure_default_model
+    from utils.model import load_tokenizer
+
+    return load_tokenizer(ensure_default_model())

@@ -92,7 +92,7 @@ def test_missing_path_is_named(tmp_path):
 def test_response_synonym_and_origin(tmp_path):
     p = write_jsonl(tmp_path / "x.jsonl", [{"prompt": "Q", "response": "A"}])
     r = build([p], split="1,0,0").train
-    assert r == [{"prompt": "Q", "chosen": "A", "rejected": None, "origin": f"{p}:1"}]
+    assert r == [{"prompt": "Q", "chosen": "A", "rejected": None, "messages": None, "extra": {}, "origin": f"{p}:1"}]
 
 
 def test_empty_rows_skipped_and_counted(tmp_path):
@@ -103,7 +103,7 @@ def test_empty_rows_skipped_and_counted(tmp_path):
     logged = []
     res = D.build_step_rows([p], "1,0,0", 1, 0, eval_fraction=0, log=logged.append)
     assert len(res.train) == 4 and res.stats["skipped_empty"] == 2 and res.stats["rows_read"] == 6
-    assert "skipped_empty 2" in logged[0]
+    assert "skipped 2 of this step's rows (empty 2)" in logged[0] and "skipped_empty 2" in logged[-1]
     # step 3 only needs the prompt: the empty-chosen row is kept there
     assert len(build([p], split="0,0,1", step=3, eval_fraction=0).train) == 5
 
@@ -137,7 +137,7 @@ def test_folder_with_train_and_eval_files(tmp_path):
 
 
 def test_read_rows_eval_split_else_all_rows(tmp_path):
-    required = D.STEP_FIELDS[2]
+    required = 2
     # a folder with train + eval files: the eval rows only
     write_jsonl(tmp_path / "d" / "train.jsonl", rows(5, "t"))
     write_jsonl(tmp_path / "d" / "eval.jsonl", rows(3, "e"))
@@ -151,7 +151,7 @@ def test_read_rows_eval_split_else_all_rows(tmp_path):
     got, split = D.read_rows(p, required)
     assert split == "all" and [r["prompt"] for r in got] == ["r prompt 0", "r prompt 1", "r prompt 3"]
     # the same row is kept when its empty field is not required
-    assert len(D.read_rows(p, D.STEP_FIELDS[1])[0]) == 4
+    assert len(D.read_rows(p, 1)[0]) == 4
     # a missing required field names file and line
     data = rows(3)
     del data[1]["rejected"]
@@ -331,8 +331,8 @@ def test_end_to_end_dataloader(tmp_path, tok):
 def test_make_demo_data_smoke(tmp_path, capsys):
     from data import make_demo_data
 
-    counts = make_demo_data.main(["--out", str(tmp_path), "--seed", "0", "--sft_train", "400",
-                                  "--sft_eval", "60", "--pairs_train", "400", "--pairs_eval", "60"])
+    sizes = ["--sft_train", "400", "--sft_eval", "60", "--pairs_train", "400", "--pairs_eval", "60"]
+    counts = make_demo_data.main(["--out", str(tmp_path), "--seed", "0", "--format", "raw"] + sizes)
     assert "sft/train.jsonl=400" in capsys.readouterr().out
     assert counts == {"sft/train.jsonl": 400, "sft/eval.jsonl": 60, "pairs/train.jsonl": 400,
                       "pairs/eval.jsonl": 60}
@@ -359,6 +359,16 @@ def test_make_demo_data_smoke(tmp_path, capsys):
     assert all(r["chosen"] != r["rejected"] for r in res.train)
     # deterministic
     again = tmp_path / "again"
-    make_demo_data.main(["--out", str(again), "--sft_train", "400", "--sft_eval", "60",
-                         "--pairs_train", "400", "--pairs_eval", "60"])
+    make_demo_data.main(["--out", str(again), "--format", "raw"] + sizes)
     assert (again / "pairs" / "eval.jsonl").read_text() == (tmp_path / "pairs" / "eval.jsonl").read_text()
+    # the default chat format: the same sentences as conversations
+    chat = tmp_path / "chat"
+    make_demo_data.main(["--out", str(chat)] + sizes)
+    for raw_row, chat_row in zip(load("sft/train.jsonl"), [json.loads(x) for x in open(chat / "sft" / "train.jsonl")]):
+        user, assistant = chat_row["messages"]
+        assert user == {"role": "user", "content": raw_row["prompt"][len("Human: "):-len("\n\nAssistant:")]}
+        assert assistant == {"role": "assistant", "content": raw_row["response"].strip()}
+    pair = json.loads(open(chat / "pairs" / "eval.jsonl").readline())
+    assert pair["prompt"][0]["role"] == "user" and pair["chosen"][0]["role"] == "assistant"
+    res = D.build_step_rows([str(chat / "pairs")], "0,1,0", 2, 0, log=quiet)
+    assert len(res.train) == 400 and all(isinstance(r["prompt"], list) for r in res.train)

@@ -152,8 +152,14 @@ def test_load_prompts(tmp_path):
     a, b = load_prompts(str(path), 4, seed=1), load_prompts(str(path), 4, seed=1)
     assert a == b and len(a) == 4 and len(set(a)) == 4
     assert sorted(load_prompts(str(path), None, seed=2)) == sorted({r["prompt"] for r in rows if r["prompt"].strip()})
-    demo = load_prompts(n=5)  # the demo pairs' eval split
-    assert len(demo) == 5 and all(p.startswith("Human: ") and p.endswith("Assistant:") for p in demo)
+    from data import make_demo_data
+
+    make_demo_data.main(["--out", str(tmp_path / "demo"), "--sft_train", "4", "--sft_eval", "2", "--pairs_train", "4",
+                         "--pairs_eval", "12"])
+    demo = load_prompts(str(tmp_path / "demo" / "pairs"), n=5)  # the demo pairs' eval split: user turns
+    assert len(demo) == 5 and all(p[0]["role"] == "user" and p[0]["content"].startswith("Continue this movie")
+                                  for p in demo)
+    assert len(load_prompts(str(tmp_path / "demo" / "pairs"), n=None)) == 12
 
 
 # --------------------------------------------------------------------------- comparison
@@ -194,9 +200,11 @@ def test_eval_cli(tiny_gpt2, tiny_gpt2_reward, tmp_path, capsys):
     assert exc.value.code != 0 and "--sft_model" in capsys.readouterr().err
 
     out = tmp_path / "eval.json"
+    prompts = tmp_path / "prompts.jsonl"  # string prompts: the tiny model has no chat template
+    prompts.write_text("".join(json.dumps({"prompt": f"Human: review {i}\n\nAssistant:"}) + "\n" for i in range(3)))
     step3_eval.main(["--sft_model", tiny_gpt2, "--rlhf_model", tiny_gpt2, "--reward_model", tiny_gpt2_reward,
-                     "--num_prompts", "2", "--max_new_tokens", "3", "--greedy", "--num_samples", "1",
-                     "--device", "cpu", "--out", str(out)])
+                     "--prompts", str(prompts), "--num_prompts", "2", "--max_new_tokens", "3", "--greedy",
+                     "--num_samples", "1", "--device", "cpu", "--out", str(out)])
     printed = capsys.readouterr().out
     assert "reward (RM)" in printed and "sample 1" in printed
     saved = json.loads(out.read_text())
@@ -245,16 +253,23 @@ def test_chat_history_clear_and_templates(tiny_gpt2, monkeypatch, capsys):
     conv.add("user", "hi")
     conv.add("assistant", "hello there")
     conv.add("user", "how are you")
-    assert conv.render() == "Human: hi\n\nAssistant: hello there\n\nHuman: how are you\n\nAssistant:"
-    assert conv.prompt_ids(1000) == encode(tokenizer, conv.render())
-    assert conv.prompt_ids(4) == encode(tokenizer, conv.render())[-4:]  # the start is dropped first
+    assert conv.prompt() == "Human: hi\n\nAssistant: hello there\n\nHuman: how are you\n\nAssistant:"
+    assert conv.prompt_ids(1000) == encode(tokenizer, conv.prompt())
+    assert conv.prompt_ids(4) == encode(tokenizer, conv.prompt())[-4:]  # the start is dropped first
     assert conv.clean_reply(" fine.\n\nHuman: and you?") == "fine."
 
     tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                                "{% if add_generation_prompt %}<assistant>{% endif %}")
     conv = chat.Conversation(tokenizer, chat.resolve_template(tokenizer, "auto"), system="be nice")
     conv.add("user", "hi")
-    assert conv.template == "chat" and conv.render() == "<system>be nice\n<user>hi\n<assistant>"
+    assert conv.template == "chat" and conv.prompt() == [{"role": "system", "content": "be nice"},
+                                                         {"role": "user", "content": "hi"}]
+    assert tokenizer.decode(conv.prompt_ids(1000)) == "<system>be nice\n<user>hi\n<assistant>"
+    # a long history keeps the template's frame (the system turn's opening, the generation prompt)
+    conv.add("assistant", "word " * 50)
+    conv.add("user", "and now?")
+    cut = tokenizer.decode(conv.prompt_ids(20))
+    assert cut.startswith("<system>") and cut.endswith("and now?\n<assistant>")
 
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\nclear\nhi\nexit\nnever read\n"))
     assert chat.main(["--model_name_or_path", tiny_gpt2, "--max_new_tokens", "3", "--device", "cpu"]) == 0

@@ -14,31 +14,35 @@ from utils.data import PromptCollator
 PROMPT_WORDS = ["movie", "good", "plot", "film", "bad", "scene", "actor", "music", "story", "great"]
 
 
-def write_prompts(path, n=24):
-    """Prompts of 1 to 12 words, so rollout batches and mini-batches need different left padding."""
+def write_prompts(path, n=24, chat=False):
+    """Prompts of 1 to 12 words, so rollout batches and mini-batches need different left padding
+    (with `chat`, as message lists rendered by the chat template)."""
     with open(path, "w") as f:
         for i in range(n):
             words = " ".join(PROMPT_WORDS[(i + j) % len(PROMPT_WORDS)] for j in range(1 + (i * 5) % 12))
-            f.write(json.dumps({"prompt": f"Human: {words}\n\nAssistant:"}) + "\n")
+            row = {"prompt": [{"role": "user", "content": words}]} if chat else {"prompt": f"Human: {words}\n\nAssistant:"}
+            f.write(json.dumps(row) + "\n")
+
+
+def lr0_setup(model, critic, tmp, chat=False):
+    write_prompts(tmp / "prompts.jsonl", chat=chat)
+    args = parse_args([
+        "--actor_model_name_or_path", model, "--critic_model_name_or_path", critic,
+        "--data_path", str(tmp / "prompts.jsonl"), "--data_split", "0,0,10", "--output_dir", str(tmp / "out"),
+        "--actor_zero_stage", "0", "--critic_zero_stage", "0", "--actor_learning_rate", "0",
+        "--critic_learning_rate", "0", "--max_prompt_seq_len", "48" if chat else "32", "--max_answer_seq_len", "10",
+        "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "4", "--seed", "3",
+        "--actor_dropout", "0.0", "--critic_dropout", "0.0"])
+    return setup(args)
 
 
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
 def ppo_setup(request, tmp_path_factory):
     from utils.tiny_model import make_tiny_model_cached
 
-    model = make_tiny_model_cached(request.param)
     critic = request.getfixturevalue(f"tiny_{request.param}_reward")  # a step-2-like reward-model directory
-    tmp = tmp_path_factory.mktemp(f"lr0_{request.param}")
-    write_prompts(tmp / "prompts.jsonl")
-    args = parse_args([
-        "--actor_model_name_or_path", model, "--critic_model_name_or_path", critic,
-        "--data_path", str(tmp / "prompts.jsonl"), "--data_split", "0,0,10", "--output_dir", str(tmp / "out"),
-        "--actor_zero_stage", "0", "--critic_zero_stage", "0", "--actor_learning_rate", "0",
-        "--critic_learning_rate", "0", "--max_prompt_seq_len", "32", "--max_answer_seq_len", "10",
-        "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "4", "--seed", "3",
-        "--actor_dropout", "0.0", "--critic_dropout", "0.0"])
-    run = setup(args)
-    return request.param, run
+    return request.param, lr0_setup(make_tiny_model_cached(request.param), critic,
+                                    tmp_path_factory.mktemp(f"lr0_{request.param}"))
 
 
 def prompt_batches(run, generation_batch_size: int, n_rows: int = 4, offset: int = 0):
@@ -65,7 +69,7 @@ def test_log_ratio_is_zero_with_early_eos(ppo_setup):
     probe and the real rollout draw the same tokens up to the chosen EOS."""
     arch, run = ppo_setup
     config = run.trainer.config
-    saved = (config.do_sample, config.eos_token_id, config.per_device_training_batch_size)
+    saved = (config.do_sample, config.stop_token_ids, config.per_device_training_batch_size)
     try:
         config.do_sample = True
         batches = prompt_batches(run, 4, n_rows=4, offset=8)
@@ -75,12 +79,12 @@ def test_log_ratio_is_zero_with_early_eos(ppo_setup):
         # (whose earlier draws do not change) then ends with k + 1 tokens
         row, k = next((i, k) for i, ids in enumerate(probe) for k in range(1, len(ids)) if ids[k] not in ids[:k])
         eos = probe[row][k]
-        config.eos_token_id = eos
+        config.stop_token_ids = (eos,)
         config.per_device_training_batch_size = 1
         torch.manual_seed(123)
         metrics, rows = run.trainer.step(batches, step=0)
     finally:
-        config.do_sample, config.eos_token_id, config.per_device_training_batch_size = saved
+        config.do_sample, config.stop_token_ids, config.per_device_training_batch_size = saved
     lengths = [r.response_ids.numel() for r in rows]
     assert rows[row].ended_with_eos and lengths[row] == k + 1 and len(set(lengths)) > 1, lengths
     for r in rows:  # the action mask runs up to and including EOS: EOS is the last action, never earlier
@@ -103,3 +107,26 @@ def test_positions_from_arange_would_break_the_invariant(ppo_setup, monkeypatch)
     metrics, _ = run.trainer.step(prompt_batches(run, 4, offset=12), step=0)
     run.trainer.config.per_device_training_batch_size = 4
     assert metrics["ppo/log_ratio_max_abs"] > 1e-3
+
+
+def test_log_ratio_is_zero_on_templated_prompts_ending_at_end_of_turn(tiny_chat_llama, tiny_chat_llama_reward,
+                                                                      tmp_path):
+    """Message-list prompts through a ChatML template whose end-of-turn token is not EOS: prompts end
+    with the generation prompt, a response ends at the first of EOS / end-of-turn (here a token the
+    random model does emit stands in for end-of-turn), and the log-ratio stays ~0."""
+    run = lr0_setup(tiny_chat_llama, tiny_chat_llama_reward, tmp_path, chat=True)
+    tok, config = run.tokenizer, run.trainer.config
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    assert config.stop_token_ids == (tok.eos_token_id, eot)
+    generation_prompt = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    assert all(ex["input_ids"][-len(generation_prompt):] == generation_prompt for ex in run.loader.dataset)
+    config.do_sample, config.per_device_training_batch_size = True, 1
+    batches = prompt_batches(run, 4, n_rows=4, offset=4)
+    torch.manual_seed(5)
+    probe = [r.response_ids.tolist() for r in run.trainer.generate_rows(batches[0])]
+    row, k = next((i, k) for i, ids in enumerate(probe) for k in range(1, len(ids)) if ids[k] not in ids[:k])
+    config.stop_token_ids = (tok.eos_token_id, probe[row][k])
+    torch.manual_seed(5)
+    metrics, rows = run.trainer.step(batches, step=0)
+    assert rows[row].ended_with_eos and rows[row].response_ids.numel() == k + 1
+    assert metrics["ppo/log_ratio_max_abs"] <= 1e-4, metrics["ppo/log_ratio_max_abs"]

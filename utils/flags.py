@@ -51,6 +51,22 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sft_only_data_path", nargs="*", default=[], help="sources used whole by step 1 only")
     g.add_argument("--eval_fraction", type=float, default=0.1,
                    help="held-out share of a source that has no eval/test split of its own")
+    g.add_argument("--data_output_path", default=None,
+                   help="folder caching the tokenised data, reused by later runs and by every rank (default: none)")
+    add_format_args(g)
+
+
+def add_format_args(group, template_file: bool = True) -> None:
+    """How rows are read and rendered (utils/data/formats.py, chat.py); shared by the steps and the tools
+    (which find the template in the model directory's tokenizer, where the steps saved it)."""
+    for name in ("prompt", "chosen", "rejected", "messages"):
+        group.add_argument(f"--{name}_key", default=name, help=f"field holding the {name} (default '{name}')")
+    group.add_argument("--apply_chat_template", action="store_true",
+                       help="render string rows with the chat template, as a user turn and an assistant turn "
+                            "(message-list rows always are)")
+    if template_file:
+        group.add_argument("--chat_template", default=None, metavar="FILE",
+                           help="a Jinja chat template for a tokenizer without one (saved with the output's tokenizer)")
 
 
 def add_model_args(parser: argparse.ArgumentParser, models: dict[str, str], defaults: dict | None = None) -> None:

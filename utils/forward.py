@@ -134,11 +134,13 @@ class GenerationSettings:
         return self.temperature if self.do_sample else 1.0
 
 
-def generation_kwargs(settings: GenerationSettings, eos_token_id: int, pad_token_id: int) -> dict:
+def generation_kwargs(settings: GenerationSettings, stop_token_ids, pad_token_id: int) -> dict:
     """`generate` keyword arguments; the sampling knobs are passed only when sampling (None otherwise,
-    so a model's generation_config cannot switch them on behind our back)."""
+    so a model's generation_config cannot switch them on behind our back). ``stop_token_ids``: EOS,
+    or a list of the tokens that end a response (EOS and a chat template's end-of-turn token)."""
+    stop = [stop_token_ids] if isinstance(stop_token_ids, int) else list(stop_token_ids)
     kwargs = {"max_new_tokens": settings.max_new_tokens, "do_sample": settings.do_sample,
-              "eos_token_id": eos_token_id, "pad_token_id": pad_token_id, "use_cache": True}
+              "eos_token_id": stop[0] if len(stop) == 1 else stop, "pad_token_id": pad_token_id, "use_cache": True}
     if settings.min_new_tokens is not None:
         kwargs["min_new_tokens"] = settings.min_new_tokens
     if settings.num_beams is not None:

@@ -41,12 +41,20 @@ def check_model_path(path: str, what: str = "model") -> None:
         raise ModelLoadError(f"{what} path {path!r} does not exist or is not a directory")
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False, padding_side: str = "right"):
-    """Load a tokenizer and give it a pad token distinct from EOS (added if needed)."""
+def load_tokenizer(path: str, trust_remote_code: bool = False, padding_side: str = "right",
+                   chat_template: str | None = None):
+    """Load a tokenizer and give it a pad token distinct from EOS (added if needed).
+
+    ``chat_template`` (a Jinja file, ``--chat_template``) replaces the tokenizer's own template; it
+    is then saved with every output directory's tokenizer, so later steps and tools render alike."""
     from transformers import AutoTokenizer
 
     check_model_path(path, "tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if chat_template:
+        from utils.data.chat import load_chat_template
+
+        tokenizer.chat_template = load_chat_template(chat_template)
     if tokenizer.eos_token_id is None:
         raise ModelLoadError(f"tokenizer at {path!r} has no EOS token; generation could never stop")
     if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:

@@ -26,18 +26,21 @@ class Row:
 
 
 def split_generation(sequences: torch.Tensor, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                     eos_token_id: int) -> list[Row]:
+                     stop_token_ids) -> list[Row]:
     """Cut `generate` output [B, P+T] into rows: real prompt tokens, response up to the first EOS.
 
-    Tokens after the first EOS (HF fills finished rows with pad) are dropped, so they are never
-    actions; a response without EOS (length limit reached) keeps all its tokens.
+    ``stop_token_ids``: the EOS id, or the ids that end a response (EOS and a chat template's
+    end-of-turn token); the response ends at the first of any of them. Tokens after it (HF fills
+    finished rows with pad) are dropped, so they are never actions; a response without one
+    (length limit reached) keeps all its tokens.
     """
+    stops = torch.tensor([stop_token_ids] if isinstance(stop_token_ids, int) else list(stop_token_ids))
     sequences, prompt_ids, prompt_mask = sequences.cpu(), prompt_ids.cpu(), prompt_mask.cpu()
     prompt_len = prompt_ids.shape[1]
     rows = []
     for i in range(sequences.shape[0]):
         generated = sequences[i, prompt_len:]
-        eos_positions = (generated == eos_token_id).nonzero().flatten()
+        eos_positions = torch.isin(generated, stops).nonzero().flatten()
         ended = eos_positions.numel() > 0
         response = generated[: eos_positions[0] + 1] if ended else generated
         if response.numel() == 0:

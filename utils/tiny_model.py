@@ -42,6 +42,9 @@ from utils.cache import default_cache_root, print_path_for_scripts, relax_permis
 ARCHS = ("gpt2", "llama", "opt")
 PAD_TOKEN = "<pad>"
 EOS_TOKEN = "<|endoftext|>"
+# `chat=True`: ChatML, whose end-of-turn token is not EOS (as in Qwen or Llama 3, unlike SmolLM2)
+CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
+CHATML_TEMPLATE_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "chat_templates", "chatml.jinja")
 _MARKER = ".tiny_model_complete"
 # Bump when the builder's output changes, so cached directories are rebuilt.
 _BUILD_VERSION = 1
@@ -62,8 +65,9 @@ def _gpt2_bpe_files() -> tuple[str, str]:
     return encoder, bpe
 
 
-def build_gpt2_tokenizer(max_positions: int = 512):
-    """GPT-2 BPE tokenizer (fast) built offline, with eos `<|endoftext|>` and an added `<pad>`."""
+def build_gpt2_tokenizer(max_positions: int = 512, chat: bool = False):
+    """GPT-2 BPE tokenizer (fast) built offline, with eos `<|endoftext|>` and an added `<pad>`
+    (and with `chat`, ChatML's two special tokens and its template)."""
     from transformers import GPT2TokenizerFast
 
     encoder, bpe = _gpt2_bpe_files()
@@ -73,6 +77,10 @@ def build_gpt2_tokenizer(max_positions: int = 512):
         tokenizer = GPT2TokenizerFast.from_pretrained(
             folder, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, unk_token=EOS_TOKEN)
     tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+    if chat:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(CHATML_TOKENS)})
+        with open(CHATML_TEMPLATE_FILE, encoding="utf-8") as f:
+            tokenizer.chat_template = f.read()
     tokenizer.model_max_length = max_positions
     assert tokenizer.pad_token_id != tokenizer.eos_token_id
     return tokenizer
@@ -111,14 +119,15 @@ def tiny_config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: in
 
 
 def make_tiny_model(arch: str, out_dir: str, seed: int = 0, hidden_size: int = 64, num_layers: int = 2,
-                    num_heads: int = 4, max_positions: int = 512) -> str:
-    """Write a tiny random causal LM of `arch` plus the GPT-2 tokenizer into `out_dir`; return it."""
+                    num_heads: int = 4, max_positions: int = 512, chat: bool = False) -> str:
+    """Write a tiny random causal LM of `arch` plus the GPT-2 tokenizer into `out_dir`; return it.
+    `chat`: the tokenizer also has ChatML's tokens and template (end-of-turn `<|im_end|>` != EOS)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {ARCHS}")
-    tokenizer = build_gpt2_tokenizer(max_positions)
+    tokenizer = build_gpt2_tokenizer(max_positions, chat)
     config = tiny_config(arch, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id,
                          tokenizer.pad_token_id, hidden_size, num_layers, num_heads, max_positions)
     torch.manual_seed(seed)

@@ -80,19 +80,45 @@ class EngineSpec:
     num_warmup_steps: int = 0
 
 
-def start_single_model_run(args, step: int):
-    """Steps 1-2: process group, seeds, the model's tokenizer and this step's rows; returns (tokenizer, rows)."""
-    from utils.data import build_step_rows
+def start_single_model_run(args, step: int, tokenize, settings: dict):
+    """Steps 1-2: process group, seeds, the model's tokenizer and this step's tokenised examples;
+    returns (tokenizer, train examples, their stats, eval examples, their stats)."""
     from utils.distributed import start_process
-    from utils.logging import print_rank0
     from utils.model import load_tokenizer
 
     start_process(args)
-    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
-    rows = build_step_rows(args.data_path, args.data_split, step=step, seed=args.seed,
-                           sft_only_data_path=args.sft_only_data_path, eval_fraction=args.eval_fraction,
-                           log=print_rank0)
-    return tokenizer, rows
+    tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, chat_template=args.chat_template)
+    return (tokenizer, *step_examples(args, tokenizer, step, lambda rows: tokenize(rows, tokenizer), settings))
+
+
+def step_examples(args, tokenizer, step: int, tokenize, settings: dict, with_eval: bool = True):
+    """(train examples, stats, eval examples, stats) of ``step``: its rows (``build_step_rows``)
+    through ``tokenize(rows) -> (examples, stats)``, cached in ``--data_output_path`` when given
+    (one rank builds, every rank and later run reads). ``settings``: what else changes the
+    result (lengths, options), part of the cache key."""
+    import dataclasses
+
+    from utils.data import (RowFormat, build_step_rows, cached_examples, source_fingerprint,
+                            tokenizer_fingerprint)
+    from utils.logging import print_rank0
+
+    fmt = RowFormat.from_args(args)
+    sft_only = list(getattr(args, "sft_only_data_path", []) or []) if step == 1 else []
+    key = {"step": step, "sources": [source_fingerprint(p) for p in args.data_path],
+           "sft_only": [source_fingerprint(p) for p in sft_only], "data_split": args.data_split, "seed": args.seed,
+           "eval_fraction": args.eval_fraction, "format": dataclasses.asdict(fmt),
+           "tokenizer": tokenizer_fingerprint(tokenizer), "with_eval": with_eval, **settings}
+
+    def build():
+        rows = build_step_rows(args.data_path, args.data_split, step=step, seed=args.seed, sft_only_data_path=sft_only,
+                               eval_fraction=args.eval_fraction, log=print_rank0, fmt=fmt)
+        train, train_stats = tokenize(rows.train)
+        evals, eval_stats = tokenize(rows.eval) if with_eval else ([], {})
+        return train + evals, {"n_train": len(train), "train": train_stats, "eval": eval_stats}
+
+    examples, stats = cached_examples(getattr(args, "data_output_path", None), key, build, print_rank0)
+    n = stats["n_train"]
+    return examples[:n], stats["train"], examples[n:], stats["eval"]
 
 
 def total_training_steps(updates: int, args) -> int:

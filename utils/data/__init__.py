@@ -11,6 +11,8 @@ The package has layers, each usable on its own (imports go one way,
 
 * ``sources``: reading sources (``load_source``) into raw records with an
   ``origin`` ("path:line") so that every error can point at the offending line;
+* ``formats``: every accepted row layout -> one normalised row (``normalize_row``);
+* ``chat``: chat templates, rendered to the template's own token ids;
 * ``rows``: selecting and normalising the rows of one step
   (``build_step_rows``), or of one source's eval split (``read_rows``);
 * ``tokenize``: tokenising rows (``tokenize_sft``/``tokenize_pairs``/
@@ -22,18 +24,25 @@ Nothing is dropped silently: skipped or truncated rows are counted in the
 returned stats and summarised through ``log``.
 """
 
-from utils.data.sources import EVAL_SPLIT_NAMES, JSON_EXTS, DataError, Source, load_source
-from utils.data.rows import (STEP_FIELDS, STEP_NAMES, StepRows, build_step_rows, eval_size, normalize_row,
-                             parse_data_split, read_rows, split_bounds, split_source)
-from utils.data.tokenize import (IGNORE_INDEX, bos_prefix, encode, fit_prompt, fit_tail, read_texts, tokenize_pairs,
-                                 tokenize_prompts, tokenize_sft, tokenize_texts)
+from utils.data.sources import EVAL_SPLIT_NAMES, JSON_EXTS, DataError, Source, load_source, source_fingerprint
+from utils.data.formats import DEFAULT_FORMAT, RowFormat, SkipRow, is_chat, normalize_row, prompt_text
+from utils.data.rows import (STEP_NAMES, StepRows, build_step_rows, describe_skips, eval_size, parse_data_split,
+                             read_rows, split_bounds, split_source)
+from utils.data.chat import load_chat_template, require_template, stop_token_ids
+from utils.data.cache import cached_examples
+from utils.data.tokenize import (IGNORE_INDEX, bos_prefix, encode, fit_prompt, fit_tail, prompt_parts, read_texts,
+                                 scored_sequences, tokenize_pairs, tokenize_prompts, tokenize_sft, tokenize_texts,
+                                 tokenizer_fingerprint)
 from utils.data.collate import PairCollator, PromptCollator, SFTCollator, distributed_loader, pad_batch
 
 __all__ = [
-    "EVAL_SPLIT_NAMES", "JSON_EXTS", "DataError", "Source", "load_source",
-    "STEP_FIELDS", "STEP_NAMES", "StepRows", "build_step_rows", "eval_size", "normalize_row", "parse_data_split",
-    "read_rows", "split_bounds", "split_source",
-    "IGNORE_INDEX", "bos_prefix", "encode", "fit_prompt", "fit_tail", "read_texts", "tokenize_pairs",
+    "EVAL_SPLIT_NAMES", "JSON_EXTS", "DataError", "Source", "load_source", "source_fingerprint", "cached_examples",
+    "tokenizer_fingerprint",
+    "DEFAULT_FORMAT", "RowFormat", "SkipRow", "is_chat", "normalize_row", "prompt_text",
+    "STEP_NAMES", "StepRows", "build_step_rows", "describe_skips", "eval_size", "parse_data_split",
+    "read_rows", "split_bounds", "split_source", "load_chat_template", "require_template", "stop_token_ids",
+    "IGNORE_INDEX", "bos_prefix", "encode", "fit_prompt", "fit_tail", "prompt_parts", "read_texts", "scored_sequences",
+    "tokenize_pairs",
     "tokenize_prompts", "tokenize_sft", "tokenize_texts",
     "PairCollator", "PromptCollator", "SFTCollator", "distributed_loader", "pad_batch",
 ]

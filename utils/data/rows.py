@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import hashlib
-import os
+import json
 import random
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Sequence
 
-from utils.data.sources import DataError, Source, _looks_like_path, load_source
+from utils.data.formats import DEFAULT_FORMAT, RowFormat, SkipRow, normalize_row
+from utils.data.sources import DataError, Source, load_source
 
-STEP_FIELDS = {1: ("prompt", "chosen"), 2: ("prompt", "chosen", "rejected"), 3: ("prompt",)}
 STEP_NAMES = {1: "step 1 (SFT)", 2: "step 2 (reward model)", 3: "step 3 (PPO)"}
 
 
@@ -44,60 +44,32 @@ def parse_data_split(s: str) -> list[float]:
 # --------------------------------------------------------------------------- #
 # Normalising rows
 # --------------------------------------------------------------------------- #
-def normalize_row(obj, origin: str, required: Sequence[str]) -> dict | None:
-    """Validate one raw record; return the normalised row, or None if a
-    required field is empty/whitespace (the caller counts the skip).
-
-    ``response`` is a synonym of ``chosen``.  Required fields must be strings;
-    optional non-string fields are recorded as None.
-    """
-    if not isinstance(obj, dict):
-        raise DataError(f"{origin}: expected a JSON object, got {type(obj).__name__}")
-    values = {
-        "prompt": obj.get("prompt"),
-        "chosen": obj.get("chosen") if obj.get("chosen") is not None else obj.get("response"),
-        "rejected": obj.get("rejected"),
-    }
-    for name in required:
-        if values[name] is None:
-            hint = " (or 'response')" if name == "chosen" else ""
-            raise DataError(f"{origin}: missing field '{name}'{hint}")
-        if not isinstance(values[name], str):
-            raise DataError(f"{origin}: field '{name}' must be a string, got {type(values[name]).__name__}")
-    if any(not values[name].strip() for name in required):
-        return None
-    row = {k: (v if isinstance(v, str) else None) for k, v in values.items()}
-    row["origin"] = origin
-    return row
-
-
-def _normalize_all(records: Iterable, required: Sequence[str], stats: dict) -> list:
+def _normalize_all(records: Iterable, step: int, fmt: RowFormat, skipped: dict) -> list:
+    """Rows of ``records`` (any format, see utils/data/formats.py); skips counted per reason in ``skipped``."""
     rows = []
     for obj, origin in records:
-        row = normalize_row(obj, origin, required)
-        if row is None:
-            stats["skipped_empty"] += 1
-        else:
-            rows.append(row)
+        try:
+            rows.append(normalize_row(obj, origin, step, fmt))
+        except SkipRow as skip:
+            skipped[skip.reason] = skipped.get(skip.reason, 0) + 1
     return rows
 
 
-def read_rows(source: str, required: Sequence[str]) -> tuple[list[dict], str]:
-    """Validated rows of one source, and the split they come from (for evaluation).
+def describe_skips(skipped: dict) -> str:
+    return ", ".join(f"{reason} {n}" for reason, n in sorted(skipped.items()) if n) or "none"
+
+
+def read_rows(source: str, step: int, fmt: RowFormat = DEFAULT_FORMAT) -> tuple[list[dict], str]:
+    """Validated rows of ``step`` from one source, and the split they come from (for evaluation).
 
     The rows of the source's own eval split when it has one ("eval"), else of
     all its rows ("all"); no ``--data_split`` cut, no held-out fraction.  A row
-    with an empty required field is skipped (``normalize_row`` returned None);
-    any other bad row raises DataError naming file:line.
+    that teaches nothing is skipped (SkipRow); any other bad row raises
+    DataError naming file:line.
     """
     src = load_source(source)
     records, split = (src.eval, "eval") if src.eval else (src.train, "all")
-    rows = []
-    for obj, origin in records:
-        row = normalize_row(obj, origin, required)
-        if row is not None:
-            rows.append(row)
-    return rows, split
+    return _normalize_all(records, step, fmt, {}), split
 
 
 # --------------------------------------------------------------------------- #
@@ -109,9 +81,13 @@ def _rng(seed: int, *keys: str) -> random.Random:
     return random.Random(int.from_bytes(digest[:8], "big"))
 
 
-def _source_key(source: str) -> str:
-    """Key for per-source permutations: "data/x/" and "./data/x" agree."""
-    return os.path.normpath(source) if _looks_like_path(source) or os.path.exists(source) else source
+def _source_key(src: Source) -> str:
+    """Key for per-source permutations, from the source's content (its row count, first and last rows),
+    not its path: the three steps cut a source the same way however each names it ("data/x",
+    "./data/x/", an absolute path, a copy in another checkout)."""
+    sample = [obj for obj, _ in src.train[:16] + src.train[-16:]]
+    text = json.dumps([len(src.train), sample], sort_keys=True, ensure_ascii=False, default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def eval_size(n: int, eval_fraction: float) -> int:
@@ -135,12 +111,12 @@ def split_source(src: Source, fractions: Sequence[float], step: int, seed: int,
                  eval_fraction: float) -> tuple[list, list]:
     """(this step's train records, eval records) of one source.
 
-    The permutation depends only on (seed, source) and is applied to the raw
+    The permutation depends only on (seed, the source's content) and is applied to the raw
     records *before* any step-specific validation, so the three steps cut the
     very same order and their parts are disjoint.
     """
     order = list(range(len(src.train)))
-    _rng(seed, "split", _source_key(src.name)).shuffle(order)
+    _rng(seed, "split", _source_key(src)).shuffle(order)
     if src.eval is None:
         n_eval = eval_size(len(order), eval_fraction)
         ev = [src.train[i] for i in sorted(order[:n_eval])]
@@ -153,44 +129,51 @@ def split_source(src: Source, fractions: Sequence[float], step: int, seed: int,
 
 def build_step_rows(data_paths: Sequence[str], data_split: str, step: int, seed: int,
                     sft_only_data_path: Sequence[str] = (), eval_fraction: float = 0.1,
-                    log: Callable[[str], None] = print) -> StepRows:
+                    log: Callable[[str], None] = print, fmt: RowFormat = DEFAULT_FORMAT) -> StepRows:
     """Train/eval rows of ``step`` (1, 2 or 3) blended from all sources.
 
     Each source contributes its step part (see ``split_source``) and its whole
     eval split; ``sft_only_data_path`` sources feed step 1 only, with all their
     train rows (their eval split, own or held out, goes to step 1's eval).
     """
-    if step not in STEP_FIELDS:
+    if step not in STEP_NAMES:
         raise DataError(f"step must be 1, 2 or 3, got {step!r}")
     fractions = parse_data_split(data_split)
     data_paths = list(data_paths)
     sft_only = list(sft_only_data_path) if step == 1 else []
     if not data_paths and not sft_only:
         raise DataError(f"{STEP_NAMES[step]}: no data sources given (--data_path)")
-    required = STEP_FIELDS[step]
-    stats = {"step": step, "rows_read": 0, "skipped_empty": 0, "sources": {}}
+    stats = {"step": step, "rows_read": 0, "skipped_empty": 0, "skipped": {}, "sources": {}}
     train, evals = [], []
     for name, whole in [(p, False) for p in data_paths] + [(p, True) for p in sft_only]:
         src = load_source(name)
         stats["rows_read"] += len(src.train) + len(src.eval or [])
         # sft-only sources are not cut by --data_split: all their train rows go to step 1
         tr_rec, ev_rec = split_source(src, (1.0, 0.0, 0.0) if whole else fractions, step, seed, eval_fraction)
-        tr, ev = _normalize_all(tr_rec, required, stats), _normalize_all(ev_rec, required, stats)
+        skipped = {}
+        tr, ev = _normalize_all(tr_rec, step, fmt, skipped), _normalize_all(ev_rec, step, fmt, skipped)
         stats["sources"][name] = {"read": len(src.train) + len(src.eval or []),
-                                  "train": len(tr), "eval": len(ev), "sft_only": whole}
+                                  "train": len(tr), "eval": len(ev), "sft_only": whole, "skipped": skipped}
+        for reason, n in skipped.items():
+            stats["skipped"][reason] = stats["skipped"].get(reason, 0) + n
+        if skipped:
+            log(f"[data] {name}: skipped {sum(skipped.values())} of this step's rows ({describe_skips(skipped)})")
         train += tr
         evals += ev
     _rng(seed, "blend", str(step)).shuffle(train)
     stats.update(train=len(train), eval=len(evals))
     names = data_paths + sft_only
-    if not train and not evals and stats["skipped_empty"]:
-        raise DataError(f"{STEP_NAMES[step]}: all {stats['skipped_empty']} rows of this step's share of sources "
-                        f"{names} were skipped as empty (a required field {list(required)} empty or whitespace)")
+    stats["skipped_empty"] = stats["skipped"].get("empty", 0) + stats["skipped"].get("empty_turn", 0)
+    if not train and not evals and stats["skipped"]:
+        raise DataError(f"{STEP_NAMES[step]}: all {sum(stats['skipped'].values())} rows of this step's share of "
+                        f"sources {names} were skipped as empty or teaching nothing ({describe_skips(stats['skipped'])}; "
+                        "empty: a required field empty or whitespace)")
     if not train:
         raise DataError(f"{STEP_NAMES[step]}: 0 training rows from sources {names} with "
                         f"--data_split {data_split} (fractions {[round(f, 3) for f in fractions]}); "
                         f"give this step a larger share or more data")
     log(f"[data] {STEP_NAMES[step]}: {len(train)} train / {len(evals)} eval rows from "
         f"{len(names)} source(s); read {stats['rows_read']}, skipped_empty {stats['skipped_empty']}"
+        + (f" (all skips: {describe_skips(stats['skipped'])})" if set(stats["skipped"]) - {"empty"} else "")
         + ("" if evals else "; WARNING: eval split is empty"))
     return StepRows(train=train, eval=evals, stats=stats)

@@ -410,3 +410,21 @@ def _listdir(path: str) -> list:
         return os.listdir(path)
     except OSError as e:
         raise DataError(f"{path}: cannot list data folder ({e})") from None
+
+
+def source_fingerprint(source: str) -> list:
+    """What identifies a source's content for the tokenised-data cache: its absolute path and the
+    size and mtime of each file in it (a folder's files recursively), or a hub name as given."""
+    path = os.path.abspath(os.path.expanduser(source))
+    if os.path.isfile(path):
+        st = os.stat(path)
+        return [path, st.st_size, st.st_mtime_ns]
+    if os.path.isdir(path):
+        files = []
+        for folder, dirs, names in os.walk(path):
+            dirs.sort()
+            for name in sorted(names):
+                st = os.stat(os.path.join(folder, name))
+                files.append([os.path.relpath(os.path.join(folder, name), path), st.st_size, st.st_mtime_ns])
+        return [path, files]
+    return [source]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from utils.data.chat import assistant_spans, frame_lens, render, reply_ids, require_template
+from utils.data.formats import SkipRow, is_chat
 from utils.data.sources import JSON_EXTS, DataError, _read_data_file, _read_text
 
 IGNORE_INDEX = -100
@@ -30,15 +32,17 @@ def _eos(tokenizer) -> int:
     return eos
 
 
-def fit_prompt(prefix: list, prompt: list, longest_tail: int, max_len: int) -> tuple[list, bool]:
-    """Left-truncate the prompt body so prefix+prompt+tail fits (>= 1 prompt token kept).
+def fit_prompt(prefix: list, prompt: list, longest_tail: int, max_len: int,
+               suffix: Sequence[int] = ()) -> tuple[list, bool]:
+    """Left-truncate the prompt body so prefix+prompt+suffix+tail fits (>= 1 prompt token kept).
 
     Left truncation keeps the end of the prompt ("...Assistant:"), which is
-    what the response continues.
+    what the response continues; a chat template's frame (its system header
+    as ``prefix``, its generation prompt as ``suffix``) is never cut.
     """
-    over = len(prefix) + len(prompt) + longest_tail - max_len
+    over = len(prefix) + len(prompt) + len(suffix) + longest_tail - max_len
     drop = max(0, min(over, len(prompt) - 1))
-    return prefix + prompt[drop:], drop > 0
+    return prefix + prompt[drop:] + list(suffix), drop > 0
 
 
 def fit_tail(prompt_ids: list, tail: list, max_len: int) -> tuple[list, bool]:
@@ -47,18 +51,61 @@ def fit_tail(prompt_ids: list, tail: list, max_len: int) -> tuple[list, bool]:
     return tail[:keep], keep < len(tail)
 
 
+def tokenizer_fingerprint(tokenizer) -> dict:
+    """What identifies a tokenizer's output for the tokenised-data cache: its vocabulary, special
+    tokens, BOS rule and chat template."""
+    import hashlib
+    import json
+
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+    return {"name": getattr(tokenizer, "name_or_path", ""), "size": len(tokenizer),
+            "vocab_sha256": hashlib.sha256(vocab.encode("utf-8")).hexdigest(),
+            "special": [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id],
+            "bos_prefix": bos_prefix(tokenizer), "chat_template": getattr(tokenizer, "chat_template", None)}
+
+
 def _check_len(max_len: int, tokenizer) -> None:
     if max_len < len(bos_prefix(tokenizer)) + 2:
         raise DataError(f"max sequence length {max_len} is too small (need >= prompt token + response token)")
 
 
-def tokenize_sft(rows: Sequence[dict], tokenizer, max_seq_len: int) -> tuple[list, dict]:
-    """SFT examples: ids = prompt + response + eos; loss only on response + eos."""
+def _skip(stats: dict, reason: str) -> None:
+    stats["skipped"][reason] = stats["skipped"].get(reason, 0) + 1
+
+
+def _sft_chat(row: dict, tokenizer, max_seq_len: int, last_turn_only: bool, stats: dict):
+    """A conversation's ids (the template's own) and labels on its assistant turns (all, or the last)."""
+    ids, spans = assistant_spans(tokenizer, row["messages"])
+    labels = [IGNORE_INDEX] * len(ids)
+    for start, end in spans[-1:] if last_turn_only else spans:
+        labels[start:end] = ids[start:end]
+    if len(ids) > max_seq_len:
+        stats["truncated_response"] += 1
+        ids, labels = ids[:max_seq_len], labels[:max_seq_len]
+        if all(t == IGNORE_INDEX for t in labels):
+            raise SkipRow("too_long")
+    return {"input_ids": ids, "labels": labels}
+
+
+def tokenize_sft(rows: Sequence[dict], tokenizer, max_seq_len: int,
+                 last_turn_only: bool = False) -> tuple[list, dict]:
+    """SFT examples, loss only on the responses.
+
+    String rows: ids = prompt + response + eos, the prompt left-truncated. Conversations (chat
+    rows): the chat template's ids, every assistant turn trained with its end-of-turn token (only
+    the last with ``last_turn_only``), right-truncated (a conversation's header stays)."""
     _check_len(max_seq_len, tokenizer)
     eos, prefix = _eos(tokenizer), bos_prefix(tokenizer)
-    stats = {"examples": 0, "truncated_prompt": 0, "truncated_response": 0, "skipped_empty": 0}
+    stats = {"examples": 0, "truncated_prompt": 0, "truncated_response": 0, "skipped_empty": 0, "skipped": {}}
     out = []
     for row in rows:
+        if row.get("messages") is not None:
+            require_template(tokenizer, row.get("origin", ""))
+            try:
+                out.append(_sft_chat(row, tokenizer, max_seq_len, last_turn_only, stats))
+            except SkipRow as skip:
+                _skip(stats, skip.reason)
+            continue
         if not (row.get("chosen") or "").strip() or not (row.get("prompt") or "").strip():
             stats["skipped_empty"] += 1
             continue
@@ -72,46 +119,100 @@ def tokenize_sft(rows: Sequence[dict], tokenizer, max_seq_len: int) -> tuple[lis
     return out, stats
 
 
-def tokenize_pairs(rows: Sequence[dict], tokenizer, max_seq_len: int) -> tuple[list, dict]:
-    """Reward-model pairs: chosen and rejected sequences share one prompt.
+def prompt_parts(row: dict, tokenizer, replies: Sequence[str] = (), room: int | None = None) -> tuple:
+    """(head, body, foot, [reply ids]) of a row's prompt, to be joined by ``fit_prompt``.
 
-    The prompt is truncated once, for the longer side, so both sequences have
-    the identical prompt prefix (the reward model compares them after it).
-    Pairs with an empty side or chosen == rejected teach nothing: skipped.
-    """
+    Strings: head [bos], body the prompt, no foot, each reply + eos. Chat rows: the template's
+    prompt (ending with its generation prompt) and each reply's ids up to its end-of-turn token;
+    when the prompt and the longest reply exceed ``room`` the prompt is split into the frame that
+    truncation keeps (head, foot: ``frame_lens``) and the body between, else it is all head.
+    SkipRow("too_long") when not even the frame and one token fit."""
+    prompt = row["prompt"]
+    if isinstance(prompt, str):
+        eos = _eos(tokenizer)
+        return bos_prefix(tokenizer), encode(tokenizer, prompt), [], [encode(tokenizer, row[k]) + [eos] for k in replies]
+    require_template(tokenizer, row.get("origin", ""))
+    tails, prompt_ids = [], None
+    for k in replies:
+        prompt_ids, tail = reply_ids(tokenizer, prompt, row[k])
+        tails.append(tail)
+    if prompt_ids is None:
+        prompt_ids = render(tokenizer, prompt, add_generation_prompt=True)
+    longest = max(map(len, tails), default=0)
+    if room is None or len(prompt_ids) + longest <= room:
+        return prompt_ids, [], [], tails
+    head, foot = frame_lens(tokenizer, prompt, prompt_ids)
+    if head + foot + 1 + min(1, longest) > room:
+        raise SkipRow("too_long")
+    return prompt_ids[:head], prompt_ids[head:len(prompt_ids) - foot], prompt_ids[len(prompt_ids) - foot:], tails
+
+
+def scored_sequences(row: dict, tokenizer, keys: Sequence[str], max_seq_len: int, stats: dict) -> list:
+    """prompt + each of ``row[k] for k in keys`` as a reward model reads them, sharing one prompt.
+
+    The prompt is truncated once, for the longest reply, so every sequence has the identical
+    prompt prefix (the reward model compares them after it); a templated prompt keeps its frame,
+    and a chat reply ends at its end-of-turn token, where step 3's generation stops and the score
+    is read.  SkipRow when a reply renders empty or the row does not fit."""
+    head, body, foot, tails = prompt_parts(row, tokenizer, keys, max_seq_len)
+    if not all(tails):
+        raise SkipRow("empty")
+    p, cut_p = fit_prompt(head, body, max(map(len, tails)), max_seq_len, foot)
+    stats["truncated_prompt"] += cut_p
+    seqs = []
+    for tail in tails:
+        tail, cut_r = fit_tail(p, tail, max_seq_len)
+        stats["truncated_response"] += cut_r
+        seqs.append(p + tail)
+    return seqs
+
+
+def tokenize_pairs(rows: Sequence[dict], tokenizer, max_seq_len: int) -> tuple[list, dict]:
+    """Reward-model pairs (``scored_sequences`` of chosen and rejected).
+    Pairs with an empty side or chosen == rejected teach nothing: skipped."""
     _check_len(max_seq_len, tokenizer)
-    eos, prefix = _eos(tokenizer), bos_prefix(tokenizer)
-    stats = {"examples": 0, "truncated_prompt": 0, "truncated_response": 0, "skipped_bad_pairs": 0}
+    stats = {"examples": 0, "truncated_prompt": 0, "truncated_response": 0, "skipped_bad_pairs": 0, "skipped": {}}
     out = []
     for row in rows:
-        c, r = (row.get("chosen") or "").strip(), (row.get("rejected") or "").strip()
-        if not c or not r or c == r or not (row.get("prompt") or "").strip():
+        if isinstance(row.get("prompt"), str):
+            c, r = (row.get("chosen") or "").strip(), (row.get("rejected") or "").strip()
+            if not c or not r or c == r or not row["prompt"].strip():
+                stats["skipped_bad_pairs"] += 1
+                continue
+        elif row.get("chosen") == row.get("rejected"):
             stats["skipped_bad_pairs"] += 1
             continue
-        tails = [encode(tokenizer, row[k]) + [eos] for k in ("chosen", "rejected")]
-        p, cut_p = fit_prompt(prefix, encode(tokenizer, row["prompt"]), max(map(len, tails)), max_seq_len)
-        stats["truncated_prompt"] += cut_p
-        seqs = []
-        for tail in tails:
-            tail, cut_r = fit_tail(p, tail, max_seq_len)
-            stats["truncated_response"] += cut_r
-            seqs.append(p + tail)
-        out.append({"chosen_input_ids": seqs[0], "rejected_input_ids": seqs[1]})
+        try:
+            chosen, rejected = scored_sequences(row, tokenizer, ("chosen", "rejected"), max_seq_len, stats)
+        except SkipRow as skip:
+            _skip(stats, skip.reason)
+            continue
+        out.append({"chosen_input_ids": chosen, "rejected_input_ids": rejected})
     stats["examples"] = len(out)
     return out, stats
 
 
 def tokenize_prompts(rows: Sequence[dict], tokenizer, max_prompt_seq_len: int) -> tuple[list, dict]:
-    """PPO prompts; long prompts keep their last tokens (the part the answer follows)."""
+    """PPO prompts; long prompts keep their last tokens (the part the answer follows) and a template's
+    header.  Each example keeps its row's other fields (``extra``) for reward functions."""
     prefix = bos_prefix(tokenizer)
     if max_prompt_seq_len < len(prefix) + 1:
         raise DataError(f"max prompt length {max_prompt_seq_len} is too small")
-    stats = {"examples": 0, "truncated_prompt": 0}
+    stats = {"examples": 0, "truncated_prompt": 0, "skipped": {}, "chat": False}
     out = []
     for row in rows:
-        ids, cut = fit_prompt(prefix, encode(tokenizer, row["prompt"]), 0, max_prompt_seq_len)
+        stats["chat"] |= is_chat(row["prompt"])  # responses then also end at the template's end-of-turn token
+        try:
+            head, body, foot, _ = prompt_parts(row, tokenizer, room=max_prompt_seq_len)
+        except SkipRow as skip:
+            _skip(stats, skip.reason)
+            continue
+        ids, cut = fit_prompt(head, body, 0, max_prompt_seq_len, foot)
         stats["truncated_prompt"] += cut
-        out.append({"input_ids": ids})
+        example = {"input_ids": ids}
+        if row.get("extra"):
+            example["extra"] = row["extra"]
+        out.append(example)
     stats["examples"] = len(out)
     return out, stats
 

@@ -6,7 +6,7 @@ from typing import Sequence
 
 import torch
 
-from utils.data import PromptCollator, bos_prefix, encode, tokenize_prompts
+from utils.data import PromptCollator, encode, is_chat, stop_token_ids, tokenize_prompts
 from utils.forward import GenerationSettings, eval_mode, generate, generation_kwargs, model_device
 from utils.rollout import Row, split_generation
 
@@ -18,14 +18,15 @@ class Answer(Row):
     """A generated answer: a `Row` (prompt_ids, response_ids, ended_with_eos; packable with `pack`)
     plus the prompt text and the decoded response text (special tokens skipped)."""
 
-    prompt: str = ""
+    prompt: str | list = ""  # a string, or a message list rendered with the chat template
     text: str = ""
 
 
 def generate_answers(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, do_sample: bool = False,
                      temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, num_beams: int = 1,
                      batch_size: int = 8, seed: int = 0, max_prompt_len: int | None = None) -> list[Answer]:
-    """One answer per prompt, generated in left-padded batches of `batch_size`; stops at EOS.
+    """One answer per prompt, generated in left-padded batches of `batch_size`; stops at EOS (and for
+    message-list prompts, rendered with the chat template as in training, at its end-of-turn token).
 
     Prompts are tokenised like training (`tokenize_prompts`: no special tokens, BOS only where the
     tokenizer's config adds one; `max_prompt_len` keeps the LAST tokens of a longer prompt, None
@@ -44,8 +45,9 @@ def generate_answers(model, tokenizer, prompts: Sequence[str], max_new_tokens: i
 def generate_answers_from_ids(model, tokenizer, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int,
                               do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                               num_beams: int = 1, batch_size: int = 8, seed: int = 0,
-                              prompts: Sequence[str] | None = None) -> list[Answer]:
-    """`generate_answers` for prompts already tokenised (lists of ids, used as they are)."""
+                              prompts: Sequence | None = None, stop_ids: Sequence[int] | None = None) -> list[Answer]:
+    """`generate_answers` for prompts already tokenised (lists of ids, used as they are); ``stop_ids``
+    default to EOS, plus the template's end-of-turn token when ``prompts`` are message lists."""
     prompt_ids = [list(ids) for ids in prompt_ids]
     if not prompt_ids:
         return []
@@ -57,7 +59,9 @@ def generate_answers_from_ids(model, tokenizer, prompt_ids: Sequence[Sequence[in
     texts = list(prompts) if prompts is not None else [tokenizer.decode(ids) for ids in prompt_ids]
     settings = GenerationSettings(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
                                   top_p=top_p, top_k=top_k, num_beams=num_beams)
-    kwargs = generation_kwargs(settings, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    if stop_ids is None:
+        stop_ids = stop_token_ids(tokenizer, chat=any(is_chat(p) for p in texts))
+    kwargs = generation_kwargs(settings, stop_ids, tokenizer.pad_token_id)
     collate = PromptCollator(tokenizer.pad_token_id)
     device = model_device(model)
     answers: list[Answer] = []
@@ -67,7 +71,7 @@ def generate_answers_from_ids(model, tokenizer, prompt_ids: Sequence[Sequence[in
         for start in range(0, len(prompt_ids), batch_size):
             batch = collate([{"input_ids": ids} for ids in prompt_ids[start:start + batch_size]])
             sequences = generate(model, batch["input_ids"], batch["attention_mask"], **kwargs)
-            rows = split_generation(sequences, batch["input_ids"], batch["attention_mask"], tokenizer.eos_token_id)
+            rows = split_generation(sequences, batch["input_ids"], batch["attention_mask"], stop_ids)
             for prompt, row in zip(texts[start:start + batch_size], rows):
                 text = tokenizer.decode(row.response_ids.tolist(), skip_special_tokens=True)
                 answers.append(Answer(prompt_ids=row.prompt_ids, response_ids=row.response_ids,
@@ -79,10 +83,12 @@ def retokenize(answers: Sequence[Answer], tokenizer) -> list[Answer]:
     """The same prompt/response TEXTS tokenised for another tokenizer (a reward model of another family)."""
     out = []
     for a in answers:
-        response = encode(tokenizer, a.text) + ([tokenizer.eos_token_id] if a.ended_with_eos else [])
+        end = stop_token_ids(tokenizer, chat=is_chat(a.prompt))[-1]  # EOS, or the template's end-of-turn
+        response = encode(tokenizer, a.text) + ([end] if a.ended_with_eos else [])
         if not response:
-            response = [tokenizer.eos_token_id]
-        out.append(Answer(prompt_ids=torch.tensor(bos_prefix(tokenizer) + encode(tokenizer, a.prompt)),
+            response = [end]
+        prompt_ids = tokenize_prompts([{"prompt": a.prompt}], tokenizer, _NO_PROMPT_LIMIT)[0][0]["input_ids"]
+        out.append(Answer(prompt_ids=torch.tensor(prompt_ids),
                           response_ids=torch.tensor(response), ended_with_eos=a.ended_with_eos,
                           prompt=a.prompt, text=a.text))
     return out

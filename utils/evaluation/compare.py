@@ -1,6 +1,8 @@
 """SFT vs RLHF: both policies generated, scored and summarised on the same prompts; the result table."""
 from __future__ import annotations
 
+from utils.data import prompt_text
+
 import math
 from typing import Callable, Sequence
 
@@ -140,7 +142,7 @@ def format_table(result: dict) -> str:
     out += ["", f"RLHF vs SFT win rate: reward {_fmt(vs.get('reward_win_rate'))}, judge {_fmt(vs.get('judge_win_rate'))}"
             " (ties count 1/2)"]
     for i, sample in enumerate(result.get("samples", []), 1):
-        out += ["", f"--- sample {i} ---", f"prompt: {_one_line(sample['prompt'])}"]
+        out += ["", f"--- sample {i} ---", f"prompt: {_one_line(prompt_text(sample['prompt']))}"]
         for name in POLICIES:
             a = sample[name]
             out.append(f"{name.upper():<4} [reward {_fmt(a['reward'])}, judge {_fmt(a['judge'])}, "

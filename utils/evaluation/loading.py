@@ -1,12 +1,13 @@
 """Loading for evaluation: the policy and reward models (eval mode, fp32), tokenizer checks, prompts."""
 from __future__ import annotations
 
+import json
 import os
 import random
 
 import torch
 
-from utils.data import read_rows
+from utils.data import DEFAULT_FORMAT, RowFormat, read_rows
 from utils.model import load_causal_lm, load_tokenizer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -55,7 +56,8 @@ def same_vocabulary(a, b) -> bool:
             and len(a) == len(b) and a.get_vocab() == b.get_vocab())
 
 
-def load_prompts(path_or_source: str = DEFAULT_PROMPTS, n: int | None = 64, seed: int = 0) -> list[str]:
+def load_prompts(path_or_source: str = DEFAULT_PROMPTS, n: int | None = 64, seed: int = 0,
+                 fmt: RowFormat = DEFAULT_FORMAT) -> list:
     """Prompts of a JSON/JSONL file or folder (or a `datasets` source), read by `utils.data.read_rows`.
 
     A source with an eval split (a folder with train/eval files, a .json object with an "eval"
@@ -71,11 +73,12 @@ def load_prompts(path_or_source: str = DEFAULT_PROMPTS, n: int | None = 64, seed
     if source.endswith(DEFAULT_PROMPTS) and not os.path.exists(source):
         raise FileNotFoundError(f"{source} is missing: build the demo data with "
                                 f"`python -m data.make_demo_data --out data/demo`")
-    rows, _ = read_rows(source, ("prompt",))
+    rows, _ = read_rows(source, 3, fmt)
     prompts, seen = [], set()
     for row in rows:
-        if row["prompt"] not in seen:
-            seen.add(row["prompt"])
+        key = json.dumps(row["prompt"], sort_keys=True)  # a string or a message list (chat template)
+        if key not in seen:
+            seen.add(key)
             prompts.append(row["prompt"])
     if not prompts:
         raise ValueError(f"{path_or_source}: no non-empty prompts")

@@ -1,0 +1,278 @@
+"""Row formats: one raw record of any accepted layout -> the normalised row of a step.
+
+Accepted layouts (``normalize_row``; keys renamed by ``--prompt_key`` & co. first):
+
+* standard: ``prompt`` / ``chosen`` / ``rejected`` strings; ``response`` and ``completion`` are
+  synonyms of ``chosen`` (DeepSpeed-Chat's and TRL's prompt/completion rows);
+* conversational SFT: ``messages``, a list of ``{"role", "content"}`` turns, multi-turn;
+* conversational preference (TRL): ``prompt`` a message list, ``chosen`` / ``rejected`` lists of
+  assistant messages; or no ``prompt`` and two whole conversations sharing a prefix (implicit prompt);
+* HH-RLHF transcripts: ``chosen`` / ``rejected`` strings "\\n\\nHuman: ...\\n\\nAssistant: ..." and
+  no prompt: the prompt is the shared text up to and including the last "\\n\\nAssistant:";
+* prompt-only rows (step 3): a string or a message list, every other field kept in ``extra``
+  (``answer``, ``label``, ...) for reward functions.
+
+A normalised row holds ``prompt``, ``chosen``, ``rejected`` (each a string, a message list or None),
+``messages`` (step 1's whole conversation, or None), ``extra`` and ``origin``.  A row is *chat*
+when its texts are message lists: those are rendered with the tokenizer's chat template
+(utils/data/chat.py); string rows are concatenated raw unless ``--apply_chat_template`` made
+them a user turn and an assistant turn here.
+
+A malformed record raises DataError naming file:line and the field; a record that teaches nothing
+(an empty turn, no assistant turn, two sides without a shared prompt) raises SkipRow with the
+reason the caller counts.  Pure: no tokenizer, no files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from utils.data.sources import DataError
+
+ROLES = ("system", "user", "assistant", "tool")
+HH_ASSISTANT = "\n\nAssistant:"
+HH_HUMAN = "\n\nHuman:"
+CHOSEN_SYNONYMS = ("response", "completion")
+# the reasons a row is skipped (counted per source, logged once): see SkipRow
+SKIP_REASONS = ("empty", "empty_turn", "no_assistant_turn", "prefix_mismatch", "template_mismatch", "too_long")
+
+
+class SkipRow(Exception):
+    """A well-formed row that teaches nothing; ``reason`` is one of SKIP_REASONS."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class RowFormat:
+    """How raw records map to rows: the key names (OpenRLHF's --input_key style) and the chat options."""
+
+    prompt_key: str = "prompt"
+    chosen_key: str = "chosen"
+    rejected_key: str = "rejected"
+    messages_key: str = "messages"
+    apply_chat_template: bool = False  # string rows become a user turn + an assistant turn
+
+    @classmethod
+    def from_args(cls, args) -> "RowFormat":
+        return cls(**{k: getattr(args, k) for k in cls.__dataclass_fields__ if getattr(args, k, None) is not None})
+
+    @property
+    def keys(self) -> tuple:
+        return (self.prompt_key, self.chosen_key, self.rejected_key, self.messages_key)
+
+
+DEFAULT_FORMAT = RowFormat()
+
+
+def is_chat(value) -> bool:
+    return isinstance(value, list)
+
+
+def prompt_text(prompt) -> str:
+    """A prompt for people to read: the string, or a message list's turns as "role: content" lines."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(f"{m['role']}: {m['content']}" for m in prompt)
+
+
+# --------------------------------------------------------------------------- messages
+def check_messages(value, origin: str, field: str, assistant_only: bool = False) -> list:
+    """A validated message list (each ``{"role", "content"}`` with string content); SkipRow on an empty turn."""
+    if not isinstance(value, list):
+        raise DataError(f"{origin}: field '{field}' must be a list of messages, got {type(value).__name__}")
+    if not value:
+        raise SkipRow("empty")
+    out = []
+    for i, m in enumerate(value):
+        where = f"{origin}: field '{field}'[{i}]"
+        if not isinstance(m, dict):
+            raise DataError(f"{where}: expected a message object {{\"role\", \"content\"}}, got {type(m).__name__}")
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise DataError(f"{where}: 'role' must be one of {'/'.join(ROLES)}, got {role!r}")
+        if assistant_only and role != "assistant":
+            raise DataError(f"{where}: expected an assistant message, got role {role!r}")
+        if not isinstance(content, str):
+            raise DataError(f"{where}: 'content' must be a string, got {type(content).__name__}")
+        if not content.strip():
+            raise SkipRow("empty_turn")
+        out.append({"role": role, "content": content})
+    return out
+
+
+def parse_transcript(text: str) -> list | None:
+    """An HH-RLHF transcript ("\\n\\nHuman: ..\\n\\nAssistant: ..") as messages, or None if it is not one."""
+    if text.startswith(HH_HUMAN.lstrip()):
+        text = "\n\n" + text  # DeepSpeed-Chat's "Human: ...\n\nAssistant:" prompts
+    if not text.startswith(HH_HUMAN):
+        return None
+    messages, rest = [], text
+    markers = {HH_HUMAN: "user", HH_ASSISTANT: "assistant"}
+    while rest:
+        marker = next((m for m in markers if rest.startswith(m)), None)
+        if marker is None:
+            return None
+        rest = rest[len(marker):]
+        ends = [i for i in (rest.find(HH_HUMAN), rest.find(HH_ASSISTANT)) if i >= 0]
+        cut = min(ends) if ends else len(rest)
+        messages.append({"role": markers[marker], "content": rest[:cut].strip()})
+        rest = rest[cut:]
+    return messages
+
+
+def split_hh(chosen: str, rejected: str | None) -> tuple[str, str, str | None]:
+    """(prompt, chosen response, rejected response) of HH-RLHF transcripts; SkipRow("prefix_mismatch")
+    when the two sides do not share the text up to their last "\\n\\nAssistant:"."""
+    shared = chosen
+    if rejected is not None:
+        n = 0
+        for a, b in zip(chosen, rejected):
+            if a != b:
+                break
+            n += 1
+        shared = chosen[:n]
+    cut = shared.rfind(HH_ASSISTANT)
+    if cut < 0:
+        raise SkipRow("prefix_mismatch")
+    prompt = chosen[:cut + len(HH_ASSISTANT)]
+    return prompt, chosen[len(prompt):], None if rejected is None else rejected[len(prompt):]
+
+
+def split_shared_prefix(chosen: list, rejected: list) -> tuple[list, list, list]:
+    """(prompt, chosen turns, rejected turns) of two whole conversations (TRL's implicit prompt):
+    the shared leading messages are the prompt, and both rests must start with an assistant turn."""
+    n = 0
+    for a, b in zip(chosen, rejected):
+        if a != b:
+            break
+        n += 1
+    prompt, c, r = chosen[:n], chosen[n:], rejected[n:]
+    if not prompt or not c or not r or c[0]["role"] != "assistant" or r[0]["role"] != "assistant":
+        raise SkipRow("prefix_mismatch")
+    return prompt, c, r
+
+
+# --------------------------------------------------------------------------- rows
+def _text(value, origin: str, field: str, assistant_only: bool = False):
+    """A string or a validated message list; SkipRow when empty."""
+    if isinstance(value, str):
+        if not value.strip():
+            raise SkipRow("empty")
+        return value
+    if isinstance(value, list):
+        return check_messages(value, origin, field, assistant_only)
+    raise DataError(f"{origin}: field '{field}' must be a string or a list of messages, got {type(value).__name__}")
+
+
+def _missing(origin: str, name: str, fmt: RowFormat) -> DataError:
+    hint = " (or 'response' / 'completion')" if name == "chosen" and fmt.chosen_key == "chosen" else ""
+    key = {"prompt": fmt.prompt_key, "chosen": fmt.chosen_key, "rejected": fmt.rejected_key}[name]
+    extra = "" if name != "prompt" else f" (or '{fmt.messages_key}', or HH-RLHF 'chosen' transcripts)"
+    return DataError(f"{origin}: missing field '{key}'{hint}{extra}")
+
+
+def _prompt_of_conversation(messages: list) -> list:
+    """Step 3's prompt from a whole conversation: every turn before its last assistant turn."""
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+    prompt = messages if last is None else messages[:last]
+    if not prompt or prompt[-1]["role"] == "assistant":
+        raise SkipRow("no_assistant_turn" if last is None else "prefix_mismatch")
+    return prompt
+
+
+def _as_user(text):
+    return [{"role": "user", "content": text}] if isinstance(text, str) else text
+
+
+def _as_assistant(text):
+    return [{"role": "assistant", "content": text}] if isinstance(text, str) else text
+
+
+def normalize_row(obj, origin: str, step: int, fmt: RowFormat = DEFAULT_FORMAT) -> dict:
+    """The normalised row of ``step`` (1 SFT, 2 pairs, 3 prompts) from one raw record (see the module doc)."""
+    if not isinstance(obj, dict):
+        raise DataError(f"{origin}: expected a JSON object, got {type(obj).__name__}")
+    chosen_value = obj.get(fmt.chosen_key)
+    if chosen_value is None and fmt.chosen_key == "chosen":
+        chosen_value = next((obj[k] for k in CHOSEN_SYNONYMS if obj.get(k) is not None), None)
+    raw = {"prompt": obj.get(fmt.prompt_key), "chosen": chosen_value, "rejected": obj.get(fmt.rejected_key),
+           "messages": obj.get(fmt.messages_key)}
+    # step 3 keeps every field but the prompt's for reward functions (an answer, a label, the pair it came from)
+    used = ({fmt.prompt_key, fmt.messages_key} if step == 3 else
+            set(fmt.keys) | (set(CHOSEN_SYNONYMS) if fmt.chosen_key == "chosen" else set()))
+    row = {"prompt": None, "chosen": None, "rejected": None, "messages": None,
+           "extra": {k: v for k, v in obj.items() if k not in used}, "origin": origin}
+    names = {"prompt": fmt.prompt_key, "chosen": fmt.chosen_key, "rejected": fmt.rejected_key,
+             "messages": fmt.messages_key}
+
+    if raw["messages"] is not None and raw["prompt"] is None:
+        if step == 2:
+            raise DataError(f"{origin}: a '{fmt.messages_key}' row has no rejected side; step 2 needs "
+                            f"'{fmt.prompt_key}', '{fmt.chosen_key}' and '{fmt.rejected_key}'")
+        messages = check_messages(raw["messages"], origin, names["messages"])
+        if step == 3:
+            row["prompt"] = _prompt_of_conversation(messages)
+            return row
+        if not any(m["role"] == "assistant" for m in messages):
+            raise SkipRow("no_assistant_turn")
+        row["messages"] = messages
+        return row
+
+    needed = {1: ("chosen",), 2: ("chosen", "rejected"), 3: ()}[step]
+    values = {}
+    for name in ("prompt", "chosen", "rejected"):
+        if raw[name] is not None and (name == "prompt" or name in needed):
+            values[name] = _text(raw[name], origin, names[name], assistant_only=name != "prompt" and raw["prompt"] is not None)
+    if "prompt" not in values:
+        # no prompt: HH-RLHF transcripts or TRL's implicit prompt, taken from the sides
+        if raw["chosen"] is None:
+            raise _missing(origin, "prompt", fmt)
+        if step == 2 and raw["rejected"] is None:
+            raise _missing(origin, "rejected", fmt)
+        # only step 2 needs the two sides to agree on the prompt; steps 1 and 3 take it from chosen
+        c = _text(raw["chosen"], origin, names["chosen"])
+        r = None if raw["rejected"] is None or step != 2 else _text(raw["rejected"], origin, names["rejected"])
+        if r is not None and is_chat(c) != is_chat(r):
+            raise DataError(f"{origin}: fields '{names['chosen']}' and '{names['rejected']}' must both be strings "
+                            "or both message lists")
+        if is_chat(c) and r is None:
+            prompt = _prompt_of_conversation(c)
+            parts = (prompt, c[len(prompt):], None)
+        elif is_chat(c):
+            parts = split_shared_prefix(c, r)
+        elif HH_ASSISTANT not in c:
+            raise _missing(origin, "prompt", fmt)
+        else:
+            parts = split_hh(c, r)
+        values = {n: v for n, v in zip(("prompt", "chosen", "rejected"), parts) if v is not None}
+        if any(isinstance(v, str) and not v.strip() for v in values.values()):
+            raise SkipRow("empty")
+    for name in needed:
+        if name not in values:
+            raise _missing(origin, name, fmt)
+    chat = [is_chat(values[n]) for n in values]
+    if any(chat) and not all(chat):
+        raise DataError(f"{origin}: fields {[names[n] for n in values]} mix strings and message lists; "
+                        "give all as strings or all as message lists")
+    if not any(chat) and fmt.apply_chat_template:
+        values = _templated(values)
+    if step == 1 and is_chat(values["prompt"]):
+        row["messages"] = values["prompt"] + values["chosen"]
+        return row
+    row.update({n: values.get(n) for n in ("prompt", "chosen", "rejected")})
+    return row
+
+
+def _templated(values: dict) -> dict:
+    """--apply_chat_template on string rows: the prompt a user turn (an HH transcript its own turns),
+    each response an assistant turn."""
+    prompt = values["prompt"]
+    turns = parse_transcript(prompt[:-len(HH_ASSISTANT)]) if prompt.endswith(HH_ASSISTANT) else None
+    out = {"prompt": turns if turns and all(m["content"] for m in turns) else _as_user(prompt)}
+    for name in ("chosen", "rejected"):
+        if name in values:
+            out[name] = _as_assistant(values[name].strip() if turns else values[name])
+    return out
