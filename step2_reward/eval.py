@@ -19,7 +19,7 @@ import sys
 
 import torch
 
-from utils.data import (DEFAULT_FORMAT, DataError, PairCollator, RowFormat, SFTCollator, SkipRow, normalize_row,
+from utils.data import (DEFAULT_FORMAT, DataError, PairCollator, PromptCollator, RowFormat, SkipRow, normalize_row,
                         read_rows, scored_sequences, tokenize_pairs)
 from utils.flags import add_format_args
 from utils.forward import sequence_scores
@@ -85,19 +85,19 @@ def score_texts(model, tokenizer, items: list[tuple[str, str]], max_seq_len: int
     """Scores of (prompt, response) texts, tokenised as in training (``scored_sequences``); with
     ``fmt.apply_chat_template`` the prompt is a user turn and the response an assistant turn."""
     stats = {"truncated_prompt": 0, "truncated_response": 0}
-    examples = []
+    sequences = []
     for p, r in items:
         try:
             row = normalize_row({"prompt": p, "chosen": r}, "--prompt/--response", 1, fmt)
             if row["messages"] is not None:
                 row = {"prompt": row["messages"][:-1], "chosen": row["messages"][-1:], "origin": row["origin"]}
-            examples.append({"input_ids": scored_sequences(row, tokenizer, ("chosen",), max_seq_len, stats)[0]})
+            sequences += scored_sequences(row, tokenizer, ("chosen",), max_seq_len, stats)
         except SkipRow:
             raise SystemExit("error: empty prompt or response cannot be scored") from None
-    collator = SFTCollator(tokenizer.pad_token_id)
+    collator = PromptCollator(tokenizer.pad_token_id)  # left padding: the score is read at the last real token
     scores = []
-    for i in range(0, len(examples), batch_size):
-        batch = collator(examples[i:i + batch_size])
+    for i in range(0, len(sequences), batch_size):
+        batch = collator([{"input_ids": ids} for ids in sequences[i:i + batch_size]])
         scores += sequence_scores(model, batch["input_ids"], batch["attention_mask"]).tolist()
     return scores
 
