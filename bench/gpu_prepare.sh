@@ -30,8 +30,9 @@ for f in config.json generation_config.json tokenizer.json tokenizer_config.json
          vocab.json merges.txt chat_template.jinja; do
   [ -f "$MODEL/$f" ] && cp "$MODEL/$f" "$CARRY/smollm2/"
 done
-[ -f "$ROOT/data/demo/pairs/eval.jsonl" ] || "$PY" -m data.make_demo_data --out "$ROOT/data/demo"
-cp -r "$ROOT/data/demo/sft" "$ROOT/data/demo/pairs" "$CARRY/data/"
+# raw Human/Assistant rows: the check's tiny model has no chat template, and its lengths assume them
+[ -f "$ROOT/data/demo_raw/pairs/eval.jsonl" ] || "$PY" -m data.make_demo_data --out "$ROOT/data/demo_raw" --format raw
+cp -r "$ROOT/data/demo_raw/sft" "$ROOT/data/demo_raw/pairs" "$CARRY/data/"
 
 ls -l "$CARRY/wheels"
 total_kb="$(du -sk "$CARRY" | cut -f1)"

@@ -42,13 +42,15 @@ LR0_LIMIT = 1e-4
 
 
 def data_dir() -> str:
-    """The demo data: carried (GPU machine) or the checkout's data/demo (made here when missing)."""
+    """The demo data in its raw Human/Assistant form (the tiny model has no chat template): carried (GPU
+    machine) or the checkout's data/demo_raw (made here when missing)."""
     carried = os.path.join(CARRY, "data")
     if os.path.isfile(os.path.join(carried, "pairs", "eval.jsonl")):
         return carried
-    local = os.path.join(REPO, "data", "demo")
+    local = os.path.join(REPO, "data", "demo_raw")
     if not os.path.isfile(os.path.join(local, "pairs", "eval.jsonl")):
-        subprocess.run([sys.executable, "-m", "data.make_demo_data", "--out", local], check=True, cwd=REPO)
+        subprocess.run([sys.executable, "-m", "data.make_demo_data", "--out", local, "--format", "raw"], check=True,
+                       cwd=REPO)
     return local
 
 

@@ -15,7 +15,7 @@ trainer's own samples_per_s: rows of both ranks / iteration time) and the share 
 experience making (the four no-grad forwards: actor, reference, critic, reward) and training
 (PPO epochs: actor + critic forward/backward/step) in the summed iteration time.
 
-Prompts: the first --num_prompts prompts of data/demo/pairs/train.jsonl written as a JSONL of
+Prompts: the first --num_prompts prompts of data/demo_raw/pairs/train.jsonl written as a JSONL of
 {"prompt"} rows (bench/runs/prompts.jsonl; the TRL peer reads the same file), all given to step 3
 (--data_split 0,0,1). Answers have a FIXED length (--min_answer_seq_len = --max_answer_seq_len),
 sampled at temperature 1 (top_k 0, top_p 1), so every configuration does the same work.
@@ -41,7 +41,7 @@ if REPO not in sys.path:
 
 from bench.common import RUNS, SMOL, machine_line, machine_lines, malloc_line, finish_report  # noqa: E402
 
-DEMO_PAIRS = os.path.join(REPO, "data", "demo", "pairs", "train.jsonl")
+DEMO_PAIRS = os.path.join(REPO, "data", "demo_raw", "pairs", "train.jsonl")  # raw rows: the figures in bench/results
 CONFIGS = {  # name: (actor/critic ZeRO stage, --enable_hybrid_engine)
     "z3+hybrid": (3, True),
     "z3": (3, False),
@@ -53,7 +53,8 @@ CONFIGS = {  # name: (actor/critic ZeRO stage, --enable_hybrid_engine)
 def write_prompts(path: str, n: int) -> str:
     """The first n prompts of the demo pairs as {"prompt"} rows (shared with bench/peer_trl.py)."""
     if not os.path.exists(DEMO_PAIRS):
-        raise SystemExit(f"error: {DEMO_PAIRS} is missing (python -m data.make_demo_data --out data/demo --seed 0)")
+        raise SystemExit(f"error: {DEMO_PAIRS} is missing "
+                         "(python -m data.make_demo_data --out data/demo_raw --seed 0 --format raw)")
     rows = []
     with open(DEMO_PAIRS) as f:
         for line in f:
@@ -317,7 +318,7 @@ def main(argv=None):
              f"PPO: {args.steps} iterations per run (first {args.warmup} dropped), rollout {args.batch_size} prompts per "
              f"rank (x2 ranks), prompt <= {args.prompt_len} tokens, answer exactly {args.answer_len} tokens "
              f"(sampled, T=1), PPO mini-batch {args.train_batch_size}, {args.ppo_epochs} PPO epoch(s)",
-             f"prompts: {prompts} ({args.num_prompts} rows from data/demo/pairs/train.jsonl), --data_split 0,0,1"]
+             f"prompts: {prompts} ({args.num_prompts} rows from data/demo_raw/pairs/train.jsonl), --data_split 0,0,1"]
     if args.ab:
         lines[4] = lines[4].replace(f"PPO: {args.steps} iterations per run (first {args.warmup} dropped)",
                                     f"PPO: {args.steps} iterations in one run")

@@ -23,7 +23,9 @@ import re
 import sys
 
 PROMPT_TEMPLATE = "Human: Continue this movie review: {prefix}\n\nAssistant:"  # --format raw
-INSTRUCTION = "Continue this movie review: {prefix}"  # --format chat: the user turn
+# --format chat: the instruction is the system turn (replacing SmolLM2's default system text, ~17 tokens
+# more on every sequence) and the review's first words the user turn
+SYSTEM = "Continue the movie review."
 FORMATS = ("chat", "raw")
 MIN_PREFIX_WORDS, MAX_PREFIX_WORDS = 3, 5
 MIN_REST_WORDS, MAX_REST_WORDS = 3, 40
@@ -142,9 +144,10 @@ def build(seed: int, sizes: dict, path: str | None = None) -> dict:
 
 LAYOUTS = {
     "raw": "as they are ({{prompt, response}} and {{prompt, chosen, rejected}} strings)",
-    "chat": ("as conversations for the model's chat template: an SFT row is {{\"messages\": [user "
-             "\"Continue this movie review: {{first k words}}\", assistant rest]}}, a pair is TRL's "
-             "{{\"prompt\": [user turn], \"chosen\": [assistant turn], \"rejected\": [assistant turn]}}"),
+    "chat": ("as conversations for the model's chat template: an SFT row is {{\"messages\": [system "
+             "\"Continue the movie review.\", user \"{{first k words}}\", assistant rest]}}, a pair is TRL's "
+             "{{\"prompt\": [system turn, user turn], \"chosen\": [assistant turn], \"rejected\": [assistant "
+             "turn]}}"),
 }
 
 README = """# Demo RLHF data (derived offline)
@@ -170,10 +173,10 @@ def as_chat(row: dict) -> dict:
     """A raw row as conversational rows (the same sentences): an SFT row a two-turn `messages` list,
     a pair TRL's layout (a user-turn prompt, chosen and rejected assistant turns)."""
     prefix = row["prompt"][len("Human: Continue this movie review: "):-len("\n\nAssistant:")]
-    user = {"role": "user", "content": INSTRUCTION.format(prefix=prefix)}
+    turns = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prefix}]
     if "response" in row:
-        return {"messages": [user, {"role": "assistant", "content": row["response"].strip()}]}
-    return {"prompt": [user], "chosen": [{"role": "assistant", "content": row["chosen"].strip()}],
+        return {"messages": turns + [{"role": "assistant", "content": row["response"].strip()}]}
+    return {"prompt": turns, "chosen": [{"role": "assistant", "content": row["chosen"].strip()}],
             "rejected": [{"role": "assistant", "content": row["rejected"].strip()}]}
 
 

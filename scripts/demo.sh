@@ -31,7 +31,7 @@ if [ "$QUICK" = 1 ]; then
   BASE="$(tiny_model llama)"
   S1=(--max_steps 3) S2=(--max_steps 3) S3=(--max_steps 2 --max_answer_seq_len 8) EVAL=(--num_prompts 8 --max_new_tokens 8)
   # the tiny model has no chat template: give it ChatML (saved with steps 1-2's tokenizers, so step 3 finds it);
-  # its markers are plain text to this tokenizer, so the template's frame alone is ~49 prompt tokens
+  # its markers are plain text to this tokenizer, so the template's frame alone is ~43 prompt tokens
   [ "$DEMO_FORMAT" = chat ] && S1+=(--chat_template utils/chat_templates/chatml.jinja) \
     S2+=(--chat_template utils/chat_templates/chatml.jinja) S3+=(--max_prompt_seq_len 96)
 else

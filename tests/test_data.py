@@ -365,10 +365,12 @@ def test_make_demo_data_smoke(tmp_path, capsys):
     chat = tmp_path / "chat"
     make_demo_data.main(["--out", str(chat)] + sizes)
     for raw_row, chat_row in zip(load("sft/train.jsonl"), [json.loads(x) for x in open(chat / "sft" / "train.jsonl")]):
-        user, assistant = chat_row["messages"]
-        assert user == {"role": "user", "content": raw_row["prompt"][len("Human: "):-len("\n\nAssistant:")]}
+        system, user, assistant = chat_row["messages"]
+        prefix = raw_row["prompt"][len("Human: Continue this movie review: "):-len("\n\nAssistant:")]
+        assert system == {"role": "system", "content": "Continue the movie review."}
+        assert user == {"role": "user", "content": prefix}
         assert assistant == {"role": "assistant", "content": raw_row["response"].strip()}
     pair = json.loads(open(chat / "pairs" / "eval.jsonl").readline())
-    assert pair["prompt"][0]["role"] == "user" and pair["chosen"][0]["role"] == "assistant"
+    assert [m["role"] for m in pair["prompt"]] == ["system", "user"] and pair["chosen"][0]["role"] == "assistant"
     res = D.build_step_rows([str(chat / "pairs")], "0,1,0", 2, 0, log=quiet)
     assert len(res.train) == 400 and all(isinstance(r["prompt"], list) for r in res.train)

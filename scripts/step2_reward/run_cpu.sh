@@ -12,7 +12,7 @@
 source "$(dirname "$0")/../common.sh"
 launch_step cpu step2_reward.main pairs \
   --data_split 0,5,5 \
-  --zero_stage 2 --dtype fp32 --max_seq_len 96 \
+  --zero_stage 2 --dtype fp32 --max_seq_len 80 \
   --per_device_train_batch_size 4 --per_device_eval_batch_size 32 --gradient_accumulation_steps 2 \
   --lora_dim 16 --only_optimize_lora --lora_learning_rate 2e-3 \
   --learning_rate 2e-3 --lr_scheduler_type cosine --num_warmup_steps 2 --weight_decay 0.0 \
