@@ -365,3 +365,35 @@ def test_running_moments():
     assert rm2.mean == pytest.approx(statistics.mean(seen))
     assert rm2.std == pytest.approx(statistics.stdev(seen))
     assert rm2.state_dict() == rm.state_dict()
+
+
+# --------------------------------------------------------------------------- critic-free estimators (pure)
+def test_grpo_dr_grpo_and_rloo_by_hand():
+    from step3_ppo.advantages import grpo_advantages, rloo_advantages
+
+    # group 0: four samples [1, 0, 0, 1]; group 1: equal rewards; group 2: two samples [2, 0]
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 3.0, 2.0, 0.0])
+    groups = torch.tensor([5, 5, 5, 5, 9, 9, 7, 7])
+    mask = torch.ones(8, 3)
+    mask[0, 2] = 0  # a shorter answer: its padding stays 0
+    std4 = (1 / 3) ** 0.5  # unbiased std of [1, 0, 0, 1]
+    grpo = grpo_advantages(scores, groups, mask, eps=1e-12)
+    expected = [0.5 / std4, -0.5 / std4, -0.5 / std4, 0.5 / std4, 0.0, 0.0, 1 / 2 ** 0.5, -1 / 2 ** 0.5]
+    assert torch.allclose(grpo[:, 0], torch.tensor(expected), atol=1e-6)
+    assert grpo[0, 2] == 0 and torch.allclose(grpo[1], grpo[1, :1].expand(3))
+    dr = grpo_advantages(scores, groups, mask, scale_by_std=False)
+    assert torch.allclose(dr[:, 0], torch.tensor([0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 1.0, -1.0]))
+    rloo = rloo_advantages(scores, groups, mask)  # r_i - mean of the others
+    assert torch.allclose(rloo[:, 0], torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.0, 0.0, 2.0, -2.0]), atol=1e-6)
+    assert rloo_advantages(torch.tensor([4.0]), torch.tensor([0]), torch.ones(1, 2)).eq(0).all()  # group of one
+
+
+def test_returns_to_go_by_hand():
+    from step3_ppo.advantages import returns_to_go
+
+    rewards = torch.tensor([[9.0, -0.1, -0.1, 0.9, 9.0], [9.0, 9.0, -0.2, 1.8, 9.0]])  # 9: padding, ignored
+    mask = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 0]])
+    out = returns_to_go(rewards, mask, gamma=1.0)
+    assert torch.allclose(out, torch.tensor([[0, 0.7, 0.8, 0.9, 0], [0, 0, 1.6, 1.8, 0]]), atol=1e-6)
+    half = returns_to_go(rewards, mask, gamma=0.5)
+    assert torch.allclose(half[0, 1:4], torch.tensor([-0.1 + 0.5 * (-0.1 + 0.5 * 0.9), -0.1 + 0.45, 0.9]), atol=1e-6)
