@@ -7,7 +7,8 @@ three disjoint parts by ``--data_split`` so that no step sees another step's
 training rows, while the eval split is shared.
 
 The package has layers, each usable on its own (imports go one way,
-``sources`` <- ``rows`` <- ``tokenize`` <- ``collate``):
+``sources`` <- ``formats`` <- ``rows``; ``formats`` <- ``chat`` <- ``tokenize`` <- ``collate``;
+``cache`` stands beside them, needing only ``DataError``):
 
 * ``sources``: reading sources (``load_source``) into raw records with an
   ``origin`` ("path:line") so that every error can point at the offending line;
@@ -18,7 +19,9 @@ The package has layers, each usable on its own (imports go one way,
 * ``tokenize``: tokenising rows (``tokenize_sft``/``tokenize_pairs``/
   ``tokenize_prompts``) and plain texts (``read_texts``/``tokenize_texts``);
 * ``collate``: padding batches (``SFTCollator``/``PairCollator``/
-  ``PromptCollator``) and the distributed loader (``distributed_loader``).
+  ``PromptCollator``) and the distributed loader (``distributed_loader``);
+* ``cache``: tokenised examples kept on disk for later runs and the other
+  ranks (``cached_examples``, ``--data_output_path``).
 
 Nothing is dropped silently: skipped or truncated rows are counted in the
 returned stats and summarised through ``log``.
