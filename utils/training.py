@@ -104,10 +104,12 @@ def step_examples(args, tokenizer, step: int, tokenize, settings: dict, with_eva
 
     fmt = RowFormat.from_args(args)
     sft_only = list(getattr(args, "sft_only_data_path", []) or []) if step == 1 else []
+    cache_dir = getattr(args, "data_output_path", None)
+    # the key (a hash of the whole vocabulary, a walk of every source folder) only when there is a cache
     key = {"step": step, "sources": [source_fingerprint(p) for p in args.data_path],
            "sft_only": [source_fingerprint(p) for p in sft_only], "data_split": args.data_split, "seed": args.seed,
            "eval_fraction": args.eval_fraction, "format": dataclasses.asdict(fmt),
-           "tokenizer": tokenizer_fingerprint(tokenizer), "with_eval": with_eval, **settings}
+           "tokenizer": tokenizer_fingerprint(tokenizer), "with_eval": with_eval, **settings} if cache_dir else {}
 
     def build():
         rows = build_step_rows(args.data_path, args.data_split, step=step, seed=args.seed, sft_only_data_path=sft_only,
@@ -116,7 +118,7 @@ def step_examples(args, tokenizer, step: int, tokenize, settings: dict, with_eva
         evals, eval_stats = tokenize(rows.eval) if with_eval else ([], {})
         return train + evals, {"n_train": len(train), "train": train_stats, "eval": eval_stats}
 
-    examples, stats = cached_examples(getattr(args, "data_output_path", None), key, build, print_rank0)
+    examples, stats = cached_examples(cache_dir, key, build, print_rank0)
     n = stats["n_train"]
     return examples[:n], stats["train"], examples[n:], stats["eval"]
 

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from utils import distributed as dist
+from utils.cache import relax_permissions
 from utils.data.sources import DataError
 
 FORMAT_VERSION = 1
@@ -165,7 +166,7 @@ def _write_files(folder: str, examples: Examples, stats: dict) -> None:
         json.dump(meta, f)
     with open(os.path.join(folder, MARKER), "w") as f:
         f.write(f"{time.time()}\n")
-    _relax_permissions(folder)
+    relax_permissions(folder)  # mkdtemp makes a 0700 folder: other users' runs must read it
 
 
 def _field_names(examples: Examples) -> list[str]:
@@ -201,13 +202,6 @@ def _publish(tmp: str, entry: str) -> None:
         if not is_complete(entry):
             raise
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _relax_permissions(path: str) -> None:
-    """mkdtemp makes a 0700 folder: give it the usual umask so other users' runs can read it."""
-    from utils.cache import relax_permissions
-
-    relax_permissions(path)
 
 
 # --------------------------------------------------------------------------- reading

@@ -18,11 +18,14 @@ rewrite earlier turns) gives SkipRow("template_mismatch") for that row.
 from __future__ import annotations
 
 import os
+import weakref
 
-from utils.data.formats import SkipRow
+from utils.data.formats import SkipRow, common_prefix_len
 from utils.data.sources import DataError
 
 _SENTINEL = "Sentinel reply 7"
+# tokenizer -> (the template it was probed with, its end-of-turn id): two renders once, not per row
+_END_OF_TURN = weakref.WeakKeyDictionary()
 
 
 def load_chat_template(path: str) -> str:
@@ -70,21 +73,19 @@ def _special_ids(tokenizer) -> set:
 
 def end_of_turn_id(tokenizer) -> int | None:
     """The special token the template puts right after an assistant turn (ChatML's ``<|im_end|>``,
-    Llama 3's ``<|eot_id|>``), or None when the template has no template or none follows the turn."""
-    if not getattr(tokenizer, "chat_template", None):
+    Llama 3's ``<|eot_id|>``), or None when the tokenizer has no template or none follows the turn."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
         return None
-    cached = getattr(tokenizer, "_rlhf_end_of_turn", ())
-    if cached != ():
-        return cached
+    cached = _END_OF_TURN.get(tokenizer)
+    if cached is not None and cached[0] == template:
+        return cached[1]
     user = [{"role": "user", "content": "Hello"}]
     prompt = render(tokenizer, user, add_generation_prompt=True)
     full = render(tokenizer, user + [{"role": "assistant", "content": _SENTINEL}])
     special = _special_ids(tokenizer)
     eot = next((t for t in full[len(prompt):] if t in special), None) if full[:len(prompt)] == prompt else None
-    try:
-        tokenizer._rlhf_end_of_turn = eot
-    except AttributeError:
-        pass
+    _END_OF_TURN[tokenizer] = (template, eot)
     return eot
 
 
@@ -97,10 +98,10 @@ def stop_token_ids(tokenizer, chat: bool) -> list[int]:
     return ids
 
 
-def _end_of_turn(ids: list, start: int, end: int, eot: int | None, eos: int) -> int:
+def _end_of_turn(ids: list, start: int, end: int, stops: list) -> int:
     """End (exclusive) of the assistant turn in ids[start:end]: just after its first end-of-turn/EOS token."""
     for i in range(start, end):
-        if ids[i] == eot or ids[i] == eos:
+        if ids[i] in stops:
             return i + 1
     return end
 
@@ -108,7 +109,7 @@ def _end_of_turn(ids: list, start: int, end: int, eot: int | None, eos: int) -> 
 def assistant_spans(tokenizer, messages: list) -> tuple[list[int], list[tuple[int, int]]]:
     """(ids of the whole conversation, [(start, end)] of each assistant turn incl. its end-of-turn token)."""
     ids = render(tokenizer, messages)
-    eot, spans = end_of_turn_id(tokenizer), []
+    stops, spans = stop_token_ids(tokenizer, chat=True), []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
@@ -116,7 +117,7 @@ def assistant_spans(tokenizer, messages: list) -> tuple[list[int], list[tuple[in
         upto = render(tokenizer, messages[:i + 1])
         if ids[:len(upto)] != upto or start > len(upto):
             raise SkipRow("template_mismatch")
-        spans.append((start, _end_of_turn(ids, start, len(upto), eot, tokenizer.eos_token_id)))
+        spans.append((start, _end_of_turn(ids, start, len(upto), stops)))
     return ids, spans
 
 
@@ -126,10 +127,10 @@ def reply_ids(tokenizer, prompt: list, replies: list) -> tuple[list[int], list[i
     full = render(tokenizer, prompt + replies)
     if full[:len(prompt_ids)] != prompt_ids:
         raise SkipRow("template_mismatch")
-    eot, eos = end_of_turn_id(tokenizer), tokenizer.eos_token_id
+    stops = stop_token_ids(tokenizer, chat=True)
     tail = full[len(prompt_ids):]
-    stops = [i for i, t in enumerate(tail) if t == eot or t == eos]
-    return prompt_ids, tail[:stops[-1] + 1] if stops else tail
+    ends = [i for i, t in enumerate(tail) if t in stops]
+    return prompt_ids, tail[:ends[-1] + 1] if ends else tail
 
 
 def frame_lens(tokenizer, prompt: list, prompt_ids: list) -> tuple[int, int]:
@@ -145,10 +146,5 @@ def frame_lens(tokenizer, prompt: list, prompt_ids: list) -> tuple[int, int]:
     for i in {talk[0], talk[-1]}:
         other[i]["content"] = "\u2063" + other[i]["content"][::-1] + " ~"
     alt = render(tokenizer, other, add_generation_prompt=True)
-    head = 0
-    while head < min(len(prompt_ids), len(alt)) and prompt_ids[head] == alt[head]:
-        head += 1
-    foot = 0
-    while foot < min(len(prompt_ids), len(alt)) - head and prompt_ids[-1 - foot] == alt[-1 - foot]:
-        foot += 1
-    return head, foot
+    head = common_prefix_len(prompt_ids, alt)
+    return head, common_prefix_len(prompt_ids[head:][::-1], alt[head:][::-1])

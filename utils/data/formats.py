@@ -33,6 +33,7 @@ ROLES = ("system", "user", "assistant", "tool")
 HH_ASSISTANT = "\n\nAssistant:"
 HH_HUMAN = "\n\nHuman:"
 CHOSEN_SYNONYMS = ("response", "completion")
+FIELDS = ("prompt", "chosen", "rejected", "messages")
 # the reasons a row is skipped (counted per source, logged once): see SkipRow
 SKIP_REASONS = ("empty", "empty_turn", "no_assistant_turn", "prefix_mismatch", "template_mismatch", "too_long")
 
@@ -59,9 +60,13 @@ class RowFormat:
     def from_args(cls, args) -> "RowFormat":
         return cls(**{k: getattr(args, k) for k in cls.__dataclass_fields__ if getattr(args, k, None) is not None})
 
+    def key(self, name: str) -> str:
+        """The record's field holding ``name`` ("prompt", "chosen", "rejected" or "messages")."""
+        return getattr(self, f"{name}_key")
+
     @property
     def keys(self) -> tuple:
-        return (self.prompt_key, self.chosen_key, self.rejected_key, self.messages_key)
+        return tuple(self.key(name) for name in FIELDS)
 
 
 DEFAULT_FORMAT = RowFormat()
@@ -69,6 +74,16 @@ DEFAULT_FORMAT = RowFormat()
 
 def is_chat(value) -> bool:
     return isinstance(value, list)
+
+
+def common_prefix_len(a, b) -> int:
+    """How many leading items two sequences share (characters, messages, token ids)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def prompt_text(prompt) -> str:
@@ -126,14 +141,7 @@ def parse_transcript(text: str) -> list | None:
 def split_hh(chosen: str, rejected: str | None) -> tuple[str, str, str | None]:
     """(prompt, chosen response, rejected response) of HH-RLHF transcripts; SkipRow("prefix_mismatch")
     when the two sides do not share the text up to their last "\\n\\nAssistant:"."""
-    shared = chosen
-    if rejected is not None:
-        n = 0
-        for a, b in zip(chosen, rejected):
-            if a != b:
-                break
-            n += 1
-        shared = chosen[:n]
+    shared = chosen if rejected is None else chosen[:common_prefix_len(chosen, rejected)]
     cut = shared.rfind(HH_ASSISTANT)
     if cut < 0:
         raise SkipRow("prefix_mismatch")
@@ -144,11 +152,7 @@ def split_hh(chosen: str, rejected: str | None) -> tuple[str, str, str | None]:
 def split_shared_prefix(chosen: list, rejected: list) -> tuple[list, list, list]:
     """(prompt, chosen turns, rejected turns) of two whole conversations (TRL's implicit prompt):
     the shared leading messages are the prompt, and both rests must start with an assistant turn."""
-    n = 0
-    for a, b in zip(chosen, rejected):
-        if a != b:
-            break
-        n += 1
+    n = common_prefix_len(chosen, rejected)
     prompt, c, r = chosen[:n], chosen[n:], rejected[n:]
     if not prompt or not c or not r or c[0]["role"] != "assistant" or r[0]["role"] != "assistant":
         raise SkipRow("prefix_mismatch")
@@ -169,9 +173,8 @@ def _text(value, origin: str, field: str, assistant_only: bool = False):
 
 def _missing(origin: str, name: str, fmt: RowFormat) -> DataError:
     hint = " (or 'response' / 'completion')" if name == "chosen" and fmt.chosen_key == "chosen" else ""
-    key = {"prompt": fmt.prompt_key, "chosen": fmt.chosen_key, "rejected": fmt.rejected_key}[name]
     extra = "" if name != "prompt" else f" (or '{fmt.messages_key}', or HH-RLHF 'chosen' transcripts)"
-    return DataError(f"{origin}: missing field '{key}'{hint}{extra}")
+    return DataError(f"{origin}: missing field '{fmt.key(name)}'{hint}{extra}")
 
 
 def _prompt_of_conversation(messages: list) -> list:
@@ -183,36 +186,28 @@ def _prompt_of_conversation(messages: list) -> list:
     return prompt
 
 
-def _as_user(text):
-    return [{"role": "user", "content": text}] if isinstance(text, str) else text
-
-
-def _as_assistant(text):
-    return [{"role": "assistant", "content": text}] if isinstance(text, str) else text
+def _turn(role: str, text: str) -> list:
+    return [{"role": role, "content": text}]
 
 
 def normalize_row(obj, origin: str, step: int, fmt: RowFormat = DEFAULT_FORMAT) -> dict:
     """The normalised row of ``step`` (1 SFT, 2 pairs, 3 prompts) from one raw record (see the module doc)."""
     if not isinstance(obj, dict):
         raise DataError(f"{origin}: expected a JSON object, got {type(obj).__name__}")
-    chosen_value = obj.get(fmt.chosen_key)
-    if chosen_value is None and fmt.chosen_key == "chosen":
-        chosen_value = next((obj[k] for k in CHOSEN_SYNONYMS if obj.get(k) is not None), None)
-    raw = {"prompt": obj.get(fmt.prompt_key), "chosen": chosen_value, "rejected": obj.get(fmt.rejected_key),
-           "messages": obj.get(fmt.messages_key)}
+    raw = {name: obj.get(fmt.key(name)) for name in FIELDS}
+    if raw["chosen"] is None and fmt.chosen_key == "chosen":
+        raw["chosen"] = next((obj[k] for k in CHOSEN_SYNONYMS if obj.get(k) is not None), None)
     # step 3 keeps every field but the prompt's for reward functions (an answer, a label, the pair it came from)
     used = ({fmt.prompt_key, fmt.messages_key} if step == 3 else
             set(fmt.keys) | (set(CHOSEN_SYNONYMS) if fmt.chosen_key == "chosen" else set()))
     row = {"prompt": None, "chosen": None, "rejected": None, "messages": None,
            "extra": {k: v for k, v in obj.items() if k not in used}, "origin": origin}
-    names = {"prompt": fmt.prompt_key, "chosen": fmt.chosen_key, "rejected": fmt.rejected_key,
-             "messages": fmt.messages_key}
 
     if raw["messages"] is not None and raw["prompt"] is None:
         if step == 2:
             raise DataError(f"{origin}: a '{fmt.messages_key}' row has no rejected side; step 2 needs "
                             f"'{fmt.prompt_key}', '{fmt.chosen_key}' and '{fmt.rejected_key}'")
-        messages = check_messages(raw["messages"], origin, names["messages"])
+        messages = check_messages(raw["messages"], origin, fmt.messages_key)
         if step == 3:
             row["prompt"] = _prompt_of_conversation(messages)
             return row
@@ -225,7 +220,7 @@ def normalize_row(obj, origin: str, step: int, fmt: RowFormat = DEFAULT_FORMAT) 
     values = {}
     for name in ("prompt", "chosen", "rejected"):
         if raw[name] is not None and (name == "prompt" or name in needed):
-            values[name] = _text(raw[name], origin, names[name], assistant_only=name != "prompt" and raw["prompt"] is not None)
+            values[name] = _text(raw[name], origin, fmt.key(name), assistant_only=name != "prompt" and raw["prompt"] is not None)
     if "prompt" not in values:
         # no prompt: HH-RLHF transcripts or TRL's implicit prompt, taken from the sides
         if raw["chosen"] is None:
@@ -233,10 +228,10 @@ def normalize_row(obj, origin: str, step: int, fmt: RowFormat = DEFAULT_FORMAT) 
         if step == 2 and raw["rejected"] is None:
             raise _missing(origin, "rejected", fmt)
         # only step 2 needs the two sides to agree on the prompt; steps 1 and 3 take it from chosen
-        c = _text(raw["chosen"], origin, names["chosen"])
-        r = None if raw["rejected"] is None or step != 2 else _text(raw["rejected"], origin, names["rejected"])
+        c = _text(raw["chosen"], origin, fmt.chosen_key)
+        r = None if raw["rejected"] is None or step != 2 else _text(raw["rejected"], origin, fmt.rejected_key)
         if r is not None and is_chat(c) != is_chat(r):
-            raise DataError(f"{origin}: fields '{names['chosen']}' and '{names['rejected']}' must both be strings "
+            raise DataError(f"{origin}: fields '{fmt.chosen_key}' and '{fmt.rejected_key}' must both be strings "
                             "or both message lists")
         if is_chat(c) and r is None:
             prompt = _prompt_of_conversation(c)
@@ -255,7 +250,7 @@ def normalize_row(obj, origin: str, step: int, fmt: RowFormat = DEFAULT_FORMAT) 
             raise _missing(origin, name, fmt)
     chat = [is_chat(values[n]) for n in values]
     if any(chat) and not all(chat):
-        raise DataError(f"{origin}: fields {[names[n] for n in values]} mix strings and message lists; "
+        raise DataError(f"{origin}: fields {[fmt.key(n) for n in values]} mix strings and message lists; "
                         "give all as strings or all as message lists")
     if not any(chat) and fmt.apply_chat_template:
         values = _templated(values)
@@ -271,8 +266,8 @@ def _templated(values: dict) -> dict:
     each response an assistant turn."""
     prompt = values["prompt"]
     turns = parse_transcript(prompt[:-len(HH_ASSISTANT)]) if prompt.endswith(HH_ASSISTANT) else None
-    out = {"prompt": turns if turns and all(m["content"] for m in turns) else _as_user(prompt)}
+    out = {"prompt": turns if turns and all(m["content"] for m in turns) else _turn("user", prompt)}
     for name in ("chosen", "rejected"):
         if name in values:
-            out[name] = _as_assistant(values[name].strip() if turns else values[name])
+            out[name] = _turn("assistant", values[name].strip() if turns else values[name])
     return out

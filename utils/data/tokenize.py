@@ -95,7 +95,7 @@ def tokenize_sft(rows: Sequence[dict], tokenizer, max_seq_len: int,
     rows): the chat template's ids, every assistant turn trained with its end-of-turn token (only
     the last with ``last_turn_only``), right-truncated (a conversation's header stays)."""
     _check_len(max_seq_len, tokenizer)
-    eos, prefix = _eos(tokenizer), bos_prefix(tokenizer)
+    _eos(tokenizer)  # refused before any row
     stats = {"examples": 0, "truncated_prompt": 0, "truncated_response": 0, "skipped_empty": 0, "skipped": {}}
     out = []
     for row in rows:
@@ -109,11 +109,7 @@ def tokenize_sft(rows: Sequence[dict], tokenizer, max_seq_len: int,
         if not (row.get("chosen") or "").strip() or not (row.get("prompt") or "").strip():
             stats["skipped_empty"] += 1
             continue
-        tail = encode(tokenizer, row["chosen"]) + [eos]
-        p, cut_p = fit_prompt(prefix, encode(tokenizer, row["prompt"]), len(tail), max_seq_len)
-        tail, cut_r = fit_tail(p, tail, max_seq_len)
-        stats["truncated_prompt"] += cut_p
-        stats["truncated_response"] += cut_r
+        p, (tail,) = fit_replies(row, tokenizer, ("chosen",), max_seq_len, stats)
         out.append({"input_ids": p + tail, "labels": [IGNORE_INDEX] * len(p) + tail})
     stats["examples"] = len(out)
     return out, stats
@@ -147,24 +143,31 @@ def prompt_parts(row: dict, tokenizer, replies: Sequence[str] = (), room: int | 
     return prompt_ids[:head], prompt_ids[head:len(prompt_ids) - foot], prompt_ids[len(prompt_ids) - foot:], tails
 
 
-def scored_sequences(row: dict, tokenizer, keys: Sequence[str], max_seq_len: int, stats: dict) -> list:
-    """prompt + each of ``row[k] for k in keys`` as a reward model reads them, sharing one prompt.
+def fit_replies(row: dict, tokenizer, keys: Sequence[str], max_seq_len: int, stats: dict) -> tuple[list, list]:
+    """(prompt ids, [ids of ``row[k]`` for k in keys]) fitted into ``max_seq_len``, sharing one prompt.
 
     The prompt is truncated once, for the longest reply, so every sequence has the identical
     prompt prefix (the reward model compares them after it); a templated prompt keeps its frame,
     and a chat reply ends at its end-of-turn token, where step 3's generation stops and the score
-    is read.  SkipRow when a reply renders empty or the row does not fit."""
+    is read; replies are then right-truncated. Truncations are counted in ``stats``. SkipRow when
+    a reply renders empty or the row does not fit."""
     head, body, foot, tails = prompt_parts(row, tokenizer, keys, max_seq_len)
     if not all(tails):
         raise SkipRow("empty")
     p, cut_p = fit_prompt(head, body, max(map(len, tails)), max_seq_len, foot)
     stats["truncated_prompt"] += cut_p
-    seqs = []
+    fitted = []
     for tail in tails:
         tail, cut_r = fit_tail(p, tail, max_seq_len)
         stats["truncated_response"] += cut_r
-        seqs.append(p + tail)
-    return seqs
+        fitted.append(tail)
+    return p, fitted
+
+
+def scored_sequences(row: dict, tokenizer, keys: Sequence[str], max_seq_len: int, stats: dict) -> list:
+    """prompt + each of ``row[k] for k in keys`` as a reward model reads them (``fit_replies``)."""
+    p, tails = fit_replies(row, tokenizer, keys, max_seq_len, stats)
+    return [p + tail for tail in tails]
 
 
 def tokenize_pairs(rows: Sequence[dict], tokenizer, max_seq_len: int) -> tuple[list, dict]:
