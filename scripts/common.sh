@@ -108,7 +108,9 @@ launch_step() {
     1) MODEL="${MODEL:-$(default_model)}" || return; model_args=(--model_name_or_path "$MODEL") ;;
     2) MODEL="${MODEL:-$(step1_output_or_default_model)}" || return; model_args=(--model_name_or_path "$MODEL") ;;
     3) ACTOR="${ACTOR:-${STEP1_DIR:-$ROOT/out/step1}}"; CRITIC="${CRITIC:-${STEP2_DIR:-$ROOT/out/step2}}"
-       model_args=(--actor_model_name_or_path "$ACTOR" --critic_model_name_or_path "$CRITIC") ;;
+       model_args=(--actor_model_name_or_path "$ACTOR")
+       # CRITIC=none: a critic-free run scored by reward functions (the GRPO scripts)
+       [ "$CRITIC" != none ] && model_args+=(--critic_model_name_or_path "$CRITIC") ;;
   esac
   if [ -z "${DATA:-}" ]; then ensure_demo_data || return; DATA="$DEMO_DATA/$demo_source"; fi
   mkdir -p "$OUTPUT" || return

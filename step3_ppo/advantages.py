@@ -1,9 +1,10 @@
 """Advantage estimators of step 3, chosen by name in ONE place (pure tensors, no models).
 
-`ESTIMATORS` maps a name (`--advantage_estimator`) to a function of the rollout's per-token
-tensors (layout of utils/ops.py) returning `(advantages, returns)`, and says whether the
-estimator needs a critic: step 3 builds, scores and trains a critic only when `needs_critic`.
-GAE is today's estimator; a critic-free one (GRPO, RLOO, REINFORCE++) is one more entry here.
+`ESTIMATORS` maps a name (`--advantage_estimator`, OpenRLHF's names accepted as aliases) to an
+`Estimator`: the per-row baseline its sequence reward gets (GRPO's group normalisation, RLOO's
+leave-one-out, ...), whether it needs a critic (step 3 builds, scores and trains one only then),
+whether its advantages are whitened, and its default loss aggregation. The per-token layout is
+utils/ops.py's.
 """
 from __future__ import annotations
 
@@ -49,8 +50,7 @@ def gae_advantages_and_returns(values: Tensor, rewards: Tensor, action_mask: Ten
         return adv.to(out_dtype), returns.to(out_dtype)
 
 
-# --------------------------------------------------------------------------- critic-free (issue 16: pure parts;
-# the trainer does not offer them yet: it still passes per-token rewards only, not scores and group ids)
+# --------------------------------------------------------------------------- critic-free: per-row baselines
 def group_stats(scores: Tensor, group_ids: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     """(mean, unbiased std, size) of each row's group, per row [B]. Rows of a group share an id
     (the n samples of one prompt); a group of one has std 0. Unbiased (Bessel), as OpenRLHF's and
@@ -66,33 +66,37 @@ def group_stats(scores: Tensor, group_ids: Tensor) -> Tuple[Tensor, Tensor, Tens
     return mean, var.sqrt()[inverse], size[inverse]
 
 
-def _on_actions(per_row: Tensor, action_mask: Tensor) -> Tensor:
-    """A per-row value [B] on every action of its row [B, T], 0 elsewhere."""
-    return select(per_row[:, None].expand(action_mask.shape).to(torch.float32), action_mask != 0)
-
-
-def grpo_advantages(scores: Tensor, group_ids: Tensor, action_mask: Tensor, scale_by_std: bool = True,
-                    eps: float = 1e-6) -> Tensor:
-    """GRPO (Shao et al. 2024): ``(r_i - mean_group) / (std_group + eps)`` on every action of row i.
-    ``scale_by_std=False`` is Dr. GRPO's (Liu et al. 2025): no division, which would weight the
-    groups whose answers barely differ the most. A group of equal rewards gets 0 everywhere."""
+def group_normalized(scores: Tensor, group_ids: Tensor, scale_by_std: bool = True, eps: float = 1e-6) -> Tensor:
+    """GRPO (Shao et al. 2024): ``(r_i - mean_group) / (std_group + eps)`` per row.
+    ``scale_by_std=False`` is Dr. GRPO's (Liu et al. 2025) and REINFORCE++-baseline's centring: no
+    division, which would weight the groups whose answers barely differ the most. A group of
+    equal rewards gets 0."""
     mean, std, _ = group_stats(scores, group_ids)
     centred = scores.float() - mean
-    return _on_actions(centred / (std + eps) if scale_by_std else centred, action_mask)
+    return centred / (std + eps) if scale_by_std else centred
 
 
-def rloo_advantages(scores: Tensor, group_ids: Tensor, action_mask: Tensor) -> Tensor:
-    """RLOO (Ahmadian et al. 2024): ``r_i - mean_{j != i} r_j`` over row i's group, on every action;
-    the baseline leaves the row itself out, so it is unbiased. A group of one gets 0."""
+def leave_one_out(scores: Tensor, group_ids: Tensor) -> Tensor:
+    """RLOO (Ahmadian et al. 2024): ``r_i - mean_{j != i} r_j`` over row i's group; the baseline
+    leaves the row itself out, so it is unbiased. A group of one gets 0."""
     mean, _, size = group_stats(scores, group_ids)
     others = (mean * size - scores.float()) / (size - 1).clamp(min=1)
-    return _on_actions(torch.where(size > 1, scores.float() - others, torch.zeros_like(mean)), action_mask)
+    return torch.where(size > 1, scores.float() - others, torch.zeros_like(mean))
+
+
+def zero_variance_groups(scores: Tensor, group_ids: Tensor) -> Tensor:
+    """Rows [B] (bool) whose group has more than one row and all rewards equal: with a group
+    baseline their advantages are all 0, so they carry no signal (DAPO's dynamic sampling drops
+    them)."""
+    _, std, size = group_stats(scores, group_ids)
+    return (size > 1) & (std == 0)
 
 
 def returns_to_go(rewards: Tensor, action_mask: Tensor, gamma: float = 1.0) -> Tensor:
-    """REINFORCE++ (Hu 2025): the discounted sum of the per-token rewards (KL penalty on every action,
-    the score on the last) from each action to its row's end; 0 outside the mask. The caller whitens
-    over the batch (and for ``reinforce_pp_baseline`` subtracts the group mean from the scores first)."""
+    """The discounted sum of the per-token rewards (KL penalty on every action, the sequence
+    reward on the last) from each action to its row's end; 0 outside the mask. The advantage of
+    every critic-free estimator (REINFORCE++, Hu 2025; and, with no KL in the reward, the group
+    advantage itself on every action)."""
     m = action_mask != 0
     r = select(rewards.float(), m)
     out = torch.zeros_like(r)
@@ -105,22 +109,61 @@ def returns_to_go(rewards: Tensor, action_mask: Tensor, gamma: float = 1.0) -> T
 
 @dataclass(frozen=True)
 class Estimator:
-    """An advantage estimator: `compute(values, rewards, action_mask, gamma, lam) -> (advantages, returns)`."""
-    compute: Callable[..., Tuple[Tensor, Tensor]]
+    """An advantage estimator.
+
+    ``baseline(scores, group_ids) -> [B]``: the sequence reward each row's last action gets (None:
+    the score as it is); the per-token rewards (that, plus the KL penalty) then give the
+    advantages: GAE on the critic's values when ``needs_critic``, else the return-to-go.
+    ``whiten``: advantages whitened over the rollout (``--no_whiten_advantages`` turns it off).
+    ``loss_agg``: the default of ``--loss_agg``.
+    """
+    baseline: Callable[[Tensor, Tensor], Tensor] | None
     needs_critic: bool
+    whiten: bool
+    loss_agg: str
     help: str
+    groups: bool = False  # the baseline compares the samples of a prompt: needs --n_samples_per_prompt > 1
+
+
+def advantages_and_returns(estimator: Estimator, values: Tensor, rewards: Tensor, action_mask: Tensor, gamma: float,
+                           lam: float) -> Tuple[Tensor, Tensor]:
+    """(advantages, returns) of per-token rewards: GAE with a critic, else the return-to-go (both)."""
+    if estimator.needs_critic:
+        return gae_advantages_and_returns(values, rewards, action_mask, gamma, lam)
+    returns = returns_to_go(rewards, action_mask, gamma)
+    return returns, returns
 
 
 ESTIMATORS = {
-    "gae": Estimator(gae_advantages_and_returns, needs_critic=True,
-                     help="GAE(gamma, lambda) on the critic's values (PPO, InstructGPT)"),
+    "gae": Estimator(None, needs_critic=True, whiten=True, loss_agg="token_mean",
+                     help="GAE(gamma, lambda) on a critic's values (PPO, InstructGPT; the default)"),
+    "grpo": Estimator(group_normalized, needs_critic=False, whiten=False, loss_agg="seq_mean", groups=True,
+                      help="GRPO: (r - group mean) / group std, no critic; loss per-sequence mean"),
+    "dr_grpo": Estimator(lambda r, g: group_normalized(r, g, scale_by_std=False), needs_critic=False, whiten=False,
+                         loss_agg="constant_norm", groups=True,
+                         help="Dr. GRPO: r - group mean, no std; token sums over the max answer length"),
+    "rloo": Estimator(leave_one_out, needs_critic=False, whiten=False, loss_agg="token_mean", groups=True,
+                      help="RLOO: r - mean of the group's other samples"),
+    "reinforce_pp": Estimator(None, needs_critic=False, whiten=True, loss_agg="token_mean",
+                              help="REINFORCE++: return-to-go of score + per-token KL penalty, whitened over the batch"),
+    "reinforce_pp_baseline": Estimator(lambda r, g: group_normalized(r, g, scale_by_std=False), needs_critic=False,
+                                       whiten=True, loss_agg="token_mean", groups=True,
+                                       help="REINFORCE++ with the group mean subtracted from the score first"),
 }
+# OpenRLHF's names for the same estimators
+ALIASES = {"group_norm": "grpo", "reinforce": "reinforce_pp", "reinforce_baseline": "reinforce_pp_baseline"}
+
+
+def estimator_name(name: str) -> str:
+    """The canonical name of ``name`` (an OpenRLHF alias resolved)."""
+    name = ALIASES.get(name, name)
+    if name not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; choose from {', '.join(list(ESTIMATORS) + list(ALIASES))}")
+    return name
 
 
 def get_estimator(name: str) -> Estimator:
-    if name not in ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r}; choose from {', '.join(ESTIMATORS)}")
-    return ESTIMATORS[name]
+    return ESTIMATORS[estimator_name(name)]
 
 
 def needs_critic(name: str) -> bool:

@@ -1,13 +1,17 @@
-"""The four DeepSpeed engines of step 3 (and the optional EMA of the actor).
+"""The DeepSpeed engines of step 3 (and the optional EMA of the actor); only those the run needs.
 
 actor     causal LM from step 1, trained           (--actor_zero_stage, LoRA, optimizer)
 reference causal LM from step 1, frozen            (ZeRO-3 when the actor is, else stage 0; with
                                                    --offload_reference_model ZeRO-3 with its
-                                                   parameters in CPU memory, whatever the actor's stage)
+                                                   parameters in CPU memory, whatever the actor's stage;
+                                                   only with a KL term: --kl_ctl > 0)
 critic    RewardModel from step 2, trained         (--critic_zero_stage, LoRA, optimizer; only when the
-                                                   advantage estimator needs one)
-reward    RewardModel from step 2, frozen          (ZeRO-3 when the critic is, else stage 0;
-                                                   --offload_reward_model as the reference's)
+                                                   advantage estimator needs one; from a plain causal
+                                                   LM with a fresh value head only when asked:
+                                                   --critic_fresh_value_head)
+rewards   RewardModels from step 2, frozen         (ZeRO-3 when the critic is, else stage 0;
+                                                   --offload_reward_model as the reference's): one per
+                                                   reward-model directory of the run's rewards
 Dropout is off by default in all of them: with dropout the rollout and training forwards of the
 same weights differ, and the PPO ratio at learning rate 0 is no longer 1.
 """
@@ -28,9 +32,9 @@ from utils.training import build_trained_engine, initialize_engine, spec_from_ar
 @dataclass
 class Engines:
     actor: object
-    ref: object
+    ref: object | None  # None without a KL term
     critic: object | None  # None when the advantage estimator needs no critic
-    reward: object
+    rewards: dict  # reward-model path -> its frozen engine (empty for function rewards only)
     ema: "ActorEMA | None" = None
 
 
@@ -58,7 +62,12 @@ class ActorEMA:
                     ema_param.data.copy_(torch.lerp(param.data.to(ema_param.dtype), ema_param.data, self.beta))
 
 
-def build_engines(args, tokenizer, total_steps: int) -> Engines:
+def needs_reference(args) -> bool:
+    """A frozen reference is needed only for a KL term (in the reward or in the loss)."""
+    return args.kl_ctl > 0
+
+
+def build_engines(args, tokenizer, total_steps: int, reward_model_paths=()) -> Engines:
     ranks = world_size()
     actor_config = train_ds_config(args.actor_zero_stage, ranks, args.per_device_training_batch_size,
                                    args.gradient_accumulation_steps, args.dtype, args.offload, args.gradient_clipping)
@@ -71,25 +80,29 @@ def build_engines(args, tokenizer, total_steps: int) -> Engines:
                            args.trust_remote_code, attn_implementation=attn)
     actor = build_trained_engine(actor, actor_config, actor_spec, total_steps)
 
-    ref_config = eval_ds_config(args.actor_zero_stage, ranks, args.per_device_training_batch_size, args.dtype,
-                                args.offload_reference_model)
-    ref = load_causal_lm(args.actor_model_name_or_path, tokenizer, ref_config, 0.0, args.trust_remote_code,
-                         attn_implementation=attn)
-    ref = initialize_engine(ref, ref_config)
+    ref = None
+    if needs_reference(args):
+        ref_config = eval_ds_config(args.actor_zero_stage, ranks, args.per_device_training_batch_size, args.dtype,
+                                    args.offload_reference_model)
+        ref = load_causal_lm(args.actor_model_name_or_path, tokenizer, ref_config, 0.0, args.trust_remote_code,
+                             attn_implementation=attn)
+        ref = initialize_engine(ref, ref_config)
 
     critic = None
     if needs_critic(args.advantage_estimator):
         critic = RewardModel.from_pretrained(args.critic_model_name_or_path, tokenizer, critic_config,
                                              args.critic_dropout, args.trust_remote_code, attn,
-                                             require_value_head=True)
+                                             require_value_head=not args.critic_fresh_value_head)
         critic = build_trained_engine(critic, critic_config, critic_spec, total_steps)
 
     reward_config = eval_ds_config(args.critic_zero_stage, ranks, args.per_device_training_batch_size, args.dtype,
                                    args.offload_reward_model)
-    reward = RewardModel.from_pretrained(args.critic_model_name_or_path, tokenizer, reward_config, 0.0,
-                                         args.trust_remote_code, attn, require_value_head=True)
-    reward = initialize_engine(reward, reward_config)
-    for frozen in (ref, reward):
+    rewards = {}
+    for path in reward_model_paths:
+        reward = RewardModel.from_pretrained(path, tokenizer, reward_config, 0.0, args.trust_remote_code, attn,
+                                             require_value_head=True)
+        rewards[path] = initialize_engine(reward, reward_config)
+    for frozen in [e for e in (ref, *rewards.values()) if e is not None]:
         frozen.eval()
         for param in frozen.module.parameters():
             param.requires_grad_(False)
@@ -106,4 +119,4 @@ def build_engines(args, tokenizer, total_steps: int) -> Engines:
             ema_model = add_lora(ema_model, actor_spec)
         ema = ActorEMA(initialize_engine(ema_model, ema_config))
         ema.engine.eval()
-    return Engines(actor=actor, ref=ref, critic=critic, reward=reward, ema=ema)
+    return Engines(actor=actor, ref=ref, critic=critic, rewards=rewards, ema=ema)

@@ -1,4 +1,6 @@
-"""Step 3: PPO with four models (actor, reference, critic, reward model) under DeepSpeed ZeRO.
+"""Step 3: RL of the step-1 policy under DeepSpeed ZeRO: PPO with a critic (GAE), or a critic-free
+estimator (GRPO, Dr. GRPO, RLOO, REINFORCE++) on several samples per prompt; rewards from step 2's
+reward model and/or reward functions (`--reward_funcs`).
 
 Which KL is which (never confused here):
 - `kl/ref_mean`: KL(actor || frozen SFT reference), estimated per token (`--kl_estimator`) and
@@ -12,26 +14,29 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import sys
 import time
 from dataclasses import dataclass
 
 from torch.utils.data import DataLoader, DistributedSampler
 
-from step3_ppo.advantages import ESTIMATORS
+from step3_ppo.advantages import ALIASES, ESTIMATORS, estimator_name, get_estimator
 from step3_ppo.engine import build_engines
-from step3_ppo.rewards import RewardModelReward
+from step3_ppo.reward_funcs import BUILTINS, RewardFunctionError, is_function_spec, load_reward_function
+from step3_ppo.rewards import FunctionReward, RewardModelReward, reward_model_name, unique_names
 from step3_ppo.shaping import AdaptiveKLController, FixedKLController
 from step3_ppo.trainer import PPOConfig, PPOTrainer
 from utils.checkpoint import BadStepGuard, Checkpointing, data_layout, export_hf_model
 from utils.data import (PromptCollator, SFTCollator, describe_skips, distributed_loader, read_texts, stop_token_ids,
                         tokenize_prompts, tokenize_texts)
+from utils.errors import one_line
 from utils.distributed import is_rank0, start_process, world_size
 from utils.flags import (add_checkpoint_args, add_data_args, add_generation_args, add_model_args, add_output_args,
                          add_training_args, check_range, check_sequence_fits, fail, resolve_generation_args,
                          validate_training_args)
 from utils.logging import print_rank0, progress_bar
 from utils.model import check_model_path, load_tokenizer
-from utils.ops import KL_ESTIMATORS
+from utils.ops import KL_ESTIMATORS, LOSS_AGGREGATIONS
 from utils.reward_model import check_policy_dir, check_reward_model_dir, export_reward_model
 from utils.training import loop_metrics, memory_postfix, step_examples, total_training_steps
 
@@ -46,7 +51,9 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_data_args(p)
     add_model_args(p, {"actor_": "step 1 output (actor and reference)",
-                       "critic_": "step 2 output (critic and reward model)"}, MODEL_DEFAULTS)
+                       "critic_": "step 2 output: the critic (with gae), and the reward model unless "
+                                  "--reward_model_name_or_path or --reward_funcs says otherwise"},
+                   MODEL_DEFAULTS, optional=("critic_",))
     g = add_generation_args(p, do_sample=True)  # + step 3's rollout flags (DeepSpeed-Chat's names)
     g.add_argument("--per_device_generation_batch_size", type=int, default=4)
     g.add_argument("--generation_batches", type=int, default=1, help="generation batches per PPO iteration")
@@ -67,8 +74,16 @@ def parse_args(argv=None):
     g = p.add_argument_group("RL")
     g.add_argument("--per_device_training_batch_size", type=int, default=4, help="PPO mini-batch size")
     g.add_argument("--ppo_epochs", type=int, default=1)
-    g.add_argument("--advantage_estimator", choices=list(ESTIMATORS), default="gae",
-                   help="; ".join(f"{name}: {e.help}" for name, e in ESTIMATORS.items()))
+    g.add_argument("--n_samples_per_prompt", type=int, default=1,
+                   help="answers sampled per prompt (a group); --per_device_generation_batch_size counts prompts, "
+                        "so a rank's rollout is that x this x --generation_batches rows")
+    g.add_argument("--advantage_estimator", choices=list(ESTIMATORS) + list(ALIASES), default="gae",
+                   help="; ".join(f"{name}: {e.help}" for name, e in ESTIMATORS.items())
+                        + "; OpenRLHF's names: " + ", ".join(f"{a} = {n}" for a, n in ALIASES.items()))
+    g.add_argument("--loss_agg", choices=LOSS_AGGREGATIONS, default=None,
+                   help="token_mean (DAPO), seq_mean (GRPO), constant_norm (Dr. GRPO: sums over "
+                        "--max_answer_seq_len); default: the estimator's (grpo seq_mean, dr_grpo constant_norm, "
+                        "else token_mean)")
     g.add_argument("--kl_ctl", type=float, default=0.1, help="initial KL(actor||reference) coefficient")
     g.add_argument("--adaptive_kl", action="store_true", help="Ziegler et al. controller towards --kl_target")
     g.add_argument("--kl_target", type=float, default=6.0)
@@ -83,8 +98,43 @@ def parse_args(argv=None):
     g.add_argument("--no_whiten_advantages", dest="whiten_advantages", action="store_false")
     g.add_argument("--cliprange", type=float, default=0.2)
     g.add_argument("--cliprange_value", type=float, default=0.2)
+    g.add_argument("--critic_fresh_value_head", action="store_true",
+                   help="with gae: the critic may start from a plain causal LM (--critic_model_name_or_path "
+                        "without a value head) whose value head is new")
     g.add_argument("--unsupervised_dataset_name", default=None, help="text/JSON file for the PPO-ptx loss")
     g.add_argument("--unsup_coef", type=float, default=27.8)
+    g = p.add_argument_group("rewards")
+    g.add_argument("--reward_model_name_or_path", default=None,
+                   help="the reward model (default: --critic_model_name_or_path, DeepSpeed-Chat's convention)")
+    g.add_argument("--reward_funcs", nargs="+", default=None, metavar="SPEC",
+                   help="rewards summed with --reward_weights: reward-model directories, Python functions as "
+                        "path/to/file.py:function or package.module:function (called with prompts, completions, "
+                        "completion_ids and every other field of the prompt rows as keyword lists), or "
+                        "built-ins: math_exact (the last number or \\boxed{} equals the row's 'answer'), "
+                        "format (--format_pattern matches), sentiment (VADER)")
+    g.add_argument("--reward_weights", nargs="+", type=float, default=None, help="one per --reward_funcs entry")
+    g.add_argument("--format_pattern", default=None, help="the regex of the 'format' built-in")
+    g.add_argument("--skip_bad_rewards", action="store_true",
+                   help="a reward function that raises, times out or gives a non-finite score skips (and counts) "
+                        "the rows (their groups) instead of stopping the run")
+    g.add_argument("--reward_timeout", type=float, default=None, help="seconds a reward function call may take")
+    g.add_argument("--overlong_buffer_len", type=int, default=0,
+                   help="DAPO's overlong penalty: answers longer than --max_answer_seq_len minus this lose up to "
+                        "--overlong_penalty_factor, linearly")
+    g.add_argument("--overlong_penalty_factor", type=float, default=1.0)
+    g.add_argument("--truncation_penalty", type=float, default=0.0,
+                   help="subtracted from the reward of answers cut at --max_answer_seq_len without EOS")
+    g.add_argument("--mask_truncated_completions", action="store_true",
+                   help="answers cut without EOS are left out of the loss (TRL's)")
+    g.add_argument("--filter_zero_variance_groups", action="store_true",
+                   help="groups whose rewards are all equal (no signal) are left out of the loss and counted (DAPO)")
+    g = p.add_argument_group("evaluation during training")
+    g.add_argument("--eval_interval", type=int, default=0,
+                   help="evaluate before the first iteration, every K iterations and at the end (0: never)")
+    g.add_argument("--eval_data_path", nargs="+", default=None,
+                   help="held-out prompt rows (default: step 3's eval split of --data_path)")
+    g.add_argument("--eval_num_prompts", type=int, default=64, help="prompts evaluated (a multiple of the ranks)")
+    g.add_argument("--eval_do_sample", action="store_true", help="sample the answers (default: greedy)")
     g = p.add_argument_group("frozen models")
     g.add_argument("--offload_reference_model", action="store_true")
     g.add_argument("--offload_reward_model", action="store_true")
@@ -107,27 +157,94 @@ def validate_args(args) -> None:
     for name in ("gamma", "lam"):
         if not 0 <= getattr(args, name) <= 1:
             fail(f"--{name} must be in [0, 1], got {getattr(args, name)}")
-    rollout = args.per_device_generation_batch_size * args.generation_batches
+    rollout = args.per_device_generation_batch_size * args.n_samples_per_prompt * args.generation_batches
     if rollout % args.per_device_training_batch_size:
         fail(f"--per_device_training_batch_size {args.per_device_training_batch_size} does not divide the rollout of "
-             f"{rollout} rows per rank (--per_device_generation_batch_size x --generation_batches)")
+             f"{rollout} rows per rank (--per_device_generation_batch_size x --n_samples_per_prompt x "
+             f"--generation_batches)")
     if not 1 <= args.min_answer_seq_len <= args.max_answer_seq_len:
         fail(f"need 1 <= --min_answer_seq_len ({args.min_answer_seq_len}) <= --max_answer_seq_len "
              f"({args.max_answer_seq_len})")
     if args.adaptive_kl and args.kl_target <= 0:
         fail(f"--kl_target must be > 0, got {args.kl_target}")
+    validate_rl_args(args)
     check_model_path(args.actor_model_name_or_path, "--actor_model_name_or_path")
-    check_model_path(args.critic_model_name_or_path, "--critic_model_name_or_path")
     check_policy_dir(args.actor_model_name_or_path, "--actor_model_name_or_path")
-    check_reward_model_dir(args.critic_model_name_or_path, "--critic_model_name_or_path")
+    if args.critic_model_name_or_path:
+        check_model_path(args.critic_model_name_or_path, "--critic_model_name_or_path")
+        if not (args.critic_fresh_value_head and args.critic_model_name_or_path not in args.reward_model_paths):
+            check_reward_model_dir(args.critic_model_name_or_path, "--critic_model_name_or_path")
+    for path in args.reward_model_paths:
+        flag = "--reward_funcs" if args.reward_funcs else "--reward_model_name_or_path"
+        if args.reward_funcs and not os.path.isdir(os.path.expanduser(path)) and "/" not in path:
+            fail(f"--reward_funcs {path!r} is none of: a built-in ({', '.join(BUILTINS)}), path/to/file.py:function, "
+                 f"package.module:function, a reward-model directory")
+        check_model_path(path, flag)
+        check_reward_model_dir(path, f"{flag} reward model")
     if args.unsupervised_dataset_name and not os.path.exists(args.unsupervised_dataset_name):
         fail(f"--unsupervised_dataset_name {args.unsupervised_dataset_name!r} does not exist")
-    for flag in ("--actor_model_name_or_path", "--critic_model_name_or_path"):
-        check_sequence_fits(getattr(args, flag[2:]), args.max_prompt_seq_len + args.max_answer_seq_len,
-                            "--max_prompt_seq_len + --max_answer_seq_len")
+    for path in dict.fromkeys([args.actor_model_name_or_path, args.critic_model_name_or_path, *args.reward_model_paths]):
+        if path:
+            check_sequence_fits(path, args.max_prompt_seq_len + args.max_answer_seq_len,
+                                "--max_prompt_seq_len + --max_answer_seq_len")
     validate_training_args(args, MODELS, positive=("per_device_generation_batch_size", "per_device_training_batch_size",
                                                    "generation_batches", "ppo_epochs", "max_prompt_seq_len",
                                                    "max_answer_seq_len"))  # last: it checks OUTPUT_DIR
+
+
+def validate_rl_args(args) -> None:
+    """The estimator, samples per prompt, rewards and length shaping; sets `args.reward_model_paths`
+    (the reward-model directories the run loads) and resolves an OpenRLHF alias to its estimator."""
+    args.advantage_estimator = estimator_name(args.advantage_estimator)
+    estimator = get_estimator(args.advantage_estimator)
+    check_range(args, 1, ("n_samples_per_prompt", "eval_num_prompts"))
+    check_range(args, 0, ("eval_interval",))
+    for path in args.eval_data_path or []:
+        if not os.path.exists(path):
+            fail(f"--eval_data_path {path!r} does not exist")
+    if estimator.groups and args.n_samples_per_prompt < 2:
+        fail(f"--advantage_estimator {args.advantage_estimator} compares the answers to one prompt: "
+             f"it needs --n_samples_per_prompt >= 2, got {args.n_samples_per_prompt}")
+    if args.n_samples_per_prompt > 1 and not args.do_sample:
+        fail("--n_samples_per_prompt > 1 needs sampling (without --do_sample every answer to a prompt is the same)")
+    check_range(args, 0, ("overlong_buffer_len", "overlong_penalty_factor", "truncation_penalty"))
+    if args.overlong_buffer_len >= args.max_answer_seq_len:
+        fail(f"--overlong_buffer_len {args.overlong_buffer_len} must be below --max_answer_seq_len "
+             f"{args.max_answer_seq_len}")
+    if args.reward_timeout is not None and args.reward_timeout <= 0:
+        fail(f"--reward_timeout must be > 0, got {args.reward_timeout}")
+    specs = args.reward_funcs or [args.reward_model_name_or_path or args.critic_model_name_or_path]
+    if specs == [None]:
+        fail("no reward: give --reward_funcs, --reward_model_name_or_path or --critic_model_name_or_path")
+    if args.reward_weights is not None and len(args.reward_weights) != len(specs):
+        fail(f"--reward_weights has {len(args.reward_weights)} values for {len(specs)} rewards "
+             f"({' '.join(specs)})")
+    args.reward_model_paths = [spec for spec in specs if not is_function_spec(spec)]
+    if estimator.needs_critic and not args.critic_model_name_or_path:
+        fail(f"--advantage_estimator {args.advantage_estimator} trains a critic: give --critic_model_name_or_path "
+             f"(a step-2 reward model, or a causal LM with --critic_fresh_value_head), or choose a critic-free "
+             f"estimator ({', '.join(n for n, e in ESTIMATORS.items() if not e.needs_critic)})")
+    if args.critic_fresh_value_head and not estimator.needs_critic:
+        fail(f"--critic_fresh_value_head: --advantage_estimator {args.advantage_estimator} has no critic")
+
+
+def build_rewards(args, tokenizer, engines) -> list:
+    """The reward components, in --reward_funcs order (or the one reward model)."""
+    specs = args.reward_funcs or [args.reward_model_name_or_path or args.critic_model_name_or_path]
+    several = len(args.reward_model_paths) > 1
+    components = []
+    for spec in specs:
+        if is_function_spec(spec):
+            try:
+                func = load_reward_function(spec, args.format_pattern)
+            except RewardFunctionError as e:
+                raise SystemExit(f"error: --reward_funcs: {e}") from None
+            components.append(FunctionReward(func, tokenizer, args.reward_timeout, args.skip_bad_rewards))
+        else:
+            components.append(RewardModelReward(engines.rewards[spec], tokenizer.pad_token_id,
+                                                reward_model_name(spec) if several else "reward_model"))
+    unique_names(components)
+    return components
 
 
 def kl_controller(args):
@@ -163,6 +280,7 @@ class Setup:
     trainer: PPOTrainer
     steps_per_epoch: int
     total_steps: int
+    eval_batches: list  # this rank's held-out prompt batches (empty without --eval_interval)
 
 
 def setup(args) -> Setup:
@@ -170,13 +288,21 @@ def setup(args) -> Setup:
     start_process(args)
     tokenizer = load_tokenizer(args.actor_model_name_or_path, args.trust_remote_code, padding_side="left",
                                chat_template=args.chat_template)
-    critic_tokenizer = load_tokenizer(args.critic_model_name_or_path, args.trust_remote_code)
-    if len(critic_tokenizer) != len(tokenizer) or critic_tokenizer.eos_token_id != tokenizer.eos_token_id:
-        raise SystemExit(f"error: the actor's tokenizer ({args.actor_model_name_or_path}, {len(tokenizer)} tokens) and "
-                         f"the critic's ({args.critic_model_name_or_path}, {len(critic_tokenizer)} tokens) differ")
-    prompts, stats, _, _ = step_examples(args, tokenizer, 3, lambda rows: tokenize_prompts(
-        rows, tokenizer, args.max_prompt_seq_len), {"max_prompt_seq_len": args.max_prompt_seq_len}, with_eval=False)
+    critic = [args.critic_model_name_or_path] if get_estimator(args.advantage_estimator).needs_critic else []
+    for path in dict.fromkeys(critic + args.reward_model_paths):
+        other = load_tokenizer(path, args.trust_remote_code)
+        if len(other) != len(tokenizer) or other.eos_token_id != tokenizer.eos_token_id:
+            raise SystemExit(f"error: the actor's tokenizer ({args.actor_model_name_or_path}, {len(tokenizer)} tokens) "
+                             f"and that of {path} ({len(other)} tokens) differ")
+    tokenize = lambda rows: tokenize_prompts(rows, tokenizer, args.max_prompt_seq_len)  # noqa: E731
+    settings = {"max_prompt_seq_len": args.max_prompt_seq_len}
+    split_eval = args.eval_interval > 0 and not args.eval_data_path
+    prompts, stats, eval_prompts, _ = step_examples(args, tokenizer, 3, tokenize, settings, with_eval=split_eval)
     print_rank0(f"[step3] prompts {len(prompts)} {stats}")
+    if args.eval_interval and args.eval_data_path:
+        eval_args = argparse.Namespace(**{**vars(args), "data_path": args.eval_data_path, "data_split": "0,0,1",
+                                          "eval_fraction": 0.0})
+        eval_prompts = step_examples(eval_args, tokenizer, 3, tokenize, settings, with_eval=False)[0]
     if not prompts and stats["skipped"]:
         raise SystemExit(f"error: every prompt was skipped ({describe_skips(stats['skipped'])}); too_long: not even "
                          f"the chat template's frame fits --max_prompt_seq_len {args.max_prompt_seq_len}")
@@ -188,13 +314,33 @@ def setup(args) -> Setup:
                          f"{args.per_device_generation_batch_size} x {args.generation_batches} per rank on "
                          f"{world_size()} ranks")
     total_steps = total_training_steps(steps_per_epoch * args.num_train_epochs, args)
-    engines = build_engines(args, tokenizer, total_steps)
+    engines = build_engines(args, tokenizer, total_steps, args.reward_model_paths)
     stop_ids = stop_token_ids(tokenizer, chat=stats["chat"])
     print_rank0(f"[step3] responses end at {tokenizer.convert_ids_to_tokens(stop_ids)}")
-    config = PPOConfig.from_args(args, stop_token_ids=tuple(stop_ids), pad_token_id=tokenizer.pad_token_id)
-    trainer = PPOTrainer(engines, config, kl_controller(args), RewardModelReward(engines.reward, tokenizer.pad_token_id),
+    config = PPOConfig.from_args(args, stop_token_ids=tuple(stop_ids), pad_token_id=tokenizer.pad_token_id,
+                                 reward_weights=tuple(args.reward_weights) if args.reward_weights else None)
+    trainer = PPOTrainer(engines, config, kl_controller(args), build_rewards(args, tokenizer, engines),
                          unsupervised_batches(args, tokenizer))
-    return Setup(args, tokenizer, sampler, loader, engines, trainer, steps_per_epoch, total_steps)
+    return Setup(args, tokenizer, sampler, loader, engines, trainer, steps_per_epoch, total_steps,
+                 eval_batches(args, eval_prompts, tokenizer) if args.eval_interval else [])
+
+
+def eval_batches(args, examples: list, tokenizer) -> list:
+    """This rank's share of the first --eval_num_prompts held-out prompts, in batches; every rank gets
+    as many batches (ZeRO-3 generation is collective), so the count is cut to a multiple of the ranks."""
+    ranks = world_size()
+    count = min(args.eval_num_prompts, len(examples)) // ranks * ranks
+    if count == 0:
+        raise SystemExit(f"error: --eval_interval: {len(examples)} held-out prompts are too few for {ranks} ranks "
+                         f"(give --eval_data_path, or raise --eval_fraction)")
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    mine = examples[:count][rank::ranks]
+    size, collate = args.per_device_generation_batch_size, PromptCollator(tokenizer.pad_token_id)
+    print_rank0(f"[step3] evaluation: {count} held-out prompts every {args.eval_interval} iterations"
+                f" ({'sampled' if args.eval_do_sample else 'greedy'})")
+    return [collate(mine[i:i + size]) for i in range(0, len(mine), size)]
 
 
 def checkpointed_engines(engines) -> dict:
@@ -220,6 +366,9 @@ def train(run: Setup) -> int:
     logger = checkpointing.metrics_logger(args, loop)
     trainer.guard = BadStepGuard(loop, args.max_bad_steps, checkpointing)
     progress = progress_bar(run.total_steps, loop.step, "step3 ppo")
+    evaluate = (lambda: trainer.evaluate(run.eval_batches, args.eval_do_sample)) if run.eval_batches else None
+    if evaluate and loop.step == 0:
+        logger.log(0, evaluate())
     while loop.step < run.total_steps and loop.epoch < args.num_train_epochs:
         run.sampler.set_epoch(loop.epoch)
         batches = iter(run.loader)
@@ -232,11 +381,15 @@ def train(run: Setup) -> int:
             loop.step += 1
             loop.overflow_steps += int(metrics.get("train/overflow_skipped", 0))
             metrics.update(loop_metrics(loop, trainer.memory))
+            if evaluate and (loop.step % args.eval_interval == 0 or loop.step == run.total_steps):
+                metrics.update(evaluate())
             logger.log(loop.step, metrics)
             if progress is not None:
                 progress.update(1)
+                shown = {"eval_acc": f"{metrics['eval/accuracy']:.3f}"} if "eval/accuracy" in metrics else {}
                 progress.set_postfix(score=f"{metrics.get('reward/score_mean', float('nan')):.3f}",
-                                     kl=f"{metrics.get('kl/ref_mean', float('nan')):.3f}", **memory_postfix(metrics))
+                                     kl=f"{metrics.get('kl/ref_mean', float('nan')):.3f}", **shown,
+                                     **memory_postfix(metrics))
             if args.print_answers and loop.step % args.print_answers_interval == 0:
                 _print_answer(run.tokenizer, rollout[0], loop.step)
             checkpointing.maybe_save(loop, {"kl_ctl": trainer.kl_ctl.state_dict()},
@@ -253,7 +406,11 @@ def main(argv=None):
     args = parse_args(argv)
     run = setup(args)
     start = time.time()
-    steps = train(run)
+    try:
+        steps = train(run)
+    except RewardFunctionError as e:  # on the rank whose rows it scored, which may not be rank 0
+        print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
     print_rank0(f"[step3] {steps} PPO iterations in {time.time() - start:.1f} s")
     engines = run.engines
     export_hf_model(engines.actor, run.tokenizer, os.path.join(args.output_dir, "actor"))
@@ -261,7 +418,7 @@ def main(argv=None):
         export_reward_model(engines.critic, run.tokenizer, os.path.join(args.output_dir, "critic"))
     if engines.ema is not None:
         export_hf_model(engines.ema.engine, run.tokenizer, os.path.join(args.output_dir, "actor_ema"))
-    print_rank0(f"[step3] saved actor/ and critic/ under {args.output_dir}")
+    print_rank0(f"[step3] saved actor/{' and critic/' if engines.critic is not None else ''} under {args.output_dir}")
 
 
 def _print_answer(tokenizer, row, step: int) -> None:

@@ -1,17 +1,23 @@
 """Where a rollout's sequence rewards come from, behind ONE interface.
 
-A reward is a callable `reward(rows) -> Tensor [B]` (fp32, one score per row) with an `engine`
+A reward component is a callable `component(rows) -> Tensor [B]` (fp32, one score per row; NaN
+for a row whose score was skipped) with a `name` (logged as `reward/<name>_mean`) and an `engine`
 attribute: the DeepSpeed engine it runs (for the trainer's one-gather inference phase), or None
-for a reward that runs no model. The trained reward model of step 2 is today's implementation;
-reward functions of (prompt, completion, the row's other fields), as TRL and OpenRLHF take them,
-are the next. step3_ppo/shaping.py turns the scores into per-token rewards.
+for one that runs no model. Two kinds:
+- `RewardModelReward`: a trained reward model's value at the last real token (step 2);
+- `FunctionReward`: a Python function of the prompts, decoded completions, completion ids and
+  every other field of the prompt rows (step3_ppo/reward_funcs.py: loading, built-ins, checks).
+The trainer scores every component, then combines them with `--reward_weights`
+(reward_funcs.combine); step3_ppo/shaping.py turns the total into per-token rewards.
 """
 from __future__ import annotations
 
+import os
 from typing import Protocol
 
 import torch
 
+from step3_ppo.reward_funcs import RewardFunction, score_batch
 from utils.forward import eval_mode, sequence_scores
 from utils.rollout import Row, pack
 
@@ -24,15 +30,55 @@ class Reward(Protocol):
 
 
 class RewardModelReward:
-    """The step-2 reward model's score of prompt + response: its value at the last real token."""
+    """A reward model's score of prompt + response: its value at the last real token."""
 
-    name = "reward_model"
-
-    def __init__(self, engine, pad_token_id: int):
-        self.engine, self.pad_token_id = engine, pad_token_id
+    def __init__(self, engine, pad_token_id: int, name: str = "reward_model"):
+        self.engine, self.pad_token_id, self.name = engine, pad_token_id, name
 
     @torch.no_grad()
     def __call__(self, rows: list[Row]) -> torch.Tensor:
         batch = pack(rows, self.pad_token_id)
         with eval_mode(self.engine):
-            return sequence_scores(self.engine, batch["input_ids"], batch["attention_mask"]).cpu()
+            return sequence_scores(self.engine, batch["input_ids"], batch["attention_mask"]).float().cpu()
+
+
+class FunctionReward:
+    """A reward function (TRL's convention: keyword lists aligned with the completions) over rows.
+
+    `completions` are the responses decoded without special tokens; `completion_ids` the generated
+    ids (the stop token included when there is one); `prompts` each row's prompt as the data gave
+    it (a string or a message list); every field of `extra` is a list with None where a row lacks
+    it. `skipped` counts the rows whose score was bad and skipped (`--skip_bad_rewards`).
+    """
+
+    engine = None
+
+    def __init__(self, func: RewardFunction, tokenizer, timeout: float | None = None, skip_bad: bool = False):
+        self.func, self.tokenizer, self.timeout, self.skip_bad = func, tokenizer, timeout, skip_bad
+        self.name = func.name
+        self.skipped = 0
+
+    def __call__(self, rows: list[Row]) -> torch.Tensor:
+        keys = list(dict.fromkeys(k for r in rows for k in (r.prompt.get("extra") or {})))
+        extra = {k: [(r.prompt.get("extra") or {}).get(k) for r in rows] for k in keys}
+        scores, skipped = score_batch(
+            self.func, prompts=[r.prompt.get("prompt") for r in rows],
+            completions=self.tokenizer.batch_decode([r.response_ids for r in rows], skip_special_tokens=True),
+            completion_ids=[r.response_ids.tolist() for r in rows], extra=extra,
+            origins=[r.prompt.get("origin", "") for r in rows], timeout=self.timeout, skip_bad=self.skip_bad)
+        self.skipped += len(skipped)
+        return scores
+
+
+def unique_names(components: list) -> None:
+    """Two components of the same name (two files' `reward`) are logged as name, name_2, ..."""
+    seen: dict[str, int] = {}
+    for component in components:
+        seen[component.name] = seen.get(component.name, 0) + 1
+        if seen[component.name] > 1:
+            component.name = f"{component.name}_{seen[component.name]}"
+
+
+def reward_model_name(path: str) -> str:
+    """`reward_model`, or the directory's name when several reward models are combined."""
+    return os.path.basename(os.path.normpath(path)) or "reward_model"

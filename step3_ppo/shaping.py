@@ -1,8 +1,8 @@
 """The per-token reward step 3 optimises, and its coefficients (pure tensors, no models).
 
 `compute_rewards` assembles it: the KL PENALTY, -kl_coef * KL(actor || frozen SFT reference) per
-action, plus the sequence score (reward model and/or reward functions, step3_ppo/rewards.py) on
-the row's last action. The KL coefficient is fixed or adaptive (the controllers below); scores
+action, plus the sequence score (reward model and/or reward functions, step3_ppo/rewards.py, with
+`length_penalty` added and an estimator's baseline applied) on the row's last action. The KL coefficient is fixed or adaptive (the controllers below); scores
 can be normalised by running statistics (`RunningMoments`). The PPO clip against the OLD policy
 is a different KL and lives in utils/losses.py policy_loss.
 """
@@ -48,6 +48,27 @@ def compute_rewards(score: Tensor, logprobs: Tensor, ref_logprobs: Tensor, actio
     idx = last_action_index(action_mask)
     rewards = rewards.scatter_add(-1, idx.unsqueeze(-1), score.unsqueeze(-1))
     return rewards, kl
+
+
+def length_penalty(lengths: Tensor, ended: Tensor, max_len: int, overlong_buffer_len: int = 0,
+                   overlong_penalty_factor: float = 1.0, truncation_penalty: float = 0.0) -> Tensor:
+    """A non-positive addition to each row's sequence reward [B] against the length exploit.
+
+    - DAPO's overlong penalty (Yu et al. 2025): answers longer than ``max_len - overlong_buffer_len``
+      tokens lose ``factor * excess / overlong_buffer_len``, up to ``factor`` at ``max_len``; a soft
+      ramp instead of a cliff, so a slightly long correct answer is not punished as a wrong one.
+    - ``truncation_penalty``: subtracted from rows cut at ``max_len`` without an EOS (``ended``
+      False): an unfinished answer is not an answer.
+    ``lengths`` counts response tokens, the EOS included.
+    """
+    lengths = lengths.float()
+    penalty = torch.zeros_like(lengths)
+    if overlong_buffer_len > 0:
+        excess = lengths - (max_len - overlong_buffer_len)
+        penalty = penalty - overlong_penalty_factor * (excess / overlong_buffer_len).clamp(0.0, 1.0)
+    if truncation_penalty:
+        penalty = penalty - truncation_penalty * (~ended.bool()).float()
+    return penalty
 
 
 class FixedKLController:

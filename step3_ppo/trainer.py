@@ -14,21 +14,32 @@ are never confused:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, fields
 
 import torch
 
-from step3_ppo.advantages import get_estimator
+from step3_ppo.advantages import advantages_and_returns, get_estimator, zero_variance_groups
 from step3_ppo.hybrid import gathered, generate
-from step3_ppo.shaping import RunningMoments, compute_rewards
+from step3_ppo.reward_funcs import combine
+from step3_ppo.shaping import RunningMoments, compute_rewards, length_penalty
 from utils import accelerator, losses
 from utils.distributed import all_reduce_max, all_reduce_sum, world_size
 from utils.forward import (GenerationSettings, eval_mode, generation_kwargs, lm_nll, model_device, to_device,
                            token_logprobs, token_values)
-from utils.ops import explained_variance, masked_mean, masked_whiten
+from utils.ops import explained_variance, masked_mean, masked_whiten, select
 from utils.rollout import Row, from_token_layout, pack, split_generation, to_token_layout
 from utils.training import OVERFLOW, backward_and_step
+
+
+def component_sums(rows: list[Row], names: list[str]) -> dict:
+    """Per reward component: the sum of its finite scores and how many there are (for its mean)."""
+    out = {}
+    for name in names:
+        values = [v for v in (r.score_parts[name] for r in rows) if v == v]  # NaN: skipped
+        out[f"part/{name}_sum"], out[f"part/{name}_count"] = sum(values), len(values)
+    return out
 
 
 @dataclass
@@ -44,7 +55,16 @@ class PPOConfig:
     top_k: int = 0
     per_device_training_batch_size: int = 4  # PPO mini-batch size
     ppo_epochs: int = 1
+    n_samples_per_prompt: int = 1  # answers sampled per prompt; they form a group (group baselines, RLOO)
     advantage_estimator: str = "gae"
+    loss_agg: str | None = None  # None: the estimator's default
+    reward_weights: tuple | None = None  # one per reward component; None: 1 each
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
+    truncation_penalty: float = 0.0
+    mask_truncated_completions: bool = False
+    filter_zero_variance_groups: bool = False
+    skip_bad_rewards: bool = False
     kl_estimator: str = "k1"
     clip_reward_value: float | None = 5.0
     normalize_reward: bool = False
@@ -75,19 +95,21 @@ class PPOConfig:
 
 
 class PPOTrainer:
-    """Runs RL iterations over the engines: actor, reference, critic (when the estimator needs one), reward.
+    """Runs RL iterations over the engines: actor, reference (when a KL term needs one), critic (when the
+    estimator needs one) and the reward components (reward models and/or functions, step3_ppo/rewards.py).
 
     `logprobs_fn(model, packed_batch, temperature, return_entropy=False)` is the policy forward
     (utils.forward.token_logprobs); a benchmark can pass a variant without patching.
     """
 
-    def __init__(self, engines, config: PPOConfig, kl_ctl, reward, unsup_batches=None, logprobs_fn=token_logprobs):
+    def __init__(self, engines, config: PPOConfig, kl_ctl, rewards, unsup_batches=None, logprobs_fn=token_logprobs):
         self.config = config
         self.estimator = get_estimator(config.advantage_estimator)
+        self.loss_agg = config.loss_agg or self.estimator.loss_agg
         self.actor, self.ref = engines.actor, engines.ref
         self.critic = engines.critic if self.estimator.needs_critic else None
         self.ema = getattr(engines, "ema", None)
-        self.reward = reward
+        self.rewards = list(rewards)
         self.kl_ctl = kl_ctl
         self.reward_moments = RunningMoments()
         self.unsup_batches = unsup_batches
@@ -100,12 +122,22 @@ class PPOTrainer:
         return self.guard is None or self.guard.all_finite(*values)
 
     # ------------------------------------------------------------------ rollout + experience
-    def generate_rows(self, prompt_batch: dict) -> list[Row]:
+    def generate_rows(self, prompt_batch: dict, first_group: int = 0, settings: GenerationSettings | None = None,
+                      n: int | None = None) -> list[Row]:
+        """`n_samples_per_prompt` answers to each prompt of the batch, generated together (a group never
+        straddles generation batches); group ids count from `first_group`, each row keeps its prompt row.
+        `settings` / `n` replace the rollout's (evaluation: greedy, one answer)."""
         c = self.config
-        sequences = generate(self.actor, prompt_batch["input_ids"], prompt_batch["attention_mask"],
+        n = c.n_samples_per_prompt if n is None else n
+        ids, mask = prompt_batch["input_ids"], prompt_batch["attention_mask"]
+        sequences = generate(self.actor, ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0),
                              hybrid=c.enable_hybrid_engine, merge_lora=c.merge_lora_for_generation,
-                             **generation_kwargs(c.generation, c.stop_token_ids, c.pad_token_id))
-        return split_generation(sequences, prompt_batch["input_ids"], prompt_batch["attention_mask"], c.stop_token_ids)
+                             **generation_kwargs(settings or c.generation, c.stop_token_ids, c.pad_token_id))
+        rows = split_generation(sequences, ids, mask, c.stop_token_ids, samples_per_prompt=n)
+        prompt_rows = prompt_batch.get("rows") or [{} for _ in range(ids.shape[0])]
+        for i, row in enumerate(rows):
+            row.group, row.prompt = first_group + i // n, prompt_rows[i // n]
+        return rows
 
     def inference_weights(self, engine):
         """With the hybrid engine, a no-grad phase holds the whole model gathered once (hybrid.gathered).
@@ -132,8 +164,15 @@ class PPOTrainer:
             values = token_values(self.critic, batch["input_ids"], batch["attention_mask"])
         from_token_layout(rows, "old_values", values, batch["prompt_len"])
 
-    def store_scores(self, rows: list[Row]) -> None:
-        for row, score in zip(rows, self.reward(rows).tolist()):
+    def store_reward_part(self, rows: list[Row], component) -> None:
+        for row, score in zip(rows, component(rows).tolist()):
+            row.score_parts[component.name] = score
+
+    def combine_scores(self, rows: list[Row]) -> None:
+        """Each row's score: the weighted sum of its components (NaN if one was skipped)."""
+        parts = {c.name: torch.tensor([r.score_parts[c.name] for r in rows], dtype=torch.float32)
+                 for c in self.rewards}
+        for row, score in zip(rows, combine(parts, self.config.reward_weights).tolist()):
             row.score = score
 
     def make_experience(self, prompt_batches: list[dict]) -> tuple[list[Row], float, float]:
@@ -144,12 +183,12 @@ class PPOTrainer:
         all prompt batches.
         """
         rows_per_batch, generation_s, experience_s = [], 0.0, 0.0
-        memory = self.memory
+        memory, n = self.memory, self.config.n_samples_per_prompt
         with self.inference_weights(self.actor):
             for prompt_batch in prompt_batches:
                 t0 = time.time()
                 with memory.phase("generation"):
-                    rows = self.generate_rows(prompt_batch)
+                    rows = self.generate_rows(prompt_batch, first_group=sum(map(len, rows_per_batch)) // n)
                 t1 = time.time()
                 with memory.phase("experience"):
                     self.store_logprobs(rows, self.actor, "old_logprobs")
@@ -158,47 +197,94 @@ class PPOTrainer:
         if self.config.release_inference_cache:
             accelerator.empty_cache()  # the KV caches and the gathered actor's blocks, before the other models
         t0 = time.time()
-        phases = [(self.ref, lambda rows: self.store_logprobs(rows, self.ref, "ref_logprobs"))]
+        phases = []
+        if self.ref is not None:
+            phases.append((self.ref, lambda rows: self.store_logprobs(rows, self.ref, "ref_logprobs")))
         if self.critic is not None:
             phases.append((self.critic, self.store_values))
-        phases.append((self.reward.engine, self.store_scores))
+        for component in self.rewards:
+            phases.append((component.engine, lambda rows, c=component: self.store_reward_part(rows, c)))
         with memory.phase("experience"):
             for engine, store in phases:
                 with self.inference_weights(engine):
                     for rows in rows_per_batch:
                         store(rows)
+        for rows in rows_per_batch:
+            self.combine_scores(rows)
+            if self.ref is None:  # no KL term: the reference would be the old policy's copy, KL 0
+                for row in rows:
+                    row.per_action["ref_logprobs"] = row.per_action["old_logprobs"]
         if self.config.release_inference_cache:
             accelerator.empty_cache()  # the gathered models' blocks, before training's
         experience_s += time.time() - t0
         return [row for rows in rows_per_batch for row in rows], generation_s, experience_s
 
-    def compute_advantages(self, rows: list[Row]) -> dict:
-        """Rewards (score on the last action, KL penalty per action), advantages, whitening over the rollout."""
+    def select_trained(self, rows: list[Row], scores: torch.Tensor) -> dict:
+        """Mark the rows the loss leaves out (`Row.trained`), and count them:
+        - a skipped (NaN) score (`--skip_bad_rewards`): the whole group, whose baseline it would bias;
+        - `--mask_truncated_completions`: an answer cut at the length limit (TRL's);
+        - `--filter_zero_variance_groups`: a group whose rewards are all equal (DAPO's dynamic sampling).
+        NaN scores become 0 so the arithmetic stays finite (those rows are not trained on)."""
         c = self.config
+        groups = torch.tensor([r.group for r in rows])
+        bad = torch.isnan(scores)
+        bad_groups = torch.isin(groups, groups[bad])
+        scores = torch.where(bad, torch.zeros_like(scores), scores)
+        truncated = torch.tensor([not r.ended_with_eos for r in rows])
+        flat = zero_variance_groups(scores, groups) & ~bad_groups
+        drop = bad_groups | (truncated if c.mask_truncated_completions else torch.zeros_like(bad))
+        drop = drop | (flat if c.filter_zero_variance_groups else torch.zeros_like(bad))
+        for row, dropped in zip(rows, drop.tolist()):
+            row.trained = not dropped
+        return {"scores": scores, "bad_rows": int(bad.sum()), "dropped_rows": int(drop.sum()),
+                "zero_variance_rows": int(flat.sum())}
+
+    def compute_advantages(self, rows: list[Row]) -> dict:
+        """Sequence rewards (components, length penalty, normalisation, clip, the estimator's group
+        baseline) on the last action, the KL penalty per action, advantages, whitening over the rollout."""
+        c = self.config
+        lengths = torch.tensor([r.response_ids.numel() for r in rows])
+        ended = torch.tensor([r.ended_with_eos for r in rows])
+        penalty = length_penalty(lengths, ended, c.max_answer_seq_len, c.overlong_buffer_len,
+                                 c.overlong_penalty_factor, c.truncation_penalty)
+        raw_scores = torch.tensor([r.score for r in rows], dtype=torch.float32)
+        selected = self.select_trained(rows, raw_scores + penalty)
         batch = pack(rows, c.pad_token_id)
-        action_mask, p, length = batch["action_mask"], batch["prompt_len"], batch["input_ids"].shape[1]
+        action_mask, loss_mask = batch["action_mask"], batch["loss_mask"]
+        p, length = batch["prompt_len"], batch["input_ids"].shape[1]
         names = ("old_logprobs", "ref_logprobs") + (("old_values",) if self.critic is not None else ())
         layout = {name: to_token_layout(rows, name, p, length) for name in names}
         values = layout.get("old_values", torch.zeros_like(action_mask))
-        raw_scores = torch.tensor([r.score for r in rows], dtype=torch.float32)
-        scores = raw_scores
+        scores = selected["scores"]
         if c.normalize_reward:
-            self.reward_moments.update(raw_scores)
-            scores = (raw_scores - self.reward_moments.mean) / max(self.reward_moments.std, 1e-8)
+            self.reward_moments.update(scores[loss_mask.sum(-1) > 0] if loss_mask.any() else scores)
+            scores = (scores - self.reward_moments.mean) / max(self.reward_moments.std, 1e-8)
+        if c.clip_reward_value is not None:
+            scores = scores.clamp(-c.clip_reward_value, c.clip_reward_value)
+        if self.estimator.baseline is not None:
+            scores = self.estimator.baseline(scores, torch.tensor([r.group for r in rows]))
         kl_coef_in_reward = 0.0 if c.kl_in_loss else self.kl_ctl.value
         rewards, kl = compute_rewards(scores, layout["old_logprobs"], layout["ref_logprobs"], action_mask,
-                                      kl_coef_in_reward, c.clip_reward_value, c.kl_estimator)
-        advantages, returns = self.estimator.compute(values, rewards, action_mask, c.gamma, c.lam)
-        if c.whiten_advantages:
-            advantages = masked_whiten(advantages, action_mask)
+                                      kl_coef_in_reward, None, c.kl_estimator)
+        advantages, returns = advantages_and_returns(self.estimator, values, rewards, action_mask, c.gamma, c.lam)
+        if self.estimator.whiten and c.whiten_advantages and loss_mask.sum() > 1:
+            advantages = masked_whiten(advantages, loss_mask)
+        advantages = select(advantages, loss_mask)
         for name, tensor in (("rewards", rewards), ("advantages", advantages), ("returns", returns), ("kl", kl)):
             from_token_layout(rows, name, tensor, p)
-        explained = explained_variance(values, returns, action_mask).item() if self.critic is not None else 0.0
+        explained = explained_variance(values, returns, loss_mask).item() if self.critic is not None else 0.0
+        finite = ~torch.isnan(raw_scores)
         return {
-            "score_sum": raw_scores.sum().item(),
+            "score_sum": raw_scores[finite].sum().item(),
+            "scored_rows": int(finite.sum()),
+            "length_penalty_sum": penalty.sum().item(),
             "total_reward_sum": (rewards * action_mask).sum().item(),
             "kl_seq_sum": (kl * action_mask).sum().item(),
             "explained_variance": explained,
+            "bad_rows": selected["bad_rows"],
+            "dropped_rows": selected["dropped_rows"],
+            "zero_variance_rows": selected["zero_variance_rows"],
+            **component_sums(rows, [comp.name for comp in self.rewards]),
         }
 
     # ------------------------------------------------------------------ PPO epochs
@@ -210,15 +296,17 @@ class PPOTrainer:
         names = ("old_logprobs", "ref_logprobs", "advantages") + (("old_values", "returns") if self.critic is not None else ())
         old = to_device({name: to_token_layout(rows, name, p, length) for name in names}, model_device(self.actor))
         action_mask = batch["action_mask"].to(model_device(self.actor))
+        loss_mask = batch["loss_mask"].to(model_device(self.actor))  # the actions of the rows still trained on
+        agg = {"loss_agg": self.loss_agg, "agg_constant": c.max_answer_seq_len}
 
         logprobs, entropy = self.logprobs_fn(self.actor, batch, c.generation.logprob_temperature,
                                              return_entropy=True)
         actor_loss, actor_stats = losses.policy_loss(logprobs, old["old_logprobs"], old["advantages"], action_mask,
-                                                     c.cliprange)
+                                                     c.cliprange, loss_mask=loss_mask, **agg)
         loss = actor_loss
         kl_loss = torch.zeros(())
-        if c.kl_in_loss:
-            kl_loss = losses.kl_penalty_loss(logprobs, old["ref_logprobs"], action_mask)
+        if c.kl_in_loss and self.ref is not None:
+            kl_loss = losses.kl_penalty_loss(logprobs, old["ref_logprobs"], loss_mask, **agg)
             loss = loss + self.kl_ctl.value * kl_loss
         ptx_loss = torch.zeros(())
         if self.unsup_batches is not None:
@@ -234,7 +322,7 @@ class PPOTrainer:
                  "ppo/log_ratio_max_abs": actor_stats["log_ratio_max_abs"].item(),
                  "ppo/entropy": masked_mean(entropy, action_mask).item()}
         if self.critic is not None:
-            critic_mask = action_mask.to(model_device(self.critic))
+            critic_mask = loss_mask.to(model_device(self.critic))
             values = token_values(self.critic, ids, mask)
             critic_loss, critic_stats = losses.value_loss(values, old["old_values"].to(values.device),
                                                           old["returns"].to(values.device), critic_mask,
@@ -258,11 +346,50 @@ class PPOTrainer:
         order = torch.randperm(len(rows), generator=generator).tolist()
         return [[rows[i] for i in order[k:k + size]] for k in range(0, len(rows), size)]
 
+    # ------------------------------------------------------------------ evaluation during training
+    @torch.no_grad()
+    def evaluate(self, prompt_batches: list[dict], do_sample: bool = False) -> dict:
+        """One answer per held-out prompt (greedy unless `do_sample`), scored by every reward component;
+        `eval/...` metrics over all ranks: each component's mean, the weighted total, the accuracy (the
+        mean of the first accuracy-like component, e.g. math_exact), length and EOS fraction. Every rank
+        must pass the same number of batches (ZeRO-3 generation is collective)."""
+        settings = dataclasses.replace(self.config.generation, do_sample=do_sample)
+        batches = []
+        with eval_mode(self.actor), self.inference_weights(self.actor):
+            for prompt_batch in prompt_batches:
+                batches.append(self.generate_rows(prompt_batch, settings=settings, n=1))
+        for component in self.rewards:
+            with self.inference_weights(component.engine):
+                for rows in batches:
+                    self.store_reward_part(rows, component)
+        rows = [row for rows in batches for row in rows]
+        self.combine_scores(rows)
+        local = {"rows": len(rows), "response_len_sum": sum(r.response_ids.numel() for r in rows),
+                 "eos_sum": sum(r.ended_with_eos for r in rows),
+                 **component_sums(rows, [c.name for c in self.rewards])}
+        finite = [r.score for r in rows if r.score == r.score]
+        local.update(score_sum=sum(finite), score_count=len(finite))
+        keys = list(local)
+        totals = dict(zip(keys, all_reduce_sum([local[k] for k in keys])))
+        n = max(totals["rows"], 1)
+        metrics = {"eval/score_mean": totals["score_sum"] / max(totals["score_count"], 1),
+                   "eval/response_len_mean": totals["response_len_sum"] / n, "eval/eos_fraction": totals["eos_sum"] / n,
+                   "eval/prompts": totals["rows"]}
+        for c in self.rewards:
+            mean = totals[f"part/{c.name}_sum"] / max(totals[f"part/{c.name}_count"], 1)
+            metrics[f"eval/reward/{c.name}_mean"] = mean
+            if getattr(getattr(c, "func", None), "is_accuracy", False) and "eval/accuracy" not in metrics:
+                metrics["eval/accuracy"] = mean
+        return metrics
+
     # ------------------------------------------------------------------ one iteration
     def step(self, prompt_batches: list[dict], step: int) -> tuple[dict, list[Row]]:
         """Rollout over the prompt batches, then PPO epochs; returns metrics averaged over ranks."""
         rows, generation_s, experience_s = self.make_experience(prompt_batches)
-        if not self.finite(torch.tensor([r.score for r in rows])):
+        scores = torch.tensor([r.score for r in rows])
+        if self.config.skip_bad_rewards:  # NaN: a skipped score, left out of the loss (select_trained)
+            scores = scores[~torch.isnan(scores)]
+        if not self.finite(scores):
             # a NaN/inf reward would poison advantages and every update: skip the whole iteration
             return {"ppo/skipped_non_finite": 1.0, "time/generation_s": generation_s,
                     "time/experience_s": experience_s}, rows
@@ -282,12 +409,12 @@ class PPOTrainer:
         n = len(rows)
         local = {
             "rows": n,
-            "score_sum": exp_stats["score_sum"],
-            "total_reward_sum": exp_stats["total_reward_sum"],
+            **{k: v for k, v in exp_stats.items() if k != "explained_variance"},
             "kl_seq_sum": exp_stats["kl_seq_sum"],
             "response_len_sum": sum(r.response_ids.numel() for r in rows),
             "eos_sum": sum(r.ended_with_eos for r in rows),
             "explained_variance_sum": exp_stats["explained_variance"],
+            "trained_tokens": sum(r.response_ids.numel() for r in rows if r.trained),
             **{k + "_sum": sum(s[k] for s in train_stats) / len(train_stats) for k in train_stats[0]},
         }
         keys = list(local)
@@ -296,10 +423,12 @@ class PPOTrainer:
         log_ratio_max = all_reduce_max(max(s["ppo/log_ratio_max_abs"] for s in train_stats))
         kl_mean = totals["kl_seq_sum"] / rows_total
         metrics = {
-            "reward/score_mean": totals["score_sum"] / rows_total,
+            "reward/score_mean": totals["score_sum"] / max(totals["scored_rows"], 1),
             "reward/total_mean": totals["total_reward_sum"] / rows_total,
             "kl/ref_mean": kl_mean,
             "kl/coef": self.kl_ctl.value,
+            **{f"reward/{c.name}_mean": totals[f"part/{c.name}_sum"] / max(totals[f"part/{c.name}_count"], 1)
+               for c in self.rewards},
             "ppo/log_ratio_max_abs": log_ratio_max,
             "gen/response_len_mean": totals["response_len_sum"] / rows_total,
             "gen/eos_fraction": totals["eos_sum"] / rows_total,
@@ -310,6 +439,16 @@ class PPOTrainer:
             "ppo/skipped_non_finite": 0.0,
             "train/overflow_skipped": float(self.overflow_skipped),  # the same on every rank
         }
+        c = self.config
+        if c.overlong_buffer_len or c.truncation_penalty:
+            metrics["reward/length_penalty_mean"] = totals["length_penalty_sum"] / rows_total
+        if c.skip_bad_rewards:
+            metrics["reward/skipped_rows"] = totals["bad_rows"]
+        if c.skip_bad_rewards or c.mask_truncated_completions or c.filter_zero_variance_groups:
+            metrics["train/dropped_rows"] = totals["dropped_rows"]
+            metrics["train/trained_tokens"] = totals["trained_tokens"]
+        if c.n_samples_per_prompt > 1:
+            metrics["reward/zero_variance_group_fraction"] = totals["zero_variance_rows"] / rows_total
         if self.critic is not None:
             metrics["value/explained_variance"] = totals["explained_variance_sum"] / ranks
         for key in train_stats[0]:

@@ -145,7 +145,7 @@ def test_entry_holds_safetensors_and_json_only(tmp_path):
     assert not [n for n in names if n.endswith((".pt", ".pkl", ".bin", ".pickle"))]
     with open(os.path.join(path, C.META)) as f:
         meta = json.load(f)
-    assert meta["count"] == 3 and meta["stats"] == STATS and meta["extras"] == {"2": EXAMPLES[2]["extra"]}
+    assert meta["count"] == 3 and meta["stats"] == STATS and meta["json_fields"] == {"2": {"extra": EXAMPLES[2]["extra"]}}
     tensors = load_file(os.path.join(path, C.TENSORS))
     assert tensors["input_ids.values"].dtype == torch.int32
     assert tensors["input_ids.offsets"].tolist() == [0, 3, 3, 5]

@@ -369,23 +369,83 @@ def test_running_moments():
 
 # --------------------------------------------------------------------------- critic-free estimators (pure)
 def test_grpo_dr_grpo_and_rloo_by_hand():
-    from step3_ppo.advantages import grpo_advantages, rloo_advantages
+    from step3_ppo.advantages import group_normalized, leave_one_out, zero_variance_groups
 
-    # group 0: four samples [1, 0, 0, 1]; group 1: equal rewards; group 2: two samples [2, 0]
+    # group 5: four samples [1, 0, 0, 1]; group 9: equal rewards; group 7: two samples [2, 0]
     scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 3.0, 2.0, 0.0])
     groups = torch.tensor([5, 5, 5, 5, 9, 9, 7, 7])
-    mask = torch.ones(8, 3)
-    mask[0, 2] = 0  # a shorter answer: its padding stays 0
     std4 = (1 / 3) ** 0.5  # unbiased std of [1, 0, 0, 1]
-    grpo = grpo_advantages(scores, groups, mask, eps=1e-12)
+    grpo = group_normalized(scores, groups, eps=1e-12)
     expected = [0.5 / std4, -0.5 / std4, -0.5 / std4, 0.5 / std4, 0.0, 0.0, 1 / 2 ** 0.5, -1 / 2 ** 0.5]
-    assert torch.allclose(grpo[:, 0], torch.tensor(expected), atol=1e-6)
-    assert grpo[0, 2] == 0 and torch.allclose(grpo[1], grpo[1, :1].expand(3))
-    dr = grpo_advantages(scores, groups, mask, scale_by_std=False)
-    assert torch.allclose(dr[:, 0], torch.tensor([0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 1.0, -1.0]))
-    rloo = rloo_advantages(scores, groups, mask)  # r_i - mean of the others
-    assert torch.allclose(rloo[:, 0], torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.0, 0.0, 2.0, -2.0]), atol=1e-6)
-    assert rloo_advantages(torch.tensor([4.0]), torch.tensor([0]), torch.ones(1, 2)).eq(0).all()  # group of one
+    assert torch.allclose(grpo, torch.tensor(expected), atol=1e-6)
+    dr = group_normalized(scores, groups, scale_by_std=False)
+    assert torch.allclose(dr, torch.tensor([0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 1.0, -1.0]))
+    rloo = leave_one_out(scores, groups)  # r_i - mean of the others
+    assert torch.allclose(rloo, torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3, 0.0, 0.0, 2.0, -2.0]), atol=1e-6)
+    assert leave_one_out(torch.tensor([4.0]), torch.tensor([0])).eq(0).all()  # group of one
+    assert zero_variance_groups(scores, groups).tolist() == [False] * 4 + [True, True, False, False]
+    assert zero_variance_groups(torch.tensor([4.0]), torch.tensor([0])).tolist() == [False]  # one row: not a group
+
+
+@pytest.mark.parametrize("name, expected_row0", [
+    ("grpo", 0.5 / (1 / 3) ** 0.5), ("dr_grpo", 0.5), ("rloo", 2 / 3)])
+def test_estimators_put_the_group_advantage_on_every_action(name, expected_row0):
+    """No KL in the reward: each action of a row gets its sequence advantage; padding stays 0; with a
+    per-token KL penalty the advantage is the return-to-go (the penalties still ahead are added)."""
+    from step3_ppo.advantages import advantages_and_returns, get_estimator
+    from step3_ppo.shaping import compute_rewards
+
+    estimator = get_estimator(name)
+    scores = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    groups = torch.tensor([0, 0, 0, 0])
+    mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 0], [0, 0, 1, 1], [0, 1, 0, 0]], dtype=torch.float32)
+    zeros = torch.zeros(4, 4)
+    shaped = estimator.baseline(scores, groups)
+    rewards, _ = compute_rewards(shaped, zeros, zeros, mask, kl_coef=0.0)
+    adv, returns = advantages_and_returns(estimator, zeros, rewards, mask, gamma=1.0, lam=0.95)
+    assert torch.allclose(adv[0], torch.tensor([0.0, expected_row0, expected_row0, expected_row0]), atol=1e-5)
+    assert adv[1, 3] == 0 and adv[2, 1] == 0 and torch.equal(adv, returns)
+    logprobs = torch.full((4, 4), -1.0)
+    rewards, kl = compute_rewards(shaped, logprobs, logprobs - 0.5, mask, kl_coef=0.1)  # KL 0.5 per action
+    adv, _ = advantages_and_returns(estimator, zeros, rewards, mask, gamma=1.0, lam=0.95)
+    assert torch.allclose(adv[0, 1:], expected_row0 - 0.05 * torch.tensor([3.0, 2.0, 1.0]), atol=1e-5)
+
+
+def test_estimator_aliases_and_defaults():
+    from step3_ppo.advantages import ESTIMATORS, estimator_name
+
+    assert estimator_name("group_norm") == "grpo" and estimator_name("reinforce") == "reinforce_pp"
+    assert estimator_name("reinforce_baseline") == "reinforce_pp_baseline"
+    with pytest.raises(ValueError, match="choose from"):
+        estimator_name("ppo2")
+    assert [n for n, e in ESTIMATORS.items() if e.needs_critic] == ["gae"]
+    assert ESTIMATORS["dr_grpo"].loss_agg == "constant_norm" and ESTIMATORS["grpo"].loss_agg == "seq_mean"
+    assert ESTIMATORS["reinforce_pp"].whiten and not ESTIMATORS["grpo"].whiten
+
+
+def test_length_penalty_by_hand():
+    from step3_ppo.shaping import length_penalty
+
+    lengths = torch.tensor([10, 16, 18, 20, 20])
+    ended = torch.tensor([True, True, True, True, False])
+    # max 20, buffer 4: from 16 tokens on, up to -factor at 20
+    assert torch.allclose(length_penalty(lengths, ended, 20, 4, 0.5), torch.tensor([0.0, 0.0, -0.25, -0.5, -0.5]))
+    assert torch.allclose(length_penalty(lengths, ended, 20, truncation_penalty=1.0),
+                          torch.tensor([0.0, 0.0, 0.0, 0.0, -1.0]))
+    assert length_penalty(lengths, ended, 20).abs().sum() == 0
+
+
+def test_loss_aggregations_by_hand():
+    from utils.ops import aggregate
+
+    x = torch.tensor([[1.0, 3.0, 9.0], [4.0, 0.0, 0.0], [7.0, 7.0, 7.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])  # row 2: dropped (no action)
+    assert aggregate(x, mask, "token_mean").item() == pytest.approx(8 / 3)  # (1+3+4)/3 tokens
+    assert aggregate(x, mask, "seq_mean").item() == pytest.approx((2 + 4) / 2)  # rows' means, 2 rows
+    assert aggregate(x, mask, "constant_norm", 4).item() == pytest.approx((4 / 4 + 4 / 4) / 2)
+    assert aggregate(x, torch.zeros_like(mask), "seq_mean").item() == 0
+    with pytest.raises(ValueError, match="positive constant"):
+        aggregate(x, mask, "constant_norm")
 
 
 def test_returns_to_go_by_hand():

@@ -23,7 +23,7 @@ def offload_run(tiny_llama, tiny_llama_reward, tmp_path_factory):
 def test_frozen_models_are_offloaded_below_an_actor_at_zero3(offload_run):
     engines = offload_run.engines
     assert engines.actor.zero_optimization_stage() == 2
-    for frozen in (engines.ref, engines.reward):
+    for frozen in (engines.ref, *engines.rewards.values()):
         assert frozen.zero_optimization_stage() == 3
         assert frozen.config["zero_optimization"]["offload_param"]["device"] == "cpu"
 

@@ -43,7 +43,7 @@ class NanReward:
 
 
 def poison_reward(monkeypatch, run):
-    monkeypatch.setattr(run.trainer, "reward", NanReward(run.trainer.reward))
+    monkeypatch.setattr(run.trainer, "rewards", [NanReward(run.trainer.rewards[0])])
 
 
 def test_nan_reward_skips_the_update_and_is_counted(nan_run, monkeypatch):

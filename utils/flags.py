@@ -69,11 +69,13 @@ def add_format_args(group, template_file: bool = True) -> None:
                            help="a Jinja chat template for a tokenizer without one (saved with the output's tokenizer)")
 
 
-def add_model_args(parser: argparse.ArgumentParser, models: dict[str, str], defaults: dict | None = None) -> None:
-    """`--{prefix}model_name_or_path` (required) and `--{prefix}dropout` per model; `models` = {prefix: help}."""
+def add_model_args(parser: argparse.ArgumentParser, models: dict[str, str], defaults: dict | None = None,
+                   optional: Sequence[str] = ()) -> None:
+    """`--{prefix}model_name_or_path` (required unless its prefix is in `optional`, whose caller then
+    says when it is needed) and `--{prefix}dropout` per model; `models` = {prefix: help}."""
     g = parser.add_argument_group("model")
     for prefix, help_text in models.items():
-        g.add_argument(f"--{prefix}model_name_or_path", required=True, help=help_text)
+        g.add_argument(f"--{prefix}model_name_or_path", required=prefix not in optional, help=help_text)
     add_per_model(g, ["dropout"], list(models), defaults)
     g.add_argument("--trust_remote_code", action="store_true", help="allow model code shipped with the model")
     g.add_argument("--attn_implementation", default=None, choices=ATTN_IMPLEMENTATIONS,
@@ -227,7 +229,7 @@ def check_output_dir(args, inputs: Sequence[str]) -> None:
 
     out = os.path.realpath(args.output_dir)
     for flag, path in inputs:
-        if os.path.isdir(path) and os.path.realpath(path) == out:
+        if path and os.path.isdir(path) and os.path.realpath(path) == out:
             fail(f"--output_dir {args.output_dir} is the input model of {flag}: the run would overwrite it; "
                  f"choose another --output_dir")
     if not os.path.isdir(out):

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from utils.ops import kl_estimate, masked_mean, select
+from utils.ops import aggregate, kl_estimate, masked_mean, select
 
 __all__ = ["IGNORE_INDEX", "sft_nll", "pairwise_loss", "pair_metrics", "policy_loss", "value_loss",
            "kl_penalty_loss"]
@@ -60,31 +60,37 @@ def pair_metrics(chosen_scores: Tensor, rejected_scores: Tensor) -> dict:
 
 
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, action_mask: Tensor,
-                cliprange: float) -> Tuple[Tensor, Dict[str, Tensor]]:
-    """PPO clipped surrogate, token-level masked mean over all actions of the mini-batch.
+                cliprange: float, loss_mask: Tensor | None = None, loss_agg: str = "token_mean",
+                agg_constant: float | None = None) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """PPO clipped surrogate over the actions of the mini-batch, aggregated by ``loss_agg``
+    (utils.ops.aggregate: token mean by default, per-sequence mean, or Dr. GRPO's constant).
 
     ``ratio = exp(logprobs - old_logprobs)`` is ALWAYS against the old (rollout-time) policy,
     never the reference model; at the first PPO epoch it is exactly 1.
-    ``loss = mean(max(-A * ratio, -A * clip(ratio, 1±eps)))``: the pessimistic bound removes the
+    ``loss = agg(max(-A * ratio, -A * clip(ratio, 1±eps)))``: the pessimistic bound removes the
     incentive to move the ratio outside the trust region in the direction the advantage favours.
+    ``loss_mask`` (default ``action_mask``): the actions that enter the loss; rows dropped from
+    training (a truncated answer, a group without signal) are 0 there but still 1 in
+    ``action_mask``, whose log-ratio is still measured.
 
-    Stats (detached): ``clipfrac`` fraction of actions where the clipped term is the active one;
-    ``approx_kl`` = masked mean of the k2 estimator ``0.5 * (logp - old_logp)**2`` of
-    KL(old || new) (a drift monitor); ``log_ratio_max_abs`` = max |logp - old_logp| over
-    actions (0 if none).
+    Stats (detached, over ``loss_mask``): ``clipfrac`` fraction of actions where the clipped term
+    is the active one; ``approx_kl`` = masked mean of the k2 estimator ``0.5 * (logp - old_logp)**2``
+    of KL(old || new) (a drift monitor); ``log_ratio_max_abs`` = max |logp - old_logp| over all of
+    ``action_mask`` (0 if none).
     """
+    loss_mask = action_mask if loss_mask is None else loss_mask
     logprobs, old_logprobs = select(logprobs, action_mask), select(old_logprobs, action_mask)
     advantages = select(advantages, action_mask)
     log_ratio = logprobs - old_logprobs
     ratio = torch.exp(log_ratio)
     pg1 = -advantages * ratio
     pg2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    loss = masked_mean(torch.max(pg1, pg2), action_mask)
+    loss = aggregate(torch.max(pg1, pg2), loss_mask, loss_agg, agg_constant)
     with torch.no_grad():
         lr = log_ratio.detach()
         stats = {
-            "clipfrac": masked_mean((pg2 > pg1).float(), action_mask),
-            "approx_kl": masked_mean(0.5 * lr**2, action_mask),
+            "clipfrac": masked_mean((pg2 > pg1).float(), loss_mask),
+            "approx_kl": masked_mean(0.5 * lr**2, loss_mask),
             "log_ratio_max_abs": lr.abs().max() if lr.numel() else lr.new_zeros(()),
         }
     return loss, stats
@@ -110,12 +116,13 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, action_mask:
     return loss, stats
 
 
-def kl_penalty_loss(logprobs: Tensor, ref_logprobs: Tensor, action_mask: Tensor) -> Tensor:
-    """GRPO-style "KL in the loss": masked mean of k3 KL(actor || reference).
+def kl_penalty_loss(logprobs: Tensor, ref_logprobs: Tensor, action_mask: Tensor, loss_agg: str = "token_mean",
+                    agg_constant: float | None = None) -> Tensor:
+    """GRPO-style "KL in the loss": k3 KL(actor || reference), aggregated as the policy loss is.
 
     Differentiable w.r.t. ``logprobs`` (ref is a constant). An ALTERNATIVE to the in-reward
     penalty of step 3's reward shaping; the two are not used together (that would penalise KL
     twice).
     """
     logprobs, ref_logprobs = select(logprobs, action_mask), select(ref_logprobs.detach(), action_mask)
-    return masked_mean(kl_estimate(logprobs, ref_logprobs, "k3"), action_mask)
+    return aggregate(kl_estimate(logprobs, ref_logprobs, "k3"), action_mask, loss_agg, agg_constant)

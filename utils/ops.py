@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "select", "masked_sum", "masked_mean", "masked_var", "masked_whiten", "explained_variance",
+    "select", "masked_sum", "masked_mean", "LOSS_AGGREGATIONS", "aggregate", "masked_var", "masked_whiten", "explained_variance",
     "logprobs_from_logits", "entropy_from_logits", "KL_ESTIMATORS", "kl_estimate",
     "position_ids_from_attention_mask", "last_one_index", "sequence_score",
 ]
@@ -79,6 +79,37 @@ def masked_mean(x: Tensor, mask: Tensor, dim: Optional[int] = None) -> Tensor:
     count = w.sum() if dim is None else w.sum(dim=dim)
     count = torch.where(count == 0, torch.ones_like(count), count)
     return total / count
+
+
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean", "constant_norm")
+
+
+def aggregate(x: Tensor, mask: Tensor, mode: str = "token_mean", constant: float | None = None) -> Tensor:
+    """One scalar of a per-token loss over the masked entries, three ways (``--loss_agg``):
+
+    - ``token_mean``: every action of the mini-batch weighs the same (DAPO; PPO's usual mean), so
+      long answers carry more of the gradient;
+    - ``seq_mean``: each row's own token mean, then the mean over rows (the original GRPO): every
+      answer weighs the same, so a long answer's tokens each weigh less;
+    - ``constant_norm``: each row's token SUM divided by ``constant`` (the maximum answer length),
+      then the mean over rows (Dr. GRPO): no length bias either way.
+    Rows whose mask is all 0 (no action, or dropped from the loss) are left out of the row count;
+    an all-zero mask gives 0.
+    """
+    if mode == "token_mean":
+        return masked_mean(x, mask)
+    row_sums = masked_sum(x, mask, dim=-1)
+    counts = _weights(mask, x).sum(dim=-1)
+    present = (counts > 0).to(row_sums.dtype)
+    if mode == "seq_mean":
+        per_row = row_sums / torch.where(counts == 0, torch.ones_like(counts), counts)
+    elif mode == "constant_norm":
+        if not constant or constant <= 0:
+            raise ValueError(f"constant_norm needs a positive constant (the maximum answer length), got {constant}")
+        per_row = row_sums / constant
+    else:
+        raise ValueError(f"unknown loss aggregation {mode!r}; choose from {', '.join(LOSS_AGGREGATIONS)}")
+    return (per_row * present).sum() / present.sum().clamp(min=1)
 
 
 def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:

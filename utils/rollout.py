@@ -21,18 +21,24 @@ class Row:
     prompt_ids: torch.Tensor  # [p] real prompt tokens
     response_ids: torch.Tensor  # [t] generated tokens up to and including the first EOS
     ended_with_eos: bool
-    score: float = 0.0  # reward model score of prompt + response
+    score: float = 0.0  # the sequence reward of prompt + response (the weighted sum of score_parts)
     per_action: dict = field(default_factory=dict)  # name -> [t] tensor
+    group: int = 0  # the samples of one prompt share it (--n_samples_per_prompt); unique within a rank's rollout
+    prompt: dict = field(default_factory=dict)  # the prompt row: "prompt" (as given), "origin", "extra" fields
+    score_parts: dict = field(default_factory=dict)  # reward component name -> its score (before weighting)
+    trained: bool = True  # False: dropped from the loss (truncated, a group without signal, a bad reward)
 
 
 def split_generation(sequences: torch.Tensor, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                     stop_token_ids) -> list[Row]:
+                     stop_token_ids, samples_per_prompt: int = 1) -> list[Row]:
     """Cut `generate` output [B, P+T] into rows: real prompt tokens, response up to the first EOS.
 
     ``stop_token_ids``: the EOS id, or the ids that end a response (EOS and a chat template's
     end-of-turn token); the response ends at the first of any of them. Tokens after it (HF fills
     finished rows with pad) are dropped, so they are never actions; a response without one
-    (length limit reached) keeps all its tokens.
+    (length limit reached) keeps all its tokens. With ``samples_per_prompt`` n, ``prompt_ids``
+    holds each prompt once and ``sequences`` its n samples one after the other (row i answers
+    prompt i // n).
     """
     stops = torch.tensor([stop_token_ids] if isinstance(stop_token_ids, int) else list(stop_token_ids))
     sequences, prompt_ids, prompt_mask = sequences.cpu(), prompt_ids.cpu(), prompt_mask.cpu()
@@ -45,13 +51,15 @@ def split_generation(sequences: torch.Tensor, prompt_ids: torch.Tensor, prompt_m
         response = generated[: eos_positions[0] + 1] if ended else generated
         if response.numel() == 0:
             raise ValueError("generation returned no new token; set --min_answer_seq_len >= 1")
-        rows.append(Row(prompt_ids=prompt_ids[i][prompt_mask[i].bool()].clone(), response_ids=response.clone(),
+        p = i // samples_per_prompt
+        rows.append(Row(prompt_ids=prompt_ids[p][prompt_mask[p].bool()].clone(), response_ids=response.clone(),
                         ended_with_eos=bool(ended)))
     return rows
 
 
 def pack(rows: list[Row], pad_token_id: int) -> dict:
-    """Batch of rows: input_ids/attention_mask [B, P+T], action_mask [B, P+T-1], and P (CPU tensors).
+    """Batch of rows: input_ids/attention_mask [B, P+T], action_mask [B, P+T-1], loss_mask (the
+    action mask of the rows still trained on), and P (CPU tensors).
 
     Rows and packed batches stay on the CPU: they are small next to the models, live across the
     generation / experience / training phases, and the forward helpers (utils/forward.py) move
@@ -72,8 +80,9 @@ def pack(rows: list[Row], pad_token_id: int) -> dict:
         input_ids[b, prompt_len:prompt_len + t] = row.response_ids
         attention_mask[b, prompt_len - p:prompt_len + t] = 1
         action_mask[b, prompt_len - 1:prompt_len - 1 + t] = 1
+    trained = torch.tensor([float(r.trained) for r in rows])[:, None]
     return {"input_ids": input_ids, "attention_mask": attention_mask, "action_mask": action_mask,
-            "prompt_len": prompt_len}
+            "loss_mask": action_mask * trained, "prompt_len": prompt_len}
 
 
 def to_token_layout(rows: list[Row], name: str, prompt_len: int, length: int) -> torch.Tensor:

@@ -15,7 +15,7 @@ Layout of ``DIR/<sha256>/``:
 * ``tensors.safetensors``: per int-list field F, ``F.values`` (all examples' values concatenated,
   int32 when they fit, else int64) and ``F.offsets`` (int64, n+1 cumulative lengths);
 * ``meta.json``: the key, the count, the field names, the examples missing a field, every
-  example's ``extra`` dict, and the build's ``stats``;
+  example's JSON fields (a prompt row's ``prompt``, ``origin`` and ``extra``), and the build's ``stats``;
 * ``COMPLETE``: written last. An entry is built in a temp folder inside DIR and renamed into place,
   so a crash leaves no half entry under the final name; a folder without the marker is rebuilt.
 
@@ -40,9 +40,9 @@ from utils import distributed as dist
 from utils.cache import relax_permissions
 from utils.data.sources import DataError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 TENSORS, META, MARKER = "tensors.safetensors", "meta.json", "COMPLETE"
-EXTRA = "extra"
+JSON_FIELDS = ("extra", "prompt", "origin")  # kept as JSON; every other field is a list of ints
 _INT32 = (-(2**31), 2**31 - 1)
 _SHARED_INTS_SPAN = 1 << 22  # value ranges up to this share one int object per value (token ids do)
 
@@ -158,9 +158,10 @@ def _write_files(folder: str, examples: Examples, stats: dict) -> None:
         tensors[f"{field}.values"], tensors[f"{field}.offsets"] = values, offsets
         if absent:
             missing[field] = absent
-    extras = {str(i): ex[EXTRA] for i, ex in enumerate(examples) if EXTRA in ex}
+    json_fields = {str(i): {k: ex[k] for k in JSON_FIELDS if k in ex} for i, ex in enumerate(examples)
+                   if any(k in ex for k in JSON_FIELDS)}
     meta = {"format_version": FORMAT_VERSION, "count": len(examples), "fields": fields,
-            "missing": missing, "extras": extras, "stats": stats}
+            "missing": missing, "json_fields": json_fields, "stats": stats}
     save_file(tensors, os.path.join(folder, TENSORS))
     with open(os.path.join(folder, META), "w", encoding="utf-8") as f:
         json.dump(meta, f)
@@ -170,8 +171,8 @@ def _write_files(folder: str, examples: Examples, stats: dict) -> None:
 
 
 def _field_names(examples: Examples) -> list[str]:
-    """The int-list fields of all examples, in first-seen order (``extra`` goes to JSON)."""
-    names = dict.fromkeys(k for ex in examples for k in ex if k != EXTRA)
+    """The int-list fields of all examples, in first-seen order (``JSON_FIELDS`` go to JSON)."""
+    names = dict.fromkeys(k for ex in examples for k in ex if k not in JSON_FIELDS)
     return list(names)
 
 
@@ -221,8 +222,8 @@ def load_entry(entry: str) -> Built:
     for field, absent in meta["missing"].items():
         for i in absent:
             del examples[i][field]
-    for i, extra in meta["extras"].items():
-        examples[int(i)][EXTRA] = extra
+    for i, values in meta["json_fields"].items():
+        examples[int(i)].update(values)
     return examples, meta["stats"]
 
 

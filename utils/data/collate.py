@@ -55,7 +55,9 @@ class PairCollator:
 
 
 class PromptCollator:
-    """Left-pads prompts so generation continues right after each prompt."""
+    """Left-pads prompts so generation continues right after each prompt; ``rows`` keeps each
+    prompt row's ``prompt``, ``origin`` and ``extra`` fields, aligned with the batch, for reward
+    functions."""
 
     def __init__(self, pad_token_id: int):
         self.pad_token_id = pad_token_id
@@ -63,7 +65,9 @@ class PromptCollator:
     def __call__(self, batch: Sequence[dict]) -> dict:
         ids = [ex["input_ids"] for ex in batch]
         return {"input_ids": pad_batch(ids, self.pad_token_id, "left"),
-                "attention_mask": _mask(ids, "left")}
+                "attention_mask": _mask(ids, "left"),
+                "rows": [{"prompt": ex.get("prompt"), "origin": ex.get("origin", ""), "extra": ex.get("extra", {})}
+                         for ex in batch]}
 
 
 def distributed_loader(examples: Sequence, batch_size: int, collate_fn, seed: int, drop_last: bool = False):

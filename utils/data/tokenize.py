@@ -197,7 +197,8 @@ def tokenize_pairs(rows: Sequence[dict], tokenizer, max_seq_len: int) -> tuple[l
 
 def tokenize_prompts(rows: Sequence[dict], tokenizer, max_prompt_seq_len: int) -> tuple[list, dict]:
     """PPO prompts; long prompts keep their last tokens (the part the answer follows) and a template's
-    header.  Each example keeps its row's other fields (``extra``) for reward functions."""
+    header.  Each example keeps, for reward functions, its row's prompt as given (``prompt``), where it
+    came from (``origin``) and its other fields (``extra``)."""
     prefix = bos_prefix(tokenizer)
     if max_prompt_seq_len < len(prefix) + 1:
         raise DataError(f"max prompt length {max_prompt_seq_len} is too small")
@@ -212,7 +213,7 @@ def tokenize_prompts(rows: Sequence[dict], tokenizer, max_prompt_seq_len: int) -
             continue
         ids, cut = fit_prompt(head, body, 0, max_prompt_seq_len, foot)
         stats["truncated_prompt"] += cut
-        example = {"input_ids": ids}
+        example = {"input_ids": ids, "prompt": row["prompt"], "origin": row.get("origin", "")}
         if row.get("extra"):
             example["extra"] = row["extra"]
         out.append(example)

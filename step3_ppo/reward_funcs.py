@@ -1,0 +1,437 @@
+"""Reward functions for step 3: Python callables that score completions, instead of (or beside) a reward model.
+
+Why: rule rewards (a math answer checked against the row's `answer`, a required output format) need no
+trained model, and TRL's GRPOTrainer (`reward_funcs`) and OpenRLHF (reward-function files) take them in
+the same shape, so functions written for those run here unchanged.
+
+Contract (TRL's keyword-lists convention): `fn(prompts=..., completions=..., completion_ids=..., **fields)`
+is called ONCE per batch; every argument is a list with one value per completion, `fields` are the other
+fields of the prompt rows (None where a row lacks one), so a function takes what it needs and `**kwargs`
+the rest. It returns one finite number per completion (a list, tuple, 1-D tensor or numpy array).
+
+What stops a run (RewardFunctionError, one line naming the function and the first bad row's origin): a
+spec that does not load, a call that raises, runs past the timeout, returns the wrong count, or returns a
+None / non-number / non-finite value. With `skip_bad` the per-row problems only make those rows NaN and a
+raise / wrong count / timeout makes the whole batch NaN; the caller drops and counts them. A function that
+itself raises RewardFunctionError (math_exact without an 'answer' field) says the setup is wrong: that
+always stops the run.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import itertools
+import math
+import numbers
+import os
+import re
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from utils.errors import one_line
+
+BUILTINS = ("math_exact", "format", "sentiment")
+DEFAULT_FORMAT_PATTERN = r"\\boxed\{[^{}]+\}"
+_FORMS = "a built-in (" + ", ".join(BUILTINS) + "), path/to/file.py:function or package.module:function"
+_MESSAGE_LIMIT = 200
+_SHOWN_ORIGINS = 3
+_FLOAT32_MAX = torch.finfo(torch.float32).max
+_module_counter = itertools.count()
+
+
+class RewardFunctionError(Exception):
+    """A reward function that does not load or misbehaves; str() is one line naming it (and the row)."""
+
+    def __init__(self, function: str, problem: str, origin: str | None = None, index: int | None = None):
+        self.function, self.problem, self.origin, self.index = function, problem, origin, index
+        where = ""
+        if origin is not None or index is not None:
+            parts = ([f"row {origin}"] if origin else []) + ([f"index {index} in the batch"] if index is not None else [])
+            where = f" ({', '.join(parts)})"
+        super().__init__(one_line(f"reward function {function}: {problem}{where}"))
+
+
+@dataclass(frozen=True)
+class RewardFunction:
+    """A loaded reward function: `name` is log-safe (`reward/<name>_mean`), `spec` what the user gave."""
+
+    name: str
+    fn: Callable
+    is_accuracy: bool = False
+    spec: str = ""
+
+    @property
+    def label(self) -> str:
+        return self.spec or self.name
+
+
+# ---------------------------------------------------------------- answers
+
+_NUMBER = re.compile(r"(?:(?<![\w)\]}])-)?(?<![\d.])(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?")
+_BOXED = "\\boxed{"
+
+
+def _last_boxed(text: str) -> str | None:
+    """The content of the last balanced `\\boxed{...}` (nested braces allowed), or None."""
+    start = text.rfind(_BOXED)
+    while start != -1:
+        depth, i = 1, start + len(_BOXED)
+        while i < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        if depth == 0:
+            return text[start + len(_BOXED):i - 1].strip()
+        start = text.rfind(_BOXED, 0, start)
+    return None
+
+
+def final_answer(text: str) -> str | None:
+    """A completion's final answer: the last `\\boxed{...}`'s content, else the last number (thousands
+    separators removed, a sentence's trailing period not part of it), else None."""
+    if not isinstance(text, str):
+        return None
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed
+    numbers_found = _NUMBER.findall(text)
+    return numbers_found[-1].replace(",", "") if numbers_found else None
+
+
+def _as_number(value) -> float | None:
+    if isinstance(value, numbers.Real) and not isinstance(value, bool):
+        number = float(value)
+        return number if math.isfinite(number) else None
+    text = str(value).strip().rstrip(".").strip()
+    if re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?", text):
+        text = text.replace(",", "")
+    try:
+        number = float(text)
+    except ValueError:
+        return None
+    return number if math.isfinite(number) else None
+
+
+def answers_match(predicted: str | None, answer) -> bool:
+    """Numerically equal (relative 1e-6) when both parse as numbers, else equal as stripped strings."""
+    if predicted is None or answer is None:
+        return False
+    a, b = _as_number(predicted), _as_number(answer)
+    if a is not None and b is not None:
+        return abs(a - b) <= 1e-6 * max(1.0, abs(b))
+    return str(predicted).strip() == str(answer).strip()
+
+
+# ---------------------------------------------------------------- built-ins
+
+_MISSING = object()
+
+
+def math_exact(completions, answer=_MISSING, **kwargs) -> list[float]:
+    """1.0 where the completion's `final_answer` equals the row's `answer` (int, float or str), else 0.0."""
+    if answer is _MISSING:
+        raise RewardFunctionError("math_exact", "the prompt rows need an 'answer' field (none of them has one)")
+    return [float(answers_match(final_answer(c), a)) for c, a in zip(completions, answer)]
+
+
+def make_format(pattern: str | None = None) -> Callable:
+    """A reward of 1.0 where `re.search(pattern, completion, re.DOTALL)` matches, else 0.0."""
+    pattern = DEFAULT_FORMAT_PATTERN if pattern is None else pattern
+    try:
+        compiled = re.compile(pattern, re.DOTALL)
+    except re.error as exc:
+        raise RewardFunctionError("format", f"--format_pattern {pattern!r} is not a valid regular expression: {exc}")
+
+    def format(completions, **kwargs) -> list[float]:  # noqa: A001 - the built-in's name
+        return [float(compiled.search(c or "") is not None) for c in completions]
+
+    return format
+
+
+def make_sentiment() -> Callable:
+    """A reward of each completion's VADER compound score in [-1, 1] (utils.evaluation's SentimentJudge)."""
+    try:
+        from utils.evaluation.judge import SentimentJudge
+
+        judge = SentimentJudge()
+    except ImportError as exc:
+        raise RewardFunctionError("sentiment", f"needs the VADER judge: {one_line(exc, _MESSAGE_LIMIT)}")
+
+    def sentiment(completions, **kwargs) -> list[float]:
+        return judge.score(list(completions))
+
+    return sentiment
+
+
+# ---------------------------------------------------------------- loading
+
+def is_function_spec(spec: str) -> bool:
+    """True for a built-in name, a `file.py` path, or anything with ':' - unless it is an existing
+    directory, which the caller loads as a reward model."""
+    if os.path.isdir(spec):
+        return False
+    return spec in BUILTINS or ":" in spec or spec.endswith(".py")
+
+
+def _log_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name) or "reward"
+
+
+def load_reward_function(spec: str, format_pattern: str | None = None) -> RewardFunction:
+    """The reward function `spec` names: a built-in, `path/to/file.py:function` or `package.module:function`.
+    `format_pattern` is the built-in `format`'s regex (default: a non-empty `\\boxed{...}`)."""
+    if spec == "math_exact":
+        return RewardFunction("math_exact", math_exact, is_accuracy=True, spec=spec)
+    if spec == "format":
+        return RewardFunction("format", make_format(format_pattern), spec=spec)
+    if spec == "sentiment":
+        return RewardFunction("sentiment", make_sentiment(), spec=spec)
+    if ":" not in spec:
+        if spec.endswith(".py"):
+            raise RewardFunctionError(spec, "missing the ':function' part (expected path/to/file.py:function)")
+        raise RewardFunctionError(spec, f"unknown reward function; expected {_FORMS}")
+    where, _, attr = spec.rpartition(":")
+    if not attr or not where:
+        raise RewardFunctionError(spec, f"missing the {'function' if not attr else 'file or module'} "
+                                        f"name around ':' (expected {_FORMS})")
+    module = _load_file(spec, where) if _is_path(where) else _load_module(spec, where)
+    fn = _attribute(spec, module, attr)
+    return RewardFunction(_log_name(attr.rsplit(".", 1)[-1]), fn, spec=spec)
+
+
+def _is_path(where: str) -> bool:
+    return where.endswith(".py") or "/" in where or os.sep in where or os.path.exists(where)
+
+
+def _import_problem(exc: BaseException) -> str:
+    if isinstance(exc, SyntaxError):
+        return f"syntax error at line {exc.lineno}: {one_line(exc.msg, _MESSAGE_LIMIT)}"
+    return f"importing it raised {type(exc).__name__}: {one_line(exc, _MESSAGE_LIMIT)}"
+
+
+def _load_file(spec: str, path: str):
+    if not os.path.exists(path):
+        raise RewardFunctionError(spec, f"no such file: {path}")
+    if not os.path.isfile(path):
+        raise RewardFunctionError(spec, f"{path} is not a file")
+    stem = _log_name(os.path.splitext(os.path.basename(path))[0]).replace(".", "_").replace("-", "_")
+    name = f"_reward_funcs_{next(_module_counter)}_{stem}"
+    module_spec = importlib.util.spec_from_file_location(name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise RewardFunctionError(spec, f"{path} cannot be loaded as a Python module")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[name] = module  # dataclasses, pickling and typing look the module up by name
+    folder = os.path.dirname(os.path.abspath(path))
+    sys.path.insert(0, folder)  # while it runs: the file may import a helper next to it
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise RewardFunctionError(spec, _import_problem(exc)) from exc
+    finally:
+        if folder in sys.path:
+            sys.path.remove(folder)
+    return module
+
+
+def _load_module(spec: str, name: str):
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
+            raise RewardFunctionError(spec, f"no module named '{exc.name}' (on sys.path)") from exc
+        raise RewardFunctionError(spec, _import_problem(exc)) from exc
+    except Exception as exc:
+        raise RewardFunctionError(spec, _import_problem(exc)) from exc
+
+
+def _attribute(spec: str, module, attr: str) -> Callable:
+    obj = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise RewardFunctionError(spec, f"has no function '{attr}'")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise RewardFunctionError(spec, f"'{attr}' is a {type(obj).__name__}, not a function")
+    return obj
+
+
+# ---------------------------------------------------------------- calling
+
+class _Timeout(BaseException):
+    """Raised by the SIGALRM handler; a BaseException so a function's `except Exception` keeps out of it."""
+
+
+def _call_with_signal(call: Callable, timeout: float):
+    state = {"active": True}
+
+    def on_alarm(signum, frame):
+        if state["active"]:
+            raise _Timeout()
+
+    previous_handler = signal.signal(signal.SIGALRM, on_alarm)
+    previous_delay, previous_interval = signal.setitimer(signal.ITIMER_REAL, timeout)
+    started = time.monotonic()
+    try:
+        return call()
+    finally:
+        state["active"] = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous_handler)
+        if previous_delay > 0:  # someone else's timer: give back what is left of it (at least a tick)
+            left = max(previous_delay - (time.monotonic() - started), 1e-6)
+            signal.setitimer(signal.ITIMER_REAL, left, previous_interval)
+
+
+def _call_in_thread(call: Callable, timeout: float):
+    """Off the main thread (or without SIGALRM): the call runs in a daemon thread. A thread cannot be
+    killed: past the timeout it is abandoned (its result dropped) and keeps running until it returns."""
+    outcome = {}
+
+    def target():
+        try:
+            outcome["value"] = call()
+        except BaseException as exc:  # handed to the caller
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, name="reward-function", daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise _Timeout()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+def _call(call: Callable, timeout: float | None):
+    if not timeout:
+        return call()
+    if hasattr(signal, "SIGALRM") and threading.current_thread() is threading.main_thread():
+        return _call_with_signal(call, timeout)
+    return _call_in_thread(call, timeout)
+
+
+def _origins(origins: list[str], indices: list[int]) -> str:
+    shown = ", ".join(str(origins[i]) for i in indices[:_SHOWN_ORIGINS])
+    more = len(indices) - _SHOWN_ORIGINS
+    return shown + (f" (+{more} more)" if more > 0 else "")
+
+
+def _as_list(result, expected: int) -> list | str:
+    """The result as a list of `expected` values, or a string saying why it is not one."""
+    if torch.is_tensor(result) or type(result).__module__ == "numpy":
+        shape = tuple(result.shape)
+        if len(shape) != 1:
+            return f"returned an array of shape {shape}, expected {expected} numbers (shape ({expected},))"
+        result = result.detach().cpu().tolist() if torch.is_tensor(result) else result.tolist()
+    elif not isinstance(result, (list, tuple)):
+        return f"returned a {type(result).__name__}, expected a list of {expected} numbers (one per completion)"
+    if len(result) != expected:
+        return f"returned {len(result)} values for {expected} completions"
+    return list(result)
+
+
+def _number(value) -> float | None:
+    if torch.is_tensor(value) and value.numel() == 1:
+        value = value.item()
+    if isinstance(value, numbers.Real):
+        number = float(value)
+        return number if math.isfinite(number) and abs(number) <= _FLOAT32_MAX else None
+    return None
+
+
+def _describe(value) -> str:
+    if value is None:
+        return "None"
+    if _number_like(value):
+        return f"{value!r} (not a finite float32 number)"
+    return f"a {type(value).__name__} ({one_line(repr(value), 60)}), not a number"
+
+
+def _number_like(value) -> bool:
+    return isinstance(value, numbers.Real) or (torch.is_tensor(value) and value.numel() == 1)
+
+
+def _check_lengths(completions, completion_ids, extra, origins) -> None:
+    n = len(completions)
+    lengths = {"completion_ids": len(completion_ids), "origins": len(origins),
+               **{f"extra[{k!r}]": len(v) for k, v in extra.items()}}
+    wrong = {k: v for k, v in lengths.items() if v != n}
+    if wrong:
+        raise ValueError(f"score_batch: {wrong} not aligned with {n} completions")
+
+
+def score_batch(func: RewardFunction, *, prompts: list, completions: list[str], completion_ids: list[list[int]],
+                extra: dict[str, list], origins: list[str], timeout: float | None = None,
+                skip_bad: bool = False, on_skip: Callable[[str], None] | None = None
+                ) -> tuple[torch.Tensor, list[int]]:
+    """`func`'s scores of one batch (float32 [B]) and the indices of the rows it could not score.
+
+    Calls `func.fn(prompts=, completions=, completion_ids=, **extra)` once. `timeout` seconds (None or 0:
+    no limit) stops a call: by SIGALRM in the main thread, else by abandoning a daemon thread. Without
+    `skip_bad` every problem raises RewardFunctionError; with it bad rows (all rows, for a raise, a wrong
+    count or a timeout) come back NaN and listed, and `on_skip` (if given) gets the error's one line.
+    SIGALRM interrupts at the next Python bytecode: a long call into C code finishes before it stops.
+    """
+    n = len(completions)
+    _check_lengths(completions, completion_ids, extra, origins)
+    everything = list(range(n))
+
+    def fail_batch(problem: str):
+        error = RewardFunctionError(func.label, problem)
+        if not skip_bad:
+            raise error
+        if on_skip is not None:
+            on_skip(str(error))
+        return torch.full((n,), float("nan"), dtype=torch.float32), everything
+
+    call = lambda: func.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **extra)  # noqa: E731
+    try:
+        result = _call(call, timeout)
+    except RewardFunctionError:
+        raise
+    except _Timeout:
+        return fail_batch(f"ran past --reward_timeout {timeout:g} s on rows {_origins(origins, everything)}")
+    except Exception as exc:
+        text = one_line(f"{type(exc).__name__}: {exc}", _MESSAGE_LIMIT)
+        return fail_batch(f"raised {text} (batch of {n} rows: {_origins(origins, everything)})")
+    values = _as_list(result, n)
+    if isinstance(values, str):
+        return fail_batch(f"{values} (rows {_origins(origins, everything)})")
+    scores = [_number(v) for v in values]
+    bad = [i for i, s in enumerate(scores) if s is None]
+    if bad:
+        first = bad[0]
+        also = f"; {len(bad) - 1} more bad rows" if len(bad) > 1 else ""
+        error = RewardFunctionError(func.label, f"returned {_describe(values[first])}{also}", origins[first], first)
+        if not skip_bad:
+            raise error
+        if on_skip is not None:
+            on_skip(str(error))
+    tensor = torch.tensor([float("nan") if s is None else s for s in scores], dtype=torch.float32)
+    return tensor, bad
+
+
+def combine(scores: dict[str, torch.Tensor], weights: list[float] | None = None) -> torch.Tensor:
+    """The weighted sum of the rewards' scores (weights 1.0 by default, in `scores`' order); NaN stays NaN."""
+    if not scores:
+        raise ValueError("combine: no reward scores to combine")
+    names = list(scores)
+    if weights is None:
+        weights = [1.0] * len(names)
+    if len(weights) != len(names):
+        raise ValueError(f"--reward_weights has {len(weights)} values, expected {len(names)} "
+                         f"(one per reward: {', '.join(names)})")
+    shapes = {tuple(t.shape) for t in scores.values()}
+    if len(shapes) != 1:
+        raise ValueError(f"combine: reward scores of different shapes {sorted(shapes)}")
+    total = torch.zeros(shapes.pop(), dtype=torch.float32)
+    for name, weight in zip(names, weights):
+        total = total + float(weight) * scores[name].detach().float().cpu()
+    return total
