@@ -54,6 +54,17 @@ ensure_demo_data() {
   [ -f "$DEMO_DATA/pairs/eval.jsonl" ] || python -m data.make_demo_data --out "$DEMO_DATA" --format "$DEMO_FORMAT"
 }
 
+# The GRPO scripts' inputs: the base model as actor (no step 1 needed), no critic, no reward model (function
+# rewards), the arithmetic task generated offline into data/arithmetic unless DATA names other prompt rows.
+grpo_inputs() {
+  ACTOR="${ACTOR:-$(default_model)}" || return
+  CRITIC="${CRITIC:-none}"
+  if [ -z "${DATA:-}" ]; then
+    DATA="$ROOT/data/arithmetic"
+    [ -f "$DATA/eval.jsonl" ] || python -m data.make_arithmetic_data --out "$DATA" >/dev/null || return
+  fi
+}
+
 # Multi-node: MULTI_NODE_MODE=ssh (default; the launcher reaches every host of the hostfile over
 # pdsh/ssh) or no_ssh (start THIS node only: NODE_RANK, MASTER_ADDR, MASTER_PORT must be set, e.g.
 # by a scheduler). The output directory must be on a filesystem every node sees.

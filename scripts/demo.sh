@@ -3,28 +3,49 @@
 # the embedded SmolLM2-135M-Instruct and the Rotten-Tomatoes demo task, then evaluates the SFT and
 # RLHF policies side by side (reward model, an independent VADER judge, KL to SFT, lengths) and
 # draws OUTPUT_ROOT/step3/curves.png.
-# usage: bash scripts/demo.sh [--step 1 2 3] [--output_root DIR] [--quick] [--format chat|raw]
+# usage: bash scripts/demo.sh [--step 1 2 3] [--output_root DIR] [--quick] [--format chat|raw] [--task arithmetic]
 #   --quick: tiny random models and a few steps (a smoke test of the whole chain, about 2 minutes)
 #   --format: chat (default): the demo rows are conversations rendered with SmolLM2's chat template;
 #             raw: DeepSpeed-Chat's "Human: ...\n\nAssistant:" strings, concatenated as they are
+#   --task arithmetic: the verifiable demo instead: GRPO of SmolLM2-135M-Instruct on arithmetic problems
+#             scored by the math_exact reward (no step 1, no step 2, no critic); held-out greedy accuracy
+#             before -> after, curves in OUTPUT_ROOT/grpo/curves.png
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 STEPS=(1 2 3)
 OUTPUT_ROOT="$ROOT/out"
 QUICK="${QUICK:-0}"
+TASK=reviews
 while [ $# -gt 0 ]; do
   case "$1" in
     --step) shift; STEPS=(); while [ $# -gt 0 ] && [[ "$1" =~ ^[123]$ ]]; do STEPS+=("$1"); shift; done ;;
     --output_root) OUTPUT_ROOT="$(mkdir -p "$2" && cd "$2" && pwd)"; shift 2 ;;
     --quick) QUICK=1; shift ;;
     --format) export DEMO_FORMAT="$2"; shift 2 ;;
-    *) echo "unknown argument: $1 (use --step 1 2 3, --output_root DIR, --quick, --format chat|raw)" >&2; exit 2 ;;
+    --task) TASK="$2"; shift 2 ;;
+    *) echo "unknown argument: $1 (use --step 1 2 3, --output_root DIR, --quick, --format chat|raw, --task arithmetic)" >&2
+       exit 2 ;;
   esac
 done
 USER_OMP_NUM_THREADS="${OMP_NUM_THREADS:-}"
 # shellcheck source=common.sh
 source "$ROOT/scripts/common.sh"  # set-up, venv, offline mode, default_model/tiny_model
 case "$DEMO_FORMAT" in chat|raw) ;; *) echo "--format must be chat or raw, got $DEMO_FORMAT" >&2; exit 2 ;; esac
+if [ "$TASK" = arithmetic ]; then
+  start=$(date +%s)
+  G=(--overwrite_output_dir)
+  if [ "$QUICK" = 1 ]; then  # a tiny random model with ChatML: a smoke test of the chain
+    export ACTOR="$(tiny_model llama)"
+    G+=(--chat_template utils/chat_templates/chatml.jinja --max_steps 2 --max_prompt_seq_len 96 --eval_num_prompts 8)
+  fi
+  echo "[demo] GRPO on the arithmetic task -> $OUTPUT_ROOT/grpo"
+  bash scripts/step3_ppo/run_grpo_cpu.sh "$OUTPUT_ROOT/grpo" "${G[@]}"
+  echo "[demo] held-out greedy evaluation, before -> after (accuracy = math_exact; format = answers in the asked form):"
+  python -m step3_ppo.plot "$OUTPUT_ROOT/grpo"
+  echo "[demo] finished in $(( $(date +%s) - start )) s; outputs under $OUTPUT_ROOT/grpo"
+  exit 0
+fi
+[ "$TASK" = reviews ] || { echo "--task must be arithmetic (or left out), got $TASK" >&2; exit 2; }
 python -m data.make_demo_data --out "$DEMO_DATA" --format "$DEMO_FORMAT" >/dev/null
 STEP1="$OUTPUT_ROOT/step1" STEP2="$OUTPUT_ROOT/step2" STEP3="$OUTPUT_ROOT/step3"
 if [ "$QUICK" = 1 ]; then

@@ -337,7 +337,9 @@ def eval_batches(args, examples: list, tokenizer) -> list:
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     mine = examples[:count][rank::ranks]
-    size, collate = args.per_device_generation_batch_size, PromptCollator(tokenizer.pad_token_id)
+    # as many rows per generate call as a rollout's (its prompts x samples): the same memory, fewer calls
+    size = args.per_device_generation_batch_size * args.n_samples_per_prompt
+    collate = PromptCollator(tokenizer.pad_token_id)
     print_rank0(f"[step3] evaluation: {count} held-out prompts every {args.eval_interval} iterations"
                 f" ({'sampled' if args.eval_do_sample else 'greedy'})")
     return [collate(mine[i:i + size]) for i in range(0, len(mine), size)]

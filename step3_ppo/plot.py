@@ -2,6 +2,8 @@
 plus one panel per periodic evaluation metric (`eval/...` keys, logged every K steps only).
 
     python -m step3_ppo.plot OUTPUT_DIR [--out PNG]     # reads OUTPUT_DIR/metrics.jsonl -> OUTPUT_DIR/curves.png
+
+With evaluation metrics it also prints each one's first and last value (before -> after training).
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import sys
 
 # (panel title, y label, [(metrics key, legend label), ...])
 PANELS = (
-    ("Reward", "reward", [("reward/score_mean", "reward model score"), ("reward/total_mean", "total (score - KL penalty)")]),
+    ("Reward", "reward", [("reward/score_mean", "sequence reward"),
+                          ("reward/total_mean", "total (after a group baseline, - KL penalty)")]),
     ("KL to SFT reference", "KL (nats / sequence)", [("kl/ref_mean", "KL(actor || reference)")]),
     ("Response length", "tokens", [("gen/response_len_mean", "mean response length")]),
 )
@@ -48,13 +51,14 @@ def series(rows: list[dict], key: str) -> tuple[list, list]:
 
 
 EVAL_PREFIX = "eval/"
+NOT_DRAWN = {"eval/prompts"}  # a count, not a curve
 _CI_SUFFIXES = ("_ci", "_ci_low", "_ci_high")  # an interval of the key before the suffix
 
 
 def eval_keys(rows: list[dict]) -> list[str]:
     """The `eval/...` keys of any row (sorted), except the intervals drawn as bands in their
     metric's panel: `K_ci` ([low, high]) and `K_ci_low` / `K_ci_high` where K itself is logged."""
-    keys = sorted({k for row in rows for k in row if k.startswith(EVAL_PREFIX)})
+    keys = sorted({k for row in rows for k in row if k.startswith(EVAL_PREFIX) and k not in NOT_DRAWN})
     present = set(keys)
     return [k for k in keys if not any(k.endswith(sfx) and k[:-len(sfx)] in present for sfx in _CI_SUFFIXES)]
 
@@ -118,6 +122,16 @@ def plot_curves(metrics_jsonl_path: str, out_png: str) -> str:
     return out_png
 
 
+def eval_summary(rows: list[dict]) -> list[str]:
+    """One line per `eval/...` metric: its first and last value and their steps (before -> after training)."""
+    lines = []
+    for key in eval_keys(rows):
+        xs, ys = series(rows, key)
+        if xs:
+            lines.append(f"{key}: {ys[0]:.4f} (step {xs[0]}) -> {ys[-1]:.4f} (step {xs[-1]})")
+    return lines
+
+
 def main(argv=None) -> str:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("output_dir", help="a step-3 output directory holding metrics.jsonl")
@@ -128,6 +142,8 @@ def main(argv=None) -> str:
         print(f"error: {metrics} does not exist (is {args.output_dir!r} a step-3 output directory?)", file=sys.stderr)
         sys.exit(2)
     out = plot_curves(metrics, args.out or os.path.join(args.output_dir, "curves.png"))
+    for line in eval_summary(read_rows(metrics)):
+        print(line)
     print(out)
     return out
 

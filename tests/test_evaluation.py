@@ -308,6 +308,9 @@ def test_plot_eval_panels(tmp_path):
     plot_curves(str(plain), str(without))
     (w1, h1), (w0, h0) = _png_size(with_eval), _png_size(without)
     assert w1 == w0 and h1 == 2 * h0  # 3 training panels + 3 eval panels: a second row of 3
+    from step3_ppo.plot import eval_summary
+
+    assert eval_summary(read)[0] == "eval/judge_mean: 0.4000 (step 4) -> 0.8000 (step 8)"
 
 
 # --------------------------------------------------------------------------- chat

@@ -35,8 +35,13 @@ def code_lines(text: str) -> str:
     return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#"))
 
 
-def test_the_twelve_run_scripts_are_there():
-    assert SCRIPTS == sorted(f"scripts/{d}/run_{k}.sh" for d in STEP_DIRS for k in KINDS)
+GRPO_KINDS = ("cpu", "single_gpu", "single_node")
+
+
+def test_the_run_scripts_are_there():
+    """Four per step, plus step 3's critic-free GRPO variants."""
+    assert SCRIPTS == sorted([f"scripts/{d}/run_{k}.sh" for d in STEP_DIRS for k in KINDS]
+                             + [f"scripts/step3_ppo/run_grpo_{k}.sh" for k in GRPO_KINDS])
 
 
 @pytest.mark.parametrize("script", SCRIPTS + ["scripts/common.sh", "scripts/demo.sh"])
@@ -50,12 +55,15 @@ def test_run_script_is_one_launch_step_call(script):
     text = read(script)
     code = code_lines(text)
     step_dir, name = script.split("/")[1:]
-    kind = name[len("run_"):-len(".sh")]
+    grpo = name.startswith("run_grpo_")
+    kind = name[len("run_grpo_" if grpo else "run_"):-len(".sh")]
     assert text.startswith("#!/usr/bin/env bash\n# Step ")
     assert "# usage: " in text and "# env: " in text
     assert 'source "$(dirname "$0")/../common.sh"' in code
     calls = re.findall(r"^launch_step (\S+) (\S+) (\S+) ", code, re.M)
-    assert calls == [(kind, f"{step_dir}.main", "sft" if step_dir == "step1_sft" else "pairs")]
+    source = "arithmetic" if grpo else "sft" if step_dir == "step1_sft" else "pairs"
+    assert calls == [(kind, f"{step_dir}.main", source)]
+    assert ("grpo_inputs || exit" in code) == grpo
     assert code.rstrip().endswith('-- "$@"'), "the script's arguments go last, after --"
     for bare in ("| tee", "PIPESTATUS", "deepspeed ", "mkdir", "ensure_demo_data", "shift"):
         assert bare not in code, f"{script} repeats the preamble/launch itself ({bare!r})"
@@ -71,9 +79,11 @@ def test_launch_step_launches_through_run_logged():
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_data_split_convention(script):
-    """data/demo/sft feeds step 1 only (10,0,0); steps 2 and 3 share data/demo/pairs (0,5,5)."""
+    """data/demo/sft feeds step 1 only (10,0,0); steps 2 and 3 share data/demo/pairs (0,5,5); the GRPO
+    scripts' prompt rows are all step 3's (0,0,1)."""
     splits = re.findall(r"--data_split\s+(\S+)", code_lines(read(script)))
-    assert splits == (["10,0,0"] if "/step1_sft/" in script else ["0,5,5"])
+    expected = "0,0,1" if "/run_grpo_" in script else "10,0,0" if "/step1_sft/" in script else "0,5,5"
+    assert splits == [expected]
 
 
 STUB = """#!/bin/sh
@@ -157,3 +167,16 @@ def test_missing_hostfile_stops_before_launch(tmp_path):
                             MODEL="/m", HOSTFILE=str(tmp_path / "nothere"))
     assert proc.returncode == 2 and "hostfile" in proc.stderr
     assert not launched(proc.stdout)
+
+
+def test_preamble_grpo_has_no_critic(tmp_path):
+    """The GRPO scripts pass no critic (CRITIC=none), their own prompt rows (DATA) and the function rewards."""
+    out = tmp_path / "out"
+    proc, _ = run_with_stub(tmp_path, "scripts/step3_ppo/run_grpo_cpu.sh", [str(out), "--max_steps", "1"],
+                            ACTOR="/a", DATA="/d", NUM_RANKS="1", MASTER_PORT="12345")
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    argv = launched(proc.stdout)
+    assert argv[4:10] == ["--module", "step3_ppo.main", "--actor_model_name_or_path", "/a", "--data_path", "/d"]
+    assert "--critic_model_name_or_path" not in argv
+    assert argv[argv.index("--reward_funcs") + 1:argv.index("--reward_funcs") + 3] == ["math_exact", "format"]
+    assert argv[-4:] == ["--output_dir", str(out), "--max_steps", "1"]
