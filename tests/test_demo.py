@@ -17,3 +17,18 @@ def test_quick_demo_writes_table_and_curves(tmp_path):
     png = out / "step3" / "curves.png"
     assert png.exists() and png.stat().st_size > 10_000
     assert (out / "step3" / "actor" / "model.safetensors").exists()
+
+
+def test_quick_arithmetic_demo_prints_accuracy_before_and_after(tmp_path):
+    """--task arithmetic: the verifiable demo's chain (problems generated, GRPO without critic or reward
+    model, the held-out evaluation before and after, the curves) on a tiny model with ChatML."""
+    out = tmp_path / "demo"
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "demo.sh"), "--task", "arithmetic", "--quick",
+                           "--output_root", str(out)], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=900)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    assert "eval/accuracy: 0.0000 (step 0) -> " in proc.stdout and "(step 2)" in proc.stdout, proc.stdout[-2000:]
+    assert "eval/reward/format_mean" in proc.stdout
+    assert (out / "grpo" / "curves.png").exists() and (out / "grpo" / "actor" / "model.safetensors").exists()
+    assert not (out / "grpo" / "critic").exists()
