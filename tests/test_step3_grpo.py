@@ -164,6 +164,37 @@ def test_a_gae_critic_from_a_causal_lm_only_when_asked(tiny_llama, tmp_path):
     assert "loss/critic" in metrics and metrics["reward/aligned_length_mean"] > 0
 
 
+def test_a_reward_model_and_a_function_combined_and_no_reference_without_kl(tiny_llama, tiny_llama_reward, tmp_path):
+    """--reward_funcs mixes a reward-model directory with a function (weighted, each logged); with --kl_ctl 0
+    no reference model is built (the KL is 0, not measured against a copy)."""
+    write_rows(tmp_path)
+    run = setup(parse_args(grpo_args(
+        tiny_llama, tmp_path, "--reward_funcs", tiny_llama_reward, f"{tmp_path / 'rewards.py'}:aligned_length",
+        "--reward_weights", 0.5, 2, "--kl_ctl", 0, "--actor_zero_stage", 0, "--critic_zero_stage", 0)))
+    assert run.engines.ref is None and list(run.engines.rewards) == [tiny_llama_reward]
+    metrics, rows = run.trainer.step(prompt_batches(run, 2), step=0)
+    for r in rows:
+        assert r.score == pytest.approx(0.5 * r.score_parts["reward_model"] + 2 * r.score_parts["aligned_length"])
+    assert {"reward/reward_model_mean", "reward/aligned_length_mean"} <= set(metrics)
+    assert metrics["kl/ref_mean"] == 0 and metrics["loss/kl"] == 0
+
+
+def test_evaluation_on_its_own_prompt_file(tiny_llama, tmp_path):
+    """--eval_data_path: the held-out prompts come from that file (all its rows), cut to --eval_num_prompts,
+    in batches of a rollout's generate call (prompts x samples)."""
+    write_rows(tmp_path)
+    held_out = tmp_path / "held_out.jsonl"
+    held_out.write_text("".join(json.dumps({"prompt": f"Human: #{100 + i} plot story ?\n\nAssistant:", "answer": "story",
+                                            "id": 100 + i}) + "\n" for i in range(7)))
+    run = setup(parse_args(grpo_args(tiny_llama, tmp_path, "--actor_zero_stage", 0, "--eval_interval", 1,
+                                     "--eval_data_path", held_out, "--eval_num_prompts", 6)))
+    assert [len(b["rows"]) for b in run.eval_batches] == [4, 2]
+    ids = [r["extra"]["id"] for b in run.eval_batches for r in b["rows"]]
+    assert len(set(ids)) == 6 and set(ids) <= set(range(100, 107))  # the held-out file's rows, none of the train
+    metrics = run.trainer.evaluate(run.eval_batches)
+    assert metrics["eval/prompts"] == 6 and metrics["eval/reward/aligned_length_mean"] > 0
+
+
 def test_two_ranks_zero3_hybrid_no_critic_checkpoint_resume(tiny_gpt2, tmp_path):
     """2 ranks, ZeRO-3 + hybrid, RLOO at lr 0 on shuffled rows: every function call gets its rows' own
     fields (else it raises and the run fails), the log-ratio stays ~0, the checkpoint and the output hold
