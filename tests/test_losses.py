@@ -83,3 +83,41 @@ def test_pairwise_loss_gradient_finite_at_extreme_margins():
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(chosen.grad).all()
     assert loss.item() == pytest.approx((400.0 + math.log(2)) / 3, rel=1e-6)
+
+
+# --------------------------------------------------------------------------- DPO (issue 17: the pure loss)
+def test_dpo_loss_is_ln2_when_the_policy_is_the_reference_and_by_hand_otherwise():
+    import math
+
+    from utils.losses import dpo_loss
+
+    logps = torch.tensor([-12.0, -3.5, -40.0])
+    for smoothing in (0.0, 0.1):
+        loss, stats = dpo_loss(logps, logps - 1.0, logps, logps - 1.0, beta=0.1, label_smoothing=smoothing)
+        assert loss.item() == pytest.approx(math.log(2)) and stats["accuracy"] == 0 and stats["margin"] == 0
+    # one pair: chosen +2 over the reference, rejected -3: h = 5, beta 0.2 -> beta * h = 1
+    args = (torch.tensor([-8.0]), torch.tensor([-13.0]), torch.tensor([-10.0]), torch.tensor([-10.0]))
+    sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    assert dpo_loss(*args, beta=0.2)[0].item() == pytest.approx(-math.log(sig(1.0)))
+    assert dpo_loss(*args, beta=0.2, label_smoothing=0.1)[0].item() == pytest.approx(
+        -0.9 * math.log(sig(1.0)) - 0.1 * math.log(sig(-1.0)))
+    assert dpo_loss(*args, beta=0.2, loss_type="ipo")[0].item() == pytest.approx((5 - 1 / 0.4) ** 2)
+    assert dpo_loss(logps, logps, logps, logps, beta=0.1, loss_type="ipo")[0].item() == pytest.approx(25.0)
+    _, stats = dpo_loss(*args, beta=0.2)
+    assert stats["chosen_reward"].item() == pytest.approx(0.4) and stats["rejected_reward"].item() == pytest.approx(-0.6)
+    assert stats["accuracy"] == 1 and stats["margin"].item() == pytest.approx(1.0)
+
+
+def test_dpo_loss_gradient_moves_chosen_up_and_rejected_down_and_bad_settings_stop():
+    from utils.losses import dpo_loss
+
+    chosen, rejected = torch.tensor([-5.0], requires_grad=True), torch.tensor([-5.0], requires_grad=True)
+    ref = torch.tensor([-5.0], requires_grad=True)
+    for loss_type in ("sigmoid", "ipo"):
+        chosen.grad = rejected.grad = ref.grad = None
+        dpo_loss(chosen, rejected, ref, ref, beta=0.1, loss_type=loss_type)[0].backward()
+        assert chosen.grad.item() < 0 < rejected.grad.item() and ref.grad is None  # the reference is a constant
+    for kwargs, message in (({"beta": 0.0}, "beta"), ({"beta": 0.1, "loss_type": "hinge"}, "unknown DPO loss"),
+                            ({"beta": 0.1, "label_smoothing": 0.5}, "label_smoothing")):
+        with pytest.raises(ValueError, match=message):
+            dpo_loss(chosen, rejected, ref, ref, **kwargs)

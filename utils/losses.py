@@ -5,7 +5,9 @@
 - ``policy_loss``: PPO's clipped surrogate against the OLD policy (step 3's actor);
 - ``value_loss``: the clipped value loss (step 3's critic);
 - ``kl_penalty_loss``: KL(actor || reference) as a loss term (GRPO-style alternative to the
-  in-reward penalty).
+  in-reward penalty);
+- ``dpo_loss``: preference tuning against a frozen reference from sequence log-probs (DPO,
+  conservative DPO, IPO), for the step-2 alternative of issue 17 (no step uses it yet).
 
 Per-token losses follow the layout of utils/ops.py (``[B, L-1]``, ``action_mask``). Every input
 is selected with the mask BEFORE any arithmetic: a pad may hold nan/inf (a log-prob below -88 at
@@ -23,7 +25,8 @@ from torch import Tensor
 
 from utils.ops import aggregate, kl_estimate, masked_mean, select
 
-__all__ = ["IGNORE_INDEX", "sft_nll", "pairwise_loss", "pair_metrics", "policy_loss", "value_loss",
+__all__ = ["IGNORE_INDEX", "sft_nll", "pairwise_loss", "pair_metrics", "policy_loss", "value_loss", "DPO_LOSS_TYPES",
+           "dpo_loss",
            "kl_penalty_loss"]
 
 IGNORE_INDEX = -100
@@ -126,3 +129,40 @@ def kl_penalty_loss(logprobs: Tensor, ref_logprobs: Tensor, action_mask: Tensor,
     """
     logprobs, ref_logprobs = select(logprobs, action_mask), select(ref_logprobs.detach(), action_mask)
     return aggregate(kl_estimate(logprobs, ref_logprobs, "k3"), action_mask, loss_agg, agg_constant)
+
+
+DPO_LOSS_TYPES = ("sigmoid", "ipo")
+
+
+def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor, ref_rejected_logps: Tensor,
+             beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """Mean preference loss of a batch of pairs from SEQUENCE log-probs [B] (summed over each response).
+
+    ``h = (logp_c - ref_c) - (logp_r - ref_r)``, the policy's log-ratio margin over the reference's.
+    - ``sigmoid`` (DPO, Rafailov et al. 2023): ``-log sigmoid(beta * h)``; ln 2 when the policy is the
+      reference. ``label_smoothing`` eps (conservative DPO: each label is wrong with probability eps):
+      ``-(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)``.
+    - ``ipo`` (Azar et al. 2023): ``(h - 1 / (2 beta))^2``: a squared target margin, which does not
+      push h to infinity on pairs the policy already ranks right (DPO's overfitting on easy pairs).
+    Stats (detached): implicit rewards ``beta * (logp - ref)`` of chosen and rejected (means), the
+    fraction of pairs whose chosen reward is higher, and the mean margin between them.
+    """
+    if loss_type not in DPO_LOSS_TYPES:
+        raise ValueError(f"unknown DPO loss type {loss_type!r}; choose from {', '.join(DPO_LOSS_TYPES)}")
+    if beta <= 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    if not 0 <= label_smoothing < 0.5:
+        raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
+    chosen_ratio = chosen_logps.float() - ref_chosen_logps.detach().float()
+    rejected_ratio = rejected_logps.float() - ref_rejected_logps.detach().float()
+    h = chosen_ratio - rejected_ratio
+    if loss_type == "sigmoid":
+        losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    else:
+        losses = (h - 1 / (2 * beta)) ** 2
+    with torch.no_grad():
+        chosen_rewards, rejected_rewards = beta * chosen_ratio, beta * rejected_ratio
+        stats = {"chosen_reward": chosen_rewards.mean(), "rejected_reward": rejected_rewards.mean(),
+                 "accuracy": (chosen_rewards > rejected_rewards).float().mean(),
+                 "margin": (chosen_rewards - rejected_rewards).mean()}
+    return losses.mean(), stats
