@@ -172,15 +172,17 @@ def validate_args(args) -> None:
     check_policy_dir(args.actor_model_name_or_path, "--actor_model_name_or_path")
     if args.critic_model_name_or_path:
         check_model_path(args.critic_model_name_or_path, "--critic_model_name_or_path")
-        if not (args.critic_fresh_value_head and args.critic_model_name_or_path not in args.reward_model_paths):
+        # as the critic (a reward model, unless --critic_fresh_value_head); as a reward model it is checked below
+        if get_estimator(args.advantage_estimator).needs_critic and not args.critic_fresh_value_head:
             check_reward_model_dir(args.critic_model_name_or_path, "--critic_model_name_or_path")
     for path in args.reward_model_paths:
-        flag = "--reward_funcs" if args.reward_funcs else "--reward_model_name_or_path"
+        flag = ("--reward_funcs" if args.reward_funcs else "--reward_model_name_or_path" if args.reward_model_name_or_path
+                else "--critic_model_name_or_path")
         if args.reward_funcs and not os.path.isdir(os.path.expanduser(path)) and "/" not in path:
             fail(f"--reward_funcs {path!r} is none of: a built-in ({', '.join(BUILTINS)}), path/to/file.py:function, "
                  f"package.module:function, a reward-model directory")
         check_model_path(path, flag)
-        check_reward_model_dir(path, f"{flag} reward model")
+        check_reward_model_dir(path, flag if flag == "--critic_model_name_or_path" else f"{flag} reward model")
     if args.unsupervised_dataset_name and not os.path.exists(args.unsupervised_dataset_name):
         fail(f"--unsupervised_dataset_name {args.unsupervised_dataset_name!r} does not exist")
     for path in dict.fromkeys([args.actor_model_name_or_path, args.critic_model_name_or_path, *args.reward_model_paths]):
