@@ -30,7 +30,7 @@ from utils.checkpoint import BadStepGuard, Checkpointing, data_layout, export_hf
 from utils.data import (PromptCollator, SFTCollator, describe_skips, distributed_loader, read_texts, stop_token_ids,
                         tokenize_prompts, tokenize_texts)
 from utils.errors import one_line
-from utils.distributed import is_rank0, start_process, world_size
+from utils.distributed import is_rank0, rank, start_process, world_size
 from utils.flags import (add_checkpoint_args, add_data_args, add_generation_args, add_model_args, add_output_args,
                          add_training_args, check_range, check_sequence_fits, fail, resolve_generation_args,
                          validate_training_args)
@@ -195,8 +195,9 @@ def validate_args(args) -> None:
 
 
 def validate_rl_args(args) -> None:
-    """The estimator, samples per prompt, rewards and length shaping; sets `args.reward_model_paths`
-    (the reward-model directories the run loads) and resolves an OpenRLHF alias to its estimator."""
+    """The estimator, samples per prompt, rewards and length shaping; sets `args.reward_specs` (the
+    run's rewards, in order), `args.reward_model_paths` (the reward-model directories among them) and
+    resolves an OpenRLHF alias to its estimator."""
     args.advantage_estimator = estimator_name(args.advantage_estimator)
     estimator = get_estimator(args.advantage_estimator)
     check_range(args, 1, ("n_samples_per_prompt", "eval_num_prompts"))
@@ -215,7 +216,7 @@ def validate_rl_args(args) -> None:
              f"{args.max_answer_seq_len}")
     if args.reward_timeout is not None and args.reward_timeout <= 0:
         fail(f"--reward_timeout must be > 0, got {args.reward_timeout}")
-    specs = args.reward_funcs or [args.reward_model_name_or_path or args.critic_model_name_or_path]
+    specs = args.reward_specs = args.reward_funcs or [args.reward_model_name_or_path or args.critic_model_name_or_path]
     if specs == [None]:
         fail("no reward: give --reward_funcs, --reward_model_name_or_path or --critic_model_name_or_path")
     if args.reward_weights is not None and len(args.reward_weights) != len(specs):
@@ -232,10 +233,9 @@ def validate_rl_args(args) -> None:
 
 def build_rewards(args, tokenizer, engines) -> list:
     """The reward components, in --reward_funcs order (or the one reward model)."""
-    specs = args.reward_funcs or [args.reward_model_name_or_path or args.critic_model_name_or_path]
     several = len(args.reward_model_paths) > 1
     components = []
-    for spec in specs:
+    for spec in args.reward_specs:
         if is_function_spec(spec):
             try:
                 func = load_reward_function(spec, args.format_pattern)
@@ -335,10 +335,7 @@ def eval_batches(args, examples: list, tokenizer) -> list:
     if count == 0:
         raise SystemExit(f"error: --eval_interval: {len(examples)} held-out prompts are too few for {ranks} ranks "
                          f"(give --eval_data_path, or raise --eval_fraction)")
-    import torch.distributed as dist
-
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    mine = examples[:count][rank::ranks]
+    mine = examples[:count][rank()::ranks]
     # as many rows per generate call as a rollout's (its prompts x samples): the same memory, fewer calls
     size = args.per_device_generation_batch_size * args.n_samples_per_prompt
     collate = PromptCollator(tokenizer.pad_token_id)

@@ -164,16 +164,19 @@ class PPOTrainer:
             values = token_values(self.critic, batch["input_ids"], batch["attention_mask"])
         from_token_layout(rows, "old_values", values, batch["prompt_len"])
 
-    def store_reward_part(self, rows: list[Row], component) -> None:
-        for row, score in zip(rows, component(rows).tolist()):
-            row.score_parts[component.name] = score
-
-    def combine_scores(self, rows: list[Row]) -> None:
-        """Each row's score: the weighted sum of its components (NaN if one was skipped)."""
-        parts = {c.name: torch.tensor([r.score_parts[c.name] for r in rows], dtype=torch.float32)
-                 for c in self.rewards}
-        for row, score in zip(rows, combine(parts, self.config.reward_weights).tolist()):
-            row.score = score
+    def score_rewards(self, rows_per_batch: list[list[Row]]) -> None:
+        """Every reward component on every batch (each engine gathered once for all of them), then each
+        row's score: the weighted sum of its components (NaN if one was skipped)."""
+        for component in self.rewards:
+            with self.inference_weights(component.engine):
+                for rows in rows_per_batch:
+                    for row, score in zip(rows, component(rows).tolist()):
+                        row.score_parts[component.name] = score
+        for rows in rows_per_batch:
+            parts = {c.name: torch.tensor([r.score_parts[c.name] for r in rows], dtype=torch.float32)
+                     for c in self.rewards}
+            for row, score in zip(rows, combine(parts, self.config.reward_weights).tolist()):
+                row.score = score
 
     def make_experience(self, prompt_batches: list[dict]) -> tuple[list[Row], float, float]:
         """Rollout, then the no-grad forwards; returns the rows and the generation/experience seconds.
@@ -202,31 +205,27 @@ class PPOTrainer:
             phases.append((self.ref, lambda rows: self.store_logprobs(rows, self.ref, "ref_logprobs")))
         if self.critic is not None:
             phases.append((self.critic, self.store_values))
-        for component in self.rewards:
-            phases.append((component.engine, lambda rows, c=component: self.store_reward_part(rows, c)))
         with memory.phase("experience"):
             for engine, store in phases:
                 with self.inference_weights(engine):
                     for rows in rows_per_batch:
                         store(rows)
-        for rows in rows_per_batch:
-            self.combine_scores(rows)
-            if self.ref is None:  # no KL term: the reference would be the old policy's copy, KL 0
-                for row in rows:
-                    row.per_action["ref_logprobs"] = row.per_action["old_logprobs"]
+            self.score_rewards(rows_per_batch)
+        if self.ref is None:  # no KL term: the reference would be the old policy's copy, KL 0
+            for row in (row for rows in rows_per_batch for row in rows):
+                row.per_action["ref_logprobs"] = row.per_action["old_logprobs"]
         if self.config.release_inference_cache:
             accelerator.empty_cache()  # the gathered models' blocks, before training's
         experience_s += time.time() - t0
         return [row for rows in rows_per_batch for row in rows], generation_s, experience_s
 
-    def select_trained(self, rows: list[Row], scores: torch.Tensor) -> dict:
+    def select_trained(self, rows: list[Row], scores: torch.Tensor, groups: torch.Tensor) -> dict:
         """Mark the rows the loss leaves out (`Row.trained`), and count them:
         - a skipped (NaN) score (`--skip_bad_rewards`): the whole group, whose baseline it would bias;
         - `--mask_truncated_completions`: an answer cut at the length limit (TRL's);
         - `--filter_zero_variance_groups`: a group whose rewards are all equal (DAPO's dynamic sampling).
         NaN scores become 0 so the arithmetic stays finite (those rows are not trained on)."""
         c = self.config
-        groups = torch.tensor([r.group for r in rows])
         bad = torch.isnan(scores)
         bad_groups = torch.isin(groups, groups[bad])
         scores = torch.where(bad, torch.zeros_like(scores), scores)
@@ -248,7 +247,8 @@ class PPOTrainer:
         penalty = length_penalty(lengths, ended, c.max_answer_seq_len, c.overlong_buffer_len,
                                  c.overlong_penalty_factor, c.truncation_penalty)
         raw_scores = torch.tensor([r.score for r in rows], dtype=torch.float32)
-        selected = self.select_trained(rows, raw_scores + penalty)
+        groups = torch.tensor([r.group for r in rows])
+        selected = self.select_trained(rows, raw_scores + penalty, groups)
         batch = pack(rows, c.pad_token_id)
         action_mask, loss_mask = batch["action_mask"], batch["loss_mask"]
         p, length = batch["prompt_len"], batch["input_ids"].shape[1]
@@ -262,7 +262,7 @@ class PPOTrainer:
         if c.clip_reward_value is not None:
             scores = scores.clamp(-c.clip_reward_value, c.clip_reward_value)
         if self.estimator.baseline is not None:
-            scores = self.estimator.baseline(scores, torch.tensor([r.group for r in rows]))
+            scores = self.estimator.baseline(scores, groups)
         kl_coef_in_reward = 0.0 if c.kl_in_loss else self.kl_ctl.value
         rewards, kl = compute_rewards(scores, layout["old_logprobs"], layout["ref_logprobs"], action_mask,
                                       kl_coef_in_reward, None, c.kl_estimator)
@@ -358,12 +358,8 @@ class PPOTrainer:
         with eval_mode(self.actor), self.inference_weights(self.actor):
             for prompt_batch in prompt_batches:
                 batches.append(self.generate_rows(prompt_batch, settings=settings, n=1))
-        for component in self.rewards:
-            with self.inference_weights(component.engine):
-                for rows in batches:
-                    self.store_reward_part(rows, component)
+        self.score_rewards(batches)
         rows = [row for rows in batches for row in rows]
-        self.combine_scores(rows)
         local = {"rows": len(rows), "response_len_sum": sum(r.response_ids.numel() for r in rows),
                  "eos_sum": sum(r.ended_with_eos for r in rows),
                  **component_sums(rows, [c.name for c in self.rewards])}
