@@ -20,12 +20,12 @@ import sys
 import torch
 
 from utils.data import (DEFAULT_FORMAT, DataError, PairCollator, PromptCollator, RowFormat, SkipRow, normalize_row,
-                        read_rows, scored_sequences, tokenize_pairs)
+                        read_rows, scored_sequences, split_pair_batch, tokenize_pairs)
 from utils.flags import add_format_args
 from utils.forward import sequence_scores
 from utils.losses import pair_metrics
 from utils.model import hf_zero3_disabled, load_tokenizer
-from utils.reward_model import RewardModel, split_pair_batch
+from utils.reward_model import RewardModel
 
 
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}

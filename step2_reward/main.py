@@ -15,27 +15,24 @@ import time
 import torch
 
 from utils.checkpoint import BadStepGuard, Checkpointing, data_layout, reload_max_abs_diff
-from utils.data import PairCollator, describe_skips, tokenize_pairs
+from utils.data import PairCollator, split_pair_batch, tokenize_pairs
 from utils.distributed import all_reduce_sum, rank_batches
-from utils.flags import BATCH_FLAGS, check_range, single_model_parser, validate_training_args
+from utils.flags import BATCH_FLAGS, add_pair_eval_args, check_range, single_model_parser, validate_training_args
 from utils.forward import eval_mode, sequence_scores
 from utils.logging import print_rank0, progress_bar
 from utils.losses import pair_metrics, pairwise_loss
 from utils.model import load_tokenizer
-from utils.reward_model import RewardModel, export_reward_model, split_pair_batch
+from utils.reward_model import RewardModel, export_reward_model
 from utils.accelerator import PhaseMemory
-from utils.training import (build_trained_engine, loop_metrics, memory_postfix, micro_batch_schedule, run_micro_batches,
-                            spec_from_args, start_single_model_run, train_ds_config_from_args)
+from utils.training import (build_trained_engine, check_pair_splits, loop_metrics, memory_postfix, micro_batch_schedule,
+                            run_micro_batches, spec_from_args, start_single_model_run, train_ds_config_from_args)
 
 
 def parse_args(argv=None):
     parser = single_model_parser(__doc__.splitlines()[0], "causal LM directory (step 1 output) or hub name: the backbone")
     g = parser.add_argument_group("reward model")
     g.add_argument("--margin", type=float, default=0.0, help="loss margin: -log sigmoid(chosen - rejected - margin)")
-    g.add_argument("--eval_interval", type=int, default=0,
-                   help="evaluate every this many optimizer steps (0: only before and after training)")
-    g.add_argument("--eval_iters", type=int, default=0,
-                   help="evaluate on at most this many batches per rank (0: all held-out pairs)")
+    add_pair_eval_args(parser)
     args = parser.parse_args(argv)
     check_range(args, 0, ("eval_interval", "eval_iters"))
     validate_training_args(args, positive=BATCH_FLAGS)
@@ -81,12 +78,7 @@ def main(argv=None):
     tokenizer, train_pairs, train_stats, eval_pairs, eval_stats = start_single_model_run(
         args, 2, lambda rows, tok: tokenize_pairs(rows, tok, args.max_seq_len), {"max_seq_len": args.max_seq_len})
     print_rank0(f"[step2] train pairs {len(train_pairs)} {train_stats}; eval pairs {len(eval_pairs)} {eval_stats}")
-    if not train_pairs:
-        raise SystemExit(f"error: no usable training pairs (skipped_bad_pairs {train_stats['skipped_bad_pairs']}, "
-                         f"other skips: {describe_skips(train_stats['skipped'])})")
-    if not eval_pairs:
-        raise SystemExit("error: no held-out pairs to evaluate (the eval split is empty: --eval_fraction 0, or "
-                         "too few rows); give --eval_fraction > 0 or a source with an eval/test file")
+    check_pair_splits(train_pairs, train_stats, eval_pairs)
     collator = PairCollator(tokenizer.pad_token_id)
 
     sampler, loader, total_steps = micro_batch_schedule(train_pairs, collator, args)

@@ -26,7 +26,7 @@ from utils.distributed import is_rank0, world_size
 from utils.ds_config import eval_ds_config, train_ds_config
 from utils.model import load_causal_lm
 from utils.reward_model import RewardModel
-from utils.training import build_trained_engine, initialize_engine, spec_from_args
+from utils.training import build_frozen_engine, build_trained_engine, initialize_engine, spec_from_args
 
 
 @dataclass
@@ -86,7 +86,7 @@ def build_engines(args, tokenizer, total_steps: int, reward_model_paths=()) -> E
                                     args.offload_reference_model)
         ref = load_causal_lm(args.actor_model_name_or_path, tokenizer, ref_config, 0.0, args.trust_remote_code,
                              attn_implementation=attn)
-        ref = initialize_engine(ref, ref_config)
+        ref = build_frozen_engine(ref, ref_config)
 
     critic = None
     if needs_critic(args.advantage_estimator):
@@ -101,11 +101,7 @@ def build_engines(args, tokenizer, total_steps: int, reward_model_paths=()) -> E
     for path in reward_model_paths:
         reward = RewardModel.from_pretrained(path, tokenizer, reward_config, 0.0, args.trust_remote_code, attn,
                                              require_value_head=True)
-        rewards[path] = initialize_engine(reward, reward_config)
-    for frozen in [e for e in (ref, *rewards.values()) if e is not None]:
-        frozen.eval()
-        for param in frozen.module.parameters():
-            param.requires_grad_(False)
+        rewards[path] = build_frozen_engine(reward, reward_config)
 
     ema = None
     if args.enable_ema:

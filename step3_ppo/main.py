@@ -31,8 +31,8 @@ from utils.data import (PromptCollator, SFTCollator, describe_skips, distributed
                         tokenize_prompts, tokenize_texts)
 from utils.errors import one_line
 from utils.distributed import is_rank0, rank, start_process, world_size
-from utils.flags import (add_checkpoint_args, add_data_args, add_generation_args, add_model_args, add_output_args,
-                         add_training_args, check_range, check_sequence_fits, fail, resolve_generation_args,
+from utils.flags import (add_checkpoint_args, add_data_args, add_generation_args, add_model_args,
+                         add_offload_reference_arg, add_output_args, add_training_args, check_range, check_sequence_fits, fail, resolve_generation_args,
                          validate_training_args)
 from utils.logging import print_rank0, progress_bar
 from utils.model import check_model_path, load_tokenizer
@@ -136,7 +136,7 @@ def parse_args(argv=None):
     g.add_argument("--eval_num_prompts", type=int, default=64, help="prompts evaluated (a multiple of the ranks)")
     g.add_argument("--eval_do_sample", action="store_true", help="sample the answers (default: greedy)")
     g = p.add_argument_group("frozen models")
-    g.add_argument("--offload_reference_model", action="store_true")
+    add_offload_reference_arg(g)
     g.add_argument("--offload_reward_model", action="store_true")
     g.add_argument("--enable_ema", action="store_true", help="keep an EMA of the actor, saved as actor_ema/")
     add_checkpoint_args(p)

@@ -121,3 +121,14 @@ def test_dpo_loss_gradient_moves_chosen_up_and_rejected_down_and_bad_settings_st
                             ({"beta": 0.1, "label_smoothing": 0.5}, "label_smoothing")):
         with pytest.raises(ValueError, match=message):
             dpo_loss(chosen, rejected, ref, ref, **kwargs)
+
+
+def test_response_nll_is_the_token_mean_over_the_batch_and_lowers_the_likelihoods_it_sees():
+    from utils.losses import response_nll
+
+    logps = torch.tensor([-6.0, -2.0], requires_grad=True)  # 3 and 1 tokens: (6 + 2) / 4 per token
+    loss = response_nll(logps, torch.tensor([3, 1]))
+    assert loss.item() == pytest.approx(2.0)
+    loss.backward()
+    assert logps.grad.tolist() == pytest.approx([-0.25, -0.25])  # descent raises every response's log-prob
+    assert response_nll(torch.zeros(2), torch.zeros(2)).item() == 0.0  # no token: 0, not nan

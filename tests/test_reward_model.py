@@ -11,7 +11,8 @@ from utils.data import pad_batch
 from utils.model import apply_lora, load_tokenizer
 from utils.losses import pair_metrics, pairwise_loss
 from utils.ops import sequence_score
-from utils.reward_model import REWARD_MODEL_FILE, VALUE_HEAD_FILE, RewardModel, save_reward_model, split_pair_batch
+from utils.data import split_pair_batch
+from utils.reward_model import REWARD_MODEL_FILE, VALUE_HEAD_FILE, RewardModel, save_reward_model
 
 PAD, EOS = 50257, 50256
 

@@ -189,6 +189,22 @@ def add_output_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     return g
 
 
+def add_pair_eval_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """Held-out pair evaluation of the step-2 trainers (reward model, DPO): when, and how much."""
+    g = parser.add_argument_group("held-out evaluation")
+    g.add_argument("--eval_interval", type=int, default=0,
+                   help="evaluate every this many optimizer steps (0: only before and after training)")
+    g.add_argument("--eval_iters", type=int, default=0,
+                   help="evaluate on at most this many batches per rank (0: all held-out pairs)")
+    return g
+
+
+def add_offload_reference_arg(group) -> None:
+    """Step 3's and DPO's frozen reference model in CPU memory (ZeRO-3 parameter offload)."""
+    group.add_argument("--offload_reference_model", action="store_true",
+                       help="keep the frozen reference model's parameters in CPU memory (ZeRO-3 offload)")
+
+
 def single_model_parser(description: str, model_help: str) -> argparse.ArgumentParser:
     """Steps 1 and 2 (one trained model): data, model, batch, training, checkpoint and output flags."""
     parser = argparse.ArgumentParser(description=description)

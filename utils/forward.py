@@ -19,7 +19,8 @@ import torch
 from torch import Tensor, nn
 
 from utils.losses import sft_nll
-from utils.ops import entropy_from_logits, logprobs_from_logits, position_ids_from_attention_mask, sequence_score
+from utils.ops import (entropy_from_logits, logprobs_from_logits, masked_sum, position_ids_from_attention_mask,
+                       sequence_score)
 
 
 # --------------------------------------------------------------------------- #
@@ -81,6 +82,15 @@ def token_logprobs(model: nn.Module, batch: dict, temperature: float = 1.0, retu
     if return_entropy:
         return logprobs, entropy_from_logits(logits.detach())
     return logprobs
+
+
+def sequence_logprobs(model: nn.Module, batch: dict) -> tuple[Tensor, Tensor]:
+    """(log p(response | prompt) [B], response tokens [B]) fp32: the token log-probs of ``batch``
+    (input_ids, attention_mask, action_mask on the response tokens) summed over ``action_mask``:
+    DPO's sequence log-probs. Positions from the mask make them independent of the padding."""
+    action_mask = batch["action_mask"]
+    logprobs = token_logprobs(model, batch)
+    return masked_sum(logprobs, action_mask, dim=1), action_mask.to(logprobs.device).sum(dim=1)
 
 
 def lm_nll(model: nn.Module, batch: dict) -> tuple[Tensor, Tensor]:

@@ -7,7 +7,8 @@
 - ``kl_penalty_loss``: KL(actor || reference) as a loss term (GRPO-style alternative to the
   in-reward penalty);
 - ``dpo_loss``: preference tuning against a frozen reference from sequence log-probs (DPO,
-  conservative DPO, IPO), for the step-2 alternative of issue 17 (no step uses it yet).
+  conservative DPO, IPO), and ``response_nll``, the optional NLL term on the chosen responses
+  (RPO) (step2_dpo).
 
 Per-token losses follow the layout of utils/ops.py (``[B, L-1]``, ``action_mask``). Every input
 is selected with the mask BEFORE any arithmetic: a pad may hold nan/inf (a log-prob below -88 at
@@ -26,8 +27,7 @@ from torch import Tensor
 from utils.ops import aggregate, kl_estimate, masked_mean, select
 
 __all__ = ["IGNORE_INDEX", "sft_nll", "pairwise_loss", "pair_metrics", "policy_loss", "value_loss", "DPO_LOSS_TYPES",
-           "dpo_loss",
-           "kl_penalty_loss"]
+           "dpo_loss", "response_nll", "kl_penalty_loss"]
 
 IGNORE_INDEX = -100
 
@@ -166,3 +166,11 @@ def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Ten
                  "accuracy": (chosen_rewards > rejected_rewards).float().mean(),
                  "margin": (chosen_rewards - rejected_rewards).mean()}
     return losses.mean(), stats
+
+
+def response_nll(logps: Tensor, token_counts: Tensor) -> Tensor:
+    """Mean NLL per response token over a batch: ``-sum(logps) / sum(token_counts)`` from sequence
+    log-probs [B] and their token counts [B]. DPO's optional term on the chosen responses
+    (``--nll_loss_coef``; TRL's ``rpo_alpha``, OpenRLHF's ``--nll_loss_coef``): it keeps the
+    chosen answers' likelihood from falling while the margin grows."""
+    return -logps.float().sum() / token_counts.float().sum().clamp(min=1.0)

@@ -154,14 +154,6 @@ class RewardModel(nn.Module):
         return sequence_scores(self, input_ids, attention_mask)
 
 
-def split_pair_batch(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """PairCollator's [2B, ...] layout -> (chosen [B, ...], rejected [B, ...])."""
-    if values.shape[0] % 2:
-        raise ValueError(f"a pair batch has an even number of rows, got {values.shape[0]}")
-    half = values.shape[0] // 2
-    return values[:half], values[half:]
-
-
 # --------------------------------------------------------------------------- #
 # Saving
 # --------------------------------------------------------------------------- #

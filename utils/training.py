@@ -60,6 +60,16 @@ def initialize_engine(model, ds_config: dict, optimizer=None, lr_scheduler=None)
     return engine
 
 
+def build_frozen_engine(model, ds_config: dict):
+    """A DeepSpeed engine without optimizer, in eval mode, every parameter frozen: a reference or
+    reward model (ds_config from utils.ds_config.eval_ds_config)."""
+    engine = initialize_engine(model, ds_config)
+    engine.eval()
+    for param in engine.module.parameters():
+        param.requires_grad_(False)
+    return engine
+
+
 def enable_gradient_checkpointing(model) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -121,6 +131,18 @@ def step_examples(args, tokenizer, step: int, tokenize, settings: dict, with_eva
     examples, stats = cached_examples(cache_dir, key, build, print_rank0)
     n = stats["n_train"]
     return examples[:n], stats["train"], examples[n:], stats["eval"]
+
+
+def check_pair_splits(train_pairs: list, train_stats: dict, eval_pairs: list) -> None:
+    """The step-2 trainers (reward model, DPO) stop before any model loads when a split is empty."""
+    from utils.data import describe_skips
+
+    if not train_pairs:
+        raise SystemExit(f"error: no usable training pairs (skipped_bad_pairs {train_stats['skipped_bad_pairs']}, "
+                         f"other skips: {describe_skips(train_stats['skipped'])})")
+    if not eval_pairs:
+        raise SystemExit("error: no held-out pairs to evaluate (the eval split is empty: --eval_fraction 0, or "
+                         "too few rows); give --eval_fraction > 0 or a source with an eval/test file")
 
 
 def total_training_steps(updates: int, args) -> int:

@@ -1,4 +1,4 @@
-"""Padding batches (SFT, pair and prompt collators) and the distributed data loader."""
+"""Padding batches (SFT, pair, preference and prompt collators) and the distributed data loader."""
 
 from __future__ import annotations
 
@@ -52,6 +52,44 @@ class PairCollator:
         seqs = [ex["chosen_input_ids"] for ex in batch] + [ex["rejected_input_ids"] for ex in batch]
         return {"input_ids": pad_batch(seqs, self.pad_token_id, self.padding_side),
                 "attention_mask": _mask(seqs, self.padding_side)}
+
+
+class PreferenceCollator:
+    """DPO pairs -> [2B, L] (the B chosen sequences first, then the B rejected: one forward) with
+    ``action_mask`` [2B, L-1] on each response's tokens in utils/ops.py's layout (position i is 1
+    when token i+1 is a response token), padded on ``padding_side``; a pair's sequence log-probs do
+    not depend on either, since positions come from the attention mask. Examples carrying reference
+    log-probs (``ref_chosen_logp`` / ``ref_rejected_logp``, set by a run that precomputed them) give
+    ``ref_logps`` [2B] in the same order."""
+
+    def __init__(self, pad_token_id: int, padding_side: str = "right"):
+        self.pad_token_id = pad_token_id
+        self.padding_side = padding_side
+
+    def __call__(self, batch: Sequence[dict]) -> dict:
+        sides = ("chosen", "rejected")
+        prompts = [ex["prompt_input_ids"] for ex in batch] * 2
+        responses = [ex[f"{side}_response_ids"] for side in sides for ex in batch]
+        seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
+        input_ids = pad_batch(seqs, self.pad_token_id, self.padding_side)
+        length = input_ids.shape[1]
+        action_mask = torch.zeros((len(seqs), length - 1), dtype=torch.float32)
+        for b, (p, r) in enumerate(zip(prompts, responses)):
+            start = (0 if self.padding_side == "right" else length - len(p) - len(r)) + len(p) - 1
+            action_mask[b, start:start + len(r)] = 1
+        out = {"input_ids": input_ids, "attention_mask": _mask(seqs, self.padding_side), "action_mask": action_mask}
+        if all("ref_chosen_logp" in ex for ex in batch):
+            out["ref_logps"] = torch.tensor([ex[f"ref_{side}_logp"] for side in sides for ex in batch],
+                                            dtype=torch.float32)
+        return out
+
+
+def split_pair_batch(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The [2B, ...] layout of PairCollator and PreferenceCollator -> (chosen [B, ...], rejected [B, ...])."""
+    if values.shape[0] % 2:
+        raise ValueError(f"a pair batch has an even number of rows, got {values.shape[0]}")
+    half = values.shape[0] // 2
+    return values[:half], values[half:]
 
 
 class PromptCollator:

@@ -1,4 +1,4 @@
-"""Tokenising rows (SFT examples, reward-model pairs, PPO prompts) and plain texts (PPO-ptx)."""
+"""Tokenising rows (SFT examples, reward-model and DPO pairs, PPO prompts) and plain texts (PPO-ptx)."""
 
 from __future__ import annotations
 
@@ -171,8 +171,23 @@ def scored_sequences(row: dict, tokenizer, keys: Sequence[str], max_seq_len: int
 
 
 def tokenize_pairs(rows: Sequence[dict], tokenizer, max_seq_len: int) -> tuple[list, dict]:
-    """Reward-model pairs (``scored_sequences`` of chosen and rejected).
-    Pairs with an empty side or chosen == rejected teach nothing: skipped."""
+    """Reward-model pairs: ``chosen_input_ids`` / ``rejected_input_ids``, each the whole sequence
+    (``scored_sequences``). Pairs with an empty side or chosen == rejected teach nothing: skipped."""
+    out, stats = _fitted_pairs(rows, tokenizer, max_seq_len)
+    return [{"chosen_input_ids": p + c, "rejected_input_ids": p + r} for p, c, r in out], stats
+
+
+def tokenize_preference_pairs(rows: Sequence[dict], tokenizer, max_seq_len: int) -> tuple[list, dict]:
+    """DPO pairs: the shared prompt once (``prompt_input_ids``) and each response apart
+    (``chosen_response_ids`` / ``rejected_response_ids``, each ending with its EOS or end-of-turn
+    token unless truncated), so a sequence log-prob sums exactly the response tokens. The same rows
+    are kept and skipped, with the same truncation, as ``tokenize_pairs``."""
+    out, stats = _fitted_pairs(rows, tokenizer, max_seq_len)
+    return [{"prompt_input_ids": p, "chosen_response_ids": c, "rejected_response_ids": r} for p, c, r in out], stats
+
+
+def _fitted_pairs(rows: Sequence[dict], tokenizer, max_seq_len: int) -> tuple[list, dict]:
+    """[(prompt ids, chosen ids, rejected ids)] of the usable pairs (``fit_replies``), and the stats."""
     _check_len(max_seq_len, tokenizer)
     stats = {"examples": 0, "truncated_prompt": 0, "truncated_response": 0, "skipped_bad_pairs": 0, "skipped": {}}
     out = []
@@ -186,11 +201,11 @@ def tokenize_pairs(rows: Sequence[dict], tokenizer, max_seq_len: int) -> tuple[l
             stats["skipped_bad_pairs"] += 1
             continue
         try:
-            chosen, rejected = scored_sequences(row, tokenizer, ("chosen", "rejected"), max_seq_len, stats)
+            p, (chosen, rejected) = fit_replies(row, tokenizer, ("chosen", "rejected"), max_seq_len, stats)
         except SkipRow as skip:
             _skip(stats, skip.reason)
             continue
-        out.append({"chosen_input_ids": chosen, "rejected_input_ids": rejected})
+        out.append((p, chosen, rejected))
     stats["examples"] = len(out)
     return out, stats
 

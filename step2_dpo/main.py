@@ -1,0 +1,301 @@
+"""Step 2 alternative: DPO of a causal LM on (prompt, chosen, rejected) pairs under DeepSpeed; its output is a policy.
+
+Direct preference optimisation (Rafailov et al. 2023) needs no reward model and no RL: the loss of a
+pair is a function of the policy's and a frozen reference's sequence log-probs of both responses
+(utils.losses.dpo_loss: sigmoid DPO, conservative DPO with --label_smoothing, IPO; plus
+--nll_loss_coef times the chosen responses' NLL, RPO). Data: the same pairs as step 2 (its share of
+--data_split, every format the data layer reads). A sequence log-prob sums the response tokens only
+(and the EOS that ends them), positions from the attention mask, so a pair scores the same under
+any padding (utils.forward.sequence_logprobs).
+
+The reference is the starting policy, in one of three forms:
+- --precompute_ref_log_probs: the policy itself scores every pair before its first update (eval
+  mode) and the log-probs are kept with the rows and in every checkpoint: no reference model is
+  held while training;
+- LoRA with --only_optimize_lora: the policy with its adapters disabled (no second copy);
+- else a frozen reference engine loaded from --model_name_or_path (ZeRO-3 when the policy is;
+  --offload_reference_model keeps it in CPU memory).
+Dropout is off by default (--dropout 0.0): with dropout the training forward and the reference
+differ at step 0 and the loss does not start at ln 2.
+
+Held-out pairs are measured exactly over all ranks before training, every --eval_interval steps and
+at the end: DPO loss, implicit rewards beta * (logp - ref_logp) of chosen and rejected, the fraction
+of pairs whose chosen reward is higher (accuracy), their margin, and the mean sequence log-probs.
+The output directory is a plain from_pretrained policy (LoRA merged) that step 3 takes as its actor.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from utils.checkpoint import BadStepGuard, Checkpointing, data_layout, export_hf_model, reload_max_abs_diff
+from utils.data import PreferenceCollator, split_pair_batch, tokenize_preference_pairs
+from utils.distributed import all_reduce_sum, rank_batches, world_size
+from utils.ds_config import eval_ds_config
+from utils.flags import (BATCH_FLAGS, add_offload_reference_arg, add_pair_eval_args, check_range, fail,
+                         single_model_parser, validate_training_args)
+from utils.forward import eval_mode, sequence_logprobs
+from utils.logging import print_rank0, progress_bar
+from utils.losses import DPO_LOSS_TYPES, dpo_loss, response_nll
+from utils.model import load_causal_lm
+from utils.accelerator import PhaseMemory
+from utils.training import (build_frozen_engine, build_trained_engine, check_pair_splits, loop_metrics, memory_postfix,
+                            micro_batch_schedule, run_micro_batches, spec_from_args, start_single_model_run,
+                            train_ds_config_from_args)
+
+SIDES = ("chosen", "rejected")
+
+
+def parse_args(argv=None):
+    parser = single_model_parser(__doc__.splitlines()[0], "causal LM directory (step 1 output) or hub name: "
+                                                         "the starting policy and the reference")
+    parser.set_defaults(dropout=0.0)
+    g = parser.add_argument_group("DPO")
+    g.add_argument("--beta", type=float, default=0.1,
+                   help="strength of the implicit KL to the reference: the loss reads beta * log-ratio margins")
+    g.add_argument("--loss_type", default="sigmoid", choices=DPO_LOSS_TYPES,
+                   help="sigmoid: DPO; ipo: IPO's squared margin target 1 / (2 beta)")
+    g.add_argument("--label_smoothing", type=float, default=0.0,
+                   help="conservative DPO (sigmoid only): the probability that a pair's label is flipped, in [0, 0.5)")
+    g.add_argument("--nll_loss_coef", type=float, default=0.0,
+                   help="add this times the chosen responses' NLL per token (RPO; 0: off)")
+    g.add_argument("--precompute_ref_log_probs", action="store_true",
+                   help="score every pair with the starting policy once before training and hold no reference model")
+    add_offload_reference_arg(g)
+    add_pair_eval_args(parser)
+    args = parser.parse_args(argv)
+    check_range(args, 0, ("eval_interval", "eval_iters", "nll_loss_coef"))
+    check_range(args, 0, ("beta",), strict=True)
+    if not 0 <= args.label_smoothing < 0.5:
+        fail(f"--label_smoothing must be in [0, 0.5), got {args.label_smoothing}")
+    if args.label_smoothing and args.loss_type != "sigmoid":
+        fail(f"--label_smoothing is conservative DPO, a form of the sigmoid loss; --loss_type {args.loss_type} "
+             f"does not take it")
+    if args.offload_reference_model and reference_kind(args) != "engine":
+        fail(f"--offload_reference_model: this run holds no reference model to offload (its reference is "
+             f"{REFERENCE_KINDS[reference_kind(args)]})")
+    validate_training_args(args, positive=BATCH_FLAGS)
+    return args
+
+
+REFERENCE_KINDS = {"precomputed": "log-probs precomputed by the starting policy (--precompute_ref_log_probs)",
+                   "adapters": "the policy with its LoRA adapters disabled (--only_optimize_lora keeps the base frozen)",
+                   "engine": "a frozen copy of the starting model"}
+
+
+def reference_kind(args) -> str:
+    """Where the reference log-probs come from (REFERENCE_KINDS)."""
+    if args.precompute_ref_log_probs:
+        return "precomputed"
+    if args.lora_dim > 0 and args.only_optimize_lora:
+        return "adapters"
+    return "engine"
+
+
+class Reference:
+    """The reference log-probs of a PreferenceCollator batch [2B], from the form the run chose."""
+
+    def __init__(self, kind: str, policy, engine=None):
+        self.kind, self.policy, self.engine = kind, policy, engine
+
+    @torch.no_grad()
+    def __call__(self, batch: dict) -> torch.Tensor:
+        if "ref_logps" in batch:
+            return batch["ref_logps"]
+        if self.kind == "adapters":
+            with eval_mode(self.policy), self.policy.module.disable_adapter():
+                return sequence_logprobs(self.policy, batch)[0]
+        model = self.policy if self.kind == "precomputed" else self.engine  # precomputed: before any update
+        with eval_mode(model):
+            return sequence_logprobs(model, batch)[0]
+
+
+@torch.no_grad()
+def all_reference_logps(reference: Reference, pairs: list, collator, batch_size: int) -> list[list[float]]:
+    """[[chosen, rejected]] reference log-probs of every pair, each rank scoring its share (the same
+    number of forwards on every rank: ZeRO-3 forwards are collective), summed over ranks."""
+    order = sorted(range(len(pairs)), key=lambda i: len(pairs[i]["prompt_input_ids"]) + max(
+        len(pairs[i][f"{side}_response_ids"]) for side in SIDES))
+    logps = torch.zeros((len(pairs), 2), dtype=torch.float64)
+    for indices, weight in rank_batches(order, batch_size):
+        ref = reference(collator([pairs[i] for i in indices])).double().cpu()
+        if weight:
+            logps[indices] = torch.stack(split_pair_batch(ref), dim=1)
+    summed = torch.tensor(all_reduce_sum(logps.flatten().tolist()), dtype=torch.float64)
+    return summed.view(-1, 2).tolist()
+
+
+def attach_reference(pairs: list, logps: list[list[float]]) -> None:
+    for pair, (chosen, rejected) in zip(pairs, logps):
+        pair["ref_chosen_logp"], pair["ref_rejected_logp"] = chosen, rejected
+
+
+class PairLoss:
+    """The run's loss of a batch from its policy and reference sequence log-probs [2B] (pure
+    functions of utils.losses), with its implicit-reward statistics."""
+
+    def __init__(self, args):
+        self.beta, self.loss_type = args.beta, args.loss_type
+        self.label_smoothing, self.nll_loss_coef = args.label_smoothing, args.nll_loss_coef
+
+    def __call__(self, logps: torch.Tensor, counts: torch.Tensor, ref_logps: torch.Tensor,
+                 with_nll: bool = True) -> tuple:
+        (chosen, rejected), (ref_chosen, ref_rejected) = split_pair_batch(logps), split_pair_batch(ref_logps.to(logps.device))
+        loss, stats = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, self.beta, self.loss_type,
+                               self.label_smoothing)
+        stats["chosen_logp"], stats["rejected_logp"] = chosen.detach().mean(), rejected.detach().mean()
+        if self.nll_loss_coef and with_nll:
+            nll = response_nll(chosen, split_pair_batch(counts)[0])
+            stats["nll"] = nll.detach()
+            loss = loss + self.nll_loss_coef * nll
+        return loss, stats
+
+
+EVAL_STATS = ("loss", "accuracy", "chosen_reward", "rejected_reward", "margin", "chosen_logp", "rejected_logp")
+
+
+@torch.no_grad()
+def evaluate_preferences(engine, pairs: list, collator, batch_size: int, loss_of: PairLoss, max_batches: int = 0) -> dict:
+    """Exact held-out metrics over all ranks' shares (filler batches weigh 0); the pairs carry their
+    reference log-probs. `eval/loss` is the DPO loss alone (without the NLL term)."""
+    pairs = sorted(pairs, key=lambda p: len(p["prompt_input_ids"]) + max(len(p[f"{s}_response_ids"]) for s in SIDES))
+    batches = rank_batches(pairs, batch_size)
+    if max_batches:
+        batches = batches[:max_batches]  # same count on every rank: ZeRO-3 forwards stay matched
+    sums, count = dict.fromkeys(EVAL_STATS, 0.0), 0.0
+    with eval_mode(engine):
+        for batch_pairs, weight in batches:
+            batch = collator(batch_pairs)
+            logps, counts = sequence_logprobs(engine, batch)
+            loss, stats = loss_of(logps, counts, batch["ref_logps"], with_nll=False)
+            stats["loss"] = loss
+            n = weight * len(batch_pairs)
+            for key in EVAL_STATS:
+                sums[key] += n * stats[key].item()
+            count += n
+    *totals, count = all_reduce_sum([sums[key] for key in EVAL_STATS] + [count])
+    n = max(count, 1.0)
+    return {**{f"eval/{key}": total / n for key, total in zip(EVAL_STATS, totals)}, "eval/pairs": int(count)}
+
+
+def _format_eval(m: dict) -> str:
+    return (f"loss {m['eval/loss']:.4f}, accuracy {m['eval/accuracy']:.4f}, margin {m['eval/margin']:.4f} "
+            f"(chosen reward {m['eval/chosen_reward']:.4f}, rejected {m['eval/rejected_reward']:.4f}; "
+            f"logp chosen {m['eval/chosen_logp']:.2f}, rejected {m['eval/rejected_logp']:.2f}; {m['eval/pairs']} pairs)")
+
+
+def build_reference(args, tokenizer, policy) -> Reference:
+    kind = reference_kind(args)
+    engine = None
+    if kind == "engine":
+        config = eval_ds_config(args.zero_stage, world_size(), args.per_device_train_batch_size, args.dtype,
+                                args.offload_reference_model)
+        engine = build_frozen_engine(load_causal_lm(args.model_name_or_path, tokenizer, config, 0.0,
+                                                    args.trust_remote_code, attn_implementation=args.attn_implementation),
+                                     config)
+    print_rank0(f"[dpo] reference: {REFERENCE_KINDS[kind]}")
+    return Reference(kind, policy, engine)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    tokenizer, train_pairs, train_stats, eval_pairs, eval_stats = start_single_model_run(
+        args, 2, lambda rows, tok: tokenize_preference_pairs(rows, tok, args.max_seq_len),
+        {"max_seq_len": args.max_seq_len, "pairs": "preference"})
+    print_rank0(f"[dpo] train pairs {len(train_pairs)} {train_stats}; eval pairs {len(eval_pairs)} {eval_stats}")
+    check_pair_splits(train_pairs, train_stats, eval_pairs)
+    collator = PreferenceCollator(tokenizer.pad_token_id)
+
+    sampler, loader, total_steps = micro_batch_schedule(train_pairs, collator, args)
+    ds_config = train_ds_config_from_args(args)
+    model = load_causal_lm(args.model_name_or_path, tokenizer, ds_config, args.dropout, args.trust_remote_code,
+                           attn_implementation=args.attn_implementation)
+    engine = build_trained_engine(model, ds_config, spec_from_args(args), total_steps)
+    reference = build_reference(args, tokenizer, engine)
+    loss_of = PairLoss(args)
+
+    def run_eval(step: int) -> dict:
+        eval_start = time.time()
+        metrics = evaluate_preferences(engine, eval_pairs, collator, args.per_device_eval_batch_size, loss_of,
+                                       args.eval_iters)
+        metrics["time/eval_s"] = time.time() - eval_start
+        print_rank0(f"[dpo] eval at step {step}: {_format_eval(metrics)} in {metrics['time/eval_s']:.1f} s")
+        logger.log(step, metrics)
+        return metrics
+
+    checkpointing = Checkpointing(args, {"model": engine}, data_layout(args, len(train_pairs)))
+    loop, shared, _ = checkpointing.restore()
+    logger = checkpointing.metrics_logger(args, loop)
+    if checkpointing.last_path:
+        before, ref_logps = shared["before"], shared["ref_logps"]
+        print_rank0(f"[dpo] resumed from {checkpointing.last_path} at step {loop.step}")
+    else:  # before any update: the policy is still the reference
+        ref_start = time.time()
+        ref_logps = {"eval": all_reference_logps(reference, eval_pairs, collator, args.per_device_eval_batch_size)}
+        if reference.kind == "precomputed":
+            ref_logps["train"] = all_reference_logps(reference, train_pairs, collator, args.per_device_eval_batch_size)
+        ref_time = time.time() - ref_start
+        scored = len(eval_pairs) + len(ref_logps.get("train", []))
+        print_rank0(f"[dpo] reference log-probs of {scored} pairs in {ref_time:.1f} s")
+        logger.log(0, {"time/reference_s": ref_time})
+    attach_reference(eval_pairs, ref_logps["eval"])
+    if "train" in ref_logps:
+        attach_reference(train_pairs, ref_logps["train"])
+    if not checkpointing.last_path:
+        before = run_eval(0)
+
+    guard = BadStepGuard(loop, args.max_bad_steps, checkpointing)
+    memory = PhaseMemory()
+    start, eval_time = time.time(), 0.0
+    progress = progress_bar(total_steps, loop.step, "step2 dpo")
+    stat_names = ("accuracy", "margin", "chosen_reward", "rejected_reward") + (("nll",) if args.nll_loss_coef else ())
+
+    def micro_step(batch):
+        logps, counts = sequence_logprobs(engine, batch)
+        loss, stats = loss_of(logps, counts, reference(batch))
+        return loss, tuple(stats[name].item() for name in stat_names)
+
+    def on_step(means):
+        nonlocal eval_time
+        mean_loss, *stats = means
+        metrics = {"train/loss": mean_loss, **{f"train/{name}": v for name, v in zip(stat_names, stats)},
+                   "train/lr": engine.get_lr()[0], **loop_metrics(loop, memory)}
+        logger.log(loop.step, metrics)
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(loss=f"{mean_loss:.4f}", acc=f"{stats[0]:.2f}", **memory_postfix(metrics))
+        if args.print_loss:
+            print_rank0(f"[dpo] step {loop.step} loss {mean_loss:.4f} accuracy {stats[0]:.3f} margin {stats[1]:.4f}")
+        if args.eval_interval and loop.step % args.eval_interval == 0 and loop.step < total_steps:
+            eval_time += run_eval(loop.step)["time/eval_s"]
+        checkpointing.maybe_save(loop, {"before": before, "ref_logps": ref_logps})
+
+    run_micro_batches(engine, loader, sampler, loop, total_steps, args.num_train_epochs, guard, micro_step, on_step,
+                      "dpo", memory)
+    if progress is not None:
+        progress.close()
+    elapsed = time.time() - start - eval_time  # optimisation only: evaluations are timed apart
+
+    after = run_eval(loop.step)
+    step = loop.step
+    print_rank0(f"[dpo] eval after {step} steps: accuracy {after['eval/accuracy']:.4f} (before "
+                f"{before['eval/accuracy']:.4f}), margin {after['eval/margin']:.4f} (before {before['eval/margin']:.4f}); "
+                f"training took {elapsed:.1f} s")
+    logger.log(step, {"time/train_s": elapsed})
+    export_start = time.time()
+    export_hf_model(engine, tokenizer, args.output_dir)
+    diff = reload_max_abs_diff(engine, lambda: load_causal_lm(args.output_dir),
+                               lambda model, batch: sequence_logprobs(model, batch)[0],
+                               collator(eval_pairs[:4] or train_pairs[:4]))
+    export_time = time.time() - export_start
+    print_rank0(f"[dpo] saved the policy to {args.output_dir} (reloaded sequence log-probs differ from the "
+                f"engine's by at most {diff:.2e}; export and check {export_time:.1f} s)")
+    logger.log(step, {"export/logp_max_abs_diff": diff, "time/export_s": export_time})
+    logger.close()
+
+
+if __name__ == "__main__":
+    from utils.errors import run_main
+
+    run_main(main)

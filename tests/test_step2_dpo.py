@@ -1,0 +1,177 @@
+"""Step 2's alternative, DPO: preference pairs tokenised with the prompt apart, sequence log-probs
+that ignore padding, the three forms of the reference giving the same losses, ln 2 at step 0, and
+one 2-rank ZeRO-3 run that learns a rule, exports a policy and resumes exactly after SIGKILL."""
+import json
+import math
+import os
+
+import pytest
+import torch
+
+from tests.launch import metrics, run_deepspeed, tail
+from tests.test_resume import comparable, kill_and_resume, max_relative_difference
+from tests.test_step2_run import _remove_shm_buffers, pair_data  # noqa: F401  (fixture)
+
+LN2 = math.log(2.0)
+ROWS = [{"prompt": "Human: What about the plot?\n\nAssistant:", "chosen": " good fine", "rejected": " bad"},
+        {"prompt": "Human: And the music, the actors and the long ending?\n\nAssistant:",
+         "chosen": " lovely", "rejected": " awful and dull, really"}]
+
+
+def _tokenizer(path):
+    from utils.model import load_tokenizer
+
+    return load_tokenizer(path)
+
+
+def test_preference_pairs_hold_the_reward_models_sequences_with_the_prompt_apart(tiny_gpt2):
+    from utils.data import tokenize_pairs, tokenize_preference_pairs
+
+    tok = _tokenizer(tiny_gpt2)
+    rows = ROWS + [{"prompt": "Human: Same?\n\nAssistant:", "chosen": " x", "rejected": " x"}]
+    scored, scored_stats = tokenize_pairs(rows, tok, 24)
+    split, split_stats = tokenize_preference_pairs(rows, tok, 24)
+    assert split_stats == scored_stats and split_stats["skipped_bad_pairs"] == 1
+    for whole, apart in zip(scored, split):
+        for side in ("chosen", "rejected"):
+            assert apart["prompt_input_ids"] + apart[f"{side}_response_ids"] == whole[f"{side}_input_ids"]
+        assert apart["chosen_response_ids"][-1] == tok.eos_token_id
+
+
+def test_preference_collator_marks_exactly_the_response_tokens_on_either_side():
+    from utils.data import PreferenceCollator
+
+    pairs = [{"prompt_input_ids": [5, 6], "chosen_response_ids": [7, 8], "rejected_response_ids": [9],
+              "ref_chosen_logp": -1.0, "ref_rejected_logp": -2.0},
+             {"prompt_input_ids": [5], "chosen_response_ids": [7, 8, 9, 4], "rejected_response_ids": [3],
+              "ref_chosen_logp": -3.0, "ref_rejected_logp": -4.0}]
+    right = PreferenceCollator(0)(pairs)
+    assert right["input_ids"].tolist() == [[5, 6, 7, 8, 0], [5, 7, 8, 9, 4], [5, 6, 9, 0, 0], [5, 3, 0, 0, 0]]
+    # position i predicts token i+1: the responses' tokens, nothing of the prompt or the padding
+    assert right["action_mask"].tolist() == [[0, 1, 1, 0], [1, 1, 1, 1], [0, 1, 0, 0], [1, 0, 0, 0]]
+    assert right["ref_logps"].tolist() == [-1.0, -3.0, -2.0, -4.0]
+    left = PreferenceCollator(0, padding_side="left")(pairs)
+    assert left["input_ids"].tolist() == [[0, 5, 6, 7, 8], [5, 7, 8, 9, 4], [0, 0, 5, 6, 9], [0, 0, 0, 5, 3]]
+    assert left["action_mask"].tolist() == [[0, 0, 1, 1], [1, 1, 1, 1], [0, 0, 0, 1], [0, 0, 0, 1]]
+    assert "ref_logps" not in PreferenceCollator(0)([{k: v for k, v in p.items() if "ref" not in k} for p in pairs])
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])  # gpt2: absolute position embeddings
+def test_sequence_logprobs_do_not_depend_on_padding_side_or_amount(arch, tiny_gpt2, tiny_llama):
+    from utils.data import PreferenceCollator, tokenize_preference_pairs
+    from utils.forward import sequence_logprobs
+    from utils.model import load_causal_lm
+
+    path = {"gpt2": tiny_gpt2, "llama": tiny_llama}[arch]
+    tok = _tokenizer(path)
+    pairs, _ = tokenize_preference_pairs(ROWS, tok, 48)
+    model = load_causal_lm(path).eval()
+    with torch.no_grad():
+        alone = sequence_logprobs(model, PreferenceCollator(tok.pad_token_id)(pairs[:1]))[0]
+        for side in ("right", "left"):  # the long second pair pads the first one by several tokens
+            logps, counts = sequence_logprobs(model, PreferenceCollator(tok.pad_token_id, side)(pairs))
+            torch.testing.assert_close(logps[[0, 2]], alone, rtol=0, atol=2e-5)
+            expected = [len(pairs[i][f"{s}_response_ids"]) for s in ("chosen", "rejected") for i in (0, 1)]
+            assert counts.tolist() == expected
+
+
+def _dpo_args(model, data, out, steps=6, extra=()):
+    return ["--model_name_or_path", model, "--data_path", data, "--data_split", "0,10,0", "--output_dir", out,
+            "--max_steps", steps, "--per_device_train_batch_size", 8, "--per_device_eval_batch_size", 16,
+            "--max_seq_len", 32, "--learning_rate", 3e-3, "--lr_scheduler_type", "constant", "--seed", 3,
+            "--eval_interval", 3, *extra]
+
+
+def _losses(out):
+    rows = metrics(out)
+    return ([r["train/loss"] for r in rows if "train/loss" in r], [r for r in rows if "eval/loss" in r])
+
+
+def test_the_reference_forms_give_the_same_losses_and_ln2_at_step_0(tiny_gpt2, pair_data, tmp_path):
+    """A frozen reference engine (here ZeRO-3), the policy's own log-probs precomputed before its first
+    update, and (with LoRA on a frozen base) the policy with its adapters disabled: one reference, so
+    the same losses (fp32), starting at ln 2 for every pair (the policy IS the reference)."""
+    from step2_dpo.main import main
+
+    lora = ["--lora_dim", 4, "--only_optimize_lora", "--lora_learning_rate", 3e-2]
+    runs = {"engine": ["--zero_stage", 3], "precomputed": ["--zero_stage", 3, "--precompute_ref_log_probs"],
+            "adapters": lora, "adapters_precomputed": lora + ["--precompute_ref_log_probs"]}
+    results = {}
+    for name, extra in runs.items():
+        out = str(tmp_path / name)
+        main([str(a) for a in _dpo_args(tiny_gpt2, pair_data, out, extra=extra)])
+        results[name] = _losses(out)
+    for name, (train, evals) in results.items():
+        assert train[0] == pytest.approx(LN2, abs=1e-6), name
+        first = evals[0]
+        assert first["step"] == 0 and first["eval/loss"] == pytest.approx(LN2, abs=1e-6), name
+        assert abs(first["eval/margin"]) < 1e-6 and first["eval/accuracy"] == 0.0, first  # every pair ties
+        assert train[-1] < train[0] and evals[-1]["eval/margin"] > 0.05, (name, train, evals)
+    for a, b in (("engine", "precomputed"), ("adapters", "adapters_precomputed")):
+        (train_a, evals_a), (train_b, evals_b) = results[a], results[b]
+        assert train_a == pytest.approx(train_b, abs=1e-6), (a, b)
+        for key in ("eval/loss", "eval/margin", "eval/chosen_reward", "eval/accuracy"):
+            assert [r[key] for r in evals_a] == pytest.approx([r[key] for r in evals_b], abs=1e-6), key
+    assert results["engine"][0] != pytest.approx(results["adapters"][0], abs=1e-3)  # LoRA trains otherwise
+
+
+def test_ipo_smoothing_and_nll_term_reach_the_run(tiny_gpt2, pair_data, tmp_path):
+    from step2_dpo.main import main
+
+    out = str(tmp_path / "ipo")
+    main([str(a) for a in _dpo_args(tiny_gpt2, pair_data, out, steps=1, extra=[
+        "--loss_type", "ipo", "--beta", 0.5, "--nll_loss_coef", 0.5, "--precompute_ref_log_probs"])])
+    rows = metrics(out)
+    step1 = next(r for r in rows if "train/loss" in r)
+    assert step1["train/nll"] > 0
+    # policy = reference: h = 0, IPO loss (0 - 1 / (2 beta))^2 = 1, plus 0.5 x the chosen NLL
+    assert step1["train/loss"] == pytest.approx(1.0 + 0.5 * step1["train/nll"], abs=1e-5)
+    assert next(r for r in rows if "eval/loss" in r)["eval/loss"] == pytest.approx(1.0, abs=1e-6)  # DPO part only
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--label_smoothing", 0.1, "--loss_type", "ipo"], "does not take it"),
+    (["--beta", 0], "--beta must be > 0"),
+    (["--label_smoothing", 0.5], "--label_smoothing must be in [0, 0.5)"),
+    (["--precompute_ref_log_probs", "--offload_reference_model"], "no reference model to offload"),
+])
+def test_contradictory_dpo_settings_stop_before_any_model_loads(flags, message, tmp_path):
+    from step2_dpo.main import parse_args
+
+    with pytest.raises(SystemExit, match=message.replace("[", r"\[").replace(")", r"\)")):
+        parse_args([str(a) for a in ["--model_name_or_path", str(tmp_path), "--data_path", str(tmp_path),
+                                     "--output_dir", str(tmp_path / "out"), *flags]])
+
+
+def test_two_rank_zero3_dpo_learns_exports_and_resumes_exactly_after_sigkill(tiny_gpt2, pair_data, tmp_path):
+    """Precomputed reference log-probs gathered over 2 ranks and kept in the checkpoints: a run killed
+    after a checkpoint and resumed writes the same metrics as the uninterrupted run, which learns the
+    rule (held-out implicit-reward accuracy > 0.8) and exports a policy that reloads as it trained."""
+    def args(out):
+        return _dpo_args(tiny_gpt2, pair_data, out, steps=12, extra=[
+            "--zero_stage", 3, "--precompute_ref_log_probs", "--save_interval", 4, "--eval_interval", 6])
+
+    full = str(tmp_path / "full")
+    proc = run_deepspeed("step2_dpo.main", args(full), log_path=str(tmp_path / "full.log"))
+    _remove_shm_buffers(proc)
+    assert os.path.isfile(os.path.join(full, "model.safetensors")), tail(proc)
+    rows = metrics(full)
+    evals = [r for r in rows if "eval/loss" in r]
+    assert [r["step"] for r in evals] == [0, 6, 12] and all(r["eval/pairs"] == 64 for r in evals), evals
+    first, last = evals[0], evals[-1]
+    assert first["eval/loss"] == pytest.approx(LN2, abs=1e-6)
+    assert last["eval/accuracy"] > 0.8 and last["eval/margin"] > first["eval/margin"] + 0.5, evals
+    assert last["eval/margin"] == pytest.approx(last["eval/chosen_reward"] - last["eval/rejected_reward"], abs=1e-5)
+    assert [r["export/logp_max_abs_diff"] for r in rows if "export/logp_max_abs_diff" in r][0] <= 1e-4
+    with open(os.path.join(full, "config.json")) as f:
+        assert json.load(f)["model_type"] == "gpt2"  # a plain causal LM directory: step 3's actor, chat.py
+
+    killed = str(tmp_path / "killed")
+    resumed_at, proc = kill_and_resume("step2_dpo.main", args(killed), killed, tmp_path)
+    _remove_shm_buffers(proc)
+    assert os.path.isfile(os.path.join(killed, "model.safetensors")), tail(proc)
+    resumed_rows = metrics(killed)
+    assert [r["step"] for r in resumed_rows if "train/loss" in r] == list(range(1, 13))
+    difference = max_relative_difference(comparable(rows, resumed_at), comparable(resumed_rows, resumed_at))
+    print(f"DPO resumed at step {resumed_at}: max relative difference {difference:.2e}")
+    assert difference <= 1e-5
