@@ -86,21 +86,21 @@ multi_node_launcher() {  # prints the launcher prefix for the given hostfile
   fi
 }
 
-# The run scripts scripts/step{1_sft,2_reward,3_ppo}/run_{cpu,single_gpu,single_node,multi_node}.sh
+# The run scripts scripts/step{1_sft,2_reward,2_dpo,3_ppo}/run_{cpu,single_gpu,single_node,multi_node}.sh
 # are each one call of launch_step, which does their common part:
 #   launch_step KIND MODULE DEMO_SOURCE [STEP FLAGS...] -- [OUTPUT_DIR] [EXTRA ARGS...]
 # KIND         the launcher: cpu          deepspeed --num_gpus ${NUM_RANKS:-2} (gloo ranks here)
 #                            single_gpu   deepspeed --num_gpus 1
 #                            single_node  deepspeed (every local GPU)
 #                            multi_node   multi_node_launcher ${HOSTFILE:-./hostfile} (see above)
-# MODULE       step1_sft.main, step2_reward.main or step3_ppo.main
+# MODULE       step1_sft.main, step2_reward.main, step2_dpo.main or step3_ppo.main
 # DEMO_SOURCE  the data/demo source used when DATA is unset: sft or pairs (made on first use)
 # STEP FLAGS   the step's own flags (--data_split ...); everything after -- is the run script's "$@".
 # Launched: LAUNCHER --module MODULE MODEL_ARGS --data_path $DATA STEP_FLAGS --output_dir OUTPUT_DIR
 # EXTRA_ARGS (last, so they override), where MODEL_ARGS is --model_name_or_path $MODEL (steps 1, 2)
 # or --actor_model_name_or_path $ACTOR --critic_model_name_or_path $CRITIC (step 3) and $DATA is
-# word-split (several sources). Defaults: OUTPUT_DIR out/stepN; MODEL default_model (step 1),
-# step1_output_or_default_model (step 2); ACTOR ${STEP1_DIR:-out/step1}; CRITIC ${STEP2_DIR:-out/step2}.
+# word-split (several sources). Defaults: OUTPUT_DIR out/stepN (DPO: out/step2_dpo); MODEL default_model
+# (step 1), step1_output_or_default_model (step 2, DPO); ACTOR ${STEP1_DIR:-out/step1}; CRITIC ${STEP2_DIR:-out/step2}.
 # The output is copied to OUTPUT_DIR/train.log (multi_node: train.log.node${NODE_RANK:-0}) by
 # run_logged. Returns the launch's exit status (or a failing preamble step's, before any launch).
 launch_step() {
@@ -109,11 +109,13 @@ launch_step() {
   local -a flags=() launcher=()
   while [ $# -gt 0 ] && [ "$1" != "--" ]; do flags+=("$1"); shift; done
   [ "${1:-}" = "--" ] && shift
+  local name
   case "$module" in
-    step1_*) step=1 ;; step2_*) step=2 ;; step3_*) step=3 ;;
+    step1_*) step=1 name=step1 ;; step2_dpo.*) step=2 name=step2_dpo ;; step2_*) step=2 name=step2 ;;
+    step3_*) step=3 name=step3 ;;
     *) echo "launch_step: unknown step module $module" >&2; return 2 ;;
   esac
-  OUTPUT="${1:-$ROOT/out/step$step}"; shift || true
+  OUTPUT="${1:-$ROOT/out/$name}"; shift || true
   local -a model_args
   case "$step" in
     1) MODEL="${MODEL:-$(default_model)}" || return; model_args=(--model_name_or_path "$MODEL") ;;
@@ -137,7 +139,7 @@ launch_step() {
   if [ "$step" = 3 ]; then
     echo "[step3] actor $ACTOR, critic $CRITIC, data $DATA, output $OUTPUT"
   else
-    echo "[step$step] model $MODEL, data $DATA, output $OUTPUT"
+    echo "[$name] model $MODEL, data $DATA, output $OUTPUT"
   fi
   # shellcheck disable=SC2086  # DATA holds one or several sources
   run_logged "$log" "${launcher[@]}" --module "$module" "${model_args[@]}" --data_path $DATA "${flags[@]}" \

@@ -19,7 +19,7 @@ from tests.launch import ROOT, subprocess_env
 
 SCRIPTS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "scripts", "step*", "run_*.sh")))
 KINDS = ("cpu", "single_gpu", "single_node", "multi_node")
-STEP_DIRS = ("step1_sft", "step2_reward", "step3_ppo")
+STEP_DIRS = ("step1_sft", "step2_reward", "step2_dpo", "step3_ppo")
 # every variable a run script reads, so the caller's environment cannot leak into a check
 SCRIPT_ENV = ("MODEL", "ACTOR", "CRITIC", "DATA", "NUM_RANKS", "MAX_STEPS", "DTYPE", "HOSTFILE", "MULTI_NODE_MODE",
               "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "STEP1_DIR", "STEP2_DIR", "DEMO_DATA")
@@ -180,3 +180,20 @@ def test_preamble_grpo_has_no_critic(tmp_path):
     assert "--critic_model_name_or_path" not in argv
     assert argv[argv.index("--reward_funcs") + 1:argv.index("--reward_funcs") + 3] == ["math_exact", "format"]
     assert argv[-4:] == ["--output_dir", str(out), "--max_steps", "1"]
+
+
+@pytest.mark.parametrize("kind", ["cpu", "single_gpu", "single_node"])
+def test_dpo_scripts_launch_flags_step2_dpo_accepts(kind, tmp_path, tiny_gpt2):
+    """What a DPO script launches parses with step2_dpo's own flags (a misspelt or contradictory flag
+    would stop the real run); it announces itself as step2_dpo."""
+    from step2_dpo.main import parse_args
+
+    out = tmp_path / "out"
+    proc, _ = run_with_stub(tmp_path, f"scripts/step2_dpo/run_{kind}.sh", [str(out), "--max_seq_len", "32"],
+                            MODEL=tiny_gpt2, MASTER_PORT="12345")
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert f"[step2_dpo] model {tiny_gpt2}" in proc.stdout
+    argv = launched(proc.stdout)
+    assert argv[argv.index("--module") + 1] == "step2_dpo.main"
+    args = parse_args(argv[argv.index("--module") + 2:])
+    assert args.output_dir == str(out) and args.beta == 0.1

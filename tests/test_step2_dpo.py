@@ -102,7 +102,7 @@ def test_the_reference_forms_give_the_same_losses_and_ln2_at_step_0(tiny_gpt2, p
         main([str(a) for a in _dpo_args(tiny_gpt2, pair_data, out, extra=extra)])
         results[name] = _losses(out)
     for name, (train, evals) in results.items():
-        assert train[0] == pytest.approx(LN2, abs=1e-6), name
+        assert train[0] == pytest.approx(LN2, abs=1e-6), name  # the first update's pairs, in training mode
         first = evals[0]
         assert first["step"] == 0 and first["eval/loss"] == pytest.approx(LN2, abs=1e-6), name
         assert abs(first["eval/margin"]) < 1e-6 and first["eval/accuracy"] == 0.0, first  # every pair ties

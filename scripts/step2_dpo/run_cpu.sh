@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Step 2, DPO (the alternative to the reward model: its output is a policy) on CPU: 2 ranks (gloo)
+# through the deepspeed launcher, ZeRO-2, fp32, the demo pairs (the step-2 half, --data_split 0,5,5)
+# and the step-1 output out/step1 when it exists, else the embedded SmolLM2-135M-Instruct.
+# LoRA (rank 16, every Linear, base frozen): the reference is the same model with its adapters
+# disabled, so no second copy is held; sigmoid DPO, beta 0.1, 40 steps of 16 pairs (4 per rank x 2
+# accumulation x 2 ranks).
+# usage: bash scripts/step2_dpo/run_cpu.sh [OUTPUT_DIR (out/step2_dpo)] [extra step2_dpo/main.py arguments]
+# env: MODEL (default: out/step1 if it holds a model, else SmolLM2-135M-Instruct), DATA (sources;
+#      default data/demo/pairs), NUM_RANKS (2), MAX_STEPS (40), MASTER_PORT (a free one).
+#      Log: OUTPUT_DIR/train.log.
+source "$(dirname "$0")/../common.sh"
+launch_step cpu step2_dpo.main pairs \
+  --data_split 0,5,5 \
+  --zero_stage 2 --dtype fp32 --max_seq_len 80 \
+  --per_device_train_batch_size 4 --per_device_eval_batch_size 32 --gradient_accumulation_steps 2 \
+  --lora_dim 16 --only_optimize_lora --lora_learning_rate 2e-3 \
+  --learning_rate 2e-3 --lr_scheduler_type cosine --num_warmup_steps 2 --weight_decay 0.0 \
+  --beta 0.1 --loss_type sigmoid \
+  --num_train_epochs 1 --max_steps "${MAX_STEPS:-40}" --seed 1234 --dropout 0.0 \
+  --eval_interval 0 --eval_iters 0 \
+  -- "$@"
