@@ -7,7 +7,6 @@ reported before and after training. The output directory is a plain `from_pretra
 from __future__ import annotations
 
 import math
-import time
 
 import torch
 
@@ -16,11 +15,11 @@ from utils.data import SFTCollator, tokenize_sft
 from utils.distributed import all_reduce_sum, rank_batches
 from utils.flags import BATCH_FLAGS, single_model_parser, validate_training_args
 from utils.forward import causal_lm_logits, eval_mode, lm_nll
-from utils.logging import print_rank0, progress_bar
+from utils.logging import print_rank0
 from utils.model import load_causal_lm
 from utils.accelerator import PhaseMemory
-from utils.training import (build_trained_engine, loop_metrics, memory_postfix, micro_batch_schedule, run_micro_batches,
-                            spec_from_args, start_single_model_run, train_ds_config_from_args)
+from utils.training import (build_trained_engine, micro_batch_schedule, spec_from_args, start_single_model_run,
+                            train_ds_config_from_args, train_with_evaluations)
 
 def parse_args(argv=None):
     parser = single_model_parser(__doc__.splitlines()[0], "local from_pretrained directory or hub name")
@@ -77,29 +76,19 @@ def main(argv=None):
         logger.log(0, {"eval/perplexity": ppl_before})
 
     guard = BadStepGuard(loop, args.max_bad_steps, checkpointing)
-    memory = PhaseMemory()
-    start = time.time()
-    progress = progress_bar(total_steps, loop.step, "step1 sft")
+
     def micro_step(batch):
         nll, count = lm_nll(engine, batch)
         return nll / count.clamp(min=1), ()
 
-    def on_step(means):
+    def step_metrics(means):
         (mean_loss,) = means
-        metrics = {"train/loss": mean_loss, "train/lr": engine.get_lr()[0], **loop_metrics(loop, memory)}
-        logger.log(loop.step, metrics)
-        if progress is not None:
-            progress.update(1)
-            progress.set_postfix(loss=f"{mean_loss:.4f}", **memory_postfix(metrics))
-        if args.print_loss:
-            print_rank0(f"[step1] step {loop.step} loss {mean_loss:.4f}")
-        checkpointing.maybe_save(loop, {"ppl_before": ppl_before})
+        return {"train/loss": mean_loss}, {"loss": f"{mean_loss:.4f}"}, f"loss {mean_loss:.4f}"
 
-    run_micro_batches(engine, loader, sampler, loop, total_steps, args.num_train_epochs, guard, micro_step, on_step,
-                      "step1", memory)
-    if progress is not None:
-        progress.close()
-    elapsed = time.time() - start  # optimisation only, as step 2: the evaluations are timed apart
+    # optimisation only, as step 2: the evaluations are timed apart
+    elapsed = train_with_evaluations(engine, loader, sampler, loop, total_steps, args, guard, PhaseMemory(),
+                                     checkpointing, logger, micro_step, step_metrics, "step1", "step1 sft",
+                                     {"ppl_before": ppl_before})
 
     ppl_after = evaluate_perplexity(engine, eval_examples, collator, args.per_device_eval_batch_size)
     print_rank0(f"[step1] eval perplexity after {loop.step} steps: {ppl_after:.3f} (before {ppl_before:.3f}); "

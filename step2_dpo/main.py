@@ -36,13 +36,12 @@ from utils.ds_config import eval_ds_config
 from utils.flags import (BATCH_FLAGS, add_offload_reference_arg, add_pair_eval_args, check_range, fail,
                          single_model_parser, validate_training_args)
 from utils.forward import eval_mode, sequence_logprobs
-from utils.logging import print_rank0, progress_bar
+from utils.logging import print_rank0
 from utils.losses import DPO_LOSS_TYPES, dpo_loss, response_nll
 from utils.model import load_causal_lm
 from utils.accelerator import PhaseMemory
-from utils.training import (build_frozen_engine, build_trained_engine, check_pair_splits, loop_metrics, memory_postfix,
-                            micro_batch_schedule, run_micro_batches, spec_from_args, start_single_model_run,
-                            train_ds_config_from_args)
+from utils.training import (build_frozen_engine, build_trained_engine, check_pair_splits, micro_batch_schedule,
+                            spec_from_args, start_single_model_run, train_ds_config_from_args, train_with_evaluations)
 
 SIDES = ("chosen", "rejected")
 
@@ -115,8 +114,7 @@ class Reference:
 def all_reference_logps(reference: Reference, pairs: list, collator, batch_size: int) -> list[list[float]]:
     """[[chosen, rejected]] reference log-probs of every pair, each rank scoring its share (the same
     number of forwards on every rank: ZeRO-3 forwards are collective), summed over ranks."""
-    order = sorted(range(len(pairs)), key=lambda i: len(pairs[i]["prompt_input_ids"]) + max(
-        len(pairs[i][f"{side}_response_ids"]) for side in SIDES))
+    order = sorted(range(len(pairs)), key=lambda i: pair_length(pairs[i]))
     logps = torch.zeros((len(pairs), 2), dtype=torch.float64)
     for indices, weight in rank_batches(order, batch_size):
         ref = reference(collator([pairs[i] for i in indices])).double().cpu()
@@ -155,17 +153,25 @@ class PairLoss:
 EVAL_STATS = ("loss", "accuracy", "chosen_reward", "rejected_reward", "margin", "chosen_logp", "rejected_logp")
 
 
+def pair_length(pair: dict) -> int:
+    return len(pair["prompt_input_ids"]) + max(len(pair[f"{side}_response_ids"]) for side in SIDES)
+
+
+def held_out_pairs(pairs: list, batch_size: int, max_batches: int) -> list:
+    """The held-out pairs an evaluation reads, by length (batches of similar lengths, little padding):
+    all of them, or with --eval_iters k the shortest k batches per rank (rank_batches gives rank r
+    every n-th pair), so reference log-probs are computed for those only."""
+    pairs = sorted(pairs, key=pair_length)
+    return pairs[:max_batches * batch_size * world_size()] if max_batches else pairs
+
+
 @torch.no_grad()
-def evaluate_preferences(engine, pairs: list, collator, batch_size: int, loss_of: PairLoss, max_batches: int = 0) -> dict:
-    """Exact held-out metrics over all ranks' shares (filler batches weigh 0); the pairs carry their
-    reference log-probs. `eval/loss` is the DPO loss alone (without the NLL term)."""
-    pairs = sorted(pairs, key=lambda p: len(p["prompt_input_ids"]) + max(len(p[f"{s}_response_ids"]) for s in SIDES))
-    batches = rank_batches(pairs, batch_size)
-    if max_batches:
-        batches = batches[:max_batches]  # same count on every rank: ZeRO-3 forwards stay matched
+def evaluate_preferences(engine, pairs: list, collator, batch_size: int, loss_of: PairLoss) -> dict:
+    """Exact metrics over all ranks' shares of `pairs` (held_out_pairs; filler batches weigh 0); the
+    pairs carry their reference log-probs. `eval/loss` is the DPO loss alone (without the NLL term)."""
     sums, count = dict.fromkeys(EVAL_STATS, 0.0), 0.0
     with eval_mode(engine):
-        for batch_pairs, weight in batches:
+        for batch_pairs, weight in rank_batches(pairs, batch_size):
             batch = collator(batch_pairs)
             logps, counts = sequence_logprobs(engine, batch)
             loss, stats = loss_of(logps, counts, batch["ref_logps"], with_nll=False)
@@ -215,6 +221,7 @@ def main(argv=None):
         {"max_seq_len": args.max_seq_len, "pairs": "preference"})
     print_rank0(f"[dpo] train pairs {len(train_pairs)} {train_stats}; eval pairs {len(eval_pairs)} {eval_stats}")
     check_pair_splits(train_pairs, train_stats, eval_pairs)
+    eval_pairs = held_out_pairs(eval_pairs, args.per_device_eval_batch_size, args.eval_iters)
     collator = PreferenceCollator(tokenizer.pad_token_id)
 
     sampler, loader, total_steps = micro_batch_schedule(train_pairs, collator, args)
@@ -227,8 +234,7 @@ def main(argv=None):
 
     def run_eval(step: int) -> dict:
         eval_start = time.time()
-        metrics = evaluate_preferences(engine, eval_pairs, collator, args.per_device_eval_batch_size, loss_of,
-                                       args.eval_iters)
+        metrics = evaluate_preferences(engine, eval_pairs, collator, args.per_device_eval_batch_size, loss_of)
         metrics["time/eval_s"] = time.time() - eval_start
         print_rank0(f"[dpo] eval at step {step}: {_format_eval(metrics)} in {metrics['time/eval_s']:.1f} s")
         logger.log(step, metrics)
@@ -258,9 +264,6 @@ def main(argv=None):
         logger.log(0, before)
 
     guard = BadStepGuard(loop, args.max_bad_steps, checkpointing)
-    memory = PhaseMemory()
-    start, eval_time = time.time(), 0.0
-    progress = progress_bar(total_steps, loop.step, "step2 dpo")
     stat_names = ("accuracy", "margin", "chosen_reward", "rejected_reward") + (("nll",) if args.nll_loss_coef else ())
 
     def micro_step(batch):
@@ -268,26 +271,15 @@ def main(argv=None):
         loss, stats = loss_of(logps, counts, reference(batch))
         return loss, tuple(stats[name].item() for name in stat_names)
 
-    def on_step(means):
-        nonlocal eval_time
-        mean_loss, *stats = means
-        metrics = {"train/loss": mean_loss, **{f"train/{name}": v for name, v in zip(stat_names, stats)},
-                   "train/lr": engine.get_lr()[0], **loop_metrics(loop, memory)}
-        logger.log(loop.step, metrics)
-        if progress is not None:
-            progress.update(1)
-            progress.set_postfix(loss=f"{mean_loss:.4f}", acc=f"{stats[0]:.2f}", **memory_postfix(metrics))
-        if args.print_loss:
-            print_rank0(f"[dpo] step {loop.step} loss {mean_loss:.4f} accuracy {stats[0]:.3f} margin {stats[1]:.4f}")
-        if args.eval_interval and loop.step % args.eval_interval == 0 and loop.step < total_steps:
-            eval_time += run_eval(loop.step)["time/eval_s"]
-        checkpointing.maybe_save(loop, {"before": before, "ref_logps": ref_logps})
+    def step_metrics(means):
+        mean_loss, accuracy, margin, *_ = means
+        return ({"train/loss": mean_loss, **{f"train/{name}": v for name, v in zip(stat_names, means[1:])}},
+                {"loss": f"{mean_loss:.4f}", "acc": f"{accuracy:.2f}"},
+                f"loss {mean_loss:.4f} accuracy {accuracy:.3f} margin {margin:.4f}")
 
-    run_micro_batches(engine, loader, sampler, loop, total_steps, args.num_train_epochs, guard, micro_step, on_step,
-                      "dpo", memory)
-    if progress is not None:
-        progress.close()
-    elapsed = time.time() - start - eval_time  # optimisation only: evaluations are timed apart
+    elapsed = train_with_evaluations(engine, loader, sampler, loop, total_steps, args, guard, PhaseMemory(),
+                                     checkpointing, logger, micro_step, step_metrics, "dpo", "step2 dpo",
+                                     {"before": before, "ref_logps": ref_logps}, run_eval)
 
     after = run_eval(loop.step)
     step = loop.step

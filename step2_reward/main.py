@@ -19,13 +19,13 @@ from utils.data import PairCollator, split_pair_batch, tokenize_pairs
 from utils.distributed import all_reduce_sum, rank_batches
 from utils.flags import BATCH_FLAGS, add_pair_eval_args, check_range, single_model_parser, validate_training_args
 from utils.forward import eval_mode, sequence_scores
-from utils.logging import print_rank0, progress_bar
+from utils.logging import print_rank0
 from utils.losses import pair_metrics, pairwise_loss
 from utils.model import load_tokenizer
 from utils.reward_model import RewardModel, export_reward_model
 from utils.accelerator import PhaseMemory
-from utils.training import (build_trained_engine, check_pair_splits, loop_metrics, memory_postfix, micro_batch_schedule,
-                            run_micro_batches, spec_from_args, start_single_model_run, train_ds_config_from_args)
+from utils.training import (build_trained_engine, check_pair_splits, micro_batch_schedule, spec_from_args,
+                            start_single_model_run, train_ds_config_from_args, train_with_evaluations)
 
 
 def parse_args(argv=None):
@@ -105,35 +105,20 @@ def main(argv=None):
         before = run_eval(0)
 
     guard = BadStepGuard(loop, args.max_bad_steps, checkpointing)
-    memory = PhaseMemory()
-    start, eval_time = time.time(), 0.0
-    progress = progress_bar(total_steps, loop.step, "step2 reward")
 
     def micro_step(batch):
         chosen, rejected = pair_scores(engine, batch)
         m = pair_metrics(chosen, rejected)
         return pairwise_loss(chosen, rejected, args.margin), (m["accuracy"], m["margin_mean"])
 
-    def on_step(means):
-        nonlocal eval_time
+    def step_metrics(means):
         mean_loss, mean_acc, mean_margin = means
-        metrics = {"train/loss": mean_loss, "train/accuracy": mean_acc, "train/margin": mean_margin,
-                   "train/lr": engine.get_lr()[0], **loop_metrics(loop, memory)}
-        logger.log(loop.step, metrics)
-        if progress is not None:
-            progress.update(1)
-            progress.set_postfix(loss=f"{mean_loss:.4f}", acc=f"{mean_acc:.2f}", **memory_postfix(metrics))
-        if args.print_loss:
-            print_rank0(f"[step2] step {loop.step} loss {mean_loss:.4f} accuracy {mean_acc:.3f}")
-        if args.eval_interval and loop.step % args.eval_interval == 0 and loop.step < total_steps:
-            eval_time += run_eval(loop.step)["time/eval_s"]
-        checkpointing.maybe_save(loop, {"before": before})
+        return ({"train/loss": mean_loss, "train/accuracy": mean_acc, "train/margin": mean_margin},
+                {"loss": f"{mean_loss:.4f}", "acc": f"{mean_acc:.2f}"}, f"loss {mean_loss:.4f} accuracy {mean_acc:.3f}")
 
-    run_micro_batches(engine, loader, sampler, loop, total_steps, args.num_train_epochs, guard, micro_step, on_step,
-                      "step2", memory)
-    if progress is not None:
-        progress.close()
-    elapsed = time.time() - start - eval_time  # optimisation only: evaluations are timed apart
+    elapsed = train_with_evaluations(engine, loader, sampler, loop, total_steps, args, guard, PhaseMemory(),
+                                     checkpointing, logger, micro_step, step_metrics, "step2", "step2 reward",
+                                     {"before": before}, run_eval)
 
     after = run_eval(loop.step)
     step = loop.step

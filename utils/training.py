@@ -291,3 +291,42 @@ def run_micro_batches(engine, loader, sampler, loop, total_steps: int, num_epoch
                 break
         else:
             loop.epoch, loop.batches_in_epoch = loop.epoch + 1, 0
+
+
+def train_with_evaluations(engine, loader, sampler, loop, total_steps: int, args, guard, memory, checkpointing,
+                           logger, micro_step, step_metrics, name: str, label: str, shared_state: dict,
+                           evaluate=None) -> float:
+    """The optimisation of steps 1-2 and DPO around `run_micro_batches`; returns its seconds, evaluations excluded.
+
+    At every optimizer step: `step_metrics(means) -> (metrics, postfix, line)` turns the step's means
+    into its `train/*` figures, the progress bar's postfix and the `--print_loss` line; the learning
+    rate and `loop_metrics` are added and everything is logged; `evaluate(step) -> metrics` (with
+    "time/eval_s") runs every `--eval_interval` steps before the last; a checkpoint holding
+    `shared_state` is written when `--save_interval` says so."""
+    import time
+
+    from utils.logging import print_rank0, progress_bar
+
+    progress = progress_bar(total_steps, loop.step, label)
+    interval = getattr(args, "eval_interval", 0)
+    start, eval_time = time.time(), 0.0
+
+    def on_step(means):
+        nonlocal eval_time
+        metrics, postfix, line = step_metrics(means)
+        metrics = {**metrics, "train/lr": engine.get_lr()[0], **loop_metrics(loop, memory)}
+        logger.log(loop.step, metrics)
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix(**postfix, **memory_postfix(metrics))
+        if args.print_loss:
+            print_rank0(f"[{name}] step {loop.step} {line}")
+        if evaluate is not None and interval and loop.step % interval == 0 and loop.step < total_steps:
+            eval_time += evaluate(loop.step)["time/eval_s"]
+        checkpointing.maybe_save(loop, shared_state)
+
+    run_micro_batches(engine, loader, sampler, loop, total_steps, args.num_train_epochs, guard, micro_step, on_step,
+                      name, memory)
+    if progress is not None:
+        progress.close()
+    return time.time() - start - eval_time
