@@ -4,7 +4,10 @@
 # RLHF policies side by side (reward model, two independent judges with 95% intervals, KL to SFT,
 # lengths) and
 # draws OUTPUT_ROOT/step3/curves.png.
-# usage: bash scripts/demo.sh [--step 1 2 3] [--output_root DIR] [--quick] [--format chat|raw] [--task arithmetic]
+# usage: bash scripts/demo.sh [--step 1 2 3] [--with_dpo] [--output_root DIR] [--quick] [--format chat|raw]
+#                             [--task arithmetic]
+#   --with_dpo: also DPO from the step-1 model on the step-2 pairs (scripts/step2_dpo/run_cpu.sh, after
+#             step 2), and a DPO row in the evaluation next to SFT and RLHF
 #   --quick: tiny random models and a few steps (a smoke test of the whole chain, about 2 minutes)
 #   --format: chat (default): the demo rows are conversations rendered with SmolLM2's chat template;
 #             raw: DeepSpeed-Chat's "Human: ...\n\nAssistant:" strings, concatenated as they are
@@ -17,14 +20,17 @@ STEPS=(1 2 3)
 OUTPUT_ROOT="$ROOT/out"
 QUICK="${QUICK:-0}"
 TASK=reviews
+WITH_DPO=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --step) shift; STEPS=(); while [ $# -gt 0 ] && [[ "$1" =~ ^[123]$ ]]; do STEPS+=("$1"); shift; done ;;
+    --with_dpo) WITH_DPO=1; shift ;;
     --output_root) OUTPUT_ROOT="$(mkdir -p "$2" && cd "$2" && pwd)"; shift 2 ;;
     --quick) QUICK=1; shift ;;
     --format) export DEMO_FORMAT="$2"; shift 2 ;;
     --task) TASK="$2"; shift 2 ;;
-    *) echo "unknown argument: $1 (use --step 1 2 3, --output_root DIR, --quick, --format chat|raw, --task arithmetic)" >&2
+    *) echo "unknown argument: $1 (use --step 1 2 3, --with_dpo, --output_root DIR, --quick, --format chat|raw," \
+            "--task arithmetic)" >&2
        exit 2 ;;
   esac
 done
@@ -47,8 +53,13 @@ if [ "$TASK" = arithmetic ]; then
   exit 0
 fi
 [ "$TASK" = reviews ] || { echo "--task must be arithmetic (or left out), got $TASK" >&2; exit 2; }
+if [ "$WITH_DPO" = 1 ]; then  # DPO runs after steps 1-2 (it needs step 1's model), before step 3
+  ORDERED=(); for step in "${STEPS[@]}"; do ORDERED+=("$step"); [ "$step" = 2 ] && ORDERED+=(dpo); done
+  [[ " ${ORDERED[*]} " == *" dpo "* ]] || ORDERED=(dpo "${ORDERED[@]}")
+  STEPS=("${ORDERED[@]}")
+fi
 python -m data.make_demo_data --out "$DEMO_DATA" --format "$DEMO_FORMAT" >/dev/null
-STEP1="$OUTPUT_ROOT/step1" STEP2="$OUTPUT_ROOT/step2" STEP3="$OUTPUT_ROOT/step3"
+STEP1="$OUTPUT_ROOT/step1" STEP2="$OUTPUT_ROOT/step2" STEP3="$OUTPUT_ROOT/step3" DPO="$OUTPUT_ROOT/step2_dpo"
 # Step 3 of the demo: RLOO on the reward model (4 answers per prompt, no critic), DAPO's overlong penalty
 # on the last 6 of the 24 tokens; 15 iterations of 4 prompts x 4 answers per rank at lr 5e-5. PPO with a
 # critic (run_cpu.sh's own settings) raised the reward model's score but not the independent judge's
@@ -57,7 +68,7 @@ RL=(--advantage_estimator rloo --n_samples_per_prompt 4 --per_device_generation_
     --per_device_training_batch_size 8 --actor_learning_rate 5e-5 --overlong_buffer_len 6 --overlong_penalty_factor 1.0)
 if [ "$QUICK" = 1 ]; then
   BASE="$(tiny_model llama)"
-  S1=(--max_steps 3) S2=(--max_steps 3) S3=("${RL[@]}" --max_steps 2 --max_answer_seq_len 8 --overlong_buffer_len 2)
+  S1=(--max_steps 3) S2=(--max_steps 3) SD=(--max_steps 3) S3=("${RL[@]}" --max_steps 2 --max_answer_seq_len 8 --overlong_buffer_len 2)
   EVAL=(--num_prompts 8 --max_new_tokens 8)
   # the tiny model has no chat template: give it ChatML (saved with steps 1-2's tokenizers, so step 3 finds it);
   # its markers are plain text to this tokenizer, so the template's frame alone is ~43 prompt tokens
@@ -65,10 +76,10 @@ if [ "$QUICK" = 1 ]; then
     S2+=(--chat_template utils/chat_templates/chatml.jinja) S3+=(--max_prompt_seq_len 96)
 else
   BASE="$(default_model)"
-  S1=() S2=() S3=("${RL[@]}") EVAL=(--num_prompts 128)
+  S1=() S2=() SD=() S3=("${RL[@]}") EVAL=(--num_prompts 128)
 fi
 # a demo run replaces the outputs of the previous one (the training steps refuse a used directory otherwise)
-S1+=(--overwrite_output_dir) S2+=(--overwrite_output_dir) S3+=(--overwrite_output_dir)
+S1+=(--overwrite_output_dir) S2+=(--overwrite_output_dir) SD+=(--overwrite_output_dir) S3+=(--overwrite_output_dir)
 start=$(date +%s)
 for step in "${STEPS[@]}"; do
   t0=$(date +%s)
@@ -77,18 +88,22 @@ for step in "${STEPS[@]}"; do
        MODEL="$BASE" bash scripts/step1_sft/run_cpu.sh "$STEP1" "${S1[@]}" ;;
     2) echo "[demo] step 2: reward model from $BASE -> $STEP2"
        MODEL="$BASE" bash scripts/step2_reward/run_cpu.sh "$STEP2" "${S2[@]}" ;;
+    dpo) echo "[demo] step 2 alternative: DPO of $STEP1 -> $DPO"
+       MODEL="$STEP1" bash scripts/step2_dpo/run_cpu.sh "$DPO" "${SD[@]}" ;;
     3) echo "[demo] step 3: PPO, actor $STEP1, critic $STEP2 -> $STEP3"
        ACTOR="$STEP1" CRITIC="$STEP2" bash scripts/step3_ppo/run_cpu.sh "$STEP3" "${S3[@]}"
        python -m step3_ppo.plot "$STEP3" ;;
   esac
   echo "[demo] step $step took $(( $(date +%s) - t0 )) s"
 done
+POLICIES=()
+[ "$WITH_DPO" = 1 ] && [ -f "$DPO/model.safetensors" ] && POLICIES+=(--policy "dpo=$DPO")
 if [ -f "$STEP3/actor/model.safetensors" ]; then
   t0=$(date +%s)
-  echo "[demo] evaluating SFT vs RLHF on held-out prompts"
+  echo "[demo] evaluating SFT vs RLHF${POLICIES:+ and DPO} on held-out prompts"
   OMP_NUM_THREADS="${USER_OMP_NUM_THREADS:-2}" python -m step3_ppo.eval --sft_model "$STEP1" --rlhf_model "$STEP3/actor" \
-    --reward_model "$STEP2" --prompts "$DEMO_DATA/pairs/eval.jsonl" --out "$OUTPUT_ROOT/eval.json" "${EVAL[@]}" \
-    | tee "$OUTPUT_ROOT/eval.txt"
+    "${POLICIES[@]}" --reward_model "$STEP2" --prompts "$DEMO_DATA/pairs/eval.jsonl" --out "$OUTPUT_ROOT/eval.json" \
+    "${EVAL[@]}" | tee "$OUTPUT_ROOT/eval.txt"
   echo "[demo] evaluation took $(( $(date +%s) - t0 )) s"
 fi
 echo "[demo] finished in $(( $(date +%s) - start )) s; outputs under $OUTPUT_ROOT (curves: $STEP3/curves.png)"

@@ -97,6 +97,9 @@ def test_pairs_end_at_the_end_of_turn_token_and_share_the_prompt(tok):
     end = chosen.index(tok.convert_tokens_to_ids("<|im_end|>"), len(prompt))
     assert ex["chosen_input_ids"] == chosen[:end + 1] != chosen  # the template's trailing newline is not scored
     assert ex["rejected_input_ids"][:len(prompt)] == prompt == ex["chosen_input_ids"][:len(prompt)]
+    (dpo,), _ = D.tokenize_preference_pairs([row], tok, 512)  # DPO's: the same ids, the prompt kept apart
+    assert dpo["prompt_input_ids"] == prompt and dpo["chosen_response_ids"] == chosen[len(prompt):end + 1]
+    assert prompt + dpo["rejected_response_ids"] == ex["rejected_input_ids"]
 
 
 def test_step3_prompts_end_with_the_generation_prompt_and_keep_the_frame_when_truncated(tok):

@@ -6,14 +6,21 @@ from tests.launch import ROOT, subprocess_env
 
 
 def test_quick_demo_writes_table_and_curves(tmp_path):
+    """With --with_dpo: DPO after step 2, and its row in the evaluation beside SFT and RLHF."""
     out = tmp_path / "demo"
-    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "demo.sh"), "--quick", "--output_root", str(out)],
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "demo.sh"), "--quick", "--with_dpo",
+                           "--output_root", str(out)],
                           cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=900)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
     table = (out / "eval.txt").read_text()
     for column in ("reward (RM)", "judge (VADER)", "KL to SFT", "response len"):
         assert column in table, table
+    rows = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ") and "CI" not in line]
+    assert rows == ["policy", "SFT", "RLHF", "DPO"], table
+    assert "RLHF vs SFT win rate" in table and "DPO vs SFT win rate" in table
+    assert proc.stdout.index("step 2 alternative: DPO") < proc.stdout.index("step 3: PPO")
+    assert (out / "step2_dpo" / "model.safetensors").exists()
     png = out / "step3" / "curves.png"
     assert png.exists() and png.stat().st_size > 10_000
     assert (out / "step3" / "actor" / "model.safetensors").exists()

@@ -145,11 +145,13 @@ def test_contradictory_dpo_settings_stop_before_any_model_loads(flags, message, 
 
 def test_two_rank_zero3_dpo_learns_exports_and_resumes_exactly_after_sigkill(tiny_gpt2, pair_data, tmp_path):
     """Precomputed reference log-probs gathered over 2 ranks and kept in the checkpoints: a run killed
-    after a checkpoint and resumed writes the same metrics as the uninterrupted run, which learns the
-    rule (held-out implicit-reward accuracy > 0.8) and exports a policy that reloads as it trained."""
+    after a checkpoint and resumed writes the same metrics as the uninterrupted run (dropout on: only
+    if every rank's RNG state came back too; the loop and checkpoints are steps 1-2's), which learns
+    the rule (held-out implicit-reward accuracy > 0.8) and exports a policy that reloads as it trained."""
     def args(out):
         return _dpo_args(tiny_gpt2, pair_data, out, steps=12, extra=[
-            "--zero_stage", 3, "--precompute_ref_log_probs", "--save_interval", 4, "--eval_interval", 6])
+            "--zero_stage", 3, "--precompute_ref_log_probs", "--save_interval", 4, "--eval_interval", 6,
+            "--dropout", 0.1, "--num_warmup_steps", 2, "--lr_scheduler_type", "cosine"])
 
     full = str(tmp_path / "full")
     proc = run_deepspeed("step2_dpo.main", args(full), log_path=str(tmp_path / "full.log"))
@@ -163,8 +165,11 @@ def test_two_rank_zero3_dpo_learns_exports_and_resumes_exactly_after_sigkill(tin
     assert last["eval/accuracy"] > 0.8 and last["eval/margin"] > first["eval/margin"] + 0.5, evals
     assert last["eval/margin"] == pytest.approx(last["eval/chosen_reward"] - last["eval/rejected_reward"], abs=1e-5)
     assert [r["export/logp_max_abs_diff"] for r in rows if "export/logp_max_abs_diff" in r][0] <= 1e-4
+    from utils.reward_model import check_policy_dir
+
+    check_policy_dir(full)  # a plain causal LM directory (step 3's actor, the evaluation, chat.py), no value head
     with open(os.path.join(full, "config.json")) as f:
-        assert json.load(f)["model_type"] == "gpt2"  # a plain causal LM directory: step 3's actor, chat.py
+        assert json.load(f)["model_type"] == "gpt2"
 
     killed = str(tmp_path / "killed")
     resumed_at, proc = kill_and_resume("step2_dpo.main", args(killed), killed, tmp_path)
