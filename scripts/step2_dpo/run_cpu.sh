@@ -3,8 +3,12 @@
 # through the deepspeed launcher, ZeRO-2, fp32, the demo pairs (the step-2 half, --data_split 0,5,5)
 # and the step-1 output out/step1 when it exists, else the embedded SmolLM2-135M-Instruct.
 # LoRA (rank 16, every Linear, base frozen): the reference is the same model with its adapters
-# disabled, so no second copy is held; sigmoid DPO, beta 0.1, 40 steps of 16 pairs (4 per rank x 2
-# accumulation x 2 ranks).
+# disabled, so no second copy is held; sigmoid DPO, beta 0.1, plus the chosen responses' NLL (RPO,
+# --nll_loss_coef 1.0), 40 steps of 16 pairs (4 per rank x 2 accumulation x 2 ranks). Measured on the
+# demo's step-1 model on 2026-12-01 (2-core CPU, nothing else running): held-out implicit-reward accuracy
+# 0.80, margin 0.54, chosen log-prob -91.2 -> -89.8, in 13 min 4 s (14.7 s/step). Without the NLL term
+# (accuracy 0.82, chosen log-prob -91.2 -> -107.8) the policy stopped ending its answers (EOS fraction
+# 0.00, KL to SFT 15.6 nats, garbled text) although both judges preferred it.
 # usage: bash scripts/step2_dpo/run_cpu.sh [OUTPUT_DIR (out/step2_dpo)] [extra step2_dpo/main.py arguments]
 # env: MODEL (default: out/step1 if it holds a model, else SmolLM2-135M-Instruct), DATA (sources;
 #      default data/demo/pairs), NUM_RANKS (2), MAX_STEPS (40), MASTER_PORT (a free one).
@@ -16,7 +20,7 @@ launch_step cpu step2_dpo.main pairs \
   --per_device_train_batch_size 4 --per_device_eval_batch_size 32 --gradient_accumulation_steps 2 \
   --lora_dim 16 --only_optimize_lora --lora_learning_rate 2e-3 \
   --learning_rate 2e-3 --lr_scheduler_type cosine --num_warmup_steps 2 --weight_decay 0.0 \
-  --beta 0.1 --loss_type sigmoid \
+  --beta 0.1 --loss_type sigmoid --nll_loss_coef 1.0 \
   --num_train_epochs 1 --max_steps "${MAX_STEPS:-40}" --seed 1234 --dropout 0.0 \
   --eval_interval 0 --eval_iters 0 \
   -- "$@"
