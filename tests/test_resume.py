@@ -50,11 +50,17 @@ def kill_and_resume(module, args, out, tmp_path):
     return resumed_at, proc
 
 
-def test_crash_while_saving_keeps_previous_checkpoint(tiny_gpt2, sft_data, tmp_path):  # noqa: F811
+def step1(args: list) -> None:
+    """Step 1 in this process: no interpreter start or imports to pay (each subprocess run costs ~7 s)."""
+    from step1_sft.main import main
+
+    main([str(a) for a in args])
+
+
+def test_crash_while_saving_keeps_previous_checkpoint(tiny_gpt2, sft_data, tmp_path, capsys):  # noqa: F811
     out = str(tmp_path / "out")
     base = common_args(tiny_gpt2, sft_data, out, steps=4) + ["--zero_stage", 0, "--save_interval", 2]
-    proc = run_module("step1_sft.main", base, env=_env(RLHF_CRASH_AT="never"))
-    assert proc.returncode == 0, tail(proc)
+    step1(base)
     assert open(os.path.join(out, "checkpoints", "latest")).read() == "step-00000004"
     # a longer run over the same directory dies (SIGKILL) while writing its step-6 checkpoint,
     # after the files and before the rename: step 4 stays the latest and resumes cleanly
@@ -62,9 +68,10 @@ def test_crash_while_saving_keeps_previous_checkpoint(tiny_gpt2, sft_data, tmp_p
     proc = run_module("step1_sft.main", longer, env=_env(RLHF_CRASH_AT="before_rename"))
     assert proc.returncode != 0
     assert open(os.path.join(out, "checkpoints", "latest")).read() == "step-00000004"
-    proc = run_module("step1_sft.main", longer)
-    assert proc.returncode == 0, tail(proc)
-    assert "resumed from" in proc.stdout and "step-00000004" in proc.stdout
+    capsys.readouterr()
+    step1(longer)
+    printed = capsys.readouterr().out
+    assert "resumed from" in printed and "step-00000004" in printed
     assert [r["step"] for r in metrics(out) if "train/loss" in r] == list(range(1, 9))
 
 
@@ -80,8 +87,7 @@ def test_resume_with_another_world_size_or_data_layout_is_refused(tiny_gpt2, sft
     checkpoint, two refused resumes)."""
     out = str(tmp_path / "out")
     args = common_args(tiny_gpt2, sft_data, out, steps=2) + ["--zero_stage", 0, "--save_interval", 2]
-    proc = run_module("step1_sft.main", args)
-    assert proc.returncode == 0, tail(proc)
+    step1(args)
     proc = run_deepspeed("step1_sft.main", args + ["--resume", "--max_steps", 4])
     assert proc.returncode != 0
     assert "written by 1 ranks but this run has 2" in proc.stdout + proc.stderr
@@ -96,25 +102,25 @@ def test_resume_with_another_world_size_or_data_layout_is_refused(tiny_gpt2, sft
     assert "Traceback" not in proc.stderr
 
 
-def test_a_checkpoint_with_a_missing_file_falls_back_to_the_previous_one(tiny_gpt2, sft_data, tmp_path):  # noqa: F811
+def test_a_checkpoint_with_a_missing_file_falls_back_to_the_previous_one(tiny_gpt2, sft_data, tmp_path, capsys):  # noqa: F811
     out = str(tmp_path / "out")
     args = common_args(tiny_gpt2, sft_data, out, steps=4) + ["--zero_stage", 2, "--save_interval", 2,
                                                              "--keep_checkpoints", 3]
-    proc = run_module("step1_sft.main", args)
-    assert proc.returncode == 0, tail(proc)
+    step1(args)
     latest = os.path.join(out, "checkpoints", "step-00000004")
     optimizer_states = glob.glob(os.path.join(latest, "model", "**", "*optim_states.pt"), recursive=True)
     assert optimizer_states
     os.remove(optimizer_states[0])  # an interrupted copy
-    proc = run_module("step1_sft.main", args + ["--resume", "--max_steps", 6])
-    assert proc.returncode == 0, tail(proc)
-    assert "step-00000004 is broken" in proc.stdout + proc.stderr and "is missing" in proc.stdout + proc.stderr
-    assert "resumed from" in proc.stdout + proc.stderr and "step-00000002" in proc.stdout + proc.stderr
+    capsys.readouterr()
+    step1(args + ["--resume", "--max_steps", 6])
+    printed = capsys.readouterr().out
+    assert "step-00000004 is broken" in printed and "is missing" in printed
+    assert "resumed from" in printed and "step-00000002" in printed
     steps = [r["step"] for r in metrics(out) if "train/loss" in r]
     assert steps == [1, 2, 3, 4, 5, 6], steps
 
 
-def test_resume_on_another_world_size_through_the_universal_checkpoint(tiny_gpt2, sft_data, tmp_path):  # noqa: F811
+def test_resume_on_another_world_size_through_the_universal_checkpoint(tiny_gpt2, sft_data, tmp_path, capsys):  # noqa: F811
     """ZeRO-2 on 2 ranks, resumed on 1 with --universal_checkpoint: the checkpoint is converted once
     (deepspeed.checkpoint.ds_to_universal) and loaded with DeepSpeed's universal loading. The weights come
     back exactly; the rows after the checkpoint are re-sharded, so the losses are close to, not equal to,
@@ -138,17 +144,17 @@ def test_resume_on_another_world_size_through_the_universal_checkpoint(tiny_gpt2
     engine_dir = os.path.join(checkpoints, "step-00000002", "model")
 
     resume = ["--resume", "--universal_checkpoint"]
-    proc = run_module("step1_sft.main", args + resume + ["--max_steps", 2])  # restore, train nothing, export
-    assert proc.returncode == 0, tail(proc)
-    assert "converting" in proc.stdout and os.path.isdir(os.path.join(engine_dir, "universal")), tail(proc)
-    assert "re-sharded" in proc.stdout, tail(proc)
+    capsys.readouterr()
+    step1(args + resume + ["--max_steps", 2])  # restore, train nothing, export
+    printed = capsys.readouterr().out
+    assert "converting" in printed and os.path.isdir(os.path.join(engine_dir, "universal")), printed
+    assert "re-sharded" in printed, printed
     saved = safe_torch_load(os.path.join(engine_dir, "ds", "mp_rank_00_model_states.pt"))["module"]
     exported = load_file(os.path.join(out, "model.safetensors"))
     assert exported and all(exported[k].equal(saved[k]) for k in exported)  # the step-2 weights, exactly
 
-    proc = run_module("step1_sft.main", args + resume, log_path=str(tmp_path / "one_rank.log"))
-    assert proc.returncode == 0, tail(proc)
-    assert "converting" not in proc.stdout  # converted once, reused
+    step1(args + resume)
+    assert "converting" not in capsys.readouterr().out  # converted once, reused
     resumed = [r for r in metrics(out) if "train/loss" in r]
     assert [r["step"] for r in resumed] == [1, 2, 3, 4], resumed
     for before, after in zip(full[2:], resumed[2:]):
