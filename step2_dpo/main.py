@@ -19,8 +19,9 @@ Dropout is off by default (--dropout 0.0): with dropout the training forward and
 differ at step 0 and the loss does not start at ln 2.
 
 Held-out pairs are measured exactly over all ranks every --eval_interval steps and at the end (before
-training the policy is the reference, so its figures are the reference log-probs'): DPO loss, implicit rewards beta * (logp - ref_logp) of chosen and rejected, the fraction
-of pairs whose chosen reward is higher (accuracy), their margin, and the mean sequence log-probs.
+training the policy is the reference, so its figures are the reference log-probs'): DPO loss,
+implicit rewards beta * (logp - ref_logp) of chosen and rejected, the fraction of pairs whose chosen
+reward is higher (accuracy), their margin, and the mean sequence log-probs.
 The output directory is a plain from_pretrained policy (LoRA merged) that step 3 takes as its actor.
 """
 from __future__ import annotations
@@ -79,7 +80,7 @@ def parse_args(argv=None):
 
 
 REFERENCE_KINDS = {"precomputed": "log-probs precomputed by the starting policy (--precompute_ref_log_probs)",
-                   "adapters": "the policy with its LoRA adapters disabled (--only_optimize_lora keeps the base frozen)",
+                   "adapters": "the policy with its LoRA adapters disabled (--only_optimize_lora: a frozen base)",
                    "engine": "a frozen copy of the starting model"}
 
 
@@ -98,14 +99,20 @@ class Reference:
     def __init__(self, kind: str, policy, engine=None):
         self.kind, self.policy, self.engine = kind, policy, engine
 
-    @torch.no_grad()
     def __call__(self, batch: dict) -> torch.Tensor:
         if "ref_logps" in batch:
             return batch["ref_logps"]
+        if self.kind == "precomputed":  # the policy has moved: it no longer stands for the reference
+            raise RuntimeError("a training batch without its precomputed reference log-probs")
+        return self.score(batch)
+
+    @torch.no_grad()
+    def score(self, batch: dict) -> torch.Tensor:
+        """The reference's own forward (eval mode); for "precomputed", only before the policy's first update."""
         if self.kind == "adapters":
             with eval_mode(self.policy), self.policy.module.disable_adapter():
                 return sequence_logprobs(self.policy, batch)[0]
-        model = self.policy if self.kind == "precomputed" else self.engine  # precomputed: before any update
+        model = self.policy if self.kind == "precomputed" else self.engine
         with eval_mode(model):
             return sequence_logprobs(model, batch)[0]
 
@@ -117,7 +124,7 @@ def all_reference_logps(reference: Reference, pairs: list, collator, batch_size:
     order = sorted(range(len(pairs)), key=lambda i: pair_length(pairs[i]))
     logps = torch.zeros((len(pairs), 2), dtype=torch.float64)
     for indices, weight in rank_batches(order, batch_size):
-        ref = reference(collator([pairs[i] for i in indices])).double().cpu()
+        ref = reference.score(collator([pairs[i] for i in indices])).double().cpu()
         if weight:
             logps[indices] = torch.stack(split_pair_batch(ref), dim=1)
     summed = torch.tensor(all_reduce_sum(logps.flatten().tolist()), dtype=torch.float64)
@@ -139,7 +146,8 @@ class PairLoss:
 
     def __call__(self, logps: torch.Tensor, counts: torch.Tensor | None, ref_logps: torch.Tensor,
                  with_nll: bool = True) -> tuple:
-        (chosen, rejected), (ref_chosen, ref_rejected) = split_pair_batch(logps), split_pair_batch(ref_logps.to(logps.device))
+        chosen, rejected = split_pair_batch(logps)
+        ref_chosen, ref_rejected = split_pair_batch(ref_logps.to(logps.device))
         loss, stats = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, self.beta, self.loss_type,
                                self.label_smoothing)
         stats["chosen_logp"], stats["rejected_logp"] = chosen.detach().mean(), rejected.detach().mean()
@@ -198,7 +206,8 @@ def reference_metrics(pairs: list, loss_of: PairLoss) -> dict:
 def _format_eval(m: dict) -> str:
     return (f"loss {m['eval/loss']:.4f}, accuracy {m['eval/accuracy']:.4f}, margin {m['eval/margin']:.4f} "
             f"(chosen reward {m['eval/chosen_reward']:.4f}, rejected {m['eval/rejected_reward']:.4f}; "
-            f"logp chosen {m['eval/chosen_logp']:.2f}, rejected {m['eval/rejected_logp']:.2f}; {m['eval/pairs']} pairs)")
+            f"logp chosen {m['eval/chosen_logp']:.2f}, rejected {m['eval/rejected_logp']:.2f}; "
+            f"{m['eval/pairs']} pairs)")
 
 
 def build_reference(args, tokenizer, policy) -> Reference:
@@ -207,9 +216,9 @@ def build_reference(args, tokenizer, policy) -> Reference:
     if kind == "engine":
         config = eval_ds_config(args.zero_stage, world_size(), args.per_device_train_batch_size, args.dtype,
                                 args.offload_reference_model)
-        engine = build_frozen_engine(load_causal_lm(args.model_name_or_path, tokenizer, config, 0.0,
-                                                    args.trust_remote_code, attn_implementation=args.attn_implementation),
-                                     config)
+        model = load_causal_lm(args.model_name_or_path, tokenizer, config, 0.0, args.trust_remote_code,
+                               attn_implementation=args.attn_implementation)
+        engine = build_frozen_engine(model, config)
     print_rank0(f"[dpo] reference: {REFERENCE_KINDS[kind]}")
     return Reference(kind, policy, engine)
 
@@ -245,6 +254,10 @@ def main(argv=None):
     logger = checkpointing.metrics_logger(args, loop)
     if checkpointing.last_path:
         before, ref_logps = shared["before"], shared["ref_logps"]
+        if len(ref_logps["eval"]) != len(eval_pairs):
+            fail(f"the checkpoint holds reference log-probs of {len(ref_logps['eval'])} held-out pairs, this run "
+                 f"evaluates {len(eval_pairs)} (another --eval_iters or --per_device_eval_batch_size): resume with "
+                 f"the checkpoint's settings")
         print_rank0(f"[dpo] resumed from {checkpointing.last_path} at step {loop.step}")
     else:  # before any update: the policy is still the reference
         ref_start = time.time()
@@ -284,8 +297,8 @@ def main(argv=None):
     after = run_eval(loop.step)
     step = loop.step
     print_rank0(f"[dpo] eval after {step} steps: accuracy {after['eval/accuracy']:.4f} (before "
-                f"{before['eval/accuracy']:.4f}), margin {after['eval/margin']:.4f} (before {before['eval/margin']:.4f}); "
-                f"training took {elapsed:.1f} s")
+                f"{before['eval/accuracy']:.4f}), margin {after['eval/margin']:.4f} (before "
+                f"{before['eval/margin']:.4f}); training took {elapsed:.1f} s")
     logger.log(step, {"time/train_s": elapsed})
     export_start = time.time()
     export_hf_model(engine, tokenizer, args.output_dir)

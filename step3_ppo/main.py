@@ -32,8 +32,8 @@ from utils.data import (PromptCollator, SFTCollator, describe_skips, distributed
 from utils.errors import one_line
 from utils.distributed import is_rank0, rank, start_process, world_size
 from utils.flags import (add_checkpoint_args, add_data_args, add_generation_args, add_model_args,
-                         add_offload_reference_arg, add_output_args, add_training_args, check_range, check_sequence_fits, fail, resolve_generation_args,
-                         validate_training_args)
+                         add_offload_reference_arg, add_output_args, add_training_args, check_range,
+                         check_sequence_fits, fail, resolve_generation_args, validate_training_args)
 from utils.logging import print_rank0, progress_bar
 from utils.model import check_model_path, load_tokenizer
 from utils.ops import KL_ESTIMATORS, LOSS_AGGREGATIONS
