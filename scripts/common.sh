@@ -64,6 +64,15 @@ grpo_inputs() {
     [ -f "$DATA/eval.jsonl" ] || python -m data.make_arithmetic_data --out "$DATA" >/dev/null || return
   fi
 }
+# The GPU GRPO scripts' settings (run_grpo_single_gpu.sh, run_grpo_single_node.sh; one preset, two launchers):
+# GPU-sized batches, bf16, ZeRO-3 + hybrid generation, 8 answers per prompt, math_exact (format logged at weight 0).
+GRPO_GPU_FLAGS=(--advantage_estimator grpo --n_samples_per_prompt 8
+  --reward_funcs math_exact format --reward_weights 1.0 0.0 --format_pattern '^\s*\d+\s*\.?\s*$'
+  --actor_zero_stage 3 --enable_hybrid_engine --dtype bf16
+  --max_prompt_seq_len 128 --max_answer_seq_len 64 --temperature 0.7
+  --per_device_generation_batch_size 32 --per_device_training_batch_size 64 --ppo_epochs 1
+  --actor_learning_rate 1e-6 --kl_ctl 0.02 --kl_in_loss --num_train_epochs 1
+  --eval_interval 10 --eval_num_prompts 200 --seed 1234)
 
 # Multi-node: MULTI_NODE_MODE=ssh (default; the launcher reaches every host of the hostfile over
 # pdsh/ssh) or no_ssh (start THIS node only: NODE_RANK, MASTER_ADDR, MASTER_PORT must be set, e.g.
