@@ -3,6 +3,7 @@
     python bench/generation.py                 # SmolLM2-135M-shaped model, batch 8/rank, prompt 64, 64 new tokens
     python bench/generation.py --tiny          # tiny random llama (seconds)
     python bench/generation.py --save bench/results/2026-11-30-generation.txt
+    python bench/generation.py --sweep 64,128,256       # limit vs hybrid only, per answer length
 
 In ONE run (all greedy, same left-padded prompts as step3_ppo/generation_check.py):
   (1)  limit:  plain HF `generate` of the unsharded model in ONE process, OMP_NUM_THREADS=1
@@ -22,6 +23,7 @@ when 3/1 < 0.9) one extra call of the limit and of the hybrid mode runs under cP
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -61,6 +63,7 @@ def worker_args(argv):
     p.add_argument("--overhead_repeats", type=int, default=7, help="timed calls of the short modes (3s), (3p)")
     p.add_argument("--modes", default="unsharded,plain,hybrid,hybrid_unmerged")
     p.add_argument("--profile", default="", help="modes to run once more under cProfile on rank 0")
+    p.add_argument("--count_calls", action="store_true", help="count the Python calls of one decode per mode")
     p.add_argument("--out", required=True)
     p.add_argument("--local_rank", type=int, default=-1)
     return p.parse_args(argv)
@@ -288,6 +291,23 @@ def worker(argv):
             result["partitioned_after"] = partitioned(engine)
     result["tokens"] = {m: t.tolist() for m, t in tokens.items()}
 
+    if args.count_calls:  # Python calls of the decode alone (cProfile counts them; immune to other load)
+        import cProfile
+        import pstats
+
+        result["decode_python_calls"] = {}
+        for mode in [m for m in ("unsharded", "hybrid") if m in modes]:
+            _sync()
+            ids, mask = prompts["input_ids"], prompts["attention_mask"]
+            with torch.no_grad(), (generation_mode(engine, hybrid=True) if mode == "hybrid"
+                                   else contextlib.nullcontext()):
+                model = engine.module if mode == "hybrid" else plain_model
+                prof = cProfile.Profile()
+                prof.enable()
+                forward_generate(model, ids, mask, synced_gpus=False, **kwargs)
+                prof.disable()
+            result["decode_python_calls"][mode] = pstats.Stats(prof).total_calls
+
     if args.profile:
         import cProfile
         import io
@@ -344,7 +364,7 @@ def header_lines(args, model_dir: str) -> list[str]:
         f"{cfg.get('num_hidden_layers')}, heads {cfg.get('num_attention_heads')}/{cfg.get('num_key_value_heads')}, "
         f"vocab {cfg.get('vocab_size')}, fp32)",
         f"batch {args.batch_size} prompts per rank, prompt {args.prompt_len} tokens (left-padded, lengths "
-        f"{args.prompt_len // 2 + 1}..{args.prompt_len}), {args.new_tokens} new tokens (min = max), greedy; "
+        f"{args.prompt_len // 2 + 1}..{args.prompt_len}), {'/'.join(map(str, args.sweep)) if args.sweep else args.new_tokens} new tokens (min = max), greedy; "
         f"ZeRO-3 actor with LoRA r={args.lora_dim} (lora_B non-zero), lr 0",
         f"timing: 1 warm-up round + {args.repeats} rounds, modes (1b)-(3u) interleaved in each round "
         f"((2) only in the first {args.plain_repeats}, no warm-up of its own); "
@@ -378,6 +398,51 @@ def launch(cmd: list[str], env: dict, timeout: int, log_path: str) -> None:
         raise SystemExit(f"error: {' '.join(cmd[:6])} ... exited with {rc}")
 
 
+def decode_calls_line(calls: dict) -> str:
+    return (f"Python calls of one decode (cProfile, rank 0, generate alone): hybrid {calls['hybrid']}, unsharded "
+            f"{calls['unsharded']}: {calls['hybrid'] / calls['unsharded']:.3f}x")
+
+
+def sweep(args, model_dir: str, env: dict, logs: str) -> list[str]:
+    """Hybrid mode against the limit for several answer lengths (the fixed gather cost amortises).
+
+    Per length: the 1-process limit, then the 2-rank run with the side-by-side limit and the hybrid
+    mode interleaved (no plain ZeRO-3, no breakdown); decode Python calls counted in the latter."""
+    rows = []
+    for new_tokens in args.sweep:
+        common = ["--model_name_or_path", model_dir, "--batch_size", str(args.batch_size), "--prompt_len",
+                  str(args.prompt_len), "--new_tokens", str(new_tokens), "--repeats", str(args.repeats)]
+        with tempfile.TemporaryDirectory(prefix="bench_gen_") as tmp:
+            one, two = os.path.join(tmp, "one.json"), os.path.join(tmp, "two.json")
+            launch([sys.executable, "-m", "bench.generation", "--worker", "--zero_stage", "0", "--lora_dim", "0",
+                    "--modes", "unsharded", "--out", one, *common],
+                   {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}, args.timeout,
+                   os.path.join(logs, f"sweep{new_tokens}_limit_1proc.log"))
+            launch(["deepspeed", "--num_gpus", "2", "--master_port", str(args.master_port), "--module",
+                    "bench.generation", "--worker", "--zero_stage", "3", "--lora_dim", str(args.lora_dim),
+                    "--out", two, *common, "--modes", "unsharded,hybrid", "--count_calls"], env, args.timeout,
+                   os.path.join(logs, f"sweep{new_tokens}_zero3_2ranks.log"))
+            with open(one) as f:
+                r1 = json.load(f)
+            with open(two) as f:
+                r2 = json.load(f)
+        limit, side, hybrid = r1["modes"]["unsharded"], r2["modes"]["unsharded"], r2["modes"]["hybrid"]
+        split = hybrid["enter_exit_decode_s"]
+        calls = r2["decode_python_calls"]
+        rows.append(f"{new_tokens:>10d} {limit['tokens_per_s_per_rank']:9.1f} {side['tokens_per_s_per_rank']:9.1f} "
+                    f"{hybrid['tokens_per_s_per_rank']:9.1f} "
+                    f"{hybrid['tokens_per_s_per_rank'] / limit['tokens_per_s_per_rank']:6.2f} "
+                    f"{hybrid['tokens_per_s_per_rank'] / side['tokens_per_s_per_rank']:7.2f} "
+                    f"{split['enter'] + split['exit']:11.2f} {split['decode']:8.2f} {side['seconds']:9.2f} "
+                    f"{calls['hybrid'] / calls['unsharded']:10.3f}")
+        print(rows[-1], file=sys.stderr, flush=True)
+    head = (f"{'new tokens':>10s} {'(1) tok/s':>9s} {'(1b)':>9s} {'(3) tok/s':>9s} {'3/1':>6s} {'3/1b':>7s} "
+            f"{'enter+exit':>11s} {'decode':>8s} {'(1b) call':>9s} {'calls 3/1b':>10s}")
+    return ["", f"sweep over answer lengths (modes (1), (1b), (3) only; {args.repeats} timed calls after a warm-up; "
+                f"tok/s per rank; seconds per call, rank 0; calls = Python calls of one decode, hybrid / unsharded)",
+            head, *rows, "(goal: 3/1 >= 0.9 at 128 new tokens)"]
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="tiny random llama (utils.tiny_model) instead of SmolLM2")
@@ -396,6 +461,8 @@ def main(argv=None):
                    help="cProfile one more limit call and hybrid call after the timed ones (auto: printed when 3/1 < 0.9)")
     p.add_argument("--master_port", type=int, default=29531)
     p.add_argument("--timeout", type=int, default=600, help="seconds per launched run")
+    p.add_argument("--sweep", default=None, type=lambda v: [int(x) for x in v.split(",") if x],
+                   help="comma-separated answer lengths, e.g. 64,128,256: only the limit vs hybrid sweep")
     p.add_argument("--save", default=None, help="also write the printed report to this file")
     args = p.parse_args(argv)
     if args.tiny:
@@ -416,6 +483,10 @@ def main(argv=None):
     wall = time.time()
     logs = os.path.join(REPO, "bench", "runs", "generation")
     os.makedirs(logs, exist_ok=True)
+    if args.sweep:
+        finish_report(args.save, lines, sweep(args, model_dir, env, logs) + machine_lines("after")
+                      + [f"total wall time {time.time() - wall:.0f} s"])
+        return
     with tempfile.TemporaryDirectory(prefix="bench_gen_") as tmp:
         one, two = os.path.join(tmp, "one.json"), os.path.join(tmp, "two.json")
         want_profile = args.profile != "off"  # one extra call after the timed ones, in the same runs
@@ -427,7 +498,7 @@ def main(argv=None):
                 "--worker", "--zero_stage", "3", "--lora_dim", str(args.lora_dim), "--out", two, *timed,
                 "--modes", "unsharded,plain,hybrid,hybrid_unmerged" + ("" if args.no_breakdown else
                                                                       ",hybrid_steps,hybrid_proposed")]
-               + (["--profile", "hybrid"] if want_profile else []), env, args.timeout,
+               + (["--profile", "hybrid"] if want_profile else []) + ["--count_calls"], env, args.timeout,
                os.path.join(logs, "zero3_2ranks.log"))
         with open(one) as f:
             r1 = json.load(f)
@@ -482,6 +553,7 @@ def main(argv=None):
             *([f"enter + exit of the hybrid mode = {sum(v for k, v in modes['hybrid']['enter_exit_decode_s'].items() if k != 'decode'):.2f} s "
                f"= {100 * sum(v for k, v in modes['hybrid']['enter_exit_decode_s'].items() if k != 'decode') / modes['hybrid']['seconds']:.0f}% "
                f"of a hybrid call (wall, rank 0)"] if "enter_exit_decode_s" in modes.get("hybrid", {}) else []),
+            *([decode_calls_line(r2["decode_python_calls"])] if "decode_python_calls" in r2 else []),
             f"tokens equal across the ZeRO-3 modes (2),(3),(3u): {r2.get('tokens_equal_zero3_modes')}; "
             f"all weights bit for bit unchanged after all calls: {r2.get('weights_unchanged')}; ZeRO-3 params "
             f"partitioned again after: {r2.get('partitioned_after')}; tokens of (1) == (1b): "

@@ -8,7 +8,8 @@ mode with LoRA merged and (3) without merging. Rank 0 writes whether the tokens 
 parameters are partitioned again afterwards, whether the weights came back bit for bit, whether
 DeepSpeed's module hooks and recorded parameter trace survived the hybrid mode unchanged, how far a
 forward in `hybrid.gathered` (how step 3 scores the rollout) is from the hooked ZeRO-3 forward
-(how it trains), plus tokens per second per rank (median over --repeats after a warm-up).
+(how it trains), whether the generation mode runs plain layers (no LoRA wrappers, no ZeRO parameter
+dicts) and restores the same module objects afterwards, plus tokens per second per rank (median over --repeats after a warm-up).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import time
 
 import torch
 
-from step3_ppo.hybrid import gathered, generate
+from step3_ppo.hybrid import gathered, generate, generation_mode
 from utils.distributed import init_distributed, is_rank0, set_seed, world_size
 from utils.ds_config import train_ds_config
 from utils.forward import GenerationSettings, causal_lm_logits, eval_mode, generation_kwargs
@@ -84,6 +85,30 @@ def zero3_hook_state(engine):
     return hooks, trace
 
 
+def module_tree_state(engine) -> dict:
+    """What the actor runs per token: peft LoRA wrappers, ZeRO-3 parameter dicts, merged adapters."""
+    from peft.tuners.lora import LoraLayer
+
+    modules = list(engine.module.modules())
+    return {"lora_wrappers": sum(isinstance(m, LoraLayer) for m in modules),
+            "merged_wrappers": sum(isinstance(m, LoraLayer) and m.merged for m in modules),
+            "zero_parameter_dicts": sum(type(m._parameters).__name__ == "ZeROOrderedDict" for m in modules),
+            "identity": [id(m) for m in modules] + [id(m._parameters) for m in modules]}
+
+
+def generation_mode_tree(engine) -> dict:
+    """The module tree before, inside and after the hybrid generation mode (LoRA merged): inside it
+    must run plain layers (no wrappers, no ZeRO dicts); afterwards it must be the same objects again."""
+    before = module_tree_state(engine)
+    with generation_mode(engine, hybrid=True, merge_lora=True):
+        inside = module_tree_state(engine)
+    after = module_tree_state(engine)
+    return {"before": {k: v for k, v in before.items() if k != "identity"},
+            "inside": {k: v for k, v in inside.items() if k != "identity"},
+            "after": {k: v for k, v in after.items() if k != "identity"},
+            "restored": after == before}
+
+
 def gathered_forward_max_abs_diff(engine, sequences: torch.Tensor, mask: torch.Tensor) -> float:
     """Max |logit difference| between a forward inside `hybrid.gathered` and the hooked forward."""
     with torch.no_grad(), eval_mode(engine):
@@ -141,6 +166,7 @@ def main(argv=None):
             hooks_after, trace_after = zero3_hook_state(engine)
             result["modes"][mode].update(hooks_unchanged=hooks_after == hook_state[0], trace_before=hook_state[1],
                                          trace_after=trace_after)
+    result["generation_mode_tree"] = generation_mode_tree(engine)
     if args.zero_stage == 3:
         result["gathered_forward_max_abs_diff"] = gathered_forward_max_abs_diff(
             engine, out, torch.cat([prompts["attention_mask"], torch.ones_like(out[:, args.prompt_len:])], dim=1))

@@ -75,29 +75,65 @@ def gathered(engine):
         return
     import deepspeed
 
-    with deepspeed.zero.GatheredParameters(partitioned_params(engine.module)), _hooks_lifted(offload):
+    with (deepspeed.zero.GatheredParameters(partitioned_params(engine.module)), _hooks_lifted(offload),
+          _plain_parameter_dicts(engine.module)):
         yield
 
 
 @contextlib.contextmanager
+def _plain_parameter_dicts(module):
+    """Each module's ZeROOrderedDict of parameters replaced by a plain dict holding the same tensors.
+
+    The ZeRO dict's `__getitem__` only matters when a parameter may be partitioned; inside `gathered`
+    none is, and the plain dict is the dict torch's modules use. The originals go back on exit; a
+    parameter added or replaced meanwhile would be lost with the plain dict, so that raises.
+    """
+    from deepspeed.runtime.zero.parameter_offload import ZeROOrderedDict
+
+    swapped = [(m, m._parameters) for m in module.modules() if isinstance(m._parameters, ZeROOrderedDict)]
+    for m, params in swapped:
+        m._parameters = dict(params.items())
+    try:
+        yield
+    finally:
+        changed = [m for m, params in swapped if m._parameters.keys() != params.keys()
+                   or any(m._parameters[k] is not v for k, v in params.items())]
+        for m, params in swapped:
+            m._parameters = params
+        if changed:
+            raise RuntimeError(f"parameters of {type(changed[0]).__name__} were replaced while the model was "
+                               f"gathered; ZeRO-3 would not see them")
+
+
+@contextlib.contextmanager
 def _lora_merged(module):
-    """peft LoRA merged into the base weights; the exact original weights restored on exit."""
+    """peft LoRA merged into the base weights and the wrappers replaced by their base layers; the
+    exact original weights and the wrappers restored on exit."""
     from peft import PeftModel
     from peft.tuners.lora import LoraLayer
 
     if not isinstance(module, PeftModel):
         yield
         return
-    layers = [m for m in module.modules() if isinstance(m, LoraLayer)]
+    wrapped = [(parent, name, child) for parent in module.modules()
+               for name, child in parent.named_children() if isinstance(child, LoraLayer)]
+    layers = [child for _, _, child in wrapped]
+    plain_lora = not any(layer.lora_variant for layer in layers)  # DoRA & co. keep state unmerge resets
     saved = [m.get_base_layer().weight.detach().clone() for m in layers]
     module.merge_adapter()
+    for parent, name, child in wrapped:
+        setattr(parent, name, child.get_base_layer())
     try:
         yield
     finally:
-        module.unmerge_adapter()
-        with torch.no_grad():
+        for parent, name, child in wrapped:
+            setattr(parent, name, child)
+        if not plain_lora:
+            module.unmerge_adapter()
+        with torch.no_grad():  # the saved weights back (plain LoRA: instead of unmerge, a second B @ A per layer)
             for layer, weight in zip(layers, saved):
                 layer.get_base_layer().weight.copy_(weight)
+                layer.merged_adapters.clear()
 
 
 @contextlib.contextmanager

@@ -11,8 +11,10 @@ from tests.test_step3_lr0 import write_prompts
 def test_generation_modes_agree_and_repartition(tiny_llama, tmp_path):
     """Greedy tokens: plain ZeRO-3 generate == hybrid generation mode (LoRA merged) == hybrid unmerged;
     afterwards every parameter is partitioned again, the weights are bit-for-bit unchanged, DeepSpeed's
-    hooks and recorded trace are as before (else the next training step loses its prefetch), and a
-    forward with the model gathered once (how the rollout is scored) equals the hooked one."""
+    hooks and recorded trace are as before (else the next training step loses its prefetch), a
+    forward with the model gathered once (how the rollout is scored) equals the hooked one, and the
+    generation mode runs plain layers (no LoRA wrappers, no ZeRO parameter dicts), then puts the
+    same module objects back."""
     out = tmp_path / "generation.json"
     proc = run_deepspeed("step3_ppo.generation_check", ["--model_name_or_path", tiny_llama, "--lora_dim", 4,
                                                         "--zero_stage", 3, "--out", out])
@@ -26,6 +28,10 @@ def test_generation_modes_agree_and_repartition(tiny_llama, tmp_path):
         state = result["modes"][mode]
         assert state["hooks_unchanged"] and state["trace_before"] == state["trace_after"] == "complete", state
     assert result["gathered_forward_max_abs_diff"] <= 1e-6
+    tree = result["generation_mode_tree"]  # per token, the merged actor runs what the plain model runs
+    assert tree["before"]["lora_wrappers"] > 0 and tree["before"]["zero_parameter_dicts"] > 0, tree
+    assert tree["inside"]["lora_wrappers"] == tree["inside"]["zero_parameter_dicts"] == 0, tree
+    assert tree["restored"] and tree["after"]["merged_wrappers"] == 0, tree
 
 
 @pytest.mark.parametrize("experience", ["gathered", "hooked"])
