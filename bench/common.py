@@ -9,6 +9,16 @@ RUNS = os.path.join(REPO, "bench", "runs")
 SMOL = os.path.join(REPO, ".cache", "models", "SmolLM2-135M-Instruct")
 
 
+def bench_model(args) -> str:
+    """The model directory a benchmark runs: `--tiny`'s cached 2-layer random llama, else
+    --model_name_or_path, else the embedded SmolLM2-135M-Instruct."""
+    if getattr(args, "tiny", False):
+        from utils.tiny_model import make_tiny_model_cached
+
+        return make_tiny_model_cached("llama")
+    return args.model_name_or_path or SMOL
+
+
 def cpu_name() -> str:
     try:
         with open("/proc/cpuinfo") as f:

@@ -37,7 +37,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.common import SMOL, machine_line, machine_lines, malloc_line, finish_report  # noqa: E402
+from bench.common import SMOL, bench_model, finish_report, machine_line, machine_lines, malloc_line  # noqa: E402
 
 MODE_LABELS = {"limit_1proc": "(1)  limit: unsharded plain generate, 1 process",
                "unsharded": "(1b) limit side by side: unsharded copy on each rank",
@@ -364,12 +364,15 @@ def header_lines(args, model_dir: str) -> list[str]:
         f"{cfg.get('num_hidden_layers')}, heads {cfg.get('num_attention_heads')}/{cfg.get('num_key_value_heads')}, "
         f"vocab {cfg.get('vocab_size')}, fp32)",
         f"batch {args.batch_size} prompts per rank, prompt {args.prompt_len} tokens (left-padded, lengths "
-        f"{args.prompt_len // 2 + 1}..{args.prompt_len}), {'/'.join(map(str, args.sweep)) if args.sweep else args.new_tokens} new tokens (min = max), greedy; "
+        f"{args.prompt_len // 2 + 1}..{args.prompt_len}), "
+        f"{'/'.join(map(str, args.sweep)) if args.sweep else args.new_tokens} new tokens (min = max), greedy; "
         f"ZeRO-3 actor with LoRA r={args.lora_dim} (lora_B non-zero), lr 0",
-        f"timing: 1 warm-up round + {args.repeats} rounds, modes (1b)-(3u) interleaved in each round "
-        f"((2) only in the first {args.plain_repeats}, no warm-up of its own); "
-        f"a call = slowest rank; median; 'cpu s' = CPU seconds of rank 0's process in the call (median): "
-        f"wall >> cpu means other processes took the cores",
+        (f"timing: 1 warm-up round + {args.repeats} rounds, modes (1b) and (3) interleaved in each round; "
+         if args.sweep else
+         f"timing: 1 warm-up round + {args.repeats} rounds, modes (1b)-(3u) interleaved in each round "
+         f"((2) only in the first {args.plain_repeats}, no warm-up of its own); ")
+        + "a call = slowest rank; median; 'cpu s' = CPU seconds of rank 0's process in the call (median): "
+          "wall >> cpu means other processes took the cores",
     ]
 
 
@@ -465,12 +468,7 @@ def main(argv=None):
                    help="comma-separated answer lengths, e.g. 64,128,256: only the limit vs hybrid sweep")
     p.add_argument("--save", default=None, help="also write the printed report to this file")
     args = p.parse_args(argv)
-    if args.tiny:
-        from utils.tiny_model import make_tiny_model_cached
-
-        model_dir = make_tiny_model_cached("llama")
-    else:
-        model_dir = args.model_name_or_path or SMOL
+    model_dir = bench_model(args)
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONWARNINGS": "ignore"}

@@ -31,6 +31,7 @@ the other (ours first), each alone on the shared machine.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import resource
@@ -43,7 +44,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.common import RUNS, SMOL, machine_line, machine_lines, malloc_line, finish_report  # noqa: E402
+from bench.common import RUNS, SMOL, bench_model, finish_report, machine_line, machine_lines, malloc_line  # noqa: E402
 from utils.distributed import malloc_tuning_env  # noqa: E402
 
 TRL_VENV = os.path.join(REPO, "bench", ".venv-trl")
@@ -215,6 +216,15 @@ def first_error_line(text: str) -> str:
     return lines[-1] if lines else "(no output)"
 
 
+def venv_versions(venv: str) -> str:
+    """The TRL venv's package versions from its metadata (no process: it would count in our ru_maxrss)."""
+    import importlib.metadata as md
+
+    sites = glob.glob(os.path.join(venv, "lib", "python*", "site-packages"))
+    found = {d.metadata["Name"].lower(): d.version for d in md.distributions(path=sites)} if sites else {}
+    return " ".join(f"{n} {found.get(n, '?')}" for n in ("trl", "torch", "deepspeed", "transformers", "accelerate"))
+
+
 def run_trl(args, model_dir: str, prompts: str, out_dir: str) -> dict:
     python = os.path.join(TRL_VENV, "bin", "python")
     if not os.path.exists(python):
@@ -290,12 +300,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.batch_size % args.train_batch_size:
         raise SystemExit("error: --train_batch_size must divide --batch_size")
-    if args.tiny:
-        from utils.tiny_model import make_tiny_model_cached
-
-        model_dir = make_tiny_model_cached("llama")
-    else:
-        model_dir = args.model_name_or_path or SMOL
+    model_dir = bench_model(args)
     args.steps = args.steps or (6 if args.tiny else 3)
     prompts = step3.write_prompts(os.path.join(RUNS, "prompts.jsonl"), args.num_prompts)
     if args.malloc_trim_threshold is not None:
@@ -305,19 +310,9 @@ def main(argv=None):
     if args.malloc_tuning:
         os.environ.update(MALLOC_ENV)  # inherited by our step 3 launch too
 
-    trl_version = "?"
-    try:
-        trl_version = subprocess.run([os.path.join(TRL_VENV, "bin", "python"), "-c",
-                                      "import trl, torch, deepspeed, transformers, accelerate;"
-                                      "print(trl.__version__, torch.__version__, deepspeed.__version__,"
-                                      " transformers.__version__, accelerate.__version__)"],
-                                     capture_output=True, text=True, timeout=120).stdout.strip()
-        trl_version = trl_version.splitlines()[-1] if trl_version else "?"  # DeepSpeed warns on stdout first
-    except (OSError, subprocess.SubprocessError):
-        pass
     lines = [f"# bench/peer_trl.py  {time.strftime('%Y-%m-%d %H:%M:%S')}",
              machine_line(),
-             f"TRL venv {TRL_VENV}: trl torch deepspeed transformers accelerate = {trl_version}",
+             f"TRL venv {TRL_VENV}: {venv_versions(TRL_VENV)}",
              f"model: {model_dir}; fp32; ZeRO-{args.zero_stage} both sides (ours: --enable_hybrid_engine; TRL: "
              f"ds3_gather_for_generation=True); 2 ranks, OMP_NUM_THREADS=1",
              "ours: " + malloc_line() + "; TRL: " + ("the same MALLOC_* environment" if args.malloc_tuning

@@ -18,7 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.common import RUNS, SMOL, machine_line, malloc_line, finish_report  # noqa: E402
+from bench.common import RUNS, SMOL, bench_model, finish_report, machine_line, malloc_line  # noqa: E402
 
 
 def worker(argv) -> None:
@@ -63,12 +63,7 @@ def main(argv=None) -> None:
     p.add_argument("--save", default=None)
     args = p.parse_args(argv)
     args.steps = 10
-    if args.tiny:
-        from utils.tiny_model import make_tiny_model_cached
-
-        model_dir = make_tiny_model_cached("llama")
-    else:
-        model_dir = args.model_name_or_path or SMOL
+    model_dir = bench_model(args)
     prompts = step3.write_prompts(os.path.join(RUNS, "prompts.jsonl"), 256)
     out_dir = os.path.join(RUNS, "profile")
     os.makedirs(out_dir, exist_ok=True)

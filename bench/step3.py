@@ -39,7 +39,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.common import RUNS, SMOL, machine_line, machine_lines, malloc_line, finish_report  # noqa: E402
+from bench.common import RUNS, SMOL, bench_model, finish_report, machine_line, machine_lines, malloc_line  # noqa: E402
 
 DEMO_PAIRS = os.path.join(REPO, "data", "demo_raw", "pairs", "train.jsonl")  # raw rows: the figures in bench/results
 CONFIGS = {  # name: (actor/critic ZeRO stage, --enable_hybrid_engine)
@@ -100,7 +100,10 @@ def summarize(rows: list[dict], warmup: int) -> dict:
     parts = {"gen": "time/generation_s", "exp": "time/experience_s", "train": "time/train_s"}
     step_s = [sum(r[k] for k in parts.values()) for r in timed]
     total = sum(step_s)
+    peaks = {phase: max(r[f"mem/{phase}_peak_gb"] for r in rows if f"mem/{phase}_peak_gb" in r)
+             for phase in ("generation", "experience", "training") if any(f"mem/{phase}_peak_gb" in r for r in rows)}
     return {"steps_timed": len(timed), "step_s": statistics.median(step_s), "all_step_s": step_s,
+            "peak_rss_gib": peaks,  # per phase, the largest rank's, over all iterations (warm-up included)
             "samples_per_s": statistics.median(r["samples_per_s"] for r in timed),
             **{f"{name}_s": statistics.median(r[k] for r in timed) for name, k in parts.items()},
             **{f"{name}_share": sum(r[k] for r in timed) / total for name, k in parts.items()}}
@@ -233,14 +236,16 @@ def by_name(results):
     return {r["name"]: r for r in results}
 
 
-def run_config(args, model_dir, prompts, name, port) -> dict:
-    stage, hybrid = CONFIGS[name]
+def run_config(args, model_dir, prompts, name, port, command=None) -> dict:
+    """One launch of step 3 (`command(out_dir, port)`, default: CONFIGS[name]'s step3_command) and its figures."""
+    stage, hybrid = CONFIGS.get(name, (None, None))
     out_dir = os.path.join(RUNS, "step3", f"{os.path.basename(model_dir.rstrip('/'))}-{name.replace('+', '_')}")
     shutil.rmtree(out_dir, ignore_errors=True)
     os.makedirs(out_dir)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONWARNINGS": "ignore"}
-    cmd = step3_command(args, model_dir, prompts, stage, hybrid, out_dir, port)
+    cmd = (command(out_dir, port) if command is not None
+           else step3_command(args, model_dir, prompts, stage, hybrid, out_dir, port))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.time()
     with open(os.path.join(out_dir, "launch.log"), "w") as log:
@@ -259,6 +264,7 @@ def run_config(args, model_dir, prompts, name, port) -> dict:
     for sub in ("actor", "critic"):  # the exported models are not needed here (hundreds of MB each)
         shutil.rmtree(os.path.join(out_dir, sub), ignore_errors=True)
     result = {"name": name, "zero_stage": stage, "hybrid": hybrid, "exit": proc.returncode, "wall_s": wall,
+              "out_dir": out_dir, "rows": rows,
               "max_rss_mib": after.ru_maxrss / 1024,
               "cpu_s": cpu, "iterations": len(rows), **summarize(rows, args.warmup)}
     print(f"  [{wall:.0f} s] {name}: exit {proc.returncode}, {len(rows)} iterations, "
@@ -289,12 +295,7 @@ def main(argv=None):
                    help="hybrid: plain vs hybrid generation; logits_to_keep: the proposed logits_to_keep_logprobs vs the project's")
     p.add_argument("--save", default=None)
     args = p.parse_args(argv)
-    if args.tiny:
-        from utils.tiny_model import make_tiny_model_cached
-
-        model_dir = make_tiny_model_cached("llama")
-    else:
-        model_dir = args.model_name_or_path or SMOL
+    model_dir = bench_model(args)
     args.steps = args.steps or ((10 if args.tiny else 8) if args.ab else (6 if args.tiny else 3))
     names = [n for n in args.configs.split(",") if n]
     for n in names:
@@ -342,8 +343,12 @@ def main(argv=None):
                    + " ".join(f"{s:.2f}" for s in r["all_step_s"]))
     out.append("(s/iter, gen/exp/train s: medians of rank 0's iteration times; %: share of the summed timed "
                "iterations; wall s: whole launch incl. start-up, model loading and the final export)")
-    out.append("peak RSS of the largest rank process so far (MiB, cumulative max): "
+    out.append("peak RSS of the largest rank process after its last phase (MiB; Linux resets ru_maxrss with the "
+               "VmHWM that each phase resets, so this covers the last training phase and the export): "
                + ", ".join(f"{r['name']} {r['max_rss_mib']:.0f}" for r in results))
+    out.append("peak RSS per phase (GiB, largest rank, max over iterations; utils.accelerator.PhaseMemory): "
+               + "; ".join(f"{r['name']} " + " / ".join(f"{k} {v:.2f}" for k, v in r["peak_rss_gib"].items())
+                           for r in results))
     if "z2+hybrid" in by_name(results) and "z2" in by_name(results):
         out.append("note: without LoRA, z2 and z2+hybrid run the SAME code (no ZeRO-3 gather, nothing to merge): "
                    "their difference is the run-to-run noise of this machine")

@@ -32,7 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.common import SMOL, finish_report, machine_lines, malloc_line  # noqa: E402
+from bench.common import SMOL, bench_model, finish_report, machine_lines, malloc_line  # noqa: E402
 
 WAYS = ("hooked", "gathered", "re-registered")
 COUNTED = ("all_gather_into_tensor", "all_gather_coalesced", "reduce_scatter_tensor", "all_reduce")
@@ -164,11 +164,7 @@ def main(argv=None) -> None:
         return worker(args)
     from bench.generation import launch
 
-    if args.tiny:
-        from utils.tiny_model import make_tiny_model_cached
-
-        args.model_name_or_path = make_tiny_model_cached("llama")
-    model_dir = args.model_name_or_path or SMOL
+    model_dir = bench_model(args)
     lines = [f"# bench/zero3_trace.py  {time.strftime('%Y-%m-%d %H:%M:%S')}",
              f"model: {model_dir}; ZeRO-3 fp32 actor (utils.ds_config), 2 ranks, OMP_NUM_THREADS=1, lr 0; "
              f"no-grad forward of 8 x {args.seq_len} tokens, then 2 training steps of 4 x {args.seq_len}; "

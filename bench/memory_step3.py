@@ -1,0 +1,320 @@
+"""Where a step-3 rank's memory goes: by model (weights, gradients, optimizer), by phase, and the allocator.
+
+    python bench/memory_step3.py                       # SmolLM2-135M, 4-model PPO with GAE, ZeRO-3 + hybrid
+    python bench/memory_step3.py --tiny                # tiny random llama (seconds)
+    python bench/memory_step3.py --variants tuned,glibc --save bench/results/DATE-memory-step3.txt
+
+Runs the unmodified step 3 (`deepspeed --num_gpus 2 --module bench.memory_step3 --worker`, which
+calls `step3_ppo.main.main`) on bench/step3.py's workload (same prompts, fixed answer length, rollout,
+mini-batch, fp32, full fine-tuning; actor = reference, critic = reward = backbone + fresh value head)
+and records on every rank:
+- the process RSS (VmRSS) before and after each model is loaded and made an engine, so each model's
+  resident cost is the difference;
+- the bytes of the tensors each engine holds, from DeepSpeed's objects: the rank's parameter shards,
+  the optimizer's flat fp32 partitions, gradient partitions and Adam moments (found by walking the
+  optimizer's attributes, unique storages only);
+- per PPO phase (generation, experience, training; `utils.accelerator.PhaseMemory` already resets the
+  peak at each phase's start): the RSS at its start, its peak (VmHWM) and glibc's heap at its end
+  (`mallinfo2`: bytes in use and bytes free but kept by the allocator, the slack).
+Variants (`--variants`, run one after the other): `tuned` = the project's default (`tune_malloc`),
+`glibc` = RLHF_MALLOC_TUNING=0 (glibc's defaults), `env:NAME=VALUE,...` = extra environment.
+Experiments (bench only, as `env:` variants): BENCH_TRIM_AT_PHASE_END=1 calls glibc's malloc_trim(0)
+after every phase; BENCH_REDUCE_BUCKET_SIZE=N sets DeepSpeed's reduce_bucket_size (default 5e8 elements).
+Seconds per iteration come from metrics.jsonl as in bench/step3.py (first iteration dropped).
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from bench.common import RUNS, SMOL, bench_model, finish_report, machine_line, machine_lines, malloc_line  # noqa: E402
+
+GIB = 2**30
+
+
+# ----------------------------------------------------------------------------------------------- worker
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def heap() -> dict:
+    """glibc's view of the heap (GiB): in use, free but kept (slack), mmapped blocks; {} off glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _Mallinfo2
+        m = libc.mallinfo2()
+    except (OSError, AttributeError):
+        return {}
+    return {"in_use": (m.uordblks + m.hblkhd) / GIB, "free_kept": m.fordblks / GIB, "mmapped": m.hblkhd / GIB,
+            "heap": m.arena / GIB}
+
+
+def rss() -> float:
+    with open("/proc/self/status") as f:
+        return int(re.search(r"^VmRSS:\s+(\d+)", f.read(), re.MULTILINE).group(1)) / 2**20
+
+
+def tensor_bytes(obj, seen: set, depth: int = 0) -> int:
+    """Bytes of the distinct tensor storages reachable from obj through lists, tuples, dicts and DeepSpeed's
+    own objects (depth <= 4)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        try:
+            storage = obj.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return 0
+        key = storage.data_ptr()
+        if key == 0 or key in seen:
+            return 0
+        seen.add(key)
+        return storage.nbytes()
+    if depth >= 4:
+        return 0
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v, seen, depth + 1) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v, seen, depth + 1) for v in obj)
+    if type(obj).__module__.startswith("deepspeed") and hasattr(obj, "__dict__"):  # e.g. its gradient buckets
+        return sum(tensor_bytes(v, seen, depth + 1) for v in vars(obj).values())
+    return 0
+
+
+def engine_tensors(engine) -> dict:
+    """GiB the engine's rank holds: parameter shards (ZeRO-3 ds_tensor, else the data), and the
+    optimizer's tensors by attribute (flat fp32 partitions, gradient partitions, Adam moments)."""
+    import torch
+
+    seen: set = set()
+    params = 0
+    for p in engine.module.parameters():
+        shard = getattr(p, "ds_tensor", None)
+        params += tensor_bytes(shard if shard is not None else p.data, seen)
+    out = {"parameters (this rank's shards)": params / GIB}
+    optimizer = getattr(engine, "optimizer", None)
+    if optimizer is not None:
+        by_attr = {}
+        inner = getattr(optimizer, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            by_attr["Adam moments (optimizer.state)"] = tensor_bytes(dict(inner.state), seen)
+        for name, value in sorted(vars(optimizer).items()):
+            n = tensor_bytes(value, seen)
+            if n >= 1 << 20:
+                by_attr[name] = n
+        out.update({k: v / GIB for k, v in by_attr.items()})
+    return out
+
+
+def worker(argv) -> None:
+    out_path = argv[argv.index("--memory_out") + 1]
+    argv = [a for i, a in enumerate(argv) if a not in ("--worker", "--memory_out") and argv[i - 1] != "--memory_out"]
+    import torch
+
+    from step3_ppo import engine as engine_module
+    from step3_ppo import main as step3_main
+    from utils import accelerator
+
+    record = {"milestones": [("start", rss(), heap())], "engines": {}, "phases": []}
+
+    def milestone(name):
+        record["milestones"].append((name, rss(), heap()))
+
+    def wrap(fn, label):
+        def wrapped(*a, **k):
+            milestone(f"before {label}")
+            result = fn(*a, **k)
+            milestone(f"after {label}")
+            return result
+        return wrapped
+
+    engine_module.load_causal_lm = wrap(engine_module.load_causal_lm, "load causal LM")
+    engine_module.build_trained_engine = wrap(engine_module.build_trained_engine, "trained engine")
+    engine_module.build_frozen_engine = wrap(engine_module.build_frozen_engine, "frozen engine")
+    original_from_pretrained = engine_module.RewardModel.from_pretrained.__func__
+    engine_module.RewardModel.from_pretrained = classmethod(
+        wrap(original_from_pretrained, "load value model"))
+    original_build = engine_module.build_engines
+
+    def build_engines(*a, **k):
+        engines = original_build(*a, **k)
+        for name in ("actor", "ref", "critic"):
+            if getattr(engines, name) is not None:
+                record["engines"][name] = engine_tensors(getattr(engines, name))
+        for i, reward in enumerate(engines.rewards.values()):
+            record["engines"][f"reward{i}"] = engine_tensors(reward)
+        milestone("engines built")
+        return engines
+
+    engine_module.build_engines = build_engines
+    step3_main.build_engines = build_engines  # main imported the name
+
+    original_phase = accelerator.PhaseMemory.phase
+
+    import contextlib
+
+    @contextlib.contextmanager
+    def phase(self, phase_name):
+        start = rss()
+        with original_phase(self, phase_name):
+            yield
+        record["phases"].append({"phase": phase_name, "start_rss": start, "end_rss": rss(),
+                                 "peak": accelerator.peak_memory_bytes() / GIB, "heap_end": heap()})
+
+    accelerator.PhaseMemory.phase = phase
+    if os.environ.get("BENCH_TRIM_AT_PHASE_END") == "1":  # experiment: give the heap's free pages back per phase
+        libc = ctypes.CDLL("libc.so.6")
+        inner_phase = accelerator.PhaseMemory.phase
+
+        @contextlib.contextmanager
+        def trimmed_phase(self, phase_name):
+            with inner_phase(self, phase_name):
+                yield
+            libc.malloc_trim(0)
+
+        accelerator.PhaseMemory.phase = trimmed_phase
+    if os.environ.get("BENCH_REDUCE_BUCKET_SIZE"):  # experiment: a smaller ZeRO gradient bucket
+        from utils import ds_config
+
+        original_section = ds_config._zero_section
+
+        def zero_section(*a, **k):
+            return {**original_section(*a, **k), "reduce_bucket_size": int(float(os.environ["BENCH_REDUCE_BUCKET_SIZE"]))}
+
+        ds_config._zero_section = zero_section
+    try:
+        step3_main.main(argv)
+    finally:
+        milestone("end (after export)")
+        record["rank"] = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        with open(f"{out_path}.rank{record['rank']}", "w") as f:
+            json.dump(record, f)
+
+
+# ----------------------------------------------------------------------------------------- orchestrator
+def run_variant(args, model_dir, prompts, variant: str, port: int) -> dict:
+    from bench import step3
+
+    out_dir = os.path.join(RUNS, "memory", f"{os.path.basename(model_dir.rstrip('/'))}-{re.sub(r'[^A-Za-z0-9]+', '_', variant)}")
+    shutil.rmtree(out_dir, ignore_errors=True)
+    os.makedirs(out_dir)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONWARNINGS": "ignore"}
+    if variant == "glibc":
+        env["RLHF_MALLOC_TUNING"] = "0"
+    elif variant.startswith("env:"):
+        env.update(dict(kv.split("=", 1) for kv in variant[4:].split(",") if kv))
+    elif variant != "tuned":
+        raise SystemExit(f"error: unknown variant {variant!r} (tuned, glibc, env:NAME=VALUE,...)")
+    cmd = step3.step3_command(args, model_dir, prompts, 3, True, out_dir, port)
+    cmd[cmd.index("--module") + 1] = "bench.memory_step3"
+    record_path = os.path.join(out_dir, "memory.json")
+    cmd += ["--worker", "--memory_out", record_path]
+    start = time.time()
+    with open(os.path.join(out_dir, "launch.log"), "w") as log:
+        proc = subprocess.run(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout)
+    wall = time.time() - start
+    records = []
+    for r in range(2):
+        path = f"{record_path}.rank{r}"
+        if os.path.exists(path):
+            with open(path) as f:
+                records.append(json.load(f))
+    metrics_path = os.path.join(out_dir, "metrics.jsonl")
+    if proc.returncode != 0 or not records or not os.path.exists(metrics_path):
+        with open(os.path.join(out_dir, "launch.log")) as f:
+            raise SystemExit(f"error: variant {variant}: exit {proc.returncode}; log tail:\n{f.read()[-3000:]}")
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    for sub in ("actor", "critic"):
+        shutil.rmtree(os.path.join(out_dir, sub), ignore_errors=True)
+    print(f"  [{wall:.0f} s] {variant}: exit {proc.returncode}", file=sys.stderr, flush=True)
+    return {"variant": variant, "records": records, "wall_s": wall, **step3.summarize(rows, args.warmup)}
+
+
+def report(result: dict) -> list[str]:
+    out = ["", f"=== variant {result['variant']}: {result['step_s']:.2f} s/iteration (median; generation "
+                f"{result['gen_s']:.2f}, experience {result['exp_s']:.2f}, training {result['train_s']:.2f}); "
+                f"launch {result['wall_s']:.0f} s"]
+    for rec in result["records"]:
+        out.append(f"rank {rec['rank']}: RSS (GiB) at each milestone, and the change from the one before")
+        prev = None
+        for name, value, h in rec["milestones"]:
+            delta = "" if prev is None else f"{value - prev:+7.2f}"
+            extra = f"   heap in use {h['in_use']:.2f}, free kept {h['free_kept']:.2f}" if h else ""
+            out.append(f"  {name:32s} {value:6.2f} {delta:>7s}{extra}")
+            prev = value
+        if rec["rank"] == 0:
+            out.append("  tensors each engine holds on this rank (GiB):")
+            for engine, parts in rec["engines"].items():
+                total = sum(parts.values())
+                out.append(f"    {engine:7s} {total:5.2f} = " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
+            out.append(f"    all engines {sum(sum(p.values()) for p in rec['engines'].values()):.2f}")
+        phases = {}
+        for p in rec["phases"]:
+            q = phases.setdefault(p["phase"], {"start": [], "peak": [], "end": [], "in_use": [], "free": []})
+            q["start"].append(p["start_rss"])
+            q["peak"].append(p["peak"])
+            q["end"].append(p["end_rss"])
+            q["in_use"].append(p["heap_end"].get("in_use", float("nan")))
+            q["free"].append(p["heap_end"].get("free_kept", float("nan")))
+        out.append(f"  {'phase':12s} {'entries':>7s} {'RSS at start':>12s} {'peak':>6s} {'peak - start':>12s} "
+                   f"{'RSS at end':>10s} {'heap in use':>11s} {'free kept':>9s}   (GiB; max over entries; heap at end)")
+        for name, q in phases.items():
+            out.append(f"  {name:12s} {len(q['peak']):7d} {max(q['start']):12.2f} {max(q['peak']):6.2f} "
+                       f"{max(p - s for p, s in zip(q['peak'], q['start'])):12.2f} {max(q['end']):10.2f} "
+                       f"{max(q['in_use']):11.2f} {max(q['free']):9.2f}")
+    return out
+
+
+def main(argv=None):
+    from bench import step3
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--model_name_or_path", default=None, help=f"default: {SMOL}")
+    p.add_argument("--variants", default="tuned", help="comma-free list separated by ';': tuned;glibc;env:K=V,K2=V2")
+    p.add_argument("--steps", type=int, default=None, help="PPO iterations (default: tiny 4, else 3)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--prompt_len", type=int, default=32)
+    p.add_argument("--answer_len", type=int, default=24)
+    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--train_batch_size", type=int, default=4)
+    p.add_argument("--ppo_epochs", type=int, default=1)
+    p.add_argument("--num_prompts", type=int, default=256)
+    p.add_argument("--master_port", type=int, default=29591)
+    p.add_argument("--timeout", type=int, default=900)
+    p.add_argument("--save", default=None)
+    args = p.parse_args(argv)
+    model_dir = bench_model(args)
+    args.steps = args.steps or (4 if args.tiny else 3)
+    prompts = step3.write_prompts(os.path.join(RUNS, "prompts.jsonl"), args.num_prompts)
+    lines = [f"# bench/memory_step3.py  {time.strftime('%Y-%m-%d %H:%M:%S')}", machine_line(), malloc_line(),
+             f"model: {model_dir}; step 3 PPO with GAE, 4 models (actor, reference, critic, reward), ZeRO-3 + hybrid, "
+             f"fp32, full fine-tuning, 2 ranks; {args.steps} iterations, rollout {args.batch_size} prompts/rank, "
+             f"prompt <= {args.prompt_len}, answer {args.answer_len}, mini-batch {args.train_batch_size}"]
+    lines += machine_lines("before")
+    print("\n".join(lines), flush=True)
+    out = []
+    for i, variant in enumerate(v for v in args.variants.split(";") if v):
+        out += report(run_variant(args, model_dir, prompts, variant, args.master_port + i))
+    out += machine_lines("after")
+    finish_report(args.save, lines, out)
+
+
+if __name__ == "__main__":
+    if "--worker" in sys.argv[1:]:
+        worker(sys.argv[1:])
+    else:
+        main()
