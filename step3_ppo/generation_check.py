@@ -9,7 +9,8 @@ parameters are partitioned again afterwards, whether the weights came back bit f
 DeepSpeed's module hooks and recorded parameter trace survived the hybrid mode unchanged, how far a
 forward in `hybrid.gathered` (how step 3 scores the rollout) is from the hooked ZeRO-3 forward
 (how it trains), whether the generation mode runs plain layers (no LoRA wrappers, no ZeRO parameter
-dicts) and restores the same module objects afterwards, plus tokens per second per rank (median over --repeats after a warm-up).
+dicts) and restores the same module objects afterwards, plus tokens per second per rank (median
+over --repeats after a warm-up).
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ def _zero_section(stage: int, offload_params: bool, offload_optimizer: bool) -> 
     if stage > 0:
         # The gradient bucket each trained engine allocates whole: DeepSpeed's default (5e8 elements) is 1.9 GiB
         # in fp32, of which a 135M model's backward touches 0.54 GB per engine; 5e7 (200 MB fp32) saved
-        # 1.2 GB peak RSS per SmolLM2 step-3 rank at the same speed (bench/memory_step3.py).
+        # 1.0-1.1 GB peak RSS per SmolLM2 step-3 rank at 0.98x the time (bench/memory_step3.py A/B).
         section["reduce_bucket_size"] = 50_000_000
     if stage == 3:
         section.update({
