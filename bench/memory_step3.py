@@ -25,7 +25,9 @@ Seconds per iteration come from metrics.jsonl as in bench/step3.py (first iterat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
+import functools
 import json
 import os
 import re
@@ -38,7 +40,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.common import RUNS, SMOL, bench_model, finish_report, machine_line, machine_lines, malloc_line  # noqa: E402
+from bench.common import RUNS, bench_model, finish_report, machine_line, machine_lines, malloc_line  # noqa: E402
 
 GIB = 2**30
 
@@ -49,14 +51,22 @@ class _Mallinfo2(ctypes.Structure):
                                                       "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
-def heap() -> dict:
-    """glibc's view of the heap (GiB): in use, free but kept (slack), mmapped blocks; {} off glibc."""
+@functools.lru_cache(maxsize=1)
+def _libc():
+    """glibc, loaded once (None elsewhere: musl, macOS)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallinfo2.restype = _Mallinfo2
-        m = libc.mallinfo2()
     except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def heap() -> dict:
+    """glibc's view of the heap (GiB): in use, free but kept (slack), mmapped blocks; {} off glibc."""
+    if _libc() is None:
         return {}
+    m = _libc().mallinfo2()
     return {"in_use": (m.uordblks + m.hblkhd) / GIB, "free_kept": m.fordblks / GIB, "mmapped": m.hblkhd / GIB,
             "heap": m.arena / GIB}
 
@@ -147,22 +157,17 @@ def worker(argv) -> None:
         wrap(original_from_pretrained, "load value model"))
     original_build = engine_module.build_engines
 
+    built = []
+
     def build_engines(*a, **k):
-        engines = original_build(*a, **k)
-        for name in ("actor", "ref", "critic"):
-            if getattr(engines, name) is not None:
-                record["engines"][name] = engine_tensors(getattr(engines, name))
-        for i, reward in enumerate(engines.rewards.values()):
-            record["engines"][f"reward{i}"] = engine_tensors(reward)
+        built.append(original_build(*a, **k))
         milestone("engines built")
-        return engines
+        return built[-1]
 
     engine_module.build_engines = build_engines
     step3_main.build_engines = build_engines  # main imported the name
 
     original_phase = accelerator.PhaseMemory.phase
-
-    import contextlib
 
     @contextlib.contextmanager
     def phase(self, phase_name):
@@ -173,15 +178,14 @@ def worker(argv) -> None:
                                  "peak": accelerator.peak_memory_bytes() / GIB, "heap_end": heap()})
 
     accelerator.PhaseMemory.phase = phase
-    if os.environ.get("BENCH_TRIM_AT_PHASE_END") == "1":  # experiment: give the heap's free pages back per phase
-        libc = ctypes.CDLL("libc.so.6")
+    if os.environ.get("BENCH_TRIM_AT_PHASE_END") == "1" and _libc() is not None:  # experiment: free pages back
         inner_phase = accelerator.PhaseMemory.phase
 
         @contextlib.contextmanager
         def trimmed_phase(self, phase_name):
             with inner_phase(self, phase_name):
                 yield
-            libc.malloc_trim(0)
+            _libc().malloc_trim(0)
 
         accelerator.PhaseMemory.phase = trimmed_phase
     if os.environ.get("BENCH_REDUCE_BUCKET_SIZE"):  # experiment: a smaller ZeRO gradient bucket
@@ -197,6 +201,10 @@ def worker(argv) -> None:
         step3_main.main(argv)
     finally:
         milestone("end (after export)")
+        for engines in built:  # after training: the optimizer creates the Adam moments at its first step
+            named = {name: getattr(engines, name) for name in ("actor", "ref", "critic")}
+            named.update({f"reward{i}": reward for i, reward in enumerate(engines.rewards.values())})
+            record["engines"] = {name: engine_tensors(e) for name, e in named.items() if e is not None}
         record["rank"] = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
         with open(f"{out_path}.rank{record['rank']}", "w") as f:
             json.dump(record, f)
@@ -256,7 +264,7 @@ def report(result: dict) -> list[str]:
             out.append(f"  {name:32s} {value:6.2f} {delta:>7s}{extra}")
             prev = value
         if rec["rank"] == 0:
-            out.append("  tensors each engine holds on this rank (GiB):")
+            out.append("  tensors each engine holds on this rank at the end of the run (GiB):")
             for engine, parts in rec["engines"].items():
                 total = sum(parts.values())
                 out.append(f"    {engine:7s} {total:5.2f} = " + ", ".join(f"{k} {v:.2f}" for k, v in parts.items()))
@@ -282,17 +290,8 @@ def main(argv=None):
     from bench import step3
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tiny", action="store_true")
-    p.add_argument("--model_name_or_path", default=None, help=f"default: {SMOL}")
-    p.add_argument("--variants", default="tuned", help="comma-free list separated by ';': tuned;glibc;env:K=V,K2=V2")
-    p.add_argument("--steps", type=int, default=None, help="PPO iterations (default: tiny 4, else 3)")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--prompt_len", type=int, default=32)
-    p.add_argument("--answer_len", type=int, default=24)
-    p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--train_batch_size", type=int, default=4)
-    p.add_argument("--ppo_epochs", type=int, default=1)
-    p.add_argument("--num_prompts", type=int, default=256)
+    step3.add_workload_args(p, "PPO iterations per variant (default: tiny 4, else 3)")
+    p.add_argument("--variants", default="tuned", help="separated by ';': tuned;glibc;env:K=V,K2=V2")
     p.add_argument("--master_port", type=int, default=29591)
     p.add_argument("--timeout", type=int, default=900)
     p.add_argument("--save", default=None)

@@ -44,7 +44,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.common import RUNS, SMOL, bench_model, finish_report, machine_line, machine_lines, malloc_line  # noqa: E402
+from bench.common import RUNS, bench_model, finish_report, machine_line, machine_lines, malloc_line  # noqa: E402
 from utils.distributed import malloc_tuning_env  # noqa: E402
 
 TRL_VENV = os.path.join(REPO, "bench", ".venv-trl")
@@ -277,16 +277,7 @@ def main(argv=None):
     from bench import step3
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tiny", action="store_true")
-    p.add_argument("--model_name_or_path", default=None, help=f"default: {SMOL}")
-    p.add_argument("--steps", type=int, default=None, help="PPO iterations per side (default: tiny 6, else 3)")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--prompt_len", type=int, default=32)
-    p.add_argument("--answer_len", type=int, default=24)
-    p.add_argument("--batch_size", type=int, default=8, help="rollout prompts per rank")
-    p.add_argument("--train_batch_size", type=int, default=4, help="PPO mini-batch per rank")
-    p.add_argument("--ppo_epochs", type=int, default=1)
-    p.add_argument("--num_prompts", type=int, default=256)
+    step3.add_workload_args(p, "PPO iterations per side (default: tiny 6, else 3)")
     p.add_argument("--zero_stage", type=int, default=3, choices=[2, 3], help="ZeRO stage of BOTH sides")
     p.add_argument("--malloc_tuning", action="store_true",
                    help=f"set {' '.join(f'{k}={v}' for k, v in MALLOC_ENV.items())} for BOTH sides")

@@ -273,12 +273,12 @@ def run_config(args, model_dir, prompts, name, port, command=None) -> dict:
     return result
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_workload_args(p, steps_help: str) -> None:
+    """The model and the PPO workload flags that step3_command reads (bench/peer_trl.py and
+    bench/memory_step3.py launch the same workload)."""
     p.add_argument("--tiny", action="store_true", help="tiny random llama (utils.tiny_model)")
     p.add_argument("--model_name_or_path", default=None, help=f"default: {SMOL}")
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {list(CONFIGS)}")
-    p.add_argument("--steps", type=int, default=None, help="PPO iterations per run (default: tiny 6, else 3)")
+    p.add_argument("--steps", type=int, default=None, help=steps_help)
     p.add_argument("--warmup", type=int, default=1, help="first iterations left out of the medians")
     p.add_argument("--prompt_len", type=int, default=32, help="--max_prompt_seq_len")
     p.add_argument("--answer_len", type=int, default=24, help="fixed answer length (min = max)")
@@ -286,6 +286,12 @@ def main(argv=None):
     p.add_argument("--train_batch_size", type=int, default=4, help="--per_device_training_batch_size (PPO mini-batch)")
     p.add_argument("--ppo_epochs", type=int, default=1)
     p.add_argument("--num_prompts", type=int, default=256)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_args(p, "PPO iterations per run (default: tiny 6, else 3)")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {list(CONFIGS)}")
     p.add_argument("--master_port", type=int, default=29541)
     p.add_argument("--timeout", type=int, default=600, help="seconds per launch")
     p.add_argument("--ab", action="store_true",
