@@ -29,8 +29,15 @@ import os
 import random
 import re
 import shutil
+import sys
 import tempfile
 import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+from bench.common import machine_line  # noqa: E402
 
 WORDS = """the a of to and in is it you that for on with as this be at by from or have an they which one
 we can your all there their what so up out if about who get when make like time just him know take people
@@ -108,7 +115,7 @@ class Phase:
 
 # --------------------------------------------------------------------------- phases
 def tokenise(path: str, tokenizer) -> tuple[list, dict]:
-    from utils.data import build_step_rows, tokenize_sft
+    from utils.data import build_step_rows, tokenize_sft  # transformers: imported here to keep --help fast
 
     rows = build_step_rows([path], "1,0,0", step=1, seed=0, eval_fraction=0, log=lambda m: None)
     return tokenize_sft(rows.train, tokenizer, 512)
@@ -130,8 +137,7 @@ def folder_mb(path: str) -> float:
 
 
 def run(n_rows: int, out: str) -> None:
-    from bench.common import machine_line
-    from utils.data.cache import cached_examples, entry_name
+    from utils.data.cache import cached_examples, entry_name  # transformers: imported here to keep --help fast
     from utils.default_model import ensure_default_model
     from utils.model import load_tokenizer
 
@@ -169,8 +175,9 @@ def run(n_rows: int, out: str) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=100_000)
-    parser.add_argument("--out", default=None, help="work folder (kept); default: a temp folder, removed after")
+    parser.add_argument("--rows", type=int, default=100_000, help="conversational SFT rows to write and tokenise (rows)")
+    parser.add_argument("--out", default=None,
+                        help="work folder, kept (path; default: a temp folder, removed after)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import io
 import json
 import os
 import platform
+import pstats
+import site
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +40,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.common import SMOL, bench_model, finish_report, machine_line, machine_lines, malloc_line  # noqa: E402
+from bench.common import (add_model_args, add_run_args, bench_env, bench_model, deepspeed_cmd,  # noqa: E402
+                          end_report, launch, machine_line, main_or_worker, malloc_line, start_report, title)
 
 MODE_LABELS = {"limit_1proc": "(1)  limit: unsharded plain generate, 1 process",
                "unsharded": "(1b) limit side by side: unsharded copy on each rank",
@@ -46,38 +50,47 @@ MODE_LABELS = {"limit_1proc": "(1)  limit: unsharded plain generate, 1 process",
                "hybrid_unmerged": "(3u) hybrid mode, LoRA not merged",
                "hybrid_steps": "(3s) = (3) with 1 new token, steps timed one by one",
                "hybrid_proposed": "(3p) = (3s) PROPOSED: no save/unmerge/restore"}
+SHORT_MODES = ("hybrid_steps", "hybrid_proposed")  # 1 new token: the fixed cost of a hybrid call
+
+
+def add_call_args(p, plain_repeats: int | None) -> None:
+    """The flags of the calls, the same for the command line and its launched workers."""
+    p.add_argument("--batch_size", type=int, default=8, help="prompts per rank (rows)")
+    p.add_argument("--prompt_len", type=int, default=64, help="prompt length, left-padded (tokens)")
+    p.add_argument("--new_tokens", type=int, default=64, help="generated tokens per prompt, min = max (tokens)")
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds of the modes after the warm-up (calls)")
+    p.add_argument("--overhead_repeats", type=int, default=7, help="timed calls of (3s) and (3p), short calls (calls)")
+    p.add_argument("--plain_repeats", type=int, default=plain_repeats,
+                   help="timed calls of (2), the slow plain ZeRO-3 mode, which gets no warm-up call of its own "
+                        f"(calls; default: {plain_repeats or '--repeats'})")
+    p.add_argument("--lora_dim", type=int, default=8, help="LoRA rank of the ZeRO-3 actor (0: no LoRA)")
 
 
 # ----------------------------------------------------------------------------------------------- worker
 def worker_args(argv):
     p = argparse.ArgumentParser()
-    p.add_argument("--worker", action="store_true")
-    p.add_argument("--model_name_or_path", required=True)
-    p.add_argument("--zero_stage", type=int, default=3)
-    p.add_argument("--lora_dim", type=int, default=8)
-    p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--prompt_len", type=int, default=64)
-    p.add_argument("--new_tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--plain_repeats", type=int, default=None, help="timed calls of the slow plain mode (default: --repeats)")
-    p.add_argument("--overhead_repeats", type=int, default=7, help="timed calls of the short modes (3s), (3p)")
-    p.add_argument("--modes", default="unsharded,plain,hybrid,hybrid_unmerged")
-    p.add_argument("--profile", default="", help="modes to run once more under cProfile on rank 0")
+    p.add_argument("--worker", action="store_true", help="run as one launched process of the benchmark")
+    p.add_argument("--model_name_or_path", required=True, help="model directory")
+    p.add_argument("--zero_stage", type=int, default=3, help="ZeRO stage of the actor engine (0-3)")
+    add_call_args(p, plain_repeats=None)
+    p.add_argument("--modes", default="unsharded,plain,hybrid,hybrid_unmerged",
+                   help="modes to time round-robin, comma-separated (keys of MODE_LABELS)")
+    p.add_argument("--profile", default="", help="modes to run once more under cProfile on rank 0, comma-separated")
     p.add_argument("--count_calls", action="store_true", help="count the Python calls of one decode per mode")
-    p.add_argument("--out", required=True)
-    p.add_argument("--local_rank", type=int, default=-1)
+    p.add_argument("--out", required=True, help="rank 0's result file (JSON path)")
+    p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher; unused")
     return p.parse_args(argv)
 
 
 def _sync():
-    import torch
+    import torch  # imported here to keep --help fast
 
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
 
 
 def _max_over_ranks(x: float) -> float:
-    from utils.distributed import all_reduce_max
+    from utils.distributed import all_reduce_max  # torch: imported here to keep --help fast
 
     return all_reduce_max(x)
 
@@ -92,7 +105,7 @@ def hybrid_steps(engine, generate_fn, proposed: bool):
     copy back: only peft's `merged_adapters` bookkeeping is reset. Persistent parameters (kept whole
     on every rank) and ZeRO < 3 keep the save/unmerge/restore path.
     """
-    import deepspeed
+    import deepspeed  # imported here to keep --help fast
     import torch
     from peft import PeftModel
     from peft.tuners.lora import LoraLayer
@@ -155,24 +168,31 @@ def hybrid_steps(engine, generate_fn, proposed: bool):
 
 
 def worker(argv):
-    import torch
+    """One process of the benchmark (a rank, or the lone process of the limit (1)): its modes timed
+    round-robin, checked and optionally profiled; rank 0 writes the result to --out."""
+    from utils.distributed import is_rank0  # torch: imported here to keep --help fast
 
-    from step3_ppo.generation_check import make_prompts, partitioned
-    from step3_ppo.hybrid import generate, generation_mode
-    from utils.distributed import init_distributed, is_rank0, set_seed, world_size
+    w = GenerationWorker(worker_args(argv))
+    times, cpu, tokens = w.time_rounds()
+    result = w.summary(times, cpu)
+    result.update(w.checks(tokens))
+    if w.args.count_calls:  # Python calls of the decode alone (cProfile counts them; immune to other load)
+        result["decode_python_calls"] = w.decode_calls()
+    if w.args.profile:
+        result["profiles"] = w.profiles()
+    if is_rank0():
+        with open(w.args.out, "w") as f:
+            json.dump(result, f)
+
+
+def build_models(args, modes: list[str], tokenizer):
+    """The unsharded plain model (mode unsharded) and the actor engine of the other modes, built as
+    generation_check builds it (LoRA with non-zero lora_B, lr 0); None where no mode needs one."""
+    import torch  # torch, deepspeed and the project: imported here to keep --help fast
+
+    from utils.distributed import world_size
     from utils.ds_config import train_ds_config
-    from utils.forward import GenerationSettings, generation_kwargs
-    from utils.forward import generate as forward_generate
-    from utils.model import load_causal_lm, load_tokenizer
-
-    args = worker_args(argv)
-    modes = [m for m in args.modes.split(",") if m]
-    init_distributed()
-    set_seed(0)
-    tokenizer = load_tokenizer(args.model_name_or_path, padding_side="left")
-    prompts = make_prompts(tokenizer, args.batch_size, args.prompt_len, seed=1)
-    greedy = GenerationSettings(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
-    kwargs = generation_kwargs(greedy, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    from utils.model import load_causal_lm
 
     plain_model = None
     if "unsharded" in modes:  # built first, with transformers' ZeRO-3 flag off (load_causal_lm unsets it)
@@ -194,131 +214,177 @@ def worker(argv):
                     if "lora_B" in name:
                         with deepspeed.zero.GatheredParameters([p], modifier_rank=0, enabled=args.zero_stage == 3):
                             p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.05)
+    return plain_model, engine
 
-    weights_before = None
-    if engine is not None:
-        from step3_ppo.generation_check import full_weights
 
-        weights_before = full_weights(engine)
-    split = {}
+class GenerationWorker:
+    """One process's models, prompts and greedy settings; `call(mode)` runs one generation call of a mode,
+    `split` collects the phases of the hybrid calls."""
 
-    @torch.no_grad()
-    def run(mode):
-        ids, mask = prompts["input_ids"], prompts["attention_mask"]
-        if mode == "unsharded":
-            return forward_generate(plain_model, ids, mask, synced_gpus=False, **kwargs)
-        if mode == "plain":
-            return generate(engine, ids, mask, hybrid=False, **kwargs)
-        if mode in ("hybrid_steps", "hybrid_proposed"):  # the per-call overhead: 4 prompt tokens, 1 new token
-            short = {**kwargs, "max_new_tokens": 1, "min_new_tokens": 1}
-            out, steps = hybrid_steps(engine, lambda: forward_generate(
-                engine.module, ids[:, -4:], mask[:, -4:], synced_gpus=False, **short),
-                proposed=mode == "hybrid_proposed")
-            split.setdefault(mode, []).append(steps)
+    def __init__(self, args):
+        from step3_ppo.generation_check import full_weights, make_prompts  # imported here to keep --help fast
+        from utils.distributed import init_distributed, set_seed
+        from utils.forward import GenerationSettings, generation_kwargs
+        from utils.model import load_tokenizer
+
+        self.args, self.modes, self.split = args, [m for m in args.modes.split(",") if m], {}
+        init_distributed()
+        set_seed(0)
+        tokenizer = load_tokenizer(args.model_name_or_path, padding_side="left")
+        self.prompts = make_prompts(tokenizer, args.batch_size, args.prompt_len, seed=1)
+        greedy = GenerationSettings(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
+        self.kwargs = generation_kwargs(greedy, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        self.plain_model, self.engine = build_models(args, self.modes, tokenizer)
+        self.weights_before = full_weights(self.engine) if self.engine is not None else None
+
+    def call(self, mode):
+        import torch  # imported here to keep --help fast
+
+        from step3_ppo.hybrid import generate, generation_mode
+        from utils.forward import generate as forward_generate
+
+        engine, kwargs = self.engine, self.kwargs
+        ids, mask = self.prompts["input_ids"], self.prompts["attention_mask"]
+        with torch.no_grad():
+            if mode == "unsharded":
+                return forward_generate(self.plain_model, ids, mask, synced_gpus=False, **kwargs)
+            if mode == "plain":
+                return generate(engine, ids, mask, hybrid=False, **kwargs)
+            if mode in SHORT_MODES:  # the per-call overhead: 4 prompt tokens, 1 new token
+                short = {**kwargs, "max_new_tokens": 1, "min_new_tokens": 1}
+                out, steps = hybrid_steps(engine, lambda: forward_generate(
+                    engine.module, ids[:, -4:], mask[:, -4:], synced_gpus=False, **short),
+                    proposed=mode == "hybrid_proposed")
+                self.split.setdefault(mode, []).append(steps)
+                return out
+            # hybrid: the body of step3_ppo.hybrid.generate, with the three phases timed
+            merge = mode == "hybrid"
+            t0 = time.perf_counter()
+            ctx = generation_mode(engine, hybrid=True, merge_lora=merge)
+            ctx.__enter__()
+            t1 = time.perf_counter()
+            try:
+                out = forward_generate(engine.module, ids, mask, synced_gpus=False, **kwargs)
+            finally:
+                t2 = time.perf_counter()
+                ctx.__exit__(None, None, None)
+                t3 = time.perf_counter()
+            self.split.setdefault(mode, []).append((t1 - t0, t2 - t1, t3 - t2))
             return out
-        # hybrid: the body of step3_ppo.hybrid.generate, with the three phases timed
-        merge = mode == "hybrid"
-        t0 = time.perf_counter()
-        ctx = generation_mode(engine, hybrid=True, merge_lora=merge)
-        ctx.__enter__()
-        t1 = time.perf_counter()
-        try:
-            out = forward_generate(engine.module, ids, mask, synced_gpus=False, **kwargs)
-        finally:
-            t2 = time.perf_counter()
-            ctx.__exit__(None, None, None)
-            t3 = time.perf_counter()
-        split.setdefault(mode, []).append((t1 - t0, t2 - t1, t3 - t2))
-        return out
 
-    times = {m: [] for m in modes}
-    cpu = {m: [] for m in modes}
-    tokens = {}
-    plain_repeats = args.repeats if args.plain_repeats is None else args.plain_repeats
-    rounds = max(args.repeats, args.overhead_repeats if "hybrid_steps" in modes else 0)
-    for round_ in range(rounds + 1):  # round 0 is the warm-up
-        for mode in modes:
-            if mode == "plain" and not 1 <= round_ <= plain_repeats:
-                continue  # the slow reference: no warm-up of its own (the other modes warmed the engine)
-            if round_ > (args.overhead_repeats if mode in ("hybrid_steps", "hybrid_proposed") else args.repeats):
-                continue
-            _sync()
-            start, cpu_start = time.perf_counter(), time.process_time()
-            out = run(mode)
-            cpu_s = time.process_time() - cpu_start
-            elapsed = _max_over_ranks(time.perf_counter() - start)
-            if is_rank0():
-                print(f"[bench.generation] round {round_} {mode}: {elapsed:.2f} s (cpu {cpu_s:.2f} s)",
-                      file=sys.stderr, flush=True)
-            if round_:
-                times[mode].append(elapsed)
-                cpu[mode].append(cpu_s)
-            tokens[mode] = out[:, out.shape[1] - (1 if mode in ("hybrid_steps", "hybrid_proposed") else args.new_tokens):]
+    def time_rounds(self):
+        """A warm-up round, then the timed rounds, the modes round-robin in each, every call between barriers:
+        per mode the slowest rank's seconds and rank 0's CPU seconds of each timed call, and its last tokens."""
+        from utils.distributed import is_rank0  # imported here to keep --help fast
 
-    result = {"world_size": world_size(), "zero_stage": args.zero_stage, "lora_dim": args.lora_dim,
-              "batch_size": args.batch_size, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-              "repeats": args.repeats, "torch_threads": torch.get_num_threads(),
-              "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "modes": {}}
-    for mode in [m for m in modes if times[m]]:
-        seconds = statistics.median(times[mode])
-        new = 1 if mode in ("hybrid_steps", "hybrid_proposed") else args.new_tokens
-        entry = {"seconds": seconds, "all_seconds": times[mode], "cpu_seconds_rank0": statistics.median(cpu[mode]),
-                 "tokens_per_s_per_rank": args.batch_size * new / seconds}
-        if mode in ("hybrid_steps", "hybrid_proposed") and mode in split:
-            timed = split[mode][1:] or split[mode]
-            names = [step[0] for step in timed[0]]
-            entry["steps_s"] = {name: statistics.median(call[i][1] for call in timed) for i, name in enumerate(names)}
-            entry["steps_cpu_s"] = {name: statistics.median(call[i][2] for call in timed)
+        args, modes = self.args, self.modes
+        times = {m: [] for m in modes}
+        cpu = {m: [] for m in modes}
+        tokens = {}
+        plain_repeats = args.repeats if args.plain_repeats is None else args.plain_repeats
+        rounds = max(args.repeats, args.overhead_repeats if "hybrid_steps" in modes else 0)
+        for round_ in range(rounds + 1):  # round 0 is the warm-up
+            for mode in modes:
+                if mode == "plain" and not 1 <= round_ <= plain_repeats:
+                    continue  # the slow reference: no warm-up of its own (the other modes warmed the engine)
+                if round_ > (args.overhead_repeats if mode in SHORT_MODES else args.repeats):
+                    continue
+                _sync()
+                start, cpu_start = time.perf_counter(), time.process_time()
+                out = self.call(mode)
+                cpu_s = time.process_time() - cpu_start
+                elapsed = _max_over_ranks(time.perf_counter() - start)
+                if is_rank0():
+                    print(f"[bench.generation] round {round_} {mode}: {elapsed:.2f} s (cpu {cpu_s:.2f} s)",
+                          file=sys.stderr, flush=True)
+                if round_:
+                    times[mode].append(elapsed)
+                    cpu[mode].append(cpu_s)
+                tokens[mode] = out[:, out.shape[1] - (1 if mode in SHORT_MODES else args.new_tokens):]
+        return times, cpu, tokens
+
+    def summary(self, times: dict, cpu: dict) -> dict:
+        """The run's settings and, per timed mode, its medians (and the hybrid modes' phases)."""
+        import torch  # imported here to keep --help fast
+
+        from utils.distributed import world_size
+
+        args, split = self.args, self.split
+        result = {"world_size": world_size(), "zero_stage": args.zero_stage, "lora_dim": args.lora_dim,
+                  "batch_size": args.batch_size, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
+                  "repeats": args.repeats, "torch_threads": torch.get_num_threads(),
+                  "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "modes": {}}
+        for mode in [m for m in self.modes if times[m]]:
+            seconds = statistics.median(times[mode])
+            new = 1 if mode in SHORT_MODES else args.new_tokens
+            entry = {"seconds": seconds, "all_seconds": times[mode], "cpu_seconds_rank0": statistics.median(cpu[mode]),
+                     "tokens_per_s_per_rank": args.batch_size * new / seconds}
+            if mode in SHORT_MODES and mode in split:
+                timed = split[mode][1:] or split[mode]
+                names = [step[0] for step in timed[0]]
+                entry["steps_s"] = {name: statistics.median(call[i][1] for call in timed)
                                     for i, name in enumerate(names)}
-        elif mode in split:
-            timed = split[mode][1:]  # drop the warm-up
-            entry["enter_exit_decode_s"] = {
-                "enter": statistics.median(t[0] for t in timed), "decode": statistics.median(t[1] for t in timed),
-                "exit": statistics.median(t[2] for t in timed)}
-        result["modes"][mode] = entry
-    if engine is not None and weights_before is not None:
-        from step3_ppo.generation_check import full_weights
+                entry["steps_cpu_s"] = {name: statistics.median(call[i][2] for call in timed)
+                                        for i, name in enumerate(names)}
+            elif mode in split:
+                timed = split[mode][1:]  # drop the warm-up
+                entry["enter_exit_decode_s"] = {
+                    "enter": statistics.median(t[0] for t in timed), "decode": statistics.median(t[1] for t in timed),
+                    "exit": statistics.median(t[2] for t in timed)}
+            result["modes"][mode] = entry
+        return result
 
-        result["weights_unchanged"] = all(torch.equal(a, b) for a, b in zip(weights_before, full_weights(engine)))
-    zero_modes = [m for m in modes if m in ("plain", "hybrid", "hybrid_unmerged")]
-    if zero_modes:
-        first = tokens[zero_modes[0]]
-        result["tokens_equal_zero3_modes"] = all(torch.equal(first, tokens[m]) for m in zero_modes)
-    short_modes = [m for m in modes if m in ("hybrid_steps", "hybrid_proposed")]
-    if len(short_modes) == 2:
-        result["tokens_equal_overhead_modes"] = torch.equal(tokens[short_modes[0]], tokens[short_modes[1]])
-        if args.zero_stage == 3:
-            result["partitioned_after"] = partitioned(engine)
-    result["tokens"] = {m: t.tolist() for m, t in tokens.items()}
+    def checks(self, tokens: dict) -> dict:
+        """Weights unchanged by all calls, the same tokens across the ZeRO modes, parameters partitioned again;
+        and the tokens of each mode."""
+        import torch  # imported here to keep --help fast
 
-    if args.count_calls:  # Python calls of the decode alone (cProfile counts them; immune to other load)
-        import cProfile
-        import pstats
+        from step3_ppo.generation_check import full_weights, partitioned
 
-        result["decode_python_calls"] = {}
-        for mode in [m for m in ("unsharded", "hybrid") if m in modes]:
+        result, modes, engine = {}, self.modes, self.engine
+        if engine is not None and self.weights_before is not None:
+            result["weights_unchanged"] = all(torch.equal(a, b) for a, b in zip(self.weights_before, full_weights(engine)))
+        zero_modes = [m for m in modes if m in ("plain", "hybrid", "hybrid_unmerged")]
+        if zero_modes:
+            first = tokens[zero_modes[0]]
+            result["tokens_equal_zero3_modes"] = all(torch.equal(first, tokens[m]) for m in zero_modes)
+        short_modes = [m for m in modes if m in SHORT_MODES]
+        if len(short_modes) == 2:
+            result["tokens_equal_overhead_modes"] = torch.equal(tokens[short_modes[0]], tokens[short_modes[1]])
+            if self.args.zero_stage == 3:
+                result["partitioned_after"] = partitioned(engine)
+        result["tokens"] = {m: t.tolist() for m, t in tokens.items()}
+        return result
+
+    def decode_calls(self) -> dict:
+        """Python calls of one decode (`generate` alone, cProfile) of the unsharded and the hybrid mode."""
+        import torch  # imported here to keep --help fast
+
+        from step3_ppo.hybrid import generation_mode
+        from utils.forward import generate as forward_generate
+
+        calls = {}
+        for mode in [m for m in ("unsharded", "hybrid") if m in self.modes]:
             _sync()
-            ids, mask = prompts["input_ids"], prompts["attention_mask"]
-            with torch.no_grad(), (generation_mode(engine, hybrid=True) if mode == "hybrid"
+            ids, mask = self.prompts["input_ids"], self.prompts["attention_mask"]
+            with torch.no_grad(), (generation_mode(self.engine, hybrid=True) if mode == "hybrid"
                                    else contextlib.nullcontext()):
-                model = engine.module if mode == "hybrid" else plain_model
+                model = self.engine.module if mode == "hybrid" else self.plain_model
                 prof = cProfile.Profile()
                 prof.enable()
-                forward_generate(model, ids, mask, synced_gpus=False, **kwargs)
+                forward_generate(model, ids, mask, synced_gpus=False, **self.kwargs)
                 prof.disable()
-            result["decode_python_calls"][mode] = pstats.Stats(prof).total_calls
+            calls[mode] = pstats.Stats(prof).total_calls
+        return calls
 
-    if args.profile:
-        import cProfile
-        import io
-        import pstats
-
-        result["profiles"] = {}
-        for mode in [m for m in args.profile.split(",") if m in modes]:
+    def profiles(self) -> dict:
+        """One more call of each --profile mode under cProfile (rank 0's): top functions by own and total time."""
+        profiles = {}
+        for mode in [m for m in self.args.profile.split(",") if m in self.modes]:
             _sync()
             prof = cProfile.Profile()
             prof.enable()
-            run(mode)
+            self.call(mode)
             prof.disable()
             stream = io.StringIO()
             stats = pstats.Stats(prof, stream=stream)
@@ -328,17 +394,12 @@ def worker(argv):
             stats.sort_stats("cumulative").print_stats(22)
             if os.environ.get("BENCH_PROFILE_CALLERS"):  # e.g. "disable": who calls the matching functions
                 stats.print_callers(os.environ["BENCH_PROFILE_CALLERS"])
-            result["profiles"][mode] = _trim_profile(stream.getvalue())
-
-    if is_rank0():
-        with open(args.out, "w") as f:
-            json.dump(result, f)
+            profiles[mode] = _trim_profile(stream.getvalue())
+        return profiles
 
 
 def _trim_profile(text: str) -> str:
     """pstats output without the site-packages prefixes (shorter lines)."""
-    import site
-
     for prefix in sorted(set(site.getsitepackages() + [REPO + "/"]), key=len, reverse=True):
         text = text.replace(prefix.rstrip("/") + "/", "")
     return "\n".join(line for line in text.splitlines() if line.strip() and "Ordered by" not in line
@@ -347,15 +408,15 @@ def _trim_profile(text: str) -> str:
 
 # ----------------------------------------------------------------------------------------- orchestrator
 def header_lines(args, model_dir: str) -> list[str]:
-    import torch
-    import deepspeed
-    import transformers
+    import deepspeed  # imported here to keep --help fast (their versions head the report)
     import peft
+    import torch
+    import transformers
 
     with open(os.path.join(model_dir, "config.json")) as f:
         cfg = json.load(f)
     return [
-        f"# bench/generation.py  {time.strftime('%Y-%m-%d %H:%M:%S')}",
+        title("generation.py"),
         machine_line(), malloc_line(),
         "threads: OMP_NUM_THREADS=1 in every process (1 process for (1), 2 ranks for the rest)",
         f"versions: python {platform.python_version()}, torch {torch.__version__}, deepspeed {deepspeed.__version__}, "
@@ -376,34 +437,29 @@ def header_lines(args, model_dir: str) -> list[str]:
     ]
 
 
-def launch(cmd: list[str], env: dict, timeout: int, log_path: str) -> None:
-    """Run a command in its own process group (killed whole on timeout), output to log_path."""
-    import signal
-
-    start = time.time()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGTERM)
-            time.sleep(5)
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-            rc = "timeout"
-    print(f"  [{time.time() - start:.0f} s] {' '.join(cmd[:8])} ... (log {log_path})", file=sys.stderr, flush=True)
-    if rc != 0:
-        with open(log_path) as f:
-            sys.stderr.write(f.read()[-6000:])
-        raise SystemExit(f"error: {' '.join(cmd[:6])} ... exited with {rc}")
-
-
 def decode_calls_line(calls: dict) -> str:
     return (f"Python calls of one decode (cProfile, rank 0, generate alone): hybrid {calls['hybrid']}, unsharded "
             f"{calls['unsharded']}: {calls['hybrid'] / calls['unsharded']:.3f}x")
+
+
+def worker_pair(args, env: dict, logs: str, prefix: str, flags: list[str], one: list[str],
+                two: list[str]) -> tuple[dict, dict]:
+    """The two launches of a measurement, each with `flags`: the limit (1) in one process (`one`: its own flags),
+    then the 2-rank ZeRO-3 run of the other modes (`two`); their results. Logs: LOGS/PREFIX*.log."""
+    with tempfile.TemporaryDirectory(prefix="bench_gen_") as tmp:
+        one_out, two_out = os.path.join(tmp, "one.json"), os.path.join(tmp, "two.json")
+        launch([sys.executable, "-m", "bench.generation", "--worker", "--zero_stage", "0", "--lora_dim", "0",
+                "--modes", "unsharded", "--out", one_out, *flags, *one],
+               {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}, args.timeout,
+               os.path.join(logs, f"{prefix}limit_1proc.log"))
+        launch(deepspeed_cmd("bench.generation", args.master_port)
+               + ["--worker", "--zero_stage", "3", "--lora_dim", str(args.lora_dim), "--out", two_out, *flags, *two],
+               env, args.timeout, os.path.join(logs, f"{prefix}zero3_2ranks.log"))
+        with open(one_out) as f:
+            r1 = json.load(f)
+        with open(two_out) as f:
+            r2 = json.load(f)
+    return r1, r2
 
 
 def sweep(args, model_dir: str, env: dict, logs: str) -> list[str]:
@@ -413,22 +469,10 @@ def sweep(args, model_dir: str, env: dict, logs: str) -> list[str]:
     mode interleaved (no plain ZeRO-3, no breakdown); decode Python calls counted in the latter."""
     rows = []
     for new_tokens in args.sweep:
-        common = ["--model_name_or_path", model_dir, "--batch_size", str(args.batch_size), "--prompt_len",
-                  str(args.prompt_len), "--new_tokens", str(new_tokens), "--repeats", str(args.repeats)]
-        with tempfile.TemporaryDirectory(prefix="bench_gen_") as tmp:
-            one, two = os.path.join(tmp, "one.json"), os.path.join(tmp, "two.json")
-            launch([sys.executable, "-m", "bench.generation", "--worker", "--zero_stage", "0", "--lora_dim", "0",
-                    "--modes", "unsharded", "--out", one, *common],
-                   {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}, args.timeout,
-                   os.path.join(logs, f"sweep{new_tokens}_limit_1proc.log"))
-            launch(["deepspeed", "--num_gpus", "2", "--master_port", str(args.master_port), "--module",
-                    "bench.generation", "--worker", "--zero_stage", "3", "--lora_dim", str(args.lora_dim),
-                    "--out", two, *common, "--modes", "unsharded,hybrid", "--count_calls"], env, args.timeout,
-                   os.path.join(logs, f"sweep{new_tokens}_zero3_2ranks.log"))
-            with open(one) as f:
-                r1 = json.load(f)
-            with open(two) as f:
-                r2 = json.load(f)
+        flags = ["--model_name_or_path", model_dir, "--batch_size", str(args.batch_size), "--prompt_len",
+                 str(args.prompt_len), "--new_tokens", str(new_tokens), "--repeats", str(args.repeats)]
+        r1, r2 = worker_pair(args, env, logs, f"sweep{new_tokens}_", flags, [],
+                             ["--modes", "unsharded,hybrid", "--count_calls"])
         limit, side, hybrid = r1["modes"]["unsharded"], r2["modes"]["unsharded"], r2["modes"]["hybrid"]
         split = hybrid["enter_exit_decode_s"]
         calls = r2["decode_python_calls"]
@@ -446,72 +490,37 @@ def sweep(args, model_dir: str, env: dict, logs: str) -> list[str]:
             head, *rows, "(goal: 3/1 >= 0.9 at 128 new tokens)"]
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tiny", action="store_true", help="tiny random llama (utils.tiny_model) instead of SmolLM2")
-    p.add_argument("--model_name_or_path", default=None, help=f"default: {SMOL}")
-    p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--prompt_len", type=int, default=64)
-    p.add_argument("--new_tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--overhead_repeats", type=int, default=7, help="timed calls of (3s) and (3p) (short calls)")
-    p.add_argument("--plain_repeats", type=int, default=1,
-                   help="timed calls of (2), the slow plain ZeRO-3 mode (it gets no warm-up call of its own)")
-    p.add_argument("--lora_dim", type=int, default=8)
-    p.add_argument("--no_breakdown", action="store_true",
-                   help="skip modes (3s) and (3p) (the hybrid steps timed one by one, and the proposed variant)")
-    p.add_argument("--profile", choices=["auto", "on", "off"], default="auto",
-                   help="cProfile one more limit call and hybrid call after the timed ones (auto: printed when 3/1 < 0.9)")
-    p.add_argument("--master_port", type=int, default=29531)
-    p.add_argument("--timeout", type=int, default=600, help="seconds per launched run")
-    p.add_argument("--sweep", default=None, type=lambda v: [int(x) for x in v.split(",") if x],
-                   help="comma-separated answer lengths, e.g. 64,128,256: only the limit vs hybrid sweep")
-    p.add_argument("--save", default=None, help="also write the printed report to this file")
-    args = p.parse_args(argv)
-    model_dir = bench_model(args)
+def measure(args, model_dir: str, env: dict, logs: str) -> tuple[dict, dict]:
+    """The full run: the limit (1) in one process, then (1b)-(3u) (and (3s), (3p)) on 2 ranks."""
+    flags = ["--model_name_or_path", model_dir, "--batch_size", str(args.batch_size), "--prompt_len",
+             str(args.prompt_len), "--new_tokens", str(args.new_tokens),
+             "--repeats", str(args.repeats), "--plain_repeats", str(args.plain_repeats),
+             "--overhead_repeats", str(args.overhead_repeats)]
+    want_profile = args.profile != "off"  # one extra call after the timed ones, in the same runs
+    modes = "unsharded,plain,hybrid,hybrid_unmerged" + ("" if args.no_breakdown else ",hybrid_steps,hybrid_proposed")
+    return worker_pair(args, env, logs, "", flags, ["--profile", "unsharded"] if want_profile else [],
+                       ["--modes", modes] + (["--profile", "hybrid"] if want_profile else []) + ["--count_calls"])
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONWARNINGS": "ignore"}
-    common = ["--model_name_or_path", model_dir, "--batch_size", str(args.batch_size), "--prompt_len",
-              str(args.prompt_len), "--new_tokens", str(args.new_tokens)]
-    timed = common + ["--repeats", str(args.repeats), "--plain_repeats", str(args.plain_repeats),
-                      "--overhead_repeats", str(args.overhead_repeats)]
-    lines = header_lines(args, model_dir) + machine_lines("before")
-    print("\n".join(lines), flush=True)
-    wall = time.time()
-    logs = os.path.join(REPO, "bench", "runs", "generation")
-    os.makedirs(logs, exist_ok=True)
-    if args.sweep:
-        finish_report(args.save, lines, sweep(args, model_dir, env, logs) + machine_lines("after")
-                      + [f"total wall time {time.time() - wall:.0f} s"])
-        return
-    with tempfile.TemporaryDirectory(prefix="bench_gen_") as tmp:
-        one, two = os.path.join(tmp, "one.json"), os.path.join(tmp, "two.json")
-        want_profile = args.profile != "off"  # one extra call after the timed ones, in the same runs
-        launch([sys.executable, "-m", "bench.generation", "--worker", "--zero_stage", "0", "--lora_dim", "0",
-                "--modes", "unsharded", "--out", one, *timed] + (["--profile", "unsharded"] if want_profile else []),
-               {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}, args.timeout,
-               os.path.join(logs, "limit_1proc.log"))
-        launch(["deepspeed", "--num_gpus", "2", "--master_port", str(args.master_port), "--module", "bench.generation",
-                "--worker", "--zero_stage", "3", "--lora_dim", str(args.lora_dim), "--out", two, *timed,
-                "--modes", "unsharded,plain,hybrid,hybrid_unmerged" + ("" if args.no_breakdown else
-                                                                      ",hybrid_steps,hybrid_proposed")]
-               + (["--profile", "hybrid"] if want_profile else []) + ["--count_calls"], env, args.timeout,
-               os.path.join(logs, "zero3_2ranks.log"))
-        with open(one) as f:
-            r1 = json.load(f)
-        with open(two) as f:
-            r2 = json.load(f)
-        modes = {"limit_1proc": r1["modes"]["unsharded"], **r2["modes"]}
-        ratio_31 = modes["hybrid"]["tokens_per_s_per_rank"] / modes["limit_1proc"]["tokens_per_s_per_rank"]
-        ratio_31_cpu = modes["limit_1proc"]["cpu_seconds_rank0"] / modes["hybrid"]["cpu_seconds_rank0"]
-        profiles = {**{"limit_1proc": v for v in r1.get("profiles", {}).values()}, **r2.get("profiles", {})}
-        if args.profile == "auto" and ratio_31 >= 0.9 and ratio_31_cpu >= 0.9:
-            profiles = {}  # on target: the profiles are not printed
 
+def modes_report(args, r1: dict, r2: dict) -> list[str]:
+    """The full run's report: the modes' table, the hybrid call's overhead, the ratios and checks, the profiles
+    (with --profile auto only when the hybrid mode is below 0.9 of the limit)."""
+    modes = {"limit_1proc": r1["modes"]["unsharded"], **r2["modes"]}
+    ratio_31 = modes["hybrid"]["tokens_per_s_per_rank"] / modes["limit_1proc"]["tokens_per_s_per_rank"]
+    ratio_31_cpu = modes["limit_1proc"]["cpu_seconds_rank0"] / modes["hybrid"]["cpu_seconds_rank0"]
+    profiles = {**{"limit_1proc": v for v in r1.get("profiles", {}).values()}, **r2.get("profiles", {})}
+    if args.profile == "auto" and ratio_31 >= 0.9 and ratio_31_cpu >= 0.9:
+        profiles = {}  # on target: the profiles are not printed
+    out = mode_table(modes) + overhead_table(args, modes, r2) + ratio_lines(modes, r1, r2, ratio_31)
+    for mode, text in profiles.items():
+        out += ["", f"=== profile of {MODE_LABELS.get(mode, mode)}", text]
+    return out
+
+
+def mode_table(modes: dict) -> list[str]:
     out = ["", f"{'mode':58s} {'s/call':>8s} {'tok/s/rank':>11s} {'cpu s':>7s}   all calls (s)"]
     for mode, label in MODE_LABELS.items():
-        if mode in modes and mode not in ("hybrid_steps", "hybrid_proposed"):
+        if mode in modes and mode not in SHORT_MODES:
             m = modes[mode]
             out.append(f"{label:58s} {m['seconds']:8.3f} {m['tokens_per_s_per_rank']:11.1f} "
                        f"{m['cpu_seconds_rank0']:7.3f}   "
@@ -521,24 +530,32 @@ def main(argv=None):
             s = modes[mode]["enter_exit_decode_s"]
             out.append(f"  {mode}: enter (gather + lift hooks{' + merge' if mode == 'hybrid' else ''}) {s['enter']:.3f} s, "
                        f"decode (HF generate) {s['decode']:.3f} s, exit {s['exit']:.3f} s (rank 0, median)")
-    if "hybrid_steps" in modes and "hybrid_proposed" in modes:
-        a, b = modes["hybrid_steps"]["steps_s"], modes["hybrid_proposed"]["steps_s"]
-        ca, cb = modes["hybrid_steps"]["steps_cpu_s"], modes["hybrid_proposed"]["steps_cpu_s"]
-        out.append(f"  per-call overhead of the hybrid mode: (3s) replays step3_ppo.hybrid's steps one by one on a "
-                   f"4-token prompt with 1 new token, (3p) the proposed variant; rank 0, medians of {args.overhead_repeats} calls each, "
-                   f"interleaved; wall s and CPU s")
-        out.append(f"    {'step':36s} {'(3s) wall':>10s} {'(3p) wall':>10s} {'(3s) cpu':>9s} {'(3p) cpu':>9s}")
-        for name in a:
-            out.append(f"    {name:36s} {a[name]:10.3f} {b[name]:10.3f} {ca[name]:9.3f} {cb[name]:9.3f}")
-        na = sum(v for k, v in a.items() if not k.startswith("generate"))
-        nb = sum(v for k, v in b.items() if not k.startswith("generate"))
-        nca = sum(v for k, v in ca.items() if not k.startswith("generate"))
-        ncb = sum(v for k, v in cb.items() if not k.startswith("generate"))
-        out.append(f"    {'sum without the generate':36s} {na:10.3f} {nb:10.3f} {nca:9.3f} {ncb:9.3f}")
-        out.append(f"    tokens of (3s) == tokens of (3p): {r2.get('tokens_equal_overhead_modes')}")
+    return out
+
+
+def overhead_table(args, modes: dict, r2: dict) -> list[str]:
+    """(3s) against (3p): the hybrid call's steps one by one, wall and CPU seconds."""
+    if "hybrid_steps" not in modes or "hybrid_proposed" not in modes:
+        return []
+    a, b = modes["hybrid_steps"]["steps_s"], modes["hybrid_proposed"]["steps_s"]
+    ca, cb = modes["hybrid_steps"]["steps_cpu_s"], modes["hybrid_proposed"]["steps_cpu_s"]
+    out = [f"  per-call overhead of the hybrid mode: (3s) replays step3_ppo.hybrid's steps one by one on a "
+           f"4-token prompt with 1 new token, (3p) the proposed variant; rank 0, medians of {args.overhead_repeats} calls each, "
+           f"interleaved; wall s and CPU s",
+           f"    {'step':36s} {'(3s) wall':>10s} {'(3p) wall':>10s} {'(3s) cpu':>9s} {'(3p) cpu':>9s}"]
+    for name in a:
+        out.append(f"    {name:36s} {a[name]:10.3f} {b[name]:10.3f} {ca[name]:9.3f} {cb[name]:9.3f}")
+    na, nb, nca, ncb = (sum(v for k, v in d.items() if not k.startswith("generate")) for d in (a, b, ca, cb))
+    out.append(f"    {'sum without the generate':36s} {na:10.3f} {nb:10.3f} {nca:9.3f} {ncb:9.3f}")
+    out.append(f"    tokens of (3s) == tokens of (3p): {r2.get('tokens_equal_overhead_modes')}")
+    return out
+
+
+def ratio_lines(modes: dict, r1: dict, r2: dict, ratio_31: float) -> list[str]:
     tps = {k: v["tokens_per_s_per_rank"] for k, v in modes.items()}
     cpu_s = {k: v["cpu_seconds_rank0"] for k, v in modes.items()}
-    out += ["",
+    hybrid = modes["hybrid"]
+    return ["",
             f"ratio 3/2  hybrid / plain ZeRO-3           = {tps['hybrid'] / tps['plain']:.2f}x   (target >= 4x)",
             f"ratio 3u/2 hybrid unmerged / plain ZeRO-3  = {tps['hybrid_unmerged'] / tps['plain']:.2f}x",
             f"ratio 3/1  hybrid / limit (1 process)      = {ratio_31:.2f}    (target >= 0.9)",
@@ -548,22 +565,42 @@ def main(argv=None):
             f"same ratios by CPU seconds per call (rank 0; less sensitive to other processes taking the cores): "
             f"3/2 = {cpu_s['plain'] / cpu_s['hybrid']:.2f}x, 3/1 = {cpu_s['limit_1proc'] / cpu_s['hybrid']:.2f}, "
             f"3/1b = {cpu_s['unsharded'] / cpu_s['hybrid']:.2f}",
-            *([f"enter + exit of the hybrid mode = {sum(v for k, v in modes['hybrid']['enter_exit_decode_s'].items() if k != 'decode'):.2f} s "
-               f"= {100 * sum(v for k, v in modes['hybrid']['enter_exit_decode_s'].items() if k != 'decode') / modes['hybrid']['seconds']:.0f}% "
-               f"of a hybrid call (wall, rank 0)"] if "enter_exit_decode_s" in modes.get("hybrid", {}) else []),
+            *([f"enter + exit of the hybrid mode = {sum(v for k, v in hybrid['enter_exit_decode_s'].items() if k != 'decode'):.2f} s "
+               f"= {100 * sum(v for k, v in hybrid['enter_exit_decode_s'].items() if k != 'decode') / hybrid['seconds']:.0f}% "
+               f"of a hybrid call (wall, rank 0)"] if "enter_exit_decode_s" in hybrid else []),
             *([decode_calls_line(r2["decode_python_calls"])] if "decode_python_calls" in r2 else []),
             f"tokens equal across the ZeRO-3 modes (2),(3),(3u): {r2.get('tokens_equal_zero3_modes')}; "
             f"all weights bit for bit unchanged after all calls: {r2.get('weights_unchanged')}; ZeRO-3 params "
             f"partitioned again after: {r2.get('partitioned_after')}; tokens of (1) == (1b): "
             f"{r1['tokens']['unsharded'] == r2['tokens']['unsharded']}"]
-    for mode, text in profiles.items():
-        out += ["", f"=== profile of {MODE_LABELS.get(mode, mode)}", text]
-    out += machine_lines("after") + [f"total wall time {time.time() - wall:.0f} s"]
-    finish_report(args.save, lines, out)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(p, tiny_help="a tiny random 2-layer llama (utils.tiny_model) instead of SmolLM2 (seconds)")
+    add_call_args(p, plain_repeats=1)
+    p.add_argument("--no_breakdown", action="store_true",
+                   help="skip modes (3s) and (3p) (the hybrid steps timed one by one, and the proposed variant)")
+    p.add_argument("--profile", choices=["auto", "on", "off"], default="auto",
+                   help="cProfile one more limit call and hybrid call after the timed ones (auto: printed when 3/1 < 0.9)")
+    p.add_argument("--sweep", default=None, type=lambda v: [int(x) for x in v.split(",") if x],
+                   help="answer lengths, comma-separated, e.g. 64,128,256 (tokens): only the limit vs hybrid sweep")
+    add_run_args(p, 29531, 600)
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    model_dir = bench_model(args)
+    env = bench_env()
+    header = start_report(header_lines(args, model_dir))
+    wall = time.time()
+    logs = os.path.join(REPO, "bench", "runs", "generation")
+    os.makedirs(logs, exist_ok=True)
+    body = (sweep(args, model_dir, env, logs) if args.sweep
+            else modes_report(args, *measure(args, model_dir, env, logs)))
+    end_report(args.save, header, body, tail=[f"total wall time {time.time() - wall:.0f} s"])
 
 
 if __name__ == "__main__":
-    if "--worker" in sys.argv[1:]:
-        worker(sys.argv[1:])
-    else:
-        main()
+    main_or_worker(main, worker)

@@ -37,6 +37,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from bench.common import finish_report, save_json  # noqa: E402
+
 CARRY = os.path.join(REPO, "bench", "gpu_carry")
 LR0_LIMIT = 1e-4
 
@@ -56,7 +58,7 @@ def data_dir() -> str:
 
 def make_models(work: str, mode: str) -> dict:
     """{"tiny": dir, "smollm2": dir (GPU only)}: random weights, made here, never downloaded."""
-    from utils.tiny_model import make_tiny_model
+    from utils.tiny_model import make_tiny_model  # torch: imported here to keep --help fast
 
     models = {"tiny": make_tiny_model("llama", os.path.join(work, "models", "tiny"), seed=0)}
     if mode == "gpu":
@@ -203,7 +205,7 @@ def launch(run: dict, timeout: float) -> dict:
 
 
 def environment(mode: str) -> list[str]:
-    import torch
+    import torch  # imported here to keep --help fast
 
     from utils import accelerator
 
@@ -273,14 +275,17 @@ def report(results: list[dict], env_lines: list[str], total_s: float) -> list[st
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mode", choices=["gpu", "cpu"], default=None, help="default: gpu when CUDA is available")
-    p.add_argument("--work", default=os.environ.get("GPU_RUN_WORK", "/tmp/rlhf_gpu_run"))
+    p.add_argument("--mode", choices=["gpu", "cpu"], default=None,
+                   help="gpu: both models on the GPU; cpu: the tiny-model fallback (default: gpu when CUDA is available)")
+    p.add_argument("--work", default=os.environ.get("GPU_RUN_WORK", "/tmp/rlhf_gpu_run"),
+                   help="work folder of the runs, emptied first (path; env GPU_RUN_WORK)")
     p.add_argument("--budget_s", type=float, default=float(os.environ.get("GPU_RUN_BUDGET_S", 330)),
-                   help="no run starts after this many seconds; each is cut at what is left")
+                   help="no run starts after this many seconds; each is cut at what is left (seconds)")
     p.add_argument("--only", default="", help="comma-separated substrings: run only the runs whose name has one")
-    p.add_argument("--save", default=None, help="default: bench/results/DATE-gpu[-cpu-fallback].txt")
+    p.add_argument("--save", default=None,
+                   help="report file, and its .json beside it (path; default: bench/results/DATE-gpu[-cpu-fallback].txt)")
     args = p.parse_args(argv)
-    import torch
+    import torch  # imported here to keep --help fast
 
     mode = args.mode or ("gpu" if torch.cuda.is_available() else "cpu")
     start = time.time()
@@ -309,14 +314,10 @@ def main(argv=None):
         results.append(run)
         print(f"[gpu_run] {run['name']}: rc {run['rc']} in {run['wall_s']:.0f} s {run['summary']}", flush=True)
     lines = report(results, env_lines, time.time() - start)
-    print("\n".join(lines), flush=True)
     save = args.save or os.path.join(REPO, "bench", "results", f"{datetime.date.today().isoformat()}-gpu"
                                      f"{'' if mode == 'gpu' else '-cpu-fallback'}.txt")
-    os.makedirs(os.path.dirname(save), exist_ok=True)
-    with open(save, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    with open(os.path.splitext(save)[0] + ".json", "w") as f:
-        json.dump([{k: v for k, v in r.items() if k not in ("env",)} for r in results], f, indent=1, default=str)
+    finish_report(save, [], lines)
+    save_json(save, [{k: v for k, v in r.items() if k not in ("env",)} for r in results])
     if os.environ.get("OUT"):
         for path in (save, os.path.splitext(save)[0] + ".json"):
             shutil.copy(path, os.environ["OUT"])

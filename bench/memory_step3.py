@@ -32,15 +32,15 @@ import json
 import os
 import re
 import shutil
-import subprocess
 import sys
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.common import RUNS, bench_model, finish_report, machine_line, machine_lines, malloc_line  # noqa: E402
+from bench import step3  # noqa: E402
+from bench.common import (RUNS, add_run_args, bench_env, bench_model, end_report, fresh_dir, machine_line,  # noqa: E402
+                          main_or_worker, malloc_line, read_jsonl, run_logged, start_report, title, worker_argv)
 
 GIB = 2**30
 
@@ -79,7 +79,7 @@ def rss() -> float:
 def tensor_bytes(obj, seen: set, depth: int = 0) -> int:
     """Bytes of the distinct tensor storages reachable from obj through lists, tuples, dicts and DeepSpeed's
     own objects (depth <= 4)."""
-    import torch
+    import torch  # imported here to keep --help fast
 
     if isinstance(obj, torch.Tensor):
         try:
@@ -105,7 +105,7 @@ def tensor_bytes(obj, seen: set, depth: int = 0) -> int:
 def engine_tensors(engine) -> dict:
     """GiB the engine's rank holds: parameter shards (ZeRO-3 ds_tensor, else the data), and the
     optimizer's tensors by attribute (flat fp32 partitions, gradient partitions, Adam moments)."""
-    import torch
+    import torch  # imported here to keep --help fast
 
     seen: set = set()
     params = 0
@@ -128,24 +128,43 @@ def engine_tensors(engine) -> dict:
 
 
 def worker(argv) -> None:
-    out_path = argv[argv.index("--memory_out") + 1]
-    argv = [a for i, a in enumerate(argv) if a not in ("--worker", "--memory_out") and argv[i - 1] != "--memory_out"]
-    import torch
+    """One rank: step 3's own main() with its model loading and its phases instrumented; writes OUT.rank<r>."""
+    import torch  # torch and step 3: imported here to keep --help fast
 
-    from step3_ppo import engine as engine_module
     from step3_ppo import main as step3_main
-    from utils import accelerator
 
+    argv, options = worker_argv(argv, "--worker", "--memory_out")
     record = {"milestones": [("start", rss(), heap())], "engines": {}, "phases": []}
+    built = instrument_loading(record, step3_main)
+    instrument_phases(record)
+    bucket_experiment()
+    try:
+        step3_main.main(argv)
+    finally:
+        milestone(record, "end (after export)")
+        for engines in built:  # after training: the optimizer creates the Adam moments at its first step
+            named = {name: getattr(engines, name) for name in ("actor", "ref", "critic")}
+            named.update({f"reward{i}": reward for i, reward in enumerate(engines.rewards.values())})
+            record["engines"] = {name: engine_tensors(e) for name, e in named.items() if e is not None}
+        record["rank"] = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        with open(f"{options['--memory_out']}.rank{record['rank']}", "w") as f:
+            json.dump(record, f)
 
-    def milestone(name):
-        record["milestones"].append((name, rss(), heap()))
+
+def milestone(record: dict, name: str) -> None:
+    record["milestones"].append((name, rss(), heap()))
+
+
+def instrument_loading(record: dict, step3_main) -> list:
+    """A milestone before and after every model load and engine build of step 3 (step3_ppo.engine's functions
+    wrapped, and step3_ppo.main's build_engines); returns the list the built engines are collected in."""
+    from step3_ppo import engine as engine_module  # imported here to keep --help fast
 
     def wrap(fn, label):
         def wrapped(*a, **k):
-            milestone(f"before {label}")
+            milestone(record, f"before {label}")
             result = fn(*a, **k)
-            milestone(f"after {label}")
+            milestone(record, f"after {label}")
             return result
         return wrapped
 
@@ -161,11 +180,18 @@ def worker(argv) -> None:
 
     def build_engines(*a, **k):
         built.append(original_build(*a, **k))
-        milestone("engines built")
+        milestone(record, "engines built")
         return built[-1]
 
     engine_module.build_engines = build_engines
     step3_main.build_engines = build_engines  # main imported the name
+    return built
+
+
+def instrument_phases(record: dict) -> None:
+    """Per PPO phase: the RSS at its start and end, its peak and glibc's heap at its end; with
+    BENCH_TRIM_AT_PHASE_END=1 (experiment) malloc_trim(0) after every phase."""
+    from utils import accelerator  # imported here to keep --help fast
 
     original_phase = accelerator.PhaseMemory.phase
 
@@ -188,8 +214,12 @@ def worker(argv) -> None:
             _libc().malloc_trim(0)
 
         accelerator.PhaseMemory.phase = trimmed_phase
+
+
+def bucket_experiment() -> None:
+    """BENCH_REDUCE_BUCKET_SIZE=N (experiment): DeepSpeed's reduce_bucket_size N in every ZeRO section."""
     if os.environ.get("BENCH_REDUCE_BUCKET_SIZE"):  # experiment: a smaller ZeRO gradient bucket
-        from utils import ds_config
+        from utils import ds_config  # imported here to keep --help fast
 
         original_section = ds_config._zero_section
 
@@ -197,42 +227,23 @@ def worker(argv) -> None:
             return {**original_section(*a, **k), "reduce_bucket_size": int(float(os.environ["BENCH_REDUCE_BUCKET_SIZE"]))}
 
         ds_config._zero_section = zero_section
-    try:
-        step3_main.main(argv)
-    finally:
-        milestone("end (after export)")
-        for engines in built:  # after training: the optimizer creates the Adam moments at its first step
-            named = {name: getattr(engines, name) for name in ("actor", "ref", "critic")}
-            named.update({f"reward{i}": reward for i, reward in enumerate(engines.rewards.values())})
-            record["engines"] = {name: engine_tensors(e) for name, e in named.items() if e is not None}
-        record["rank"] = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-        with open(f"{out_path}.rank{record['rank']}", "w") as f:
-            json.dump(record, f)
 
 
 # ----------------------------------------------------------------------------------------- orchestrator
 def run_variant(args, model_dir, prompts, variant: str, port: int) -> dict:
-    from bench import step3
-
-    out_dir = os.path.join(RUNS, "memory", f"{os.path.basename(model_dir.rstrip('/'))}-{re.sub(r'[^A-Za-z0-9]+', '_', variant)}")
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.makedirs(out_dir)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONWARNINGS": "ignore"}
+    out_dir = fresh_dir(os.path.join(RUNS, "memory", f"{os.path.basename(model_dir.rstrip('/'))}-"
+                                                      f"{re.sub(r'[^A-Za-z0-9]+', '_', variant)}"))
+    env = bench_env()
     if variant == "glibc":
         env["RLHF_MALLOC_TUNING"] = "0"
     elif variant.startswith("env:"):
         env.update(dict(kv.split("=", 1) for kv in variant[4:].split(",") if kv))
     elif variant != "tuned":
         raise SystemExit(f"error: unknown variant {variant!r} (tuned, glibc, env:NAME=VALUE,...)")
-    cmd = step3.step3_command(args, model_dir, prompts, 3, True, out_dir, port)
-    cmd[cmd.index("--module") + 1] = "bench.memory_step3"
+    cmd = step3.step3_command(args, model_dir, prompts, 3, True, out_dir, port, module="bench.memory_step3")
     record_path = os.path.join(out_dir, "memory.json")
     cmd += ["--worker", "--memory_out", record_path]
-    start = time.time()
-    with open(os.path.join(out_dir, "launch.log"), "w") as log:
-        proc = subprocess.run(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout)
-    wall = time.time() - start
+    run = run_logged(cmd, env, os.path.join(out_dir, "launch.log"), args.timeout)
     records = []
     for r in range(2):
         path = f"{record_path}.rank{r}"
@@ -240,15 +251,13 @@ def run_variant(args, model_dir, prompts, variant: str, port: int) -> dict:
             with open(path) as f:
                 records.append(json.load(f))
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
-    if proc.returncode != 0 or not records or not os.path.exists(metrics_path):
-        with open(os.path.join(out_dir, "launch.log")) as f:
-            raise SystemExit(f"error: variant {variant}: exit {proc.returncode}; log tail:\n{f.read()[-3000:]}")
-    with open(metrics_path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+    if run.returncode != 0 or not records or not os.path.exists(metrics_path):
+        raise SystemExit(f"error: variant {variant}: exit {run.returncode}; log tail:\n{run.tail()}")
+    rows = read_jsonl(metrics_path)
     for sub in ("actor", "critic"):
         shutil.rmtree(os.path.join(out_dir, sub), ignore_errors=True)
-    print(f"  [{wall:.0f} s] {variant}: exit {proc.returncode}", file=sys.stderr, flush=True)
-    return {"variant": variant, "records": records, "wall_s": wall, **step3.summarize(rows, args.warmup)}
+    print(f"  [{run.wall_s:.0f} s] {variant}: exit {run.returncode}", file=sys.stderr, flush=True)
+    return {"variant": variant, "records": records, "wall_s": run.wall_s, **step3.summarize(rows, args.warmup)}
 
 
 def report(result: dict) -> list[str]:
@@ -287,33 +296,25 @@ def report(result: dict) -> list[str]:
 
 
 def main(argv=None):
-    from bench import step3
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    step3.add_workload_args(p, "PPO iterations per variant (default: tiny 4, else 3)")
-    p.add_argument("--variants", default="tuned", help="separated by ';': tuned;glibc;env:K=V,K2=V2")
-    p.add_argument("--master_port", type=int, default=29591)
-    p.add_argument("--timeout", type=int, default=900)
-    p.add_argument("--save", default=None)
+    step3.add_workload_args(p, "PPO iterations per variant (iterations; default: tiny 4, else 3)")
+    p.add_argument("--variants", default="tuned",
+                   help="allocator variants run one after the other, separated by ';': tuned;glibc;env:K=V,K2=V2")
+    add_run_args(p, 29591, 900)
     args = p.parse_args(argv)
     model_dir = bench_model(args)
     args.steps = args.steps or (4 if args.tiny else 3)
     prompts = step3.write_prompts(os.path.join(RUNS, "prompts.jsonl"), args.num_prompts)
-    lines = [f"# bench/memory_step3.py  {time.strftime('%Y-%m-%d %H:%M:%S')}", machine_line(), malloc_line(),
-             f"model: {model_dir}; step 3 PPO with GAE, 4 models (actor, reference, critic, reward), ZeRO-3 + hybrid, "
-             f"fp32, full fine-tuning, 2 ranks; {args.steps} iterations, rollout {args.batch_size} prompts/rank, "
-             f"prompt <= {args.prompt_len}, answer {args.answer_len}, mini-batch {args.train_batch_size}"]
-    lines += machine_lines("before")
-    print("\n".join(lines), flush=True)
+    header = start_report([
+        title("memory_step3.py"), machine_line(), malloc_line(),
+        f"model: {model_dir}; step 3 PPO with GAE, 4 models (actor, reference, critic, reward), ZeRO-3 + hybrid, "
+        f"fp32, full fine-tuning, 2 ranks; {args.steps} iterations, rollout {args.batch_size} prompts/rank, "
+        f"prompt <= {args.prompt_len}, answer {args.answer_len}, mini-batch {args.train_batch_size}"])
     out = []
     for i, variant in enumerate(v for v in args.variants.split(";") if v):
         out += report(run_variant(args, model_dir, prompts, variant, args.master_port + i))
-    out += machine_lines("after")
-    finish_report(args.save, lines, out)
+    end_report(args.save, header, out)
 
 
 if __name__ == "__main__":
-    if "--worker" in sys.argv[1:]:
-        worker(sys.argv[1:])
-    else:
-        main()
+    main_or_worker(main, worker)

@@ -22,7 +22,7 @@ from bench.common import machine_line  # noqa: E402
 
 
 def time_steps(params, repeats: int, **kwargs) -> float:
-    import torch
+    import torch  # imported here to keep --help fast
 
     opt = torch.optim.AdamW(params, lr=1e-5, betas=(0.9, 0.95), **kwargs)
     opt.step()
@@ -35,12 +35,12 @@ def time_steps(params, repeats: int, **kwargs) -> float:
 
 
 def main(argv=None) -> None:
-    import torch
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--params", type=float, default=67e6, help="parameters in the partition")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--params", type=float, default=67e6, help="parameters in the partition (count, e.g. 67e6)")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per variant after a warm-up step (steps)")
     args = p.parse_args(argv)
+    import torch  # imported here to keep --help fast
+
     print(machine_line())
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, fp32, {args.params / 1e6:.0f}M parameters "
           f"in tensors of 576x1536")

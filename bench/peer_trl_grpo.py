@@ -29,7 +29,7 @@ TRL accelerate's DeepSpeed environment with our ZeRO section, bench.peer_trl.ds_
 ds3_gather_for_generation=True; its reference is a ZeRO-3 engine too), fused torch AdamW with betas
 (0.9, 0.95) and gradient clipping 1.0 on both, lr 1e-6 constant, no eval, no saving, no vLLM, no
 completion logging. Allocator: by default tune_malloc's settings as MALLOC_* variables for BOTH sides
-(bench.peer_trl.MALLOC_ENV; our tune_malloc then steps aside); --as_shipped: ours applies tune_malloc
+(bench.peer_trl.malloc_env; our tune_malloc then steps aside); --as_shipped: ours applies tune_malloc
 itself, TRL runs on glibc's defaults.
 
 Timing (the first --warmup iterations dropped, medians over the rest). Ours: step 3's own metrics.jsonl
@@ -63,8 +63,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.common import RUNS, SMOL, bench_model, finish_report, machine_line, machine_lines, malloc_line  # noqa: E402
-from bench.peer_trl import MALLOC_ENV, ds_config_file, first_error_line, venv_versions  # noqa: E402
+from bench import step3  # noqa: E402
+from bench.common import (RUNS, add_model_args, add_run_args, bench_model, deepspeed_cmd, end_report,  # noqa: E402
+                          main_or_worker, malloc_line, run_logged, start_report, torchrun_cmd)
+from bench.peer_trl import ds_config_file, first_error_line, malloc_env, peer_header, trl_env  # noqa: E402
 
 TRL_VENV = os.path.join(REPO, "bench", ".venv-trl-grpo")
 ARITHMETIC = os.path.join(REPO, "data", "arithmetic", "train.jsonl")
@@ -75,42 +77,79 @@ GIB = 2**30
 
 
 # --------------------------------------------------------------------------------------- TRL worker
+WORKER_FLAGS = {  # the TRL worker's flags (all required but --chat_template): type, help
+    "model_name_or_path": (str, "model directory TRL loads (resized to the tokenizer, see trl_model_dir)"),
+    "tokenizer_path": (str, "tokenizer directory (the project's model)"),
+    "data": (str, "prompt rows with an 'answer' field (JSONL path)"),
+    "output_dir": (str, "TRL's output directory (path)"),
+    "out": (str, "result files' prefix: OUT.rank<r>.json (path)"),
+    "prompt_len": (int, "longest prompt (tokens)"),
+    "answer_len": (int, "exact completion length (tokens)"),
+    "prompts_per_rank": (int, "prompts per rank per rollout (rows)"),
+    "group": (int, "completions per prompt, TRL's num_generations (G)"),
+    "train_batch_size": (int, "rows per update per rank (rows)"),
+    "ppo_epochs": (int, "passes over the rollout, TRL's num_iterations (epochs)"),
+    "steps": (int, "GRPO iterations (rollouts)"),
+    "top_k": (int, "sampling top-k (tokens; 0: off)"),
+    "beta": (float, "KL coefficient, k3 in the loss"),
+    "temperature": (float, "sampling temperature"),
+    "top_p": (float, "sampling top-p (probability mass)"),
+}
+
+
+def worker_args(argv):
+    p = argparse.ArgumentParser()
+    p.add_argument("--worker", action="store_true", help="run as one rank of TRL's GRPO (in TRL's venv)")
+    p.add_argument("--chat_template", default=None, help="chat template file of the tokenizer (path)")
+    for name, (kind, text) in WORKER_FLAGS.items():
+        p.add_argument(f"--{name}", type=kind, required=True, help=text)
+    return p.parse_args(argv)
+
+
 def worker(argv) -> None:
     """One rank of TRL's GRPO (run by torchrun in bench/.venv-trl-grpo); writes OUT.rank<r>.json."""
-    p = argparse.ArgumentParser()
-    p.add_argument("--worker", action="store_true")
-    for name in ("model_name_or_path", "tokenizer_path", "data", "output_dir", "out"):
-        p.add_argument(f"--{name}", required=True)
-    p.add_argument("--chat_template", default=None)
-    for name in ("prompt_len", "answer_len", "prompts_per_rank", "group", "train_batch_size", "ppo_epochs", "steps",
-                 "top_k"):
-        p.add_argument(f"--{name}", type=int, required=True)
-    for name in ("beta", "temperature", "top_p"):
-        p.add_argument(f"--{name}", type=float, required=True)
-    args = p.parse_args(argv)
-
-    from accelerate import PartialState
+    args = worker_args(argv)
+    from accelerate import PartialState  # TRL's venv: imported here, also to keep --help fast
 
     state = PartialState(backend="gloo")  # before the config and the models (shared/notes/peer-trl.md)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if state.num_processes != launched:
         raise SystemExit(f"error: accelerate counts {state.num_processes} process(es) of the {launched} launched")
-    import torch
-    from datasets import Dataset
-    from transformers import AutoModelForCausalLM, TrainerCallback
-
-    import trl
-    from trl import GRPOConfig, GRPOTrainer
     from trl.trainer import grpo_trainer as trl_grpo
 
     from step3_ppo.reward_funcs import math_exact
-    from utils.accelerator import peak_memory_bytes, reset_peak_memory
-    from utils.data import tokenize_prompts
-    from utils.flags import add_data_args
     from utils.model import load_tokenizer
-    from utils.training import step_examples
 
     tokenizer = load_tokenizer(args.tokenizer_path, padding_side="left", chat_template=args.chat_template)
+    examples, stats, project_ids, dataset = grpo_dataset(args, tokenizer)
+    rollout = args.prompts_per_rank * args.group  # completions per rank per rollout
+    steps_per_generation = rollout // args.train_batch_size
+    updates = steps_per_generation * args.ppo_epochs  # optimizer steps per rollout
+    config = grpo_config(args, steps_per_generation, updates)
+
+    rec = {"gen": [], "gs": [], "ends": [], "peaks": [], "completion_len": [], "prompt_mismatch": 0,
+           "prompts_seen": 0}
+    peaks = {}
+    time_generation(trl_grpo, rec, peaks)
+    # the policy; TRL builds the reference itself, from the same directory (get_config_model_id(model.config))
+    trainer = timed_trainer(rec, peaks, project_ids)(
+        model=policy_model(args, tokenizer), reward_funcs=[math_exact_reward(math_exact)], args=config,
+        train_dataset=dataset, processing_class=tokenizer, callbacks=[iteration_ends(rec, peaks, updates)])
+    trainer.train()
+    result = grpo_result(rec, trainer, config, state, rollout, updates, len(examples), stats)
+    with open(f"{args.out}.rank{state.process_index}.json", "w") as f:
+        json.dump(result, f, default=str)
+
+
+def grpo_dataset(args, tokenizer) -> tuple:
+    """Step 3's own prompt examples of --data (its data flags and defaults), their ids by prompt, and the
+    dataset TRL is given (prompt, answer)."""
+    from datasets import Dataset  # TRL's venv: imported here, also to keep --help fast
+
+    from utils.data import tokenize_prompts
+    from utils.flags import add_data_args
+    from utils.training import step_examples
+
     data_parser = argparse.ArgumentParser()
     add_data_args(data_parser)  # step 3's own data flags and defaults (eval_fraction, keys, ...)
     data_args = data_parser.parse_args(["--data_path", args.data, "--data_split", "0,0,1"]
@@ -122,11 +161,14 @@ def worker(argv) -> None:
     project_ids = {json.dumps(ex["prompt"], sort_keys=True): ex["input_ids"] for ex in examples}
     dataset = Dataset.from_dict({"prompt": [ex["prompt"] for ex in examples],
                                  "answer": [ex.get("extra", {}).get("answer") for ex in examples]})
-    rollout = args.prompts_per_rank * args.group  # completions per rank per rollout
-    steps_per_generation = rollout // args.train_batch_size
-    updates = steps_per_generation * args.ppo_epochs  # optimizer steps per rollout
+    return examples, stats, project_ids, dataset
 
-    config = GRPOConfig(
+
+def grpo_config(args, steps_per_generation: int, updates: int):
+    """TRL's GRPOConfig for our workload (the module docstring maps every setting)."""
+    from trl import GRPOConfig  # TRL's venv: imported here, also to keep --help fast
+
+    return GRPOConfig(
         output_dir=args.output_dir, report_to="none", save_strategy="no", eval_strategy="no",
         logging_steps=updates, disable_tqdm=True, log_completions=False, use_vllm=False,
         per_device_train_batch_size=args.train_batch_size, gradient_accumulation_steps=1,
@@ -139,28 +181,36 @@ def worker(argv) -> None:
         disable_dropout=True, seed=1234, ddp_backend="gloo", dataloader_num_workers=0,
         ds3_gather_for_generation=True)
 
-    rec = {"gen": [], "gs": [], "ends": [], "peaks": [], "completion_len": [], "prompt_mismatch": 0,
-           "prompts_seen": 0}
-    peaks = {}
 
-    def phase_boundary(ended: str, reset: bool = True) -> None:
-        """Read the phase that just ended (VmHWM since its start), then start a new peak."""
-        peaks[ended] = max(peaks.get(ended, 0), peak_memory_bytes())
-        if reset:
-            reset_peak_memory()
+def phase_boundary(peaks: dict, ended: str, reset: bool = True) -> None:
+    """Read the phase that just ended (VmHWM since its start), then start a new peak."""
+    from utils.accelerator import peak_memory_bytes, reset_peak_memory  # torch: imported here to keep --help fast
 
+    peaks[ended] = max(peaks.get(ended, 0), peak_memory_bytes())
+    if reset:
+        reset_peak_memory()
+
+
+def time_generation(trl_grpo, rec: dict, peaks: dict) -> None:
+    """Times TRL's whole generation context (ZeRO-3 gather + generate + release), a phase of its own."""
     original_unwrap = trl_grpo.unwrap_model_for_generation
 
     @contextlib.contextmanager
-    def timed_unwrap(*a, **k):  # generation = TRL's whole generation context (ZeRO-3 gather + generate + release)
-        phase_boundary("other")
+    def timed_unwrap(*a, **k):
+        phase_boundary(peaks, "other")
         start = time.time()
         with original_unwrap(*a, **k) as model:
             yield model
         rec["gen"].append((start, time.time()))
-        phase_boundary("gen")
+        phase_boundary(peaks, "gen")
 
     trl_grpo.unwrap_model_for_generation = timed_unwrap
+
+
+def timed_trainer(rec: dict, peaks: dict, project_ids: dict):
+    """GRPOTrainer handing generation the project's prompt ids (counting those TRL's rendering got otherwise),
+    recording completion lengths and timing _generate_and_score_completions (the end of the scoring phase)."""
+    from trl import GRPOTrainer  # TRL's venv: imported here, also to keep --help fast
 
     class TimedGRPOTrainer(GRPOTrainer):
         def _tokenize_prompts(self, prompts: list):
@@ -180,8 +230,18 @@ def worker(argv) -> None:
             start = time.time()
             out = super()._generate_and_score_completions(inputs)
             rec["gs"].append((start, time.time()))
-            phase_boundary("score")
+            phase_boundary(peaks, "score")
             return out
+
+    return TimedGRPOTrainer
+
+
+def iteration_ends(rec: dict, peaks: dict, updates: int):
+    """A TrainerCallback marking the start of training and the end of every rollout's updates (an iteration),
+    which also ends the training phase's peak."""
+    from transformers import TrainerCallback  # TRL's venv: imported here, also to keep --help fast
+
+    from utils.accelerator import peak_memory_bytes, reset_peak_memory
 
     class IterationEnds(TrainerCallback):
         def on_train_begin(self, *a, **k):
@@ -194,24 +254,33 @@ def worker(argv) -> None:
                 rec["ends"].append(time.time())
                 # no reset after the last one: ru_maxrss at exit then covers the last training phase and after,
                 # as our ranks' does (Linux resets ru_maxrss with VmHWM)
-                phase_boundary("train", reset=state_.global_step < state_.max_steps)
+                phase_boundary(peaks, "train", reset=state_.global_step < state_.max_steps)
                 rec["peaks"].append(dict(peaks))
                 peaks.clear()
 
-    def causal_lm():
-        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
-        rows = model.get_input_embeddings().num_embeddings  # (the weight is a ZeRO-3 partition here)
-        if rows < len(tokenizer):
-            raise SystemExit(f"{args.model_name_or_path}: {rows} embedding rows "
-                             f"< {len(tokenizer)} tokens (the orchestrator passes a resized copy)")
-        return model
+    return IterationEnds()
 
-    # the policy; TRL builds the reference itself, from the same directory (get_config_model_id(model.config))
-    trainer = TimedGRPOTrainer(model=causal_lm(), reward_funcs=[math_exact_reward(math_exact)], args=config,
-                               train_dataset=dataset, processing_class=tokenizer, callbacks=[IterationEnds()])
-    trainer.train()
 
-    rows = []  # one per iteration, in step 3's metrics.jsonl keys (bench.step3.summarize reads them)
+def policy_model(args, tokenizer):
+    import torch  # TRL's venv: imported here, also to keep --help fast
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
+    rows = model.get_input_embeddings().num_embeddings  # (the weight is a ZeRO-3 partition here)
+    if rows < len(tokenizer):
+        raise SystemExit(f"{args.model_name_or_path}: {rows} embedding rows "
+                         f"< {len(tokenizer)} tokens (the orchestrator passes a resized copy)")
+    return model
+
+
+def grpo_result(rec: dict, trainer, config, state, rollout: int, updates: int, train_prompts: int,
+                data_stats: dict) -> dict:
+    """One rank's result: per iteration its phases in step 3's metrics.jsonl keys (bench.step3.summarize reads
+    them), the per-phase peaks, and what TRL ran (engines, steps, config)."""
+    import torch  # TRL's venv: imported here, also to keep --help fast
+    import trl
+
+    rows = []
     starts = [rec["begin"]] + rec["ends"][:-1]
     for i, (begin, end) in enumerate(zip(starts, rec["ends"])):
         (g0, g1), (c0, c1) = rec["gen"][i], rec["gs"][i]
@@ -220,23 +289,21 @@ def worker(argv) -> None:
                      "samples_per_s": rollout * state.num_processes / (end - begin)})
     engine = trainer.model_wrapped
     zero = getattr(engine, "zero_optimization_stage", None)
-    result = {"rank": state.process_index, "rows": rows, "peaks": rec["peaks"],
-              "load_peak_bytes": rec["load_peak_bytes"], "completion_len": rec["completion_len"],
-              "prompt_mismatch": rec["prompt_mismatch"], "prompts_seen": rec["prompts_seen"],
-              "rollouts": len(rec["gs"]), "generations": len(rec["gen"]), "global_steps": trainer.state.global_step,
-              "ru_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-              "trl": trl.__version__, "torch": torch.__version__, "deepspeed_enabled": trainer.is_deepspeed_enabled,
-              "zero_stage": zero() if callable(zero) else None, "engine": type(engine).__name__,
-              "ref_engine": type(trainer.ref_model).__name__, "world_size": state.num_processes,
-              "torch_threads": torch.get_num_threads(), "train_prompts": len(examples), "data_stats": stats,
-              "updates_per_rollout": updates,
-              "config": {k: getattr(config, k) for k in (
-                  "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
-                  "generation_batch_size", "num_iterations", "num_generations", "max_completion_length",
-                  "generation_kwargs", "temperature", "top_k", "top_p", "beta", "loss_type", "bf16",
-                  "gradient_checkpointing", "optim", "max_steps")}}
-    with open(f"{args.out}.rank{state.process_index}.json", "w") as f:
-        json.dump(result, f, default=str)
+    return {"rank": state.process_index, "rows": rows, "peaks": rec["peaks"],
+            "load_peak_bytes": rec["load_peak_bytes"], "completion_len": rec["completion_len"],
+            "prompt_mismatch": rec["prompt_mismatch"], "prompts_seen": rec["prompts_seen"],
+            "rollouts": len(rec["gs"]), "generations": len(rec["gen"]), "global_steps": trainer.state.global_step,
+            "ru_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "trl": trl.__version__, "torch": torch.__version__, "deepspeed_enabled": trainer.is_deepspeed_enabled,
+            "zero_stage": zero() if callable(zero) else None, "engine": type(engine).__name__,
+            "ref_engine": type(trainer.ref_model).__name__, "world_size": state.num_processes,
+            "torch_threads": torch.get_num_threads(), "train_prompts": train_prompts, "data_stats": data_stats,
+            "updates_per_rollout": updates,
+            "config": {k: getattr(config, k) for k in (
+                "per_device_train_batch_size", "gradient_accumulation_steps", "steps_per_generation",
+                "generation_batch_size", "num_iterations", "num_generations", "max_completion_length",
+                "generation_kwargs", "temperature", "top_k", "top_p", "beta", "loss_type", "bf16",
+                "gradient_checkpointing", "optim", "max_steps")}}
 
 
 def math_exact_reward(math_exact):
@@ -253,7 +320,7 @@ def math_exact_reward(math_exact):
 # ------------------------------------------------------------------------------------- orchestrator
 def grpo_command(args, model_dir: str, out_dir: str, port: int) -> list[str]:
     """Our step 3 launch with the GRPO workload (no critic, no reward model: math_exact)."""
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(port), "--module", "step3_ppo.main",
+    cmd = deepspeed_cmd("step3_ppo.main", port) + [
            "--actor_model_name_or_path", model_dir, "--data_path", args.data, "--data_split", "0,0,1",
            "--advantage_estimator", "grpo", "--n_samples_per_prompt", str(args.group), "--reward_funcs", "math_exact",
            "--actor_zero_stage", "3", "--enable_hybrid_engine", "--dtype", "fp32",
@@ -271,8 +338,6 @@ def grpo_command(args, model_dir: str, out_dir: str, port: int) -> list[str]:
 
 
 def run_ours(args, model_dir: str) -> dict:
-    from bench import step3
-
     result = step3.run_config(args, model_dir, None, OURS, args.master_port,
                               command=lambda out_dir, port: grpo_command(args, model_dir, out_dir, port))
     rows = result.pop("rows")
@@ -312,42 +377,41 @@ def run_trl(args, model_dir: str, tokenizer_len: int) -> dict:
     result_base = os.path.join(out_dir, "result")
     for old in glob.glob(result_base + ".rank*.json"):
         os.remove(old)
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VIRTUAL_ENV", "ACCELERATE_", "MALLOC_"))}
-    env.update({"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                "PYTHONWARNINGS": "ignore", "PYTHONPATH": REPO,
-                "PATH": os.path.join(TRL_VENV, "bin") + os.pathsep + env.get("PATH", ""),
-                "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_MIXED_PRECISION": "no",
-                "ACCELERATE_DEEPSPEED_CONFIG_FILE": ds_config_file(os.path.join(out_dir, "ds_zero3.json"), 3)})
+    env = trl_env(TRL_VENV, ds_config_file(os.path.join(out_dir, "ds_zero3.json"), 3),
+                  drop=("VIRTUAL_ENV", "ACCELERATE_", "MALLOC_"))
     if not args.as_shipped:
-        env.update(MALLOC_ENV)
-    cmd = [python, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(args.master_port + 7),
-           os.path.abspath(__file__), "--worker", "--model_name_or_path", trl_model_dir(model_dir, tokenizer_len),
+        env.update(malloc_env())
+    cmd = torchrun_cmd(python, args.master_port + 7, os.path.abspath(__file__)) + [
+           "--worker", "--model_name_or_path", trl_model_dir(model_dir, tokenizer_len),
            "--tokenizer_path", model_dir, "--data", args.data, "--output_dir", out_dir, "--out", result_base]
     if args.chat_template:
         cmd += ["--chat_template", args.chat_template]
     for name in ("prompt_len", "answer_len", "prompts_per_rank", "group", "train_batch_size", "ppo_epochs", "steps",
                  "top_k", "beta", "temperature", "top_p"):
         cmd += [f"--{name}", str(getattr(args, name))]
-    log_path = os.path.join(out_dir, "trl.log")
-    before, start = resource.getrusage(resource.RUSAGE_CHILDREN), time.time()
-    with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout)
-    wall, after = time.time() - start, resource.getrusage(resource.RUSAGE_CHILDREN)
+    run = run_logged(cmd, env, os.path.join(out_dir, "trl.log"), args.timeout)
     ranks = []
     for path in sorted(glob.glob(result_base + ".rank*.json")):
         with open(path) as f:
             ranks.append(json.load(f))
-    if proc.returncode != 0 or len(ranks) != 2:
-        with open(log_path) as f:
-            return {"error": first_error_line(f.read()), "exit": proc.returncode, "log": log_path,
+    if run.returncode != 0 or len(ranks) != 2:
+        with open(run.log) as f:
+            return {"error": first_error_line(f.read()), "exit": run.returncode, "log": run.log,
                     "rank_files": len(ranks)}
-    from bench.step3 import summarize
+    r = trl_summary(args, ranks)
+    r.update(wall_s=run.wall_s, cpu_s=run.cpu_s)
+    print(f"  [{run.wall_s:.0f} s] TRL: exit 0, {len(r['rows'])} iterations, median {r['step_s']:.2f} s/iteration",
+          file=sys.stderr, flush=True)
+    return r
 
+
+def trl_summary(args, ranks: list[dict]) -> dict:
+    """Rank 0's result with the medians of its iterations (as step 3's, plus TRL's whole iteration and 'other')
+    and, over both ranks, the peaks, completion lengths and prompt-id checks."""
     r = ranks[0]
     timed = r["rows"][args.warmup:] or r["rows"]
-    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-    r.update(summarize(r["rows"], args.warmup))  # gen / exp / train medians; its step_s is their sum's median
-    r.update(wall_s=wall, cpu_s=cpu, window_s=r["step_s"], score_s=r["exp_s"],
+    r.update(step3.summarize(r["rows"], args.warmup))  # gen / exp / train medians; its step_s is their sum's median
+    r.update(window_s=r["step_s"], score_s=r["exp_s"],
              step_s=statistics.median(x["iteration_s"] for x in timed), all_step_s=[x["iteration_s"] for x in timed],
              other_s=statistics.median(x["other_s"] for x in timed),
              rank_peaks_gib=[{k: max(p.get(k, 0) for p in x["peaks"]) / GIB for k in (*PHASES, "other")}
@@ -358,8 +422,6 @@ def run_trl(args, model_dir: str, tokenizer_len: int) -> dict:
              completion_len_mean=statistics.mean(c for x in ranks for c in x["completion_len"]),
              prompt_mismatch=sum(x["prompt_mismatch"] for x in ranks),
              prompts_seen=sum(x["prompts_seen"] for x in ranks))
-    print(f"  [{wall:.0f} s] TRL: exit 0, {len(r['rows'])} iterations, median {r['step_s']:.2f} s/iteration",
-          file=sys.stderr, flush=True)
     return r
 
 
@@ -419,75 +481,71 @@ def report(args, ours: dict | None, theirs: dict) -> list[str]:
     return out
 
 
-def main(argv=None):
-    from utils.model import load_tokenizer
-
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tiny", action="store_true", help="tiny random llama (utils.tiny_model) + chatml template")
-    p.add_argument("--model_name_or_path", default=None, help=f"default: {SMOL}")
-    p.add_argument("--data", default=ARITHMETIC, help="prompt rows with an 'answer' field (JSONL)")
-    p.add_argument("--steps", type=int, default=None, help="GRPO iterations per side (default: tiny 6, else 4)")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--prompt_len", type=int, default=64)
+    add_model_args(p, tiny_help="a tiny random 2-layer llama (utils.tiny_model) with the chatml template instead")
+    p.add_argument("--data", default=ARITHMETIC, help="prompt rows with an 'answer' field (JSONL path)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="GRPO iterations per side (iterations; default: tiny 6, else 4)")
+    p.add_argument("--warmup", type=int, default=1, help="first iterations left out of the medians (iterations)")
+    p.add_argument("--prompt_len", type=int, default=64, help="longest prompt (tokens)")
     p.add_argument("--answer_len", type=int, default=16, help="exact answer length (tokens)")
-    p.add_argument("--prompts_per_rank", type=int, default=4, help="prompts per rank per rollout")
+    p.add_argument("--prompts_per_rank", type=int, default=4, help="prompts per rank per rollout (rows)")
     p.add_argument("--group", type=int, default=4, help="completions per prompt (G)")
-    p.add_argument("--train_batch_size", type=int, default=8, help="rows per update per rank (T)")
+    p.add_argument("--train_batch_size", type=int, default=8, help="rows per update per rank (T, rows)")
     p.add_argument("--ppo_epochs", type=int, default=1, help="passes over the rollout (E; TRL num_iterations)")
     p.add_argument("--beta", type=float, default=0.04, help="KL coefficient (k3, in the loss)")
-    p.add_argument("--temperature", type=float, default=0.7)
-    p.add_argument("--top_k", type=int, default=0)
-    p.add_argument("--top_p", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of both sides")
+    p.add_argument("--top_k", type=int, default=0, help="sampling top-k of both sides (tokens; 0: off)")
+    p.add_argument("--top_p", type=float, default=1.0, help="sampling top-p of both sides (probability mass)")
     p.add_argument("--as_shipped", action="store_true",
                    help="ours with its own tune_malloc, TRL on glibc's defaults (default: MALLOC_* for both)")
     p.add_argument("--skip_ours", action="store_true", help="TRL only (debugging)")
     p.add_argument("--skip_trl", action="store_true", help="ours only (debugging)")
-    p.add_argument("--master_port", type=int, default=29581)
-    p.add_argument("--timeout", type=int, default=1200, help="seconds per launch")
-    p.add_argument("--save", default=None)
+    add_run_args(p, 29581, 1200, save_help="also write the printed report to this file, and both sides' figures "
+                                           "as JSON beside it (path)")
     args = p.parse_args(argv)
     rollout = args.prompts_per_rank * args.group
     if rollout % args.train_batch_size:
         raise SystemExit(f"error: --train_batch_size {args.train_batch_size} must divide the rollout of {rollout} rows")
     if not os.path.exists(args.data):
         raise SystemExit(f"error: {args.data} is missing (python -m data.make_arithmetic_data --out data/arithmetic)")
+    return args
+
+
+def header_lines(args, model_dir: str) -> list[str]:
+    rollout = args.prompts_per_rank * args.group
+    updates = rollout // args.train_batch_size * args.ppo_epochs
+    return peer_header("peer_trl_grpo.py", TRL_VENV) + [
+            f"model: {model_dir}{' (chat template ' + args.chat_template + ')' if args.chat_template else ''}; "
+            f"policy + frozen reference on each side, no critic, no reward model; fp32; ZeRO-3 both (ours "
+            f"--enable_hybrid_engine, TRL ds3_gather_for_generation=True); 2 ranks, OMP_NUM_THREADS=1",
+            "allocator: ours " + malloc_line() + "; TRL " + ("glibc defaults (--as_shipped)" if args.as_shipped
+                                                             else "the same MALLOC_* environment"),
+            f"GRPO: {args.steps} iterations per side (first {args.warmup} dropped); prompts {args.data} "
+            f"(prompt <= {args.prompt_len} tokens); {args.prompts_per_rank} prompts/rank x G={args.group} = {rollout} "
+            f"completions/rank/rollout (x2 ranks), exactly {args.answer_len} tokens, sampled T={args.temperature} "
+            f"top_k {args.top_k} top_p {args.top_p}; reward math_exact; KL k3 in the loss, beta {args.beta}; "
+            f"per-update batch {args.train_batch_size}/rank, {args.ppo_epochs} epoch(s): {updates} optimizer steps "
+            f"per rollout on each side (ours {rollout}/{args.train_batch_size} x {args.ppo_epochs}; TRL "
+            f"steps_per_generation {rollout // args.train_batch_size} x num_iterations {args.ppo_epochs}); "
+            f"lr 1e-6 constant"]
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    from utils.model import load_tokenizer  # transformers: imported here to keep --help fast
+
     model_dir, args.chat_template = bench_model(args), CHATML if args.tiny else None
     args.steps = args.steps or (6 if args.tiny else 4)
     if not args.as_shipped:
-        os.environ.update(MALLOC_ENV)  # inherited by our step 3 launch (tune_malloc then steps aside)
+        os.environ.update(malloc_env())  # inherited by our step 3 launch (tune_malloc then steps aside)
     tokenizer_len = len(load_tokenizer(model_dir, chat_template=args.chat_template))
-    updates = rollout // args.train_batch_size * args.ppo_epochs
-
-    lines = [f"# bench/peer_trl_grpo.py  {time.strftime('%Y-%m-%d %H:%M:%S')}",
-             machine_line(),
-             f"TRL venv {TRL_VENV}: {venv_versions(TRL_VENV)}",
-             f"model: {model_dir}{' (chat template ' + args.chat_template + ')' if args.chat_template else ''}; "
-             f"policy + frozen reference on each side, no critic, no reward model; fp32; ZeRO-3 both (ours "
-             f"--enable_hybrid_engine, TRL ds3_gather_for_generation=True); 2 ranks, OMP_NUM_THREADS=1",
-             "allocator: ours " + malloc_line() + "; TRL " + ("glibc defaults (--as_shipped)" if args.as_shipped
-                                                              else "the same MALLOC_* environment"),
-             f"GRPO: {args.steps} iterations per side (first {args.warmup} dropped); prompts {args.data} "
-             f"(prompt <= {args.prompt_len} tokens); {args.prompts_per_rank} prompts/rank x G={args.group} = {rollout} "
-             f"completions/rank/rollout (x2 ranks), exactly {args.answer_len} tokens, sampled T={args.temperature} "
-             f"top_k {args.top_k} top_p {args.top_p}; reward math_exact; KL k3 in the loss, beta {args.beta}; "
-             f"per-update batch {args.train_batch_size}/rank, {args.ppo_epochs} epoch(s): {updates} optimizer steps "
-             f"per rollout on each side (ours {rollout}/{args.train_batch_size} x {args.ppo_epochs}; TRL "
-             f"steps_per_generation {rollout // args.train_batch_size} x num_iterations {args.ppo_epochs}); "
-             f"lr 1e-6 constant"]
-    lines += machine_lines("before")
-    print("\n".join(lines), flush=True)
-
+    header = start_report(header_lines(args, model_dir))
     ours = None if args.skip_ours else run_ours(args, model_dir)
     theirs = {"error": "skipped (--skip_trl)"} if args.skip_trl else run_trl(args, model_dir, tokenizer_len)
-    out = report(args, ours, theirs) + machine_lines("after")
-    finish_report(args.save, lines, out)
-    if args.save:
-        with open(os.path.splitext(args.save)[0] + ".json", "w") as f:
-            json.dump({"ours": ours, "trl": theirs}, f, indent=1, default=str)
+    end_report(args.save, header, report(args, ours, theirs), data={"ours": ours, "trl": theirs})
 
 
 if __name__ == "__main__":
-    if "--worker" in sys.argv[1:]:
-        worker(sys.argv[1:])
-    else:
-        main()
+    main_or_worker(main, worker)

@@ -11,25 +11,24 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.common import RUNS, SMOL, bench_model, finish_report, machine_line, malloc_line  # noqa: E402
+from bench import step3  # noqa: E402
+from bench.common import (RUNS, add_model_args, add_run_args, bench_env, bench_model, finish_report,  # noqa: E402
+                          machine_line, main_or_worker, malloc_line, run_logged, worker_argv)
 
 
 def worker(argv) -> None:
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile  # torch, step 3: imported here to keep --help fast
 
     from step3_ppo.main import parse_args, setup
     from utils.distributed import is_rank0
 
-    out = argv[argv.index("--report") + 1]
-    argv = [a for i, a in enumerate(argv) if a not in ("--worker", "--report") and argv[i - 1] != "--report"
-            and not a.startswith("--local_rank")]
+    argv, options = worker_argv(argv, "--worker", "--report")
     run = setup(parse_args(argv))
     trainer, batches = run.trainer, iter(run.loader)
     for step in range(2):
@@ -41,26 +40,18 @@ def worker(argv) -> None:
             trainer.train_minibatch(minibatch)
     if is_rank0():
         table = prof.key_averages()
-        with open(out, "w") as f:
+        with open(options["--report"], "w") as f:
             f.write("by self CPU time\n" + table.table(sort_by="self_cpu_time_total", row_limit=25) +
                     "\nby total CPU time (includes children and waits)\n" +
                     table.table(sort_by="cpu_time_total", row_limit=30))
 
 
 def main(argv=None) -> None:
-    from bench import step3
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tiny", action="store_true")
-    p.add_argument("--model_name_or_path", default=None, help=f"default: {SMOL}")
-    p.add_argument("--stage", type=int, default=3, choices=[2, 3])
-    p.add_argument("--prompt_len", type=int, default=32)
-    p.add_argument("--answer_len", type=int, default=24)
-    p.add_argument("--batch_size", type=int, default=8)
-    p.add_argument("--train_batch_size", type=int, default=4)
-    p.add_argument("--ppo_epochs", type=int, default=1)
-    p.add_argument("--master_port", type=int, default=29561)
-    p.add_argument("--save", default=None)
+    add_model_args(p)
+    p.add_argument("--stage", type=int, default=3, choices=[2, 3], help="ZeRO stage of actor and critic (2 or 3)")
+    step3.add_ppo_args(p)
+    add_run_args(p, 29561, None)
     args = p.parse_args(argv)
     args.steps = 10
     model_dir = bench_model(args)
@@ -68,25 +59,20 @@ def main(argv=None) -> None:
     out_dir = os.path.join(RUNS, "profile")
     os.makedirs(out_dir, exist_ok=True)
     report = os.path.join(out_dir, "report.txt")
-    cmd = step3.step3_command(args, model_dir, prompts, args.stage, True, out_dir, args.master_port)
-    cmd[cmd.index("step3_ppo.main")] = "bench.profile_step3"
+    cmd = step3.step3_command(args, model_dir, prompts, args.stage, True, out_dir, args.master_port,
+                              module="bench.profile_step3")
     cmd += ["--worker", "--report", report]
     header = [f"# bench/profile_step3.py: PPO training phase of one rollout ({args.batch_size} rows per rank, "
               f"mini-batch {args.train_batch_size}), ZeRO-{args.stage}, model {model_dir}",
               machine_line(), malloc_line()]
     print("\n".join(header), flush=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with open(os.path.join(out_dir, "launch.log"), "w") as log:
-        proc = subprocess.run(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=900)
-    if proc.returncode != 0 or not os.path.exists(report):
-        raise SystemExit(f"error: profile run exited {proc.returncode}; see {out_dir}/launch.log")
+    run = run_logged(cmd, bench_env(), os.path.join(out_dir, "launch.log"), 900)
+    if run.returncode != 0 or not os.path.exists(report):
+        raise SystemExit(f"error: profile run exited {run.returncode}; see {out_dir}/launch.log")
     with open(report) as f:
         body = f.read()
     finish_report(args.save, header, [body])
 
 
 if __name__ == "__main__":
-    if "--worker" in sys.argv[1:]:
-        worker(sys.argv[1:])
-    else:
-        main()
+    main_or_worker(main, worker)

@@ -28,18 +28,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import statistics
-import subprocess
 import sys
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.common import RUNS, SMOL, bench_model, finish_report, machine_line, machine_lines, malloc_line  # noqa: E402
+from bench.common import (RUNS, add_model_args, add_run_args, bench_env, bench_model, deepspeed_cmd,  # noqa: E402
+                          end_report, fresh_dir, machine_line, main_or_worker, malloc_line, read_jsonl, run_logged,
+                          start_report, title, worker_argv)
 
 DEMO_PAIRS = os.path.join(REPO, "data", "demo_raw", "pairs", "train.jsonl")  # raw rows: the figures in bench/results
 CONFIGS = {  # name: (actor/critic ZeRO stage, --enable_hybrid_engine)
@@ -71,7 +70,7 @@ def write_prompts(path: str, n: int) -> str:
 def reward_model_dir(model_dir: str) -> str:
     """The critic / reward model of the benchmark: the model's backbone + a fresh seeded value head, made
     once under bench/runs (step 3 refuses a plain causal LM as --critic_model_name_or_path)."""
-    from utils.reward_model import VALUE_HEAD_FILE, make_reward_model_dir
+    from utils.reward_model import VALUE_HEAD_FILE, make_reward_model_dir  # torch: here to keep --help fast
 
     out = os.path.join(RUNS, "reward_models", os.path.basename(model_dir.rstrip("/")))
     if not os.path.isfile(os.path.join(out, VALUE_HEAD_FILE)):
@@ -79,8 +78,11 @@ def reward_model_dir(model_dir: str) -> str:
     return out
 
 
-def step3_command(args, model_dir: str, prompts: str, stage: int, hybrid: bool, out_dir: str, port: int) -> list[str]:
-    cmd = ["deepspeed", "--num_gpus", "2", "--master_port", str(port), "--module", "step3_ppo.main",
+def step3_command(args, model_dir: str, prompts: str, stage: int, hybrid: bool, out_dir: str, port: int,
+                  module: str = "step3_ppo.main") -> list[str]:
+    """The launch of step 3 on the benchmark's workload; `module` runs it (step3_ppo.main, or a bench worker
+    that calls it: bench.step3 --ab_worker, bench.memory_step3 --worker, bench.profile_step3 --worker)."""
+    cmd = deepspeed_cmd(module, port) + [
            "--actor_model_name_or_path", model_dir, "--critic_model_name_or_path", reward_model_dir(model_dir),
            "--data_path", prompts, "--data_split", "0,0,1",
            "--actor_zero_stage", str(stage), "--critic_zero_stage", str(stage), "--dtype", "fp32",
@@ -109,11 +111,28 @@ def summarize(rows: list[dict], warmup: int) -> dict:
             **{f"{name}_share": sum(r[k] for r in timed) / total for name, k in parts.items()}}
 
 
+PHASE_HEAD = (f"{'s/iter':>7s} {'samples/s':>9s} {'gen s':>6s} {'exp s':>6s} {'train s':>7s} "
+              f"{'gen %':>6s} {'exp %':>6s} {'train %':>7s}")
+
+
+def phase_cells(r: dict) -> str:
+    """One summarize() result under PHASE_HEAD: medians (s), samples/s, shares (%)."""
+    return (f"{r['step_s']:7.2f} {r['samples_per_s']:9.2f} {r['gen_s']:6.2f} {r['exp_s']:6.2f} {r['train_s']:7.2f} "
+            f"{100 * r['gen_share']:5.1f}% {100 * r['exp_share']:5.1f}% {100 * r['train_share']:6.1f}%")
+
+
+def biggest_share(r: dict) -> tuple[str, float]:
+    """The phase with the largest share of a summarize() result, and that share."""
+    shares = {"generation": r["gen_share"], "experience (4 forwards)": r["exp_share"], "training": r["train_share"]}
+    big = max(shares, key=shares.get)
+    return big, shares[big]
+
+
 def logits_to_keep_logprobs(model, batch: dict, temperature: float, return_entropy: bool = False):
     """PROPOSED policy forward, passed through PPOTrainer's `logprobs_fn` seam for the A/B only: the
     LM head (and log-softmax) only for the positions that predict response tokens (transformers'
     `logits_to_keep`), not for the prompt. Same contract as utils.forward.token_logprobs."""
-    import torch
+    import torch  # imported here to keep --help fast
 
     from utils.forward import model_device
     from utils.ops import entropy_from_logits, logprobs_from_logits, position_ids_from_attention_mask
@@ -141,16 +160,14 @@ def ab_worker(argv) -> None:
     --ab_variant hybrid: A = plain generation, B = hybrid generation mode.
     --ab_variant logits_to_keep: both hybrid; B with the proposed policy forward (logits_to_keep_logprobs),
     given to the trainer through its logprobs_fn seam."""
-    import torch
-
-    from step3_ppo.main import parse_args, setup
+    from step3_ppo.main import parse_args as parse_step3_args  # torch: imported here to keep --help fast
+    from step3_ppo.main import setup
     from utils.distributed import is_rank0
+    from utils.forward import token_logprobs
 
-    out = argv[argv.index("--ab_out") + 1]
-    variant = argv[argv.index("--ab_variant") + 1]
-    argv = [a for i, a in enumerate(argv) if a not in ("--ab_worker", "--ab_out", "--ab_variant")
-            and argv[i - 1] not in ("--ab_out", "--ab_variant") and not a.startswith("--local_rank")]
-    run = setup(parse_args(argv))
+    argv, options = worker_argv(argv, "--ab_worker", "--ab_out", "--ab_variant")
+    out, variant = options["--ab_out"], options["--ab_variant"]
+    run = setup(parse_step3_args(argv))
     batches = iter(run.loader)
     for step in range(run.total_steps):
         arm_b = step % 2 == 1
@@ -158,19 +175,10 @@ def ab_worker(argv) -> None:
         if variant == "hybrid":
             run.trainer.config.enable_hybrid_engine = arm_b
         else:
-            from utils.forward import token_logprobs
-            from utils.rollout import pack
-
             run.trainer.config.enable_hybrid_engine = True
             run.trainer.logprobs_fn = logits_to_keep_logprobs if arm_b else token_logprobs
             if step == 0:  # the proposed log-probs against the project's on one packed batch
-                rows = run.trainer.generate_rows(next(iter(run.loader)))
-                batch = pack(rows, run.trainer.config.pad_token_id)
-                with torch.no_grad():
-                    a = token_logprobs(run.trainer.actor, batch, 1.0)
-                    b = logits_to_keep_logprobs(run.trainer.actor, batch, 1.0)
-                mask = batch["action_mask"]
-                extra["logprobs_max_abs_diff"] = float(((a - b) * mask).abs().max())
+                extra["logprobs_max_abs_diff"] = logprobs_max_abs_diff(run)
         metrics, _ = run.trainer.step([next(batches)], step)
         if is_rank0():
             with open(out, "a") as f:
@@ -180,45 +188,52 @@ def ab_worker(argv) -> None:
                   file=sys.stderr, flush=True)
 
 
+def logprobs_max_abs_diff(run) -> float:
+    """The proposed logits_to_keep_logprobs against the project's token_logprobs on one packed rollout batch of
+    step 3's `run` (largest absolute difference over the action positions)."""
+    import torch  # imported here to keep --help fast
+
+    from utils.forward import token_logprobs
+    from utils.rollout import pack
+
+    rows = run.trainer.generate_rows(next(iter(run.loader)))
+    batch = pack(rows, run.trainer.config.pad_token_id)
+    with torch.no_grad():
+        a = token_logprobs(run.trainer.actor, batch, 1.0)
+        b = logits_to_keep_logprobs(run.trainer.actor, batch, 1.0)
+    mask = batch["action_mask"]
+    return float(((a - b) * mask).abs().max())
+
+
 def run_ab(args, model_dir, prompts) -> list[str]:
     stage = args.ab_stage
-    out_dir = os.path.join(RUNS, "step3", f"{os.path.basename(model_dir.rstrip('/'))}-ab-{args.ab_variant}-z{stage}")
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.makedirs(out_dir)
+    out_dir = fresh_dir(os.path.join(RUNS, "step3",
+                                     f"{os.path.basename(model_dir.rstrip('/'))}-ab-{args.ab_variant}-z{stage}"))
     ab_out = os.path.join(out_dir, "ab.jsonl")
-    cmd = step3_command(args, model_dir, prompts, stage, False, out_dir, args.master_port)
-    cmd[cmd.index("step3_ppo.main")] = "bench.step3"
+    cmd = step3_command(args, model_dir, prompts, stage, False, out_dir, args.master_port, module="bench.step3")
     cmd += ["--ab_worker", "--ab_out", ab_out, "--ab_variant", args.ab_variant]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONWARNINGS": "ignore"}
-    start = time.time()
-    with open(os.path.join(out_dir, "launch.log"), "w") as log:
-        proc = subprocess.run(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout)
-    wall = time.time() - start
-    rows = []
-    if os.path.exists(ab_out):
-        with open(ab_out) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+    run = run_logged(cmd, bench_env(), os.path.join(out_dir, "launch.log"), args.timeout)
+    rows = read_jsonl(ab_out) if os.path.exists(ab_out) else []
     if len(rows) < 4:
-        with open(os.path.join(out_dir, "launch.log")) as f:
-            tail = f.read()[-3000:]
-        raise SystemExit(f"error: A/B run: {len(rows)} iterations (exit {proc.returncode}); log tail:\n{tail}")
+        raise SystemExit(f"error: A/B run: {len(rows)} iterations (exit {run.returncode}); log tail:\n{run.tail()}")
+    return ab_report(args, rows, run)
+
+
+def ab_report(args, rows: list[dict], run) -> list[str]:
+    """The A/B table: one row per arm (the first pair of iterations dropped), their ratios, the biggest share."""
     timed = rows[2:]  # the first plain/hybrid pair is the warm-up
     names = {"hybrid": ("plain", "hybrid"), "logits_to_keep": ("project", "proposed")}[args.ab_variant]
     what = {"hybrid": "plain / hybrid generation",
             "logits_to_keep": "the project's token_logprobs / the PROPOSED one with logits_to_keep (hybrid on in both)"}
-    lines = ["", f"A/B in ONE process (ZeRO-{stage} actor and critic; iterations alternate {what[args.ab_variant]}; "
-                 f"first pair dropped; {len(timed)} timed; launch {wall:.0f} s, exit {proc.returncode})",
-             f"{'arm':8s} {'s/iter':>7s} {'samples/s':>9s} {'gen s':>6s} {'exp s':>6s} {'train s':>7s} "
-             f"{'gen %':>6s} {'exp %':>6s} {'train %':>7s}   all iterations (s)"]
+    lines = ["", f"A/B in ONE process (ZeRO-{args.ab_stage} actor and critic; iterations alternate "
+                 f"{what[args.ab_variant]}; first pair dropped; {len(timed)} timed; launch {run.wall_s:.0f} s, "
+                 f"exit {run.returncode})",
+             f"{'arm':8s} {PHASE_HEAD}   all iterations (s)"]
     arms = {}
     for hybrid in (False, True):
         arm = summarize([r for r in timed if r["hybrid"] == hybrid], 0)
         arms[hybrid] = arm
-        lines.append(f"{names[hybrid]:8s} {arm['step_s']:7.2f} {arm['samples_per_s']:9.2f} "
-                     f"{arm['gen_s']:6.2f} {arm['exp_s']:6.2f} {arm['train_s']:7.2f} {100 * arm['gen_share']:5.1f}% "
-                     f"{100 * arm['exp_share']:5.1f}% {100 * arm['train_share']:6.1f}%   "
-                     + " ".join(f"{x:.2f}" for x in arm["all_step_s"]))
+        lines.append(f"{names[hybrid]:8s} {phase_cells(arm)}   " + " ".join(f"{x:.2f}" for x in arm["all_step_s"]))
     p, h = arms[False], arms[True]
     if "logprobs_max_abs_diff" in rows[0]:
         lines.append(f"log-probs of the proposed logits_to_keep_logprobs vs the project's on one rollout batch: max abs diff "
@@ -226,9 +241,8 @@ def run_ab(args, model_dir, prompts) -> list[str]:
     lines.append(f"{names[1]} over {names[0]} (side by side): {p['step_s'] / h['step_s']:.2f}x per iteration, generation "
                  f"{p['gen_s'] / h['gen_s']:.2f}x, experience {p['exp_s'] / h['exp_s']:.2f}x, training "
                  f"{p['train_s'] / h['train_s']:.2f}x")
-    shares = {"generation": h["gen_share"], "experience (4 forwards)": h["exp_share"], "training": h["train_share"]}
-    big = max(shares, key=shares.get)
-    lines.append(f"biggest share with {names[1]}: {big} ({100 * shares[big]:.0f}%)")
+    big, share = biggest_share(h)
+    lines.append(f"biggest share with {names[1]}: {big} ({100 * share:.0f}%)")
     return lines
 
 
@@ -239,113 +253,98 @@ def by_name(results):
 def run_config(args, model_dir, prompts, name, port, command=None) -> dict:
     """One launch of step 3 (`command(out_dir, port)`, default: CONFIGS[name]'s step3_command) and its figures."""
     stage, hybrid = CONFIGS.get(name, (None, None))
-    out_dir = os.path.join(RUNS, "step3", f"{os.path.basename(model_dir.rstrip('/'))}-{name.replace('+', '_')}")
-    shutil.rmtree(out_dir, ignore_errors=True)
-    os.makedirs(out_dir)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "PYTHONWARNINGS": "ignore"}
+    out_dir = fresh_dir(os.path.join(RUNS, "step3", f"{os.path.basename(model_dir.rstrip('/'))}-{name.replace('+', '_')}"))
     cmd = (command(out_dir, port) if command is not None
            else step3_command(args, model_dir, prompts, stage, hybrid, out_dir, port))
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    start = time.time()
-    with open(os.path.join(out_dir, "launch.log"), "w") as log:
-        proc = subprocess.run(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=args.timeout)
-    wall = time.time() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    run = run_logged(cmd, bench_env(), os.path.join(out_dir, "launch.log"), args.timeout)
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
     if not os.path.exists(metrics_path) or os.path.getsize(metrics_path) == 0:
-        with open(os.path.join(out_dir, "launch.log")) as f:
-            tail = f.read()[-3000:]
+        tail = run.tail()
         oom = " (a rank was KILLED, signal 9: out of memory?)" if "return code = -9" in tail else ""
-        raise SystemExit(f"error: {name}: no metrics (exit {proc.returncode}){oom}; log tail:\n{tail}")
-    with open(metrics_path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+        raise SystemExit(f"error: {name}: no metrics (exit {run.returncode}){oom}; log tail:\n{tail}")
+    rows = read_jsonl(metrics_path)
     for sub in ("actor", "critic"):  # the exported models are not needed here (hundreds of MB each)
         shutil.rmtree(os.path.join(out_dir, sub), ignore_errors=True)
-    result = {"name": name, "zero_stage": stage, "hybrid": hybrid, "exit": proc.returncode, "wall_s": wall,
+    result = {"name": name, "zero_stage": stage, "hybrid": hybrid, "exit": run.returncode, "wall_s": run.wall_s,
               "out_dir": out_dir, "rows": rows,
-              "max_rss_mib": after.ru_maxrss / 1024,
-              "cpu_s": cpu, "iterations": len(rows), **summarize(rows, args.warmup)}
-    print(f"  [{wall:.0f} s] {name}: exit {proc.returncode}, {len(rows)} iterations, "
+              "max_rss_mib": run.max_rss_mib,
+              "cpu_s": run.cpu_s, "iterations": len(rows), **summarize(rows, args.warmup)}
+    print(f"  [{run.wall_s:.0f} s] {name}: exit {run.returncode}, {len(rows)} iterations, "
           f"median {result['step_s']:.2f} s/iteration, largest process so far {result['max_rss_mib']:.0f} MiB",
           file=sys.stderr, flush=True)
     return result
 
 
+def add_ppo_args(p) -> None:
+    """The rollout and PPO-update flags that step3_command reads (bench/profile_step3.py has these alone)."""
+    p.add_argument("--prompt_len", type=int, default=32, help="longest prompt, step 3's --max_prompt_seq_len (tokens)")
+    p.add_argument("--answer_len", type=int, default=24, help="answer length, fixed: min = max (tokens)")
+    p.add_argument("--batch_size", type=int, default=8,
+                   help="rollout prompts per rank, --per_device_generation_batch_size (rows)")
+    p.add_argument("--train_batch_size", type=int, default=4,
+                   help="PPO mini-batch per rank, --per_device_training_batch_size (rows)")
+    p.add_argument("--ppo_epochs", type=int, default=1, help="passes of PPO updates over each rollout (epochs)")
+
+
 def add_workload_args(p, steps_help: str) -> None:
     """The model and the PPO workload flags that step3_command reads (bench/peer_trl.py and
     bench/memory_step3.py launch the same workload)."""
-    p.add_argument("--tiny", action="store_true", help="tiny random llama (utils.tiny_model)")
-    p.add_argument("--model_name_or_path", default=None, help=f"default: {SMOL}")
+    add_model_args(p)
     p.add_argument("--steps", type=int, default=None, help=steps_help)
-    p.add_argument("--warmup", type=int, default=1, help="first iterations left out of the medians")
-    p.add_argument("--prompt_len", type=int, default=32, help="--max_prompt_seq_len")
-    p.add_argument("--answer_len", type=int, default=24, help="fixed answer length (min = max)")
-    p.add_argument("--batch_size", type=int, default=8, help="--per_device_generation_batch_size (rollout per rank)")
-    p.add_argument("--train_batch_size", type=int, default=4, help="--per_device_training_batch_size (PPO mini-batch)")
-    p.add_argument("--ppo_epochs", type=int, default=1)
-    p.add_argument("--num_prompts", type=int, default=256)
+    p.add_argument("--warmup", type=int, default=1, help="first iterations left out of the medians (iterations)")
+    add_ppo_args(p)
+    p.add_argument("--num_prompts", type=int, default=256,
+                   help="prompts of the demo pairs written to bench/runs/prompts.jsonl (rows)")
 
 
-def main(argv=None):
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_workload_args(p, "PPO iterations per run (default: tiny 6, else 3)")
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {list(CONFIGS)}")
-    p.add_argument("--master_port", type=int, default=29541)
-    p.add_argument("--timeout", type=int, default=600, help="seconds per launch")
+    add_workload_args(p, "PPO iterations per run (iterations; default: tiny 6, else 3; --ab: tiny 10, else 8)")
+    p.add_argument("--configs", default=",".join(CONFIGS),
+                   help=f"configurations to run one after the other, comma-separated, from {list(CONFIGS)}")
     p.add_argument("--ab", action="store_true",
                    help="instead of the four launches: ONE launch whose iterations alternate plain/hybrid generation")
-    p.add_argument("--ab_stage", type=int, default=3, choices=[2, 3], help="ZeRO stage of the A/B run")
+    p.add_argument("--ab_stage", type=int, default=3, choices=[2, 3], help="ZeRO stage of the A/B run (2 or 3)")
     p.add_argument("--ab_variant", choices=["hybrid", "logits_to_keep"], default="hybrid",
                    help="hybrid: plain vs hybrid generation; logits_to_keep: the proposed logits_to_keep_logprobs vs the project's")
-    p.add_argument("--save", default=None)
+    add_run_args(p, 29541, 600, save_help="also write the printed report to this file, and the figures as JSON "
+                                          "beside it (path)")
     args = p.parse_args(argv)
-    model_dir = bench_model(args)
     args.steps = args.steps or ((10 if args.tiny else 8) if args.ab else (6 if args.tiny else 3))
-    names = [n for n in args.configs.split(",") if n]
-    for n in names:
+    args.names = [n for n in args.configs.split(",") if n]
+    for n in args.names:
         if n not in CONFIGS:
             raise SystemExit(f"error: unknown configuration {n!r}; choose from {list(CONFIGS)}")
-    prompts = write_prompts(os.path.join(RUNS, "prompts.jsonl"), args.num_prompts)
+    return args
 
-    import deepspeed
+
+def header_lines(args, model_dir: str, prompts: str) -> list[str]:
+    import deepspeed  # imported here to keep --help fast (their versions head the report)
     import torch
     import transformers
 
     with open(os.path.join(model_dir, "config.json")) as f:
         cfg = json.load(f)
-    lines = [f"# bench/step3.py  {time.strftime('%Y-%m-%d %H:%M:%S')}",
-             machine_line(), malloc_line(),
-             f"launch: deepspeed --num_gpus 2 --module step3_ppo.main (2 CPU ranks, gloo), OMP_NUM_THREADS=1; "
-             f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}",
-             f"model: {model_dir} ({cfg.get('model_type')}, hidden {cfg.get('hidden_size')}, layers "
-             f"{cfg.get('num_hidden_layers')}, vocab {cfg.get('vocab_size')}), fp32, full fine-tuning (no LoRA), "
-             f"actor = reference, critic = reward = backbone + fresh value head",
-             f"PPO: {args.steps} iterations per run (first {args.warmup} dropped), rollout {args.batch_size} prompts per "
-             f"rank (x2 ranks), prompt <= {args.prompt_len} tokens, answer exactly {args.answer_len} tokens "
-             f"(sampled, T=1), PPO mini-batch {args.train_batch_size}, {args.ppo_epochs} PPO epoch(s)",
-             f"prompts: {prompts} ({args.num_prompts} rows from data/demo_raw/pairs/train.jsonl), --data_split 0,0,1"]
-    if args.ab:
-        lines[4] = lines[4].replace(f"PPO: {args.steps} iterations per run (first {args.warmup} dropped)",
-                                    f"PPO: {args.steps} iterations in one run")
-    lines += machine_lines("before")
-    print("\n".join(lines), flush=True)
-    if args.ab:
-        out = run_ab(args, model_dir, prompts) + machine_lines("after")
-        finish_report(args.save, lines, out)
-        return
-    results = []
-    for i, name in enumerate(names):
-        results.append(run_config(args, model_dir, prompts, name, args.master_port + i))
+    runs = (f"{args.steps} iterations in one run" if args.ab
+            else f"{args.steps} iterations per run (first {args.warmup} dropped)")
+    return [title("step3.py"),
+            machine_line(), malloc_line(),
+            f"launch: deepspeed --num_gpus 2 --module step3_ppo.main (2 CPU ranks, gloo), OMP_NUM_THREADS=1; "
+            f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}",
+            f"model: {model_dir} ({cfg.get('model_type')}, hidden {cfg.get('hidden_size')}, layers "
+            f"{cfg.get('num_hidden_layers')}, vocab {cfg.get('vocab_size')}), fp32, full fine-tuning (no LoRA), "
+            f"actor = reference, critic = reward = backbone + fresh value head",
+            f"PPO: {runs}, rollout {args.batch_size} prompts per "
+            f"rank (x2 ranks), prompt <= {args.prompt_len} tokens, answer exactly {args.answer_len} tokens "
+            f"(sampled, T=1), PPO mini-batch {args.train_batch_size}, {args.ppo_epochs} PPO epoch(s)",
+            f"prompts: {prompts} ({args.num_prompts} rows from data/demo_raw/pairs/train.jsonl), --data_split 0,0,1"]
 
-    head = (f"{'config':11s} {'s/iter':>7s} {'samples/s':>9s} {'gen s':>6s} {'exp s':>6s} {'train s':>7s} "
-            f"{'gen %':>6s} {'exp %':>6s} {'train %':>7s} {'wall s':>7s} {'cpu/wall':>8s}   all iterations (s)")
-    out = ["", head]
+
+def configs_report(results: list[dict]) -> list[str]:
+    """The table of the configurations, their peak memory, biggest shares and speed-ups."""
+    out = ["", f"{'config':11s} {PHASE_HEAD} {'wall s':>7s} {'cpu/wall':>8s}   all iterations (s)"]
     for r in results:
-        out.append(f"{r['name']:11s} {r['step_s']:7.2f} {r['samples_per_s']:9.2f} {r['gen_s']:6.2f} {r['exp_s']:6.2f} "
-                   f"{r['train_s']:7.2f} {100 * r['gen_share']:5.1f}% {100 * r['exp_share']:5.1f}% "
-                   f"{100 * r['train_share']:6.1f}% {r['wall_s']:7.0f} {r['cpu_s'] / r['wall_s']:8.2f}   "
+        out.append(f"{r['name']:11s} {phase_cells(r)} {r['wall_s']:7.0f} {r['cpu_s'] / r['wall_s']:8.2f}   "
                    + " ".join(f"{s:.2f}" for s in r["all_step_s"]))
     out.append("(s/iter, gen/exp/train s: medians of rank 0's iteration times; %: share of the summed timed "
                "iterations; wall s: whole launch incl. start-up, model loading and the final export)")
@@ -355,27 +354,31 @@ def main(argv=None):
     out.append("peak RSS per phase (GiB, largest rank, max over iterations; utils.accelerator.PhaseMemory): "
                + "; ".join(f"{r['name']} " + " / ".join(f"{k} {v:.2f}" for k, v in r["peak_rss_gib"].items())
                            for r in results))
-    if "z2+hybrid" in by_name(results) and "z2" in by_name(results):
+    by = by_name(results)
+    if "z2+hybrid" in by and "z2" in by:
         out.append("note: without LoRA, z2 and z2+hybrid run the SAME code (no ZeRO-3 gather, nothing to merge): "
                    "their difference is the run-to-run noise of this machine")
     for r in results:
-        shares = {"generation": r["gen_share"], "experience (4 forwards)": r["exp_share"], "training": r["train_share"]}
-        big = max(shares, key=shares.get)
-        out.append(f"biggest share in {r['name']}: {big} ({100 * shares[big]:.0f}%)")
-    by = {r["name"]: r for r in results}
+        big, share = biggest_share(r)
+        out.append(f"biggest share in {r['name']}: {big} ({100 * share:.0f}%)")
     for a, b in (("z3+hybrid", "z3"), ("z2+hybrid", "z2"), ("z2+hybrid", "z3+hybrid"), ("z2", "z3")):
         if a in by and b in by:
             out.append(f"speed-up {a} over {b}: {by[b]['step_s'] / by[a]['step_s']:.2f}x per iteration "
                        f"(generation {by[b]['gen_s'] / by[a]['gen_s']:.2f}x)")
-    out += machine_lines("after")
-    finish_report(args.save, lines, out)
-    if args.save:
-        with open(os.path.splitext(args.save)[0] + ".json", "w") as f:
-            json.dump(results, f, indent=1)
+    return out
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    model_dir = bench_model(args)
+    prompts = write_prompts(os.path.join(RUNS, "prompts.jsonl"), args.num_prompts)
+    header = start_report(header_lines(args, model_dir, prompts))
+    if args.ab:
+        end_report(args.save, header, run_ab(args, model_dir, prompts))
+        return
+    results = [run_config(args, model_dir, prompts, name, args.master_port + i) for i, name in enumerate(args.names)]
+    end_report(args.save, header, configs_report(results), data=results)
 
 
 if __name__ == "__main__":
-    if "--ab_worker" in sys.argv[1:]:
-        ab_worker(sys.argv[1:])
-    else:
-        main()
+    main_or_worker(main, ab_worker, flag="--ab_worker")

@@ -32,7 +32,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.common import SMOL, bench_model, finish_report, machine_lines, malloc_line  # noqa: E402
+from bench.common import (add_model_args, add_run_args, bench_env, bench_model, deepspeed_cmd,  # noqa: E402
+                          end_report, launch, main_or_worker, malloc_line, start_report, title)
 
 WAYS = ("hooked", "gathered", "re-registered")
 COUNTED = ("all_gather_into_tensor", "all_gather_coalesced", "reduce_scatter_tensor", "all_reduce")
@@ -40,7 +41,7 @@ COUNTED = ("all_gather_into_tensor", "all_gather_coalesced", "reduce_scatter_ten
 
 def count_collectives() -> dict:
     """Counts DeepSpeed's collective calls by name (the TorchBackend methods ZeRO-3 goes through)."""
-    from deepspeed.comm.torch import TorchBackend
+    from deepspeed.comm.torch import TorchBackend  # imported here to keep --help fast
 
     counts = {name: 0 for name in COUNTED}
     for name in COUNTED:
@@ -57,7 +58,7 @@ def count_collectives() -> dict:
 @contextlib.contextmanager
 def re_registered(engine):
     """The pre-2026-11-30 hybrid gather: all parameters, hooks removed and registered anew on exit."""
-    import deepspeed
+    import deepspeed  # imported here to keep --help fast
     from deepspeed.runtime.zero import parameter_offload as zero_offload
 
     offload = engine.optimizer.parameter_offload
@@ -73,8 +74,9 @@ def re_registered(engine):
                 stack.pop()
 
 
-def worker(args) -> None:
-    import torch
+def worker(argv) -> None:
+    """One rank: the three ways round-robin, each followed by two training steps; rank 0 writes --out."""
+    import torch  # torch, deepspeed and the project: imported here to keep --help fast
     import torch.distributed as dist
 
     from step3_ppo.hybrid import gathered
@@ -84,6 +86,7 @@ def worker(args) -> None:
     from utils.model import load_causal_lm
     from utils.training import build_optimizer, initialize_engine
 
+    args = parse_args(argv)
     init_distributed()
     counts = count_collectives()
     config = train_ds_config(3, dist.get_world_size(), 4)
@@ -147,42 +150,38 @@ def report(results: dict) -> list[str]:
     return lines
 
 
-def main(argv=None) -> None:
+def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--worker", action="store_true")
-    p.add_argument("--out", default=None)
-    p.add_argument("--tiny", action="store_true", help="tiny random llama (utils.tiny_model)")
-    p.add_argument("--model_name_or_path", default=None, help=f"default: {SMOL}")
-    p.add_argument("--seq_len", type=int, default=56, help="tokens per row (SmolLM2 bench: prompt 32 + answer 24)")
-    p.add_argument("--rounds", type=int, default=4, help="timed rounds per way after one warm-up round")
-    p.add_argument("--master_port", type=int, default=29551)
-    p.add_argument("--timeout", type=int, default=900)
-    p.add_argument("--save", default=None)
-    p.add_argument("--local_rank", type=int, default=-1)
-    args = p.parse_args(argv)
-    if args.worker:
-        return worker(args)
-    from bench.generation import launch
+    p.add_argument("--worker", action="store_true", help="(internal) run as one launched rank")
+    p.add_argument("--out", default=None, help="(internal, with --worker) rank 0's result file (JSON path)")
+    add_model_args(p)
+    p.add_argument("--seq_len", type=int, default=56, help="row length (tokens; SmolLM2 bench: prompt 32 + answer 24)")
+    p.add_argument("--rounds", type=int, default=4, help="timed rounds per way after one warm-up round (rounds)")
+    add_run_args(p, 29551, 900)
+    p.add_argument("--local_rank", type=int, default=-1, help="(internal) set by the deepspeed launcher; unused")
+    return p.parse_args(argv)
 
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
     model_dir = bench_model(args)
-    lines = [f"# bench/zero3_trace.py  {time.strftime('%Y-%m-%d %H:%M:%S')}",
-             f"model: {model_dir}; ZeRO-3 fp32 actor (utils.ds_config), 2 ranks, OMP_NUM_THREADS=1, lr 0; "
-             f"no-grad forward of 8 x {args.seq_len} tokens, then 2 training steps of 4 x {args.seq_len}; "
-             f"{args.rounds} rounds per way (round-robin) after a warm-up round",
-             malloc_line(), *machine_lines("before")]
-    print("\n".join(lines), flush=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+    header = start_report([
+        title("zero3_trace.py"),
+        f"model: {model_dir}; ZeRO-3 fp32 actor (utils.ds_config), 2 ranks, OMP_NUM_THREADS=1, lr 0; "
+        f"no-grad forward of 8 x {args.seq_len} tokens, then 2 training steps of 4 x {args.seq_len}; "
+        f"{args.rounds} rounds per way (round-robin) after a warm-up round",
+        malloc_line()])
     logs = os.path.join(REPO, "bench", "runs")
     os.makedirs(logs, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench_z3trace_") as tmp:
         out = os.path.join(tmp, "result.json")
-        launch(["deepspeed", "--num_gpus", "2", "--master_port", str(args.master_port), "--module", "bench.zero3_trace",
-                "--worker", "--out", out, "--model_name_or_path", model_dir, "--seq_len", str(args.seq_len),
-                "--rounds", str(args.rounds)], env, args.timeout, os.path.join(logs, "zero3_trace.log"))
+        launch(deepspeed_cmd("bench.zero3_trace", args.master_port)
+               + ["--worker", "--out", out, "--model_name_or_path", model_dir, "--seq_len", str(args.seq_len),
+                  "--rounds", str(args.rounds)], bench_env(), args.timeout, os.path.join(logs, "zero3_trace.log"))
         with open(out) as f:
             results = json.load(f)
-    finish_report(args.save, lines, report(results) + machine_lines("after"))
+    end_report(args.save, header, report(results))
 
 
 if __name__ == "__main__":
-    main()
+    main_or_worker(main, worker)

@@ -99,11 +99,17 @@ def test_model_device_reads_an_engines_device_attribute():
 # --------------------------------------------------------------------------- #
 # No forward bypasses the helpers
 # --------------------------------------------------------------------------- #
-PROJECT_CODE = ("step1_sft", "step2_reward", "step3_ppo", "utils", "chat.py")
+PROJECT_CODE = ("step1_sft", "step2_reward", "step2_dpo", "step3_ppo", "utils", "chat.py", "bench")
 MODEL_INPUT_KEYWORDS = {"input_ids", "attention_mask", "inputs_embeds", "position_ids"}
 MODEL_METHODS = {"generate", "forward"}
 # A model's own forward calling its backbone is inside the model, not a call site of the project.
-ALLOWED = {("utils/forward.py", "*"), ("utils/reward_model.py", "forward")}
+# bench/step3.py's logits_to_keep_logprobs is the A/B's PROPOSED alternative to utils.forward.token_logprobs
+# (the LM head only over the response positions): a variant of the helper, placing its inputs itself with
+# utils.forward.model_device. The trainer's generate_rows calls a rollout engine's `generate`, not a model's:
+# the engine places its inputs itself (ActorGenerate through step3_ppo.hybrid.generate -> utils.forward, whose
+# own call is checked here). Each exception is one named function, never a whole file or folder.
+ALLOWED = {("utils/forward.py", "*"), ("utils/reward_model.py", "forward"),
+           ("bench/step3.py", "logits_to_keep_logprobs"), ("step3_ppo/trainer.py", "generate_rows")}
 
 
 def project_files():
