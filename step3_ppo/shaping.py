@@ -2,9 +2,10 @@
 
 `compute_rewards` assembles it: the KL PENALTY, -kl_coef * KL(actor || frozen SFT reference) per
 action, plus the sequence score (reward model and/or reward functions, step3_ppo/rewards.py, with
-`length_penalty` added and an estimator's baseline applied) on the row's last action. The KL coefficient is fixed or adaptive (the controllers below); scores
-can be normalised by running statistics (`RunningMoments`). The PPO clip against the OLD policy
-is a different KL and lives in utils/losses.py policy_loss.
+`length_penalty` added, clipped by `clip_scores` and an estimator's baseline applied) on the row's
+last action. The KL coefficient is fixed or adaptive (the controllers below); scores can be
+normalised by running statistics (`RunningMoments`). The PPO clip against the OLD policy is a
+different KL and lives in utils/losses.py policy_loss.
 """
 from __future__ import annotations
 
@@ -17,23 +18,26 @@ from torch import Tensor
 from utils.ops import kl_estimate, last_one_index, select
 
 
-def last_action_index(action_mask: Tensor) -> Tensor:
-    """Index (along the last dim) of the last action of each row, LongTensor ``[B]``.
+def clip_scores(scores: Tensor, clip_reward_value: Optional[float]) -> Tensor:
+    """The sequence scores clipped to ``±clip_reward_value`` (None: unchanged).
 
-    Why: the sequence-level score is credited to the final action (the EOS token, or the last
-    generated token of a truncated row). Raises ValueError if some row has no action at all.
+    Why: against reward hacking through outliers, a few rows scored far outside the usual range
+    (a reward model extrapolating) would otherwise dominate the advantages of the whole rollout.
+    Applied after the optional normalisation and before an estimator's group baseline.
     """
-    return last_one_index(action_mask)
+    if clip_reward_value is None:
+        return scores
+    return scores.clamp(-clip_reward_value, clip_reward_value)
 
 
 def compute_rewards(score: Tensor, logprobs: Tensor, ref_logprobs: Tensor, action_mask: Tensor, kl_coef: float,
-                    clip_reward_value: Optional[float] = None, kl_estimator: str = "k1") -> Tuple[Tensor, Tensor]:
+                    kl_estimator: str = "k1") -> Tuple[Tensor, Tensor]:
     """Per-token rewards: ``-kl_coef * KL`` on every action, plus the score on the last one.
 
     Why: the reward model only scores whole sequences; the dense KL penalty keeps the policy close
-    to the SFT reference at every token. The score (optionally clipped to ``±clip_reward_value``
-    against reward hacking through outliers) is added at the last action of each row: the EOS
-    action if present, else the last generated token of a truncated row.
+    to the SFT reference at every token. The score (already shaped: `clip_scores`, a baseline) is
+    added at the last action of each row (`utils.ops.last_one_index`): the EOS action if present,
+    else the last generated token of a truncated row.
 
     Returns ``(rewards, kl)``, both ``[B, L-1]`` and 0 outside the mask. Intended to be called
     under ``torch.no_grad()`` (rewards are constants).
@@ -43,9 +47,7 @@ def compute_rewards(score: Tensor, logprobs: Tensor, ref_logprobs: Tensor, actio
     score = score.reshape(-1).to(dtype=rewards.dtype, device=rewards.device)
     if score.shape[0] != rewards.shape[0]:
         raise ValueError(f"score has {score.shape[0]} entries, batch has {rewards.shape[0]} rows")
-    if clip_reward_value is not None:
-        score = score.clamp(-clip_reward_value, clip_reward_value)
-    idx = last_action_index(action_mask)
+    idx = last_one_index(action_mask)
     rewards = rewards.scatter_add(-1, idx.unsqueeze(-1), score.unsqueeze(-1))
     return rewards, kl
 

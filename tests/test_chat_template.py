@@ -162,9 +162,10 @@ def test_evaluation_renders_message_prompts_as_training_did(tiny_chat_llama, tin
     from transformers import AutoModelForCausalLM
 
     from utils.evaluation import generate_answers
+    from utils.forward import GenerationSettings
 
     model = AutoModelForCausalLM.from_pretrained(tiny_chat_llama).eval()
     prompts = [[u("Name a colour.")], "Human: a raw prompt\n\nAssistant:"]
-    answers = generate_answers(model, tiny_chat_tokenizer, prompts, max_new_tokens=3)
+    answers = generate_answers(model, tiny_chat_tokenizer, prompts, GenerationSettings(3, do_sample=False))
     assert answers[0].prompt_ids.tolist() == template_ids(tiny_chat_tokenizer, prompts[0], add_generation_prompt=True)
     assert answers[1].prompt_ids.tolist() == tiny_chat_tokenizer.encode(prompts[1], add_special_tokens=False)

@@ -141,3 +141,38 @@ def test_run_main_turns_known_errors_into_one_line(capsys):
 
     with pytest.raises(KeyError):
         run_main(bug)
+
+
+def test_project_errors_share_one_base_that_run_main_catches(capsys):
+    """Every error of the project is a ProjectError (keeping its built-in base: callers catching ValueError or
+    RuntimeError still do), so run_main needs no list of them; a reward function's error is one line too."""
+    from step3_ppo.reward_funcs import RewardFunctionError
+    from utils.checkpoint import BrokenCheckpoint, CheckpointError
+    from utils.data import DataError
+    from utils.errors import ProjectError, run_main
+    from utils.model import ModelLoadError
+
+    for error, builtin in ((CheckpointError, RuntimeError), (BrokenCheckpoint, RuntimeError), (DataError, ValueError),
+                           (ModelLoadError, ValueError), (RewardFunctionError, Exception)):
+        assert issubclass(error, ProjectError) and issubclass(error, builtin), error
+
+    def main(argv):
+        raise RewardFunctionError("math_exact", "the rows have no  'answer' field", "p.jsonl:2")
+
+    with pytest.raises(SystemExit) as exc:
+        run_main(main)
+    assert exc.value.code == 1
+    assert capsys.readouterr().err == "error: reward function math_exact: the rows have no 'answer' field (row p.jsonl:2)\n"
+
+
+def test_errors_module_imports_nothing_of_the_project():
+    """utils.errors is imported by the modules that define the errors: importing it loads no other project module."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import utils.errors; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('utils', 'step1_sft', 'step2_reward', "
+            "'step2_dpo', 'step3_ppo', 'bench')))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, check=True).stdout
+    assert out.strip() == "['utils', 'utils.errors']"

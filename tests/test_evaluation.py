@@ -15,8 +15,14 @@ import torch
 from utils.ops import sequence_score
 from utils.rollout import pack
 from utils.data import bos_prefix, encode
-from utils.evaluation import (METRIC_COLUMNS, SentimentJudge, compare_policies, format_table, generate_answers,
-                              kl_to_reference, load_policy, load_prompts, load_reward_model, reward_scores)
+from utils.evaluation import (METRIC_COLUMNS, ComparisonSpec, SentimentJudge, compare_policies, format_table,
+                              generate_answers, kl_to_reference, load_policy, load_prompts, load_reward_model,
+                              reward_scores)
+from utils.forward import GenerationSettings
+
+
+def greedy(max_new_tokens: int) -> GenerationSettings:
+    return GenerationSettings(max_new_tokens, do_sample=False)
 
 
 class LengthJudge:
@@ -55,8 +61,8 @@ def test_generate_answers_tokenised_like_training_and_batch_invariant(policy):
     model, tokenizer = policy
     assert tokenizer.padding_side == "left" and not model.training
     assert next(model.parameters()).dtype == torch.float32
-    batched = generate_answers(model, tokenizer, PROMPTS, max_new_tokens=6, batch_size=3)
-    alone = [generate_answers(model, tokenizer, [p], max_new_tokens=6, batch_size=1)[0] for p in PROMPTS]
+    batched = generate_answers(model, tokenizer, PROMPTS, greedy(6), batch_size=3)
+    alone = [generate_answers(model, tokenizer, [p], greedy(6), batch_size=1)[0] for p in PROMPTS]
     for prompt, a, b in zip(PROMPTS, batched, alone):
         assert a.prompt_ids.tolist() == bos_prefix(tokenizer) + encode(tokenizer, prompt)
         assert a.prompt_ids.tolist() == b.prompt_ids.tolist()
@@ -85,7 +91,7 @@ def test_generate_answers_stop_at_first_eos(policy):
 
     handle = model.get_output_embeddings().register_forward_hook(force_eos)
     try:
-        answers = generate_answers(model, tokenizer, PROMPTS[:2], max_new_tokens=8, batch_size=2)
+        answers = generate_answers(model, tokenizer, PROMPTS[:2], greedy(8), batch_size=2)
     finally:
         handle.remove()
     first, second = answers
@@ -98,8 +104,8 @@ def test_sampling_is_seeded_and_leaves_global_rng_alone(policy):
     model, tokenizer = policy
     torch.manual_seed(123)
     state = torch.get_rng_state()
-    a = generate_answers(model, tokenizer, PROMPTS, 5, do_sample=True, top_k=50, seed=7)
-    b = generate_answers(model, tokenizer, PROMPTS, 5, do_sample=True, top_k=50, seed=7)
+    a = generate_answers(model, tokenizer, PROMPTS, GenerationSettings(5, do_sample=True, top_k=50), seed=7)
+    b = generate_answers(model, tokenizer, PROMPTS, GenerationSettings(5, do_sample=True, top_k=50), seed=7)
     assert torch.equal(torch.get_rng_state(), state)
     assert [x.response_ids.tolist() for x in a] == [x.response_ids.tolist() for x in b]
 
@@ -107,11 +113,11 @@ def test_sampling_is_seeded_and_leaves_global_rng_alone(policy):
 # --------------------------------------------------------------------------- KL, reward, judge
 def test_kl_to_reference(policy):
     model, tokenizer = policy
-    answers = generate_answers(model, tokenizer, PROMPTS, max_new_tokens=5)
+    answers = generate_answers(model, tokenizer, PROMPTS, greedy(5))
     assert all(abs(k) <= 1e-6 for k in kl_to_reference(model, model, answers, batch_size=3))
 
     sharp = sharpened_copy(model)
-    sharp_answers = generate_answers(sharp, tokenizer, PROMPTS, max_new_tokens=5)
+    sharp_answers = generate_answers(sharp, tokenizer, PROMPTS, greedy(5))
     kl = kl_to_reference(sharp, model, sharp_answers, batch_size=3)
     assert all(k > 0 for k in kl)
     one_by_one = [kl_to_reference(sharp, model, [a], batch_size=1)[0] for a in sharp_answers]
@@ -131,7 +137,7 @@ def test_kl_to_reference(policy):
 
 def test_reward_scores_match_hand_computation(policy, tiny_gpt2_reward):
     model, tokenizer = policy
-    answers = generate_answers(model, tokenizer, PROMPTS, max_new_tokens=5)
+    answers = generate_answers(model, tokenizer, PROMPTS, greedy(5))
     reward_model, reward_tok = load_reward_model(tiny_gpt2_reward, "cpu")
     scores = reward_scores(reward_model, reward_tok, answers, batch_size=2)
 
@@ -178,9 +184,9 @@ def test_compare_policies_and_table(policy, tiny_gpt2, tiny_gpt2_reward, tmp_pat
     sharpened_copy(model).save_pretrained(rlhf_dir)
     tokenizer.save_pretrained(rlhf_dir)
 
-    result = compare_policies(tiny_gpt2, rlhf_dir, tiny_gpt2_reward, PROMPTS, max_new_tokens=4, do_sample=False,
-                              batch_size=2, num_samples=2, device="cpu", log=None,
-                              judges=(SentimentJudge(), LengthJudge()))
+    result = compare_policies(ComparisonSpec(tiny_gpt2, tiny_gpt2_reward, [("rlhf", rlhf_dir)], PROMPTS, greedy(4),
+                                             batch_size=2, num_samples=2, device="cpu", log=None,
+                                             judges=(SentimentJudge(), LengthJudge())))
     json.dumps(result)  # JSON-serialisable
     for name in ("sft", "rlhf"):
         stats = result["policies"][name]
@@ -229,11 +235,11 @@ def policy_dirs(policy, tmp_path_factory):
 def test_compare_three_policies_leaves_the_two_policy_figures_alone(policy_dirs, tiny_gpt2, tiny_gpt2_reward):
     """A DPO policy next to SFT and RLHF: its own row, KL and win-rate block; the SFT and RLHF figures
     (same seed) are those of the two-policy comparison to the last digit."""
-    kw = dict(max_new_tokens=4, do_sample=True, top_k=50, seed=5, batch_size=2, num_samples=2, device="cpu",
-              log=None, judges=(SentimentJudge(), LengthJudge()), n_boot=200)
-    two = compare_policies(tiny_gpt2, policy_dirs["rlhf"], tiny_gpt2_reward, PROMPTS, **kw)
-    three = compare_policies(tiny_gpt2, policy_dirs["rlhf"], tiny_gpt2_reward, PROMPTS,
-                             others=[("dpo", policy_dirs["dpo"])], **kw)
+    kw = dict(prompts=PROMPTS, generation=GenerationSettings(4, do_sample=True, top_k=50), seed=5, batch_size=2,
+              num_samples=2, device="cpu", log=None, judges=(SentimentJudge(), LengthJudge()), n_boot=200)
+    rlhf = ("rlhf", policy_dirs["rlhf"])
+    two = compare_policies(ComparisonSpec(tiny_gpt2, tiny_gpt2_reward, [rlhf], **kw))
+    three = compare_policies(ComparisonSpec(tiny_gpt2, tiny_gpt2_reward, [rlhf, ("dpo", policy_dirs["dpo"])], **kw))
     json.dumps(three)
     assert list(three["policies"]) == ["sft", "rlhf", "dpo"]
     assert three["settings"]["policies"] == [{"name": "sft", "path": tiny_gpt2},
@@ -277,7 +283,7 @@ def test_compare_policies_checks_policies_before_any_model_loads(policy, tiny_gp
         raise AssertionError("a model was loaded")
 
     monkeypatch.setattr(compare, "load_policy", no_model)
-    kw = dict(max_new_tokens=3, device="cpu", log=None, judges=(SentimentJudge(),))
+    kw = dict(prompts=PROMPTS, generation=greedy(3), device="cpu", log=None, judges=(SentimentJudge(),))
     for rlhf, others, error, match in [
         (None, (), ValueError, "no policy to compare with SFT"),
         (tiny_gpt2, [("SFT", tiny_gpt2)], ValueError, "'SFT' is reserved"),
@@ -285,7 +291,8 @@ def test_compare_policies_checks_policies_before_any_model_loads(policy, tiny_gp
         (None, [("dpo", tiny_gpt2_reward)], ModelLoadError, "DPO policy directory .* is a reward model"),
     ]:
         with pytest.raises(error, match=match):
-            compare_policies(tiny_gpt2, rlhf, tiny_gpt2_reward, PROMPTS, others=others, **kw)
+            policies = ([("rlhf", rlhf)] if rlhf is not None else []) + list(others)
+            compare_policies(ComparisonSpec(tiny_gpt2, tiny_gpt2_reward, policies, **kw))
 
 
 def _fixed_result(names=("sft", "rlhf")) -> dict:

@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from step3_ppo.advantages import gae_advantages_and_returns
-from step3_ppo.shaping import AdaptiveKLController, FixedKLController, RunningMoments, compute_rewards, last_action_index
+from step3_ppo.shaping import AdaptiveKLController, FixedKLController, RunningMoments, clip_scores, compute_rewards
 from utils.losses import kl_penalty_loss
 from utils.losses import policy_loss as actor_loss
 from utils.losses import value_loss as critic_loss
-from utils.ops import (entropy_from_logits, explained_variance, kl_estimate, logprobs_from_logits, masked_mean,
-                       masked_sum, masked_var, masked_whiten)
+from utils.ops import (entropy_from_logits, explained_variance, kl_estimate, last_one_index, logprobs_from_logits,
+                       masked_mean, masked_sum, masked_var, masked_whiten)
 
 NAN = float("nan")
 
@@ -149,14 +149,14 @@ def test_k3_nonnegative_and_unknown_estimator():
         kl_estimate(lp, ref, "k4")
 
 
-def test_last_action_index():
+def test_last_one_index_is_the_last_action():
     mask = t([[0, 1, 1, 0], [1, 1, 1, 1], [0, 0, 0, 1]])
-    idx = last_action_index(mask)
+    idx = last_one_index(mask)
     assert idx.dtype == torch.long
     assert idx.tolist() == [2, 3, 3]
-    assert last_action_index(mask.bool()).tolist() == [2, 3, 3]
+    assert last_one_index(mask.bool()).tolist() == [2, 3, 3]
     with pytest.raises(ValueError):
-        last_action_index(t([[0, 1], [0, 0]]))
+        last_one_index(t([[0, 1], [0, 0]]))
 
 
 # row 0: prompt at 0, actions 1..3 (EOS action at 3), padding at 4
@@ -165,10 +165,16 @@ REWARD_MASK = [[0, 1, 1, 1, 0], [0, 0, 1, 1, 1]]
 LOG_RATIO = [[9.0, 0.1, -0.2, 0.3, NAN], [5.0, 5.0, 0.2, 0.0, -0.1]]
 
 
-def test_compute_rewards_with_clip():
+def test_clip_scores():
+    close(clip_scores(t([2.0, -3.0, 0.5, -1.5]), 1.5), [1.5, -1.5, 0.5, -1.5])
+    scores = t([2.0, -3.0])
+    assert clip_scores(scores, None) is scores  # None: no clip
+
+
+def test_compute_rewards_with_clipped_scores():
     lp = t(LOG_RATIO)
     ref = torch.zeros(2, 5)
-    rewards, kl = compute_rewards(t([2.0, -3.0]), lp, ref, t(REWARD_MASK), kl_coef=0.1, clip_reward_value=1.5)
+    rewards, kl = compute_rewards(clip_scores(t([2.0, -3.0]), 1.5), lp, ref, t(REWARD_MASK), kl_coef=0.1)
     close(kl, [[0, 0.1, -0.2, 0.3, 0], [0, 0, 0.2, 0.0, -0.1]])
     close(rewards, [[0, -0.01, 0.02, -0.03 + 1.5, 0], [0, 0, -0.02, 0.0, 0.01 - 1.5]])
 

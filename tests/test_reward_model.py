@@ -254,3 +254,15 @@ def test_eval_cli_errors(tiny_gpt2, tiny_gpt2_reward, tmp_path):
     bad.write_text('{"prompt": "p", "chosen": "c", "rejected": "r"}\n{"prompt": "p", "chosen": "c"}\n')
     with pytest.raises(SystemExit, match="bad.jsonl:2"):
         rw_eval.main(["--model_name_or_path", path, "--pairs", str(bad)])
+
+
+def test_saving_uses_the_export_module_not_the_training_checkpoints():
+    """utils.reward_model writes its directories through utils.export (gather, plain copy with LoRA merged);
+    importing it loads nothing of the resumable training checkpoints."""
+    import subprocess
+    import sys
+
+    code = "import sys; import utils.reward_model; print('utils.export' in sys.modules, 'utils.checkpoint' in sys.modules)"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, check=True).stdout
+    assert out.split() == ["True", "False"]

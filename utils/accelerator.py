@@ -14,6 +14,7 @@ import contextlib
 import functools
 import os
 import re
+import resource
 
 import torch
 
@@ -122,9 +123,7 @@ def peak_memory_bytes() -> int:
     hwm = _vm_hwm_bytes()
     if hwm is not None:
         return hwm
-    import resource  # no /proc: the lifetime peak (kB on Linux)
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # no /proc: the lifetime peak (kB on Linux)
 
 
 def memory_kind() -> str:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,8 +30,6 @@ def print_path_for_scripts(make_path) -> None:
     the way (DeepSpeed's accelerator warning, op builds) write to stdout, some of them at the file
     descriptor level, so fd 1 itself is pointed at stderr while the work runs.
     """
-    import sys
-
     sys.stdout.flush()
     saved_stdout = os.dup(1)
     try:

@@ -1,6 +1,8 @@
 """Process-group set-up that works with the `deepspeed` launcher, torchrun, or no launcher at all."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import datetime
 import os
 import random
@@ -71,9 +73,6 @@ def tune_malloc() -> bool:
     """
     if not malloc_tuning_wanted():
         return False
-    import ctypes
-    import ctypes.util
-
     try:
         mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
     except (OSError, AttributeError):  # not glibc (musl, macOS)

@@ -11,7 +11,7 @@ import os
 import torch
 from torch import nn
 
-from utils.errors import one_line
+from utils.errors import ProjectError, one_line
 
 PAD_TOKEN = "<pad>"
 
@@ -22,7 +22,7 @@ _DROPOUT_ATTRS = (
 )
 
 
-class ModelLoadError(ValueError):
+class ModelLoadError(ProjectError, ValueError):
     """A model or tokenizer path that cannot be loaded; the message names the path."""
 
 

@@ -29,6 +29,7 @@ import os
 import torch
 from torch import nn
 
+from utils.export import gather_full_state_dict, plain_copy
 from utils.model import ModelLoadError, load_causal_lm
 from utils.ops import position_ids_from_attention_mask
 
@@ -178,8 +179,6 @@ def save_reward_model(model: RewardModel, tokenizer, out_dir: str) -> None:
     """Save an UNPARTITIONED RewardModel (LoRA merged into a copy). For engines use export_reward_model."""
     from peft import PeftModel
 
-    from utils.checkpoint import plain_copy
-
     backbone = model.backbone
     if isinstance(backbone, PeftModel):
         state = {k: v.detach().to("cpu", copy=True) for k, v in backbone.state_dict().items()}
@@ -189,7 +188,6 @@ def save_reward_model(model: RewardModel, tokenizer, out_dir: str) -> None:
 
 def export_reward_model(engine, tokenizer, out_dir: str) -> None:
     """Write engine.module (a RewardModel, any ZeRO stage, LoRA or not) to `out_dir`. Call on ALL ranks."""
-    from utils.checkpoint import gather_full_state_dict, plain_copy
     from utils.distributed import barrier, is_rank0
 
     state_dict = gather_full_state_dict(engine)  # collective under ZeRO-3

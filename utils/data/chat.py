@@ -17,6 +17,7 @@ rewrite earlier turns) gives SkipRow("template_mismatch") for that row.
 
 from __future__ import annotations
 
+import json
 import os
 import weakref
 
@@ -35,8 +36,6 @@ def load_chat_template(path: str) -> str:
     with open(path, encoding="utf-8") as f:
         text = f.read()
     if path.endswith(".json"):
-        import json
-
         try:
             text = json.loads(text).get("chat_template")
         except (ValueError, AttributeError):

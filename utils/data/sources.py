@@ -13,6 +13,8 @@ import sys
 import zlib
 from dataclasses import dataclass
 
+from utils.errors import ProjectError
+
 JSON_EXTS = (".json", ".jsonl")
 # every file type read directly (with file:line origins); anything else goes to ``datasets``
 DATA_EXTS = (".json", ".jsonl", ".jsonl.gz", ".csv", ".parquet")
@@ -23,7 +25,7 @@ FOLDER_EVAL_NAMES = ("eval", "test", "dev", "valid", "validation")
 DATASETS_META_FILES = ("dataset_info.json", "dataset_dict.json", "state.json")
 
 
-class DataError(ValueError):
+class DataError(ProjectError, ValueError):
     """A data problem the user must fix; the message names file, line and field."""
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Sequence
 
 from utils.data.chat import assistant_spans, frame_lens, render, reply_ids, require_template
@@ -54,9 +56,6 @@ def fit_tail(prompt_ids: list, tail: list, max_len: int) -> tuple[list, bool]:
 def tokenizer_fingerprint(tokenizer) -> dict:
     """What identifies a tokenizer's output for the tokenised-data cache: its vocabulary, special
     tokens, BOS rule and chat template."""
-    import hashlib
-    import json
-
     vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
     return {"name": getattr(tokenizer, "name_or_path", ""), "size": len(tokenizer),
             "vocab_sha256": hashlib.sha256(vocab.encode("utf-8")).hexdigest(),

