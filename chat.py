@@ -21,21 +21,26 @@ import argparse
 import os
 import sys
 
+from utils.flags import add_device_arg, add_generation_args, resolve_generation_args
+
 TEMPLATES = ("auto", "chat", "human_assistant")
 
 
 def parse_args(argv=None):
-    from utils.flags import add_device_arg, add_generation_args, resolve_generation_args
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model_name_or_path", required=True)
-    p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--model_name_or_path", required=True,
+                   help="the policy to chat with: a from_pretrained directory (step 1 or 3 output) or hub name")
+    p.add_argument("--max_new_tokens", type=int, default=128,
+                   help="max new tokens per reply (default %(default)s)")
     p.add_argument("--system", default=None, help="system message prepended to the conversation")
-    p.add_argument("--template", choices=TEMPLATES, default="auto")
+    p.add_argument("--template", choices=TEMPLATES, default="auto",
+                   help="prompt format: chat (the tokenizer's chat template), human_assistant (the demo data's), "
+                        "auto: chat when the tokenizer has a template, else human_assistant (default %(default)s)")
     add_generation_args(p, do_sample=False)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="random seed of the sampling (turn t uses this + t)")
     add_device_arg(p)
-    p.add_argument("--trust_remote_code", action="store_true")
+    p.add_argument("--trust_remote_code", action="store_true", help="allow model code shipped with the model")
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         p.error(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}")
@@ -93,7 +98,7 @@ class Conversation:
     def prompt_ids(self, max_len: int) -> list[int]:
         """Token ids of `prompt()` as training tokenises prompts (`tokenize_prompts`): the LAST tokens
         of a long history, a chat template's header and generation prompt kept."""
-        from utils.data import tokenize_prompts
+        from utils.data import tokenize_prompts  # lazily: utils.data pulls in torch (keeps --help fast)
 
         examples, stats = tokenize_prompts([{"prompt": self.prompt()}], self.tokenizer, max_len)
         if not examples:
@@ -101,7 +106,7 @@ class Conversation:
         return examples[0]["input_ids"]
 
     def stop_ids(self) -> list[int]:
-        from utils.data import stop_token_ids
+        from utils.data import stop_token_ids  # lazily: utils.data pulls in torch (keeps --help fast)
 
         return stop_token_ids(self.tokenizer, chat=self.template == "chat")
 
@@ -117,7 +122,9 @@ class Conversation:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    # lazily, after the flags: torch and transformers (keeps --help and flag errors fast)
     from utils.evaluation import generate_answers_from_ids, load_policy
+    from utils.forward import GenerationSettings
     from utils.model import ModelLoadError
 
     try:
@@ -152,10 +159,10 @@ def main(argv=None) -> int:
             print("[history cleared]", flush=True)
             continue
         conversation.add("user", text)
-        answer = generate_answers_from_ids(
-            model, tokenizer, [conversation.prompt_ids(max_prompt)], args.max_new_tokens, do_sample=args.do_sample,
-            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed + turn,
-            stop_ids=conversation.stop_ids())[0]
+        settings = GenerationSettings(args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
+                                      top_p=args.top_p, top_k=args.top_k)
+        answer = generate_answers_from_ids(model, tokenizer, [conversation.prompt_ids(max_prompt)], settings,
+                                           seed=args.seed + turn, stop_ids=conversation.stop_ids())[0]
         reply = conversation.clean_reply(answer.text)
         conversation.add("assistant", reply)
         turn += 1

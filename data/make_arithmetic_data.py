@@ -108,9 +108,12 @@ def write(out: str, data: dict) -> dict:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output folder (train.jsonl, eval.jsonl)")
-    ap.add_argument("--train", type=int, default=2000)
-    ap.add_argument("--eval", type=int, default=200)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--train", type=int, default=2000,
+                    help="rows (problems) in train.jsonl; none is an eval question (default %(default)s)")
+    ap.add_argument("--eval", type=int, default=200,
+                    help="rows (distinct problems) in eval.jsonl, at most half the problems of --difficulty "
+                         "(default %(default)s)")
+    ap.add_argument("--seed", type=int, default=0, help="random seed; the same seed gives the same rows")
     ap.add_argument("--difficulty", choices=sorted(DIFFICULTIES), default=DEFAULT_DIFFICULTY,
                     help="; ".join(f"{k}: {v[0]}" for k, v in DIFFICULTIES.items()))
     ap.add_argument("--system", default=SYSTEM, help="system turn (default: none, the chat template's default system turn then applies)")

@@ -199,11 +199,14 @@ def write(out: str, data: dict, seed: int, fmt: str = "chat") -> dict:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output folder")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--sft_train", type=int, default=3000)
-    ap.add_argument("--sft_eval", type=int, default=300)
-    ap.add_argument("--pairs_train", type=int, default=3000)
-    ap.add_argument("--pairs_eval", type=int, default=300)
+    ap.add_argument("--seed", type=int, default=0,
+                    help="random seed of the cuts, pools and pairings; the same seed gives the same files")
+    ap.add_argument("--sft_train", type=int, default=3000, help="rows in sft/train.jsonl (default %(default)s)")
+    ap.add_argument("--sft_eval", type=int, default=300, help="rows in sft/eval.jsonl (default %(default)s)")
+    ap.add_argument("--pairs_train", type=int, default=3000,
+                    help="pairs (rows) in pairs/train.jsonl (default %(default)s)")
+    ap.add_argument("--pairs_eval", type=int, default=300,
+                    help="pairs (rows) in pairs/eval.jsonl (default %(default)s)")
     ap.add_argument("--csv", default=None, help="override the CSV location")
     ap.add_argument("--format", choices=FORMATS, default="chat",
                     help="chat: messages rows for the model's chat template (default); raw: DeepSpeed-Chat's "

@@ -35,14 +35,16 @@ def parse_args(argv=None):
     p.add_argument("--prompts", nargs="+", default=None,
                    help="prompt strings, or one JSON/JSONL file/folder with a 'prompt' field (default: demo-style prompts)")
     p.add_argument("--num_prompts", type=int, default=8, help="prompts taken from a --prompts file")
-    p.add_argument("--max_new_tokens", type=int, default=64)
-    p.add_argument("--max_prompt_len", type=int, default=256)
+    p.add_argument("--max_new_tokens", type=int, default=64, help="max new tokens per answer (default %(default)s)")
+    p.add_argument("--max_prompt_len", type=int, default=256,
+                   help="max prompt length in tokens; a longer prompt keeps its last tokens (default %(default)s)")
     p.add_argument("--num_beams", type=int, default=None, help=f"beam search width (default {DEFAULT_NUM_BEAMS} "
                    "when no mode is chosen)")
     add_generation_args(p, do_sample=None)  # None: greedy, beam search and sampling unless one is chosen
     add_format_args(p.add_argument_group("prompt format (as in training)"), template_file=False)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0,
+                   help="random seed of the sampling and of the prompts picked from a --prompts file")
+    p.add_argument("--batch_size", type=int, default=8, help="prompts per generation batch (default %(default)s)")
     add_device_arg(p)
     args = p.parse_args(argv)
     if args.num_beams is not None and args.num_beams < 1:
@@ -54,7 +56,8 @@ def parse_args(argv=None):
 
 
 def decoding_modes(args) -> list[tuple[str, dict]]:
-    """[(title, generate_answers kwargs)]: greedy, then beam search and/or sampling as requested."""
+    """[(title, GenerationSettings keywords besides max_new_tokens)]: greedy, then beam search and/or sampling
+    as requested."""
     beams = args.num_beams
     if beams is None and args.do_sample is None:
         beams, sample = DEFAULT_NUM_BEAMS, True
@@ -88,6 +91,7 @@ def resolve_prompts(args) -> list:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     from utils.evaluation import generate_answers, load_policy
+    from utils.forward import GenerationSettings
     from utils.model import ModelLoadError
 
     prompts = resolve_prompts(args)
@@ -102,9 +106,10 @@ def main(argv=None) -> dict:
     modes = decoding_modes(args)
     for title, kwargs in modes:
         for name, (model, tokenizer) in models.items():
-            answers[title, name] = generate_answers(model, tokenizer, prompts, args.max_new_tokens,
+            answers[title, name] = generate_answers(model, tokenizer, prompts,
+                                                    GenerationSettings(args.max_new_tokens, **kwargs),
                                                     batch_size=args.batch_size, seed=args.seed,
-                                                    max_prompt_len=args.max_prompt_len, **kwargs)
+                                                    max_prompt_len=args.max_prompt_len)
     for i, prompt in enumerate(prompts):
         print(f"\n==================== prompt {i + 1}/{len(prompts)} ====================")
         print(prompt_text(prompt))

@@ -59,12 +59,15 @@ def parse_args(argv=None):
     parser.add_argument("--response", action=_ResponseAction, dest="groups", default=None, metavar="TEXT",
                         help="a response to the preceding --prompt; repeatable")
     parser.add_argument("--pairs", default=None, help="JSON/JSONL file (or folder) of prompt/chosen/rejected rows")
-    parser.add_argument("--batch_size", type=int, default=16)
+    parser.add_argument("--batch_size", type=int, default=16,
+                        help="rows per scoring forward: responses, or pairs with --pairs (default %(default)s)")
     add_format_args(parser.add_argument_group("row format (as in training)"), template_file=False)
-    parser.add_argument("--max_seq_len", type=int, default=512, help="truncation, as in training")
+    parser.add_argument("--max_seq_len", type=int, default=512,
+                        help="max tokens per scored sequence (prompt + response), truncated as in training "
+                             "(default %(default)s)")
     parser.add_argument("--raw_text", action="store_true",
                         help="keep \\n, \\t, \\\\ as typed (default: newline, tab, backslash)")
-    parser.add_argument("--trust_remote_code", action="store_true")
+    parser.add_argument("--trust_remote_code", action="store_true", help="allow model code shipped with the model")
     args = parser.parse_args(argv)
     args.groups = args.groups or []
     if not args.raw_text:

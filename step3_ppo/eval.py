@@ -41,10 +41,12 @@ def parse_args(argv=None):
                    help="held-out prompts (the demo's eval split has 300; 128 keeps the intervals near +-0.09 "
                         "on a win rate)")
     p.add_argument("--prompt_seed", type=int, default=0, help="seed of the prompt shuffle")
-    p.add_argument("--max_new_tokens", type=int, default=24)
-    p.add_argument("--max_prompt_len", type=int, default=256, help="longer prompts keep their last tokens")
+    p.add_argument("--max_new_tokens", type=int, default=24, help="max new tokens per answer (default %(default)s)")
+    p.add_argument("--max_prompt_len", type=int, default=256,
+                   help="max prompt length in tokens; longer prompts keep their last tokens (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (same for every policy)")
-    p.add_argument("--batch_size", type=int, default=8)
+    p.add_argument("--batch_size", type=int, default=8,
+                   help="prompts per generation and scoring batch (default %(default)s)")
     p.add_argument("--num_samples", type=int, default=3, help="side-by-side samples to print")
     add_device_arg(p)
     p.add_argument("--out", default=None, help="write the full result (with per-prompt rows) as JSON")
@@ -98,7 +100,8 @@ def main(argv=None) -> dict:
             fail(str(e))
 
     from utils.data import DataError, RowFormat
-    from utils.evaluation import compare_policies, default_judges, format_table, load_prompts
+    from utils.evaluation import ComparisonSpec, compare_policies, default_judges, format_table, load_prompts
+    from utils.forward import GenerationSettings
 
     try:
         prompts = load_prompts(args.prompts, args.num_prompts, args.prompt_seed, RowFormat.from_args(args))
@@ -108,11 +111,13 @@ def main(argv=None) -> dict:
         judges = default_judges(log=lambda msg: print(msg, flush=True))
     except DataError as e:
         fail(str(e))
-    result = compare_policies(args.sft_model, args.rlhf_model, args.reward_model, prompts, args.max_new_tokens,
-                              do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k, batch_size=args.batch_size, num_samples=args.num_samples,
-                              seed=args.seed, max_prompt_len=args.max_prompt_len, device=args.device,
-                              judges=judges, others=others)
+    policies = ([("rlhf", args.rlhf_model)] if args.rlhf_model is not None else []) + others
+    generation = GenerationSettings(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+                                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    result = compare_policies(ComparisonSpec(
+        sft_path=args.sft_model, reward_path=args.reward_model, policies=policies, prompts=prompts,
+        generation=generation, batch_size=args.batch_size, seed=args.seed, max_prompt_len=args.max_prompt_len,
+        num_samples=args.num_samples, judges=judges, device=args.device))
     print(format_table(result), flush=True)
     if args.out:
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

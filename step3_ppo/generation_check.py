@@ -31,18 +31,20 @@ from utils.training import EngineSpec, build_trained_engine
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model_name_or_path", required=True)
-    p.add_argument("--zero_stage", type=int, default=3)
-    p.add_argument("--lora_dim", type=int, default=0)
+    p.add_argument("--model_name_or_path", required=True, help="causal LM directory or hub name to generate with")
+    p.add_argument("--zero_stage", type=int, default=3, help="DeepSpeed ZeRO stage of the engine (default %(default)s)")
+    p.add_argument("--lora_dim", type=int, default=0,
+                   help="LoRA rank (0: no LoRA); the adapters get non-zero weights so merging them matters")
     p.add_argument("--batch_size", type=int, default=4, help="prompts per rank")
     p.add_argument("--prompt_len", type=int, default=16, help="longest prompt in tokens (others shorter)")
-    p.add_argument("--new_tokens", type=int, default=16)
-    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--new_tokens", type=int, default=16, help="new tokens generated per prompt (exactly, no EOS stop)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed generate calls per mode after one warm-up (the median is reported)")
     p.add_argument("--modes", default="hybrid,hybrid_unmerged,plain",
                    help="hybrid first: plain ZeRO-3 generate invalidates DeepSpeed's trace itself")
-    p.add_argument("--dtype", default="fp32")
+    p.add_argument("--dtype", default="fp32", help="engine precision: fp32, bf16 or fp16 (default %(default)s)")
     p.add_argument("--out", default=None, help="JSON result file (rank 0)")
-    p.add_argument("--local_rank", type=int, default=-1)
+    p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     return p.parse_args(argv)
 
 

@@ -167,7 +167,7 @@ def describe(path: str) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None, help=f"default: {default_model_dir()}")
+    parser.add_argument("--out", default=None, help=f"folder of the converted model (default: {default_model_dir()})")
     parser.add_argument("--no_verify", action="store_true", help="skip the greedy-generation check")
     parser.add_argument("--print_path", action="store_true", help="only print the directory (for scripts)")
     args = parser.parse_args(argv)

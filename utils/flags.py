@@ -9,6 +9,10 @@ them back through the same table. Each entry point passes only its defaults.
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
+import os
+import shutil
 from typing import Sequence
 
 SCHEDULER_TYPES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
@@ -16,7 +20,8 @@ SCHEDULER_TYPES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "co
 # name -> add_argument keywords; one flag per model prefix ("" in steps 1-2; "actor_", "critic_" in step 3)
 PER_MODEL_FLAGS = {
     "learning_rate": dict(type=float, default=1e-5, help="learning rate of the base weights"),
-    "weight_decay": dict(type=float, default=0.0),
+    "weight_decay": dict(type=float, default=0.0,
+                         help="AdamW weight decay of the base weights (biases, norms and LoRA adapters: none)"),
     "zero_stage": dict(type=int, default=0, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage"),
     "gradient_checkpointing": dict(action="store_true", help="recompute activations in the backward pass"),
     "dropout": dict(type=float, default=None, help="override every dropout of the model (None: the model's)"),
@@ -47,10 +52,11 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("data")
     g.add_argument("--data_path", nargs="+", required=True,
                    help="JSON/JSONL files, folders of them, or datasets names; several are blended")
-    g.add_argument("--data_split", default="2,4,4", help="shares of each source for steps 1,2,3")
+    g.add_argument("--data_split", default="2,4,4",
+                   help="relative shares of each source for steps 1,2,3, comma-separated (default %(default)s)")
     g.add_argument("--sft_only_data_path", nargs="*", default=[], help="sources used whole by step 1 only")
     g.add_argument("--eval_fraction", type=float, default=0.1,
-                   help="held-out share of a source that has no eval/test split of its own")
+                   help="held-out share of a source that has no eval/test split of its own, a fraction in [0, 1)")
     g.add_argument("--data_output_path", default=None,
                    help="folder caching the tokenised data, reused by later runs and by every rank (default: none)")
     add_format_args(g)
@@ -60,7 +66,7 @@ def add_format_args(group, template_file: bool = True) -> None:
     """How rows are read and rendered (utils/data/formats.py, chat.py); shared by the steps and the tools
     (which find the template in the model directory's tokenizer, where the steps saved it)."""
     for name in ("prompt", "chosen", "rejected", "messages"):
-        group.add_argument(f"--{name}_key", default=name, help=f"field holding the {name} (default '{name}')")
+        group.add_argument(f"--{name}_key", default=name, help=f"field holding the {name} (default '%(default)s')")
     group.add_argument("--apply_chat_template", action="store_true",
                        help="render string rows with the chat template, as a user turn and an assistant turn "
                             "(message-list rows always are)")
@@ -90,26 +96,36 @@ BATCH_FLAGS = ("per_device_train_batch_size", "per_device_eval_batch_size", "max
 def add_batch_args(parser: argparse.ArgumentParser) -> None:
     """Steps 1-2: micro-batch sizes and sequence length (step 3 has its own rollout/mini-batch sizes)."""
     g = parser.add_argument_group("batches")
-    g.add_argument("--per_device_train_batch_size", type=int, default=8)
-    g.add_argument("--per_device_eval_batch_size", type=int, default=8)
-    g.add_argument("--max_seq_len", type=int, default=512)
+    g.add_argument("--per_device_train_batch_size", type=int, default=8,
+                   help="training micro-batch size, in rows (examples; pairs in step 2) per rank")
+    g.add_argument("--per_device_eval_batch_size", type=int, default=8,
+                   help="evaluation batch size, in rows (examples; pairs in step 2) per rank")
+    g.add_argument("--max_seq_len", type=int, default=512,
+                   help="max tokens per sequence (prompt + response); longer rows are truncated or skipped")
 
 
 def add_training_args(parser: argparse.ArgumentParser, prefixes: Sequence[str] = ("",),
                       defaults: dict | None = None) -> None:
     """Schedule, optimizer, DeepSpeed and LoRA flags; the per-model ones once per prefix."""
     g = parser.add_argument_group("optimisation and DeepSpeed")
-    g.add_argument("--num_train_epochs", type=int, default=1)
+    g.add_argument("--num_train_epochs", type=int, default=1,
+                   help="passes over the training data (the prompts in step 3), unless --max_steps stops first")
     g.add_argument("--max_steps", type=int, default=0,
                    help="stop after this many optimizer steps (PPO iterations in step 3; 0 or -1: no limit)")
-    g.add_argument("--gradient_accumulation_steps", type=int, default=1)
-    g.add_argument("--lr_scheduler_type", default="cosine", choices=SCHEDULER_TYPES)
-    g.add_argument("--num_warmup_steps", type=int, default=0)
-    g.add_argument("--gradient_clipping", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--gradient_accumulation_steps", type=int, default=1,
+                   help="micro-batches per rank accumulated into one optimizer step")
+    g.add_argument("--lr_scheduler_type", default="cosine", choices=SCHEDULER_TYPES,
+                   help="learning-rate schedule after the warmup (transformers' get_scheduler; default %(default)s)")
+    g.add_argument("--num_warmup_steps", type=int, default=0,
+                   help="optimizer steps of linear learning-rate warmup from 0")
+    g.add_argument("--gradient_clipping", type=float, default=1.0,
+                   help="max global gradient norm before each optimizer step (0: no clipping)")
+    g.add_argument("--seed", type=int, default=1234,
+                   help="random seed of the data split and order, initialisation and sampling")
     add_per_model(g, ["learning_rate", "weight_decay", "zero_stage", "gradient_checkpointing"], prefixes, defaults)
     g.add_argument("--offload", action="store_true", help="ZeRO offload of optimizer (and ZeRO-3 params) to CPU")
-    g.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    g.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"],
+                   help="precision of the DeepSpeed engines (bf16/fp16: mixed precision; default %(default)s)")
     g.add_argument("--dist_timeout", type=int, default=600, help="seconds a rank waits on a dead peer")
     g.add_argument("--no_tf32", action="store_true",
                    help="full fp32 matmuls on CUDA (TF32 is on by default there; never used on CPU)")
@@ -130,8 +146,10 @@ def add_generation_args(parser: argparse.ArgumentParser, do_sample: bool | None)
     mode.add_argument("--greedy", dest="do_sample", action="store_false",
                       help="greedy decoding" + (" (default)" if do_sample is False else ""))
     g.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1.0)")
-    g.add_argument("--top_p", type=float, default=None, help="nucleus sampling (default 1.0: off)")
-    g.add_argument("--top_k", type=int, default=None, help="top-k sampling (default 0: off)")
+    g.add_argument("--top_p", type=float, default=None,
+                   help="nucleus sampling: the most likely tokens whose probabilities sum to this, in (0, 1] "
+                        "(default 1.0: off)")
+    g.add_argument("--top_k", type=int, default=None, help="top-k sampling: the k most likely tokens (default 0: off)")
     return g
 
 
@@ -177,14 +195,17 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
 def add_output_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     """Output directory and the metric sinks (metrics.jsonl always; TensorBoard, wandb on request)."""
     g = parser.add_argument_group("output")
-    g.add_argument("--output_dir", required=True)
+    g.add_argument("--output_dir", required=True,
+                   help="folder receiving the trained model(s), metrics.jsonl and the checkpoints")
     g.add_argument("--overwrite_output_dir", action="store_true",
                    help="start clean in an OUTPUT_DIR a previous run used (its metrics.jsonl and checkpoints are "
                         "deleted); without it such a directory is refused unless --resume finds a checkpoint there")
-    g.add_argument("--enable_tensorboard", action="store_true")
+    g.add_argument("--enable_tensorboard", action="store_true",
+                   help="also log the metrics to TensorBoard (needs tensorboard; see --tensorboard_path)")
     g.add_argument("--tensorboard_path", default=None, help="default: OUTPUT_DIR/tensorboard")
     g.add_argument("--enable_wandb", action="store_true", help="also log to Weights & Biases (needs wandb)")
-    g.add_argument("--wandb_project", default="rlhf-ds")
+    g.add_argument("--wandb_project", default="rlhf-ds",
+                   help="Weights & Biases project, with --enable_wandb (default %(default)s)")
     g.add_argument("--wandb_run_name", default=None, help="default: the output directory's name")
     return g
 
@@ -240,9 +261,6 @@ def check_output_dir(args, inputs: Sequence[str]) -> None:
     An output directory that is an input is refused; a used one (RUN_OUTPUTS) is refused unless
     --resume finds a checkpoint there or --overwrite_output_dir asks to start clean (then the old
     metrics.jsonl and checkpoints are deleted, so nothing of the old run is mixed in)."""
-    import os
-    import shutil
-
     out = os.path.realpath(args.output_dir)
     for flag, path in inputs:
         if path and os.path.isdir(path) and os.path.realpath(path) == out:
@@ -268,9 +286,6 @@ def check_output_dir(args, inputs: Sequence[str]) -> None:
 
 def model_max_positions(path: str) -> int | None:
     """The longest sequence a local model directory's config allows (None when unknown or not a directory)."""
-    import json
-    import os
-
     config = os.path.join(path, "config.json")
     if not os.path.isfile(config):
         return None
@@ -308,8 +323,6 @@ def validate_training_args(args, prefixes: Sequence[str] = ("",), positive: Sequ
     if args.only_optimize_lora and all(getattr(args, f"{p}lora_dim") <= 0 for p in prefixes):
         fail(f"--only_optimize_lora needs {' or '.join(f'--{p}lora_dim' for p in prefixes)} > 0")
     if getattr(args, "attn_implementation", None) == "flash_attention_2":
-        import importlib.util
-
         if importlib.util.find_spec("flash_attn") is None:
             fail("--attn_implementation flash_attention_2 needs the flash_attn package, which is "
                  "not installed (leave the flag out for sdpa)")
