@@ -15,11 +15,15 @@ None / non-number / non-finite value. With `skip_bad` the per-row problems only 
 raise / wrong count / timeout makes the whole batch NaN; the caller drops and counts them. A function that
 itself raises RewardFunctionError (math_exact without an 'answer' field) says the setup is wrong: that
 always stops the run.
+
+A built-in is one `BUILTINS` entry (its factory, one line of help, whether it is an accuracy) next to its
+function; the weighted sum of the rewards is `step3_ppo.rewards.combine`.
 """
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import itertools
 import math
 import numbers
@@ -34,18 +38,16 @@ from typing import Callable
 
 import torch
 
-from utils.errors import one_line
+from utils.errors import ProjectError, one_line
 
-BUILTINS = ("math_exact", "format", "sentiment")
 DEFAULT_FORMAT_PATTERN = r"\\boxed\{[^{}]+\}"
-_FORMS = "a built-in (" + ", ".join(BUILTINS) + "), path/to/file.py:function or package.module:function"
 _MESSAGE_LIMIT = 200
 _SHOWN_ORIGINS = 3
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 _module_counter = itertools.count()
 
 
-class RewardFunctionError(Exception):
+class RewardFunctionError(ProjectError):
     """A reward function that does not load or misbehaves; str() is one line naming it (and the row)."""
 
     def __init__(self, function: str, problem: str, origin: str | None = None, index: int | None = None):
@@ -139,9 +141,9 @@ def math_exact(completions, answer=_MISSING, **kwargs) -> list[float]:
     return [float(answers_match(final_answer(c), a)) for c, a in zip(completions, answer)]
 
 
-def make_format(pattern: str | None = None) -> Callable:
-    """A reward of 1.0 where `re.search(pattern, completion, re.DOTALL)` matches, else 0.0."""
-    pattern = DEFAULT_FORMAT_PATTERN if pattern is None else pattern
+def make_format(format_pattern: str | None = None) -> Callable:
+    """A reward of 1.0 where `re.search(format_pattern, completion, re.DOTALL)` matches, else 0.0."""
+    pattern = DEFAULT_FORMAT_PATTERN if format_pattern is None else format_pattern
     try:
         compiled = re.compile(pattern, re.DOTALL)
     except re.error as exc:
@@ -168,6 +170,37 @@ def make_sentiment() -> Callable:
     return sentiment
 
 
+@dataclass(frozen=True)
+class Builtin:
+    """A built-in reward function, loaded by its name in `--reward_funcs`.
+
+    `make(**options)` returns the reward function (`lambda: fn` for a plain function). It declares, as
+    keyword parameters named like the flags, the run's options it needs (`make_format(format_pattern=None)`
+    gets `--format_pattern`) and gets only those, so a built-in with a new option changes no loader. A
+    factory that raises RewardFunctionError stops the run at load time. `help`: one line, in
+    `--reward_funcs`' help and the README's list. `is_accuracy`: its mean is also `eval/accuracy`.
+    """
+
+    make: Callable[..., Callable]
+    help: str
+    is_accuracy: bool = False
+
+
+# The one place a built-in is registered: its name here is its spec and its log name; `--reward_funcs`'
+# help, the README's list (tests/test_reward_funcs.py checks it) and `is_function_spec` follow.
+BUILTINS: dict[str, Builtin] = {
+    "math_exact": Builtin(lambda: math_exact, "the last number or \\boxed{} equals the row's 'answer'",
+                          is_accuracy=True),
+    "format": Builtin(make_format, "--format_pattern matches"),
+    "sentiment": Builtin(make_sentiment, "VADER"),
+}
+
+
+def builtins_help() -> str:
+    """The built-ins as `--reward_funcs`' help lists them: `name (help), ...` in registry order."""
+    return ", ".join(f"{name} ({builtin.help})" for name, builtin in BUILTINS.items())
+
+
 # ---------------------------------------------------------------- loading
 
 def is_function_spec(spec: str) -> bool:
@@ -182,23 +215,35 @@ def _log_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", name) or "reward"
 
 
-def load_reward_function(spec: str, format_pattern: str | None = None) -> RewardFunction:
+def _forms() -> str:
+    return "a built-in (" + ", ".join(BUILTINS) + "), path/to/file.py:function or package.module:function"
+
+
+def _declared(make: Callable, options: dict) -> dict:
+    """The options a built-in's factory declares as parameters (all of them if it takes **kwargs)."""
+    parameters = inspect.signature(make).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return dict(options)
+    names = {p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    return {name: value for name, value in options.items() if name in names}
+
+
+def load_reward_function(spec: str, /, **options) -> RewardFunction:
     """The reward function `spec` names: a built-in, `path/to/file.py:function` or `package.module:function`.
-    `format_pattern` is the built-in `format`'s regex (default: a non-empty `\\boxed{...}`)."""
-    if spec == "math_exact":
-        return RewardFunction("math_exact", math_exact, is_accuracy=True, spec=spec)
-    if spec == "format":
-        return RewardFunction("format", make_format(format_pattern), spec=spec)
-    if spec == "sentiment":
-        return RewardFunction("sentiment", make_sentiment(), spec=spec)
+    `options` are the run's settings by flag name (step 3 passes `**vars(args)`); a built-in's factory gets
+    the ones it declares (`format`: `format_pattern`, default a non-empty `\\boxed{...}`), others are ignored."""
+    builtin = BUILTINS.get(spec)
+    if builtin is not None:
+        return RewardFunction(spec, builtin.make(**_declared(builtin.make, options)), is_accuracy=builtin.is_accuracy,
+                              spec=spec)
     if ":" not in spec:
         if spec.endswith(".py"):
             raise RewardFunctionError(spec, "missing the ':function' part (expected path/to/file.py:function)")
-        raise RewardFunctionError(spec, f"unknown reward function; expected {_FORMS}")
+        raise RewardFunctionError(spec, f"unknown reward function; expected {_forms()}")
     where, _, attr = spec.rpartition(":")
     if not attr or not where:
         raise RewardFunctionError(spec, f"missing the {'function' if not attr else 'file or module'} "
-                                        f"name around ':' (expected {_FORMS})")
+                                        f"name around ':' (expected {_forms()})")
     module = _load_file(spec, where) if _is_path(where) else _load_module(spec, where)
     fn = _attribute(spec, module, attr)
     return RewardFunction(_log_name(attr.rsplit(".", 1)[-1]), fn, spec=spec)
@@ -416,22 +461,3 @@ def score_batch(func: RewardFunction, *, prompts: list, completions: list[str], 
             on_skip(str(error))
     tensor = torch.tensor([float("nan") if s is None else s for s in scores], dtype=torch.float32)
     return tensor, bad
-
-
-def combine(scores: dict[str, torch.Tensor], weights: list[float] | None = None) -> torch.Tensor:
-    """The weighted sum of the rewards' scores (weights 1.0 by default, in `scores`' order); NaN stays NaN."""
-    if not scores:
-        raise ValueError("combine: no reward scores to combine")
-    names = list(scores)
-    if weights is None:
-        weights = [1.0] * len(names)
-    if len(weights) != len(names):
-        raise ValueError(f"--reward_weights has {len(weights)} values, expected {len(names)} "
-                         f"(one per reward: {', '.join(names)})")
-    shapes = {tuple(t.shape) for t in scores.values()}
-    if len(shapes) != 1:
-        raise ValueError(f"combine: reward scores of different shapes {sorted(shapes)}")
-    total = torch.zeros(shapes.pop(), dtype=torch.float32)
-    for name, weight in zip(names, weights):
-        total = total + float(weight) * scores[name].detach().float().cpu()
-    return total

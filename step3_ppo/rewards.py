@@ -1,14 +1,15 @@
 """Where a rollout's sequence rewards come from, behind ONE interface.
 
 A reward component is a callable `component(rows) -> Tensor [B]` (fp32, one score per row; NaN
-for a row whose score was skipped) with a `name` (logged as `reward/<name>_mean`) and an `engine`
+for a row whose score was skipped) with a `name` (logged as `reward/<name>_mean`), an `engine`
 attribute: the DeepSpeed engine it runs (for the trainer's one-gather inference phase), or None
-for one that runs no model. Two kinds:
+for one that runs no model, and `is_accuracy`: its mean is also the eval's `eval/accuracy`
+(a 0/1 correctness score, like math_exact). Two kinds:
 - `RewardModelReward`: a trained reward model's value at the last real token (step 2);
 - `FunctionReward`: a Python function of the prompts, decoded completions, completion ids and
   every other field of the prompt rows (step3_ppo/reward_funcs.py: loading, built-ins, checks).
-The trainer scores every component, then combines them with `--reward_weights`
-(reward_funcs.combine); step3_ppo/shaping.py turns the total into per-token rewards.
+The trainer scores every component, then combines them with `--reward_weights` (`combine`
+below); step3_ppo/shaping.py turns the total into per-token rewards.
 """
 from __future__ import annotations
 
@@ -25,12 +26,34 @@ from utils.rollout import Row, pack
 class Reward(Protocol):
     name: str
     engine: object | None
+    is_accuracy: bool
 
     def __call__(self, rows: list[Row]) -> torch.Tensor: ...
 
 
+def combine(scores: dict[str, torch.Tensor], weights: list[float] | None = None) -> torch.Tensor:
+    """The weighted sum of the rewards' scores (weights 1.0 by default, in `scores`' order); NaN stays NaN."""
+    if not scores:
+        raise ValueError("combine: no reward scores to combine")
+    names = list(scores)
+    if weights is None:
+        weights = [1.0] * len(names)
+    if len(weights) != len(names):
+        raise ValueError(f"--reward_weights has {len(weights)} values, expected {len(names)} "
+                         f"(one per reward: {', '.join(names)})")
+    shapes = {tuple(t.shape) for t in scores.values()}
+    if len(shapes) != 1:
+        raise ValueError(f"combine: reward scores of different shapes {sorted(shapes)}")
+    total = torch.zeros(shapes.pop(), dtype=torch.float32)
+    for name, weight in zip(names, weights):
+        total = total + float(weight) * scores[name].detach().float().cpu()
+    return total
+
+
 class RewardModelReward:
     """A reward model's score of prompt + response: its value at the last real token."""
+
+    is_accuracy = False
 
     def __init__(self, engine, pad_token_id: int, name: str = "reward_model"):
         self.engine, self.pad_token_id, self.name = engine, pad_token_id, name
@@ -55,7 +78,7 @@ class FunctionReward:
 
     def __init__(self, func: RewardFunction, tokenizer, timeout: float | None = None, skip_bad: bool = False):
         self.func, self.tokenizer, self.timeout, self.skip_bad = func, tokenizer, timeout, skip_bad
-        self.name = func.name
+        self.name, self.is_accuracy = func.name, func.is_accuracy
         self.skipped = 0
 
     def __call__(self, rows: list[Row]) -> torch.Tensor:

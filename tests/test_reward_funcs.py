@@ -1,6 +1,9 @@
-"""Step 3's reward functions (step3_ppo/reward_funcs.py): the built-ins, loading specs, the batch call's
-checks (count, finiteness, raise, timeout, skip_bad) and the weighted combination. Pure Python, fast."""
+"""Step 3's reward functions (step3_ppo/reward_funcs.py): the built-ins and their registry (loader, flag help,
+README list), loading specs, the batch call's checks (count, finiteness, raise, timeout, skip_bad) and the
+weighted combination (step3_ppo/rewards.py). Pure Python, fast."""
+import itertools
 import math
+import os
 import random
 import signal
 import sys
@@ -11,8 +14,12 @@ import numpy as np
 import pytest
 import torch
 
-from step3_ppo.reward_funcs import (RewardFunction, RewardFunctionError, combine, final_answer, is_function_spec,
-                                    load_reward_function, math_exact, score_batch)
+from step3_ppo.reward_funcs import (BUILTINS, Builtin, RewardFunction, RewardFunctionError, final_answer,
+                                    is_function_spec, load_reward_function, math_exact, score_batch)
+from step3_ppo.rewards import FunctionReward, RewardModelReward, combine
+
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+README_LIST = "The built-in reward functions (`BUILTINS`"  # the line that opens the README's list
 
 
 def batch(completions, **extra):
@@ -89,6 +96,72 @@ def test_format_invalid_regex_fails_at_load():
     with pytest.raises(RewardFunctionError) as info:
         load_reward_function("format", format_pattern="(unclosed")
     assert_one_line(info.value, "format", "(unclosed", "--format_pattern")
+
+
+# ---------------------------------------------------------------- the registry
+
+def test_registry_entries():
+    assert list(BUILTINS)[:3] == ["math_exact", "format", "sentiment"]  # the order of the flag's help and the README
+    assert [name for name, b in BUILTINS.items() if b.is_accuracy] == ["math_exact"]
+    for name, builtin in BUILTINS.items():
+        assert name.isidentifier(), name  # the spec is the log name: reward/<name>_mean
+        assert builtin.help and "\n" not in builtin.help and callable(builtin.make)
+
+
+def test_components_say_whether_they_are_an_accuracy():
+    assert FunctionReward(load_reward_function("math_exact"), tokenizer=None).is_accuracy is True
+    assert FunctionReward(load_reward_function("format"), tokenizer=None).is_accuracy is False
+    assert RewardModelReward(engine=None, pad_token_id=0).is_accuracy is False
+
+
+def make_toy(max_answer_seq_len=None):
+    """A toy built-in's factory: it declares the one option it needs."""
+    def toy_len(completions, **kwargs):
+        return [len(c) / max_answer_seq_len for c in completions]
+
+    return toy_len
+
+
+def test_a_registered_builtin_loads_by_name_and_shows_in_the_flag_help(monkeypatch, capsys):
+    from step3_ppo import main
+
+    monkeypatch.setitem(BUILTINS, "toy_len", Builtin(make_toy, "len(completion) / --max_answer_seq_len, 100% toy"))
+    assert is_function_spec("toy_len")
+    func = load_reward_function("toy_len", max_answer_seq_len=4, format_pattern="(unused: not declared")
+    assert func.name == "toy_len" and func.spec == "toy_len" and not func.is_accuracy
+    assert func.fn(completions=["ab", "abcd"]) == [0.5, 1.0]
+    with pytest.raises(RewardFunctionError) as info:
+        load_reward_function("not_a_builtin")
+    assert_one_line(info.value, "math_exact, format, sentiment, toy_len")
+    with pytest.raises(SystemExit):
+        main.parse_args(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps the help
+    assert "toy_len (len(completion) / --max_answer_seq_len, 100% toy)" in shown
+    assert "math_exact (the last number or \\boxed{} equals the row's 'answer')" in shown
+
+
+def test_a_factory_taking_kwargs_gets_every_option(monkeypatch):
+    seen = {}
+
+    def make_any(**options):
+        seen.update(options)
+        return lambda completions, **kw: [0.0] * len(completions)
+
+    monkeypatch.setitem(BUILTINS, "toy_any", Builtin(make_any, "toy", is_accuracy=True))
+    func = load_reward_function("toy_any", spec="a flag named spec", format_pattern=None)
+    assert seen == {"spec": "a flag named spec", "format_pattern": None} and func.is_accuracy
+
+
+def test_readme_lists_exactly_the_builtins():
+    with open(README) as f:
+        lines = f.read().splitlines()
+    start = next(i for i, line in enumerate(lines) if README_LIST in line)
+    rest = lines[start + 1:]
+    first = next(i for i, line in enumerate(rest) if line.startswith("- "))
+    listed = [line.replace("`", "") for line in itertools.takewhile(lambda line: line.startswith("- "), rest[first:])]
+    expected = [f"- {name}: {builtin.help}" for name, builtin in BUILTINS.items()]
+    assert listed == expected, ("README.md's list of built-in reward functions differs from BUILTINS; it should "
+                                "read (code in backticks as you like):\n" + "\n".join(expected))
 
 
 # ---------------------------------------------------------------- loading
