@@ -10,16 +10,17 @@ import math
 
 import torch
 
-from utils.checkpoint import BadStepGuard, Checkpointing, data_layout, export_hf_model, reload_max_abs_diff
+from utils.checkpoint import data_layout
+from utils.export import export_hf_model
 from utils.data import SFTCollator, tokenize_sft
 from utils.distributed import all_reduce_sum, rank_batches
 from utils.flags import BATCH_FLAGS, single_model_parser, validate_training_args
 from utils.forward import causal_lm_logits, eval_mode, lm_nll
 from utils.logging import print_rank0
 from utils.model import load_causal_lm
-from utils.accelerator import PhaseMemory
+from utils.run import ReloadCheck, Run
 from utils.training import (build_trained_engine, micro_batch_schedule, spec_from_args, start_single_model_run,
-                            train_ds_config_from_args, train_with_evaluations)
+                            train_ds_config_from_args, train_micro_batches)
 
 def parse_args(argv=None):
     parser = single_model_parser(__doc__.splitlines()[0], "local from_pretrained directory or hub name")
@@ -64,18 +65,14 @@ def main(argv=None):
                            attn_implementation=args.attn_implementation)
     engine = build_trained_engine(model, ds_config, spec_from_args(args), total_steps)
 
-    checkpointing = Checkpointing(args, {"model": engine}, data_layout(args, len(train_examples)))
-    loop, shared, _ = checkpointing.restore()
-    logger = checkpointing.metrics_logger(args, loop)
-    if checkpointing.last_path:
-        ppl_before = shared["ppl_before"]
-        print_rank0(f"[step1] resumed from {checkpointing.last_path} at step {loop.step}")
-    else:
-        ppl_before = evaluate_perplexity(engine, eval_examples, collator, args.per_device_eval_batch_size)
-        print_rank0(f"[step1] eval perplexity before training: {ppl_before:.3f}")
-        logger.log(0, {"eval/perplexity": ppl_before})
+    run = Run(args, "step1", "step1 sft", {"model": engine}, data_layout(args, len(train_examples)), total_steps)
 
-    guard = BadStepGuard(loop, args.max_bad_steps, checkpointing)
+    def before():
+        ppl = evaluate_perplexity(engine, eval_examples, collator, args.per_device_eval_batch_size)
+        print_rank0(f"[step1] eval perplexity before training: {ppl:.3f}")
+        return {"ppl_before": ppl}, {"eval/perplexity": ppl}
+
+    ppl_before = run.restore(before)["ppl_before"]
 
     def micro_step(batch):
         nll, count = lm_nll(engine, batch)
@@ -85,21 +82,15 @@ def main(argv=None):
         (mean_loss,) = means
         return {"train/loss": mean_loss}, {"loss": f"{mean_loss:.4f}"}, f"loss {mean_loss:.4f}"
 
-    # optimisation only, as step 2: the evaluations are timed apart
-    elapsed = train_with_evaluations(engine, loader, sampler, loop, total_steps, args, guard, PhaseMemory(),
-                                     checkpointing, logger, micro_step, step_metrics, "step1", "step1 sft",
-                                     {"ppl_before": ppl_before})
+    train_micro_batches(run, engine, loader, sampler, micro_step, step_metrics)
 
     ppl_after = evaluate_perplexity(engine, eval_examples, collator, args.per_device_eval_batch_size)
-    print_rank0(f"[step1] eval perplexity after {loop.step} steps: {ppl_after:.3f} (before {ppl_before:.3f}); "
-                f"training took {elapsed:.1f} s")
-    logger.log(loop.step, {"eval/perplexity": ppl_after, "time/train_s": elapsed})
-    export_hf_model(engine, tokenizer, args.output_dir)
-    diff = reload_max_abs_diff(engine, lambda: load_causal_lm(args.output_dir), logits_of, collator(eval_examples[:4]))
-    print_rank0(f"[step1] saved the fine-tuned model to {args.output_dir} "
-                f"(reloaded logits differ from the engine's by at most {diff:.2e})")
-    logger.log(loop.step, {"export/logits_max_abs_diff": diff})
-    logger.close()
+    print_rank0(f"[step1] eval perplexity after {run.loop.step} steps: {ppl_after:.3f} (before {ppl_before:.3f}); "
+                f"training took {run.train_s:.1f} s")
+    run.log(run.loop.step, {"eval/perplexity": ppl_after, "time/train_s": run.train_s})
+    run.finish(lambda: export_hf_model(engine, tokenizer, args.output_dir), args.output_dir, "the fine-tuned model",
+               ReloadCheck("logits", "logits", engine, lambda: load_causal_lm(args.output_dir), logits_of,
+                           collator(eval_examples[:4])))
 
 
 if __name__ == "__main__":

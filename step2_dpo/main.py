@@ -30,7 +30,8 @@ import time
 
 import torch
 
-from utils.checkpoint import BadStepGuard, Checkpointing, data_layout, export_hf_model, reload_max_abs_diff
+from utils.checkpoint import data_layout
+from utils.export import export_hf_model
 from utils.data import PreferenceCollator, split_pair_batch, tokenize_preference_pairs
 from utils.distributed import all_reduce_sum, rank_batches, world_size
 from utils.ds_config import eval_ds_config
@@ -38,11 +39,11 @@ from utils.flags import (BATCH_FLAGS, add_offload_reference_arg, add_pair_eval_a
                          single_model_parser, validate_training_args)
 from utils.forward import eval_mode, sequence_logprobs
 from utils.logging import print_rank0
-from utils.losses import DPO_LOSS_TYPES, dpo_loss, response_nll
+from utils.losses import PAIR_LOSSES, PairLogps, pair_loss, response_nll
 from utils.model import load_causal_lm
-from utils.accelerator import PhaseMemory
+from utils.run import ReloadCheck, Run
 from utils.training import (build_frozen_engine, build_trained_engine, check_pair_splits, micro_batch_schedule,
-                            spec_from_args, start_single_model_run, train_ds_config_from_args, train_with_evaluations)
+                            spec_from_args, start_single_model_run, train_ds_config_from_args, train_micro_batches)
 
 SIDES = ("chosen", "rejected")
 
@@ -54,10 +55,11 @@ def parse_args(argv=None):
     g = parser.add_argument_group("DPO")
     g.add_argument("--beta", type=float, default=0.1,
                    help="strength of the implicit KL to the reference: the loss reads beta * log-ratio margins")
-    g.add_argument("--loss_type", default="sigmoid", choices=DPO_LOSS_TYPES,
-                   help="sigmoid: DPO; ipo: IPO's squared margin target 1 / (2 beta)")
-    g.add_argument("--label_smoothing", type=float, default=0.0,
-                   help="conservative DPO (sigmoid only): the probability that a pair's label is flipped, in [0, 0.5)")
+    g.add_argument("--loss_type", default="sigmoid", choices=list(PAIR_LOSSES),
+                   help="; ".join(f"{name}: {entry.help}" for name, entry in PAIR_LOSSES.items()))
+    for name, (option, owners) in pair_loss_options().items():  # each loss's own settings
+        g.add_argument(f"--{name}", type=float, default=option.default,
+                       help=f"{option.help} (--loss_type {' or '.join(owners)} only)")
     g.add_argument("--nll_loss_coef", type=float, default=0.0,
                    help="add this times the chosen responses' NLL per token (RPO; 0: off)")
     g.add_argument("--precompute_ref_log_probs", action="store_true",
@@ -69,9 +71,12 @@ def parse_args(argv=None):
     check_range(args, 0, ("beta",), strict=True)
     if not 0 <= args.label_smoothing < 0.5:
         fail(f"--label_smoothing must be in [0, 0.5), got {args.label_smoothing}")
-    if args.label_smoothing and args.loss_type != "sigmoid":
-        fail(f"--label_smoothing is conservative DPO, a form of the sigmoid loss; --loss_type {args.loss_type} "
-             f"does not take it")
+    for name, (option, owners) in pair_loss_options().items():
+        if getattr(args, name) != option.default and args.loss_type not in owners:
+            fail(f"--{name} is a setting of --loss_type {' or '.join(owners)}; --loss_type {args.loss_type} does not "
+                 f"take it")
+    if args.precompute_ref_log_probs and not PAIR_LOSSES[args.loss_type].needs_reference:
+        fail(f"--precompute_ref_log_probs: --loss_type {args.loss_type} is reference-free, there is nothing to precompute")
     if args.offload_reference_model and reference_kind(args) != "engine":
         fail(f"--offload_reference_model: this run holds no reference model to offload (its reference is "
              f"{REFERENCE_KINDS[reference_kind(args)]})")
@@ -79,13 +84,25 @@ def parse_args(argv=None):
     return args
 
 
+def pair_loss_options() -> dict:
+    """{option name: (PairOption, [the losses that take it])} over every PAIR_LOSSES entry."""
+    options = {}
+    for loss_type, entry in PAIR_LOSSES.items():
+        for name, option in entry.options.items():
+            options.setdefault(name, (option, []))[1].append(loss_type)
+    return options
+
+
 REFERENCE_KINDS = {"precomputed": "log-probs precomputed by the starting policy (--precompute_ref_log_probs)",
                    "adapters": "the policy with its LoRA adapters disabled (--only_optimize_lora: a frozen base)",
-                   "engine": "a frozen copy of the starting model"}
+                   "engine": "a frozen copy of the starting model",
+                   "none": "none (the loss is reference-free)"}
 
 
 def reference_kind(args) -> str:
-    """Where the reference log-probs come from (REFERENCE_KINDS)."""
+    """Where the reference log-probs come from (REFERENCE_KINDS), as the loss and the flags say."""
+    if not PAIR_LOSSES[args.loss_type].needs_reference:
+        return "none"
     if args.precompute_ref_log_probs:
         return "precomputed"
     if args.lora_dim > 0 and args.only_optimize_lora:
@@ -99,7 +116,9 @@ class Reference:
     def __init__(self, kind: str, policy, engine=None):
         self.kind, self.policy, self.engine = kind, policy, engine
 
-    def __call__(self, batch: dict) -> torch.Tensor:
+    def __call__(self, batch: dict) -> torch.Tensor | None:
+        if self.kind == "none":
+            return None
         if "ref_logps" in batch:
             return batch["ref_logps"]
         if self.kind == "precomputed":  # the policy has moved: it no longer stands for the reference
@@ -136,20 +155,23 @@ def attach_reference(pairs: list, logps: list[list[float]]) -> None:
         pair["ref_chosen_logp"], pair["ref_rejected_logp"] = chosen, rejected
 
 
-class PairLoss:
-    """The run's loss of a batch from its policy and reference sequence log-probs [2B] (pure
-    functions of utils.losses), with its implicit-reward statistics."""
+class PreferenceLoss:
+    """The run's loss of a batch from its policy's (and the reference's) sequence log-probs [2B]: the
+    PAIR_LOSSES entry of --loss_type with its own options, plus the optional NLL term, with the
+    implicit-reward statistics."""
 
     def __init__(self, args):
-        self.beta, self.loss_type = args.beta, args.loss_type
-        self.label_smoothing, self.nll_loss_coef = args.label_smoothing, args.nll_loss_coef
+        self.beta, self.loss_type, self.nll_loss_coef = args.beta, args.loss_type, args.nll_loss_coef
+        self.entry = PAIR_LOSSES[args.loss_type]
+        self.options = {name: getattr(args, name) for name in self.entry.options}
 
-    def __call__(self, logps: torch.Tensor, counts: torch.Tensor | None, ref_logps: torch.Tensor,
+    def __call__(self, logps: torch.Tensor, counts: torch.Tensor | None, ref_logps: torch.Tensor | None,
                  with_nll: bool = True) -> tuple:
         chosen, rejected = split_pair_batch(logps)
-        ref_chosen, ref_rejected = split_pair_batch(ref_logps.to(logps.device))
-        loss, stats = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, self.beta, self.loss_type,
-                               self.label_smoothing)
+        ref_chosen, ref_rejected = split_pair_batch(ref_logps.to(logps.device)) if ref_logps is not None else (None, None)
+        chosen_tokens, rejected_tokens = split_pair_batch(counts) if self.entry.needs_lengths else (None, None)
+        loss, stats = pair_loss(PairLogps(chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens),
+                                self.beta, self.loss_type, **self.options)
         stats["chosen_logp"], stats["rejected_logp"] = chosen.detach().mean(), rejected.detach().mean()
         if self.nll_loss_coef and with_nll:
             nll = response_nll(chosen, split_pair_batch(counts)[0])
@@ -174,7 +196,7 @@ def held_out_pairs(pairs: list, batch_size: int, max_batches: int) -> list:
 
 
 @torch.no_grad()
-def evaluate_preferences(engine, pairs: list, collator, batch_size: int, loss_of: PairLoss) -> dict:
+def evaluate_preferences(engine, pairs: list, collator, batch_size: int, loss_of: PreferenceLoss) -> dict:
     """Exact metrics over all ranks' shares of `pairs` (held_out_pairs; filler batches weigh 0); the
     pairs carry their reference log-probs. `eval/loss` is the DPO loss alone (without the NLL term)."""
     sums, count = dict.fromkeys(EVAL_STATS, 0.0), 0.0
@@ -182,7 +204,7 @@ def evaluate_preferences(engine, pairs: list, collator, batch_size: int, loss_of
         for batch_pairs, weight in rank_batches(pairs, batch_size):
             batch = collator(batch_pairs)
             logps, counts = sequence_logprobs(engine, batch)
-            loss, stats = loss_of(logps, counts, batch["ref_logps"], with_nll=False)
+            loss, stats = loss_of(logps, counts, batch.get("ref_logps"), with_nll=False)
             stats["loss"] = loss
             n = weight * len(batch_pairs)
             for key in EVAL_STATS:
@@ -193,7 +215,7 @@ def evaluate_preferences(engine, pairs: list, collator, batch_size: int, loss_of
     return {**{f"eval/{key}": total / n for key, total in zip(EVAL_STATS, totals)}, "eval/pairs": int(count)}
 
 
-def reference_metrics(pairs: list, loss_of: PairLoss) -> dict:
+def reference_metrics(pairs: list, loss_of: PreferenceLoss) -> dict:
     """The held-out metrics before the first update, when the policy IS the reference: its reference
     log-probs against themselves (sigmoid loss ln 2, implicit rewards and margins 0), with no second
     pass over the pairs (on the demo that pass is a quarter of the step's time)."""
@@ -239,27 +261,27 @@ def main(argv=None):
                            attn_implementation=args.attn_implementation)
     engine = build_trained_engine(model, ds_config, spec_from_args(args), total_steps)
     reference = build_reference(args, tokenizer, engine)
-    loss_of = PairLoss(args)
+    loss_of = PreferenceLoss(args)
 
     def run_eval(step: int) -> dict:
         eval_start = time.time()
         metrics = evaluate_preferences(engine, eval_pairs, collator, args.per_device_eval_batch_size, loss_of)
         metrics["time/eval_s"] = time.time() - eval_start
         print_rank0(f"[dpo] eval at step {step}: {_format_eval(metrics)} in {metrics['time/eval_s']:.1f} s")
-        logger.log(step, metrics)
         return metrics
 
-    checkpointing = Checkpointing(args, {"model": engine}, data_layout(args, len(train_pairs)))
-    loop, shared, _ = checkpointing.restore()
-    logger = checkpointing.metrics_logger(args, loop)
-    if checkpointing.last_path:
-        before, ref_logps = shared["before"], shared["ref_logps"]
-        if len(ref_logps["eval"]) != len(eval_pairs):
-            fail(f"the checkpoint holds reference log-probs of {len(ref_logps['eval'])} held-out pairs, this run "
-                 f"evaluates {len(eval_pairs)} (another --eval_iters or --per_device_eval_batch_size): resume with "
-                 f"the checkpoint's settings")
-        print_rank0(f"[dpo] resumed from {checkpointing.last_path} at step {loop.step}")
-    else:  # before any update: the policy is still the reference
+    run = Run(args, "dpo", "step2 dpo", {"model": engine}, data_layout(args, len(train_pairs)), total_steps,
+              evaluate=run_eval)
+
+    def attach_all(ref_logps: dict) -> None:
+        attach_reference(eval_pairs, ref_logps["eval"])
+        if "train" in ref_logps:
+            attach_reference(train_pairs, ref_logps["train"])
+
+    def before():  # before any update: the policy is still the reference
+        if reference.kind == "none":  # a reference-free loss: the policy's own evaluation
+            metrics = run_eval(0)
+            return {"before": metrics, "ref_logps": {}}, metrics
         ref_start = time.time()
         ref_logps = {"eval": all_reference_logps(reference, eval_pairs, collator, args.per_device_eval_batch_size)}
         if reference.kind == "precomputed":
@@ -267,16 +289,20 @@ def main(argv=None):
         ref_time = time.time() - ref_start
         scored = len(eval_pairs) + len(ref_logps.get("train", []))
         print_rank0(f"[dpo] reference log-probs of {scored} pairs in {ref_time:.1f} s")
-        logger.log(0, {"time/reference_s": ref_time})
-    attach_reference(eval_pairs, ref_logps["eval"])
-    if "train" in ref_logps:
-        attach_reference(train_pairs, ref_logps["train"])
-    if not checkpointing.last_path:
-        before = reference_metrics(eval_pairs, loss_of)
-        print_rank0(f"[dpo] eval before training (the policy is the reference): {_format_eval(before)}")
-        logger.log(0, before)
+        run.log(0, {"time/reference_s": ref_time})
+        attach_all(ref_logps)
+        metrics = reference_metrics(eval_pairs, loss_of)
+        print_rank0(f"[dpo] eval before training (the policy is the reference): {_format_eval(metrics)}")
+        return {"before": metrics, "ref_logps": ref_logps}, metrics
 
-    guard = BadStepGuard(loop, args.max_bad_steps, checkpointing)
+    state = run.restore(before)
+    if run.resumed and reference.kind != "none":
+        if len(state["ref_logps"]["eval"]) != len(eval_pairs):
+            fail(f"the checkpoint holds reference log-probs of {len(state['ref_logps']['eval'])} held-out pairs, this "
+                 f"run evaluates {len(eval_pairs)} (another --eval_iters or --per_device_eval_batch_size): resume "
+                 f"with the checkpoint's settings")
+        attach_all(state["ref_logps"])
+    before = state["before"]
     stat_names = ("accuracy", "margin", "chosen_reward", "rejected_reward") + (("nll",) if args.nll_loss_coef else ())
 
     def micro_step(batch):
@@ -290,26 +316,18 @@ def main(argv=None):
                 {"loss": f"{mean_loss:.4f}", "acc": f"{accuracy:.2f}"},
                 f"loss {mean_loss:.4f} accuracy {accuracy:.3f} margin {margin:.4f}")
 
-    elapsed = train_with_evaluations(engine, loader, sampler, loop, total_steps, args, guard, PhaseMemory(),
-                                     checkpointing, logger, micro_step, step_metrics, "dpo", "step2 dpo",
-                                     {"before": before, "ref_logps": ref_logps}, run_eval)
+    train_micro_batches(run, engine, loader, sampler, micro_step, step_metrics)
 
-    after = run_eval(loop.step)
-    step = loop.step
+    step = run.loop.step
+    after = run.evaluate_now()
     print_rank0(f"[dpo] eval after {step} steps: accuracy {after['eval/accuracy']:.4f} (before "
                 f"{before['eval/accuracy']:.4f}), margin {after['eval/margin']:.4f} (before "
-                f"{before['eval/margin']:.4f}); training took {elapsed:.1f} s")
-    logger.log(step, {"time/train_s": elapsed})
-    export_start = time.time()
-    export_hf_model(engine, tokenizer, args.output_dir)
-    diff = reload_max_abs_diff(engine, lambda: load_causal_lm(args.output_dir),
-                               lambda model, batch: sequence_logprobs(model, batch)[0],
-                               collator(eval_pairs[:4] or train_pairs[:4]))
-    export_time = time.time() - export_start
-    print_rank0(f"[dpo] saved the policy to {args.output_dir} (reloaded sequence log-probs differ from the "
-                f"engine's by at most {diff:.2e}; export and check {export_time:.1f} s)")
-    logger.log(step, {"export/logp_max_abs_diff": diff, "time/export_s": export_time})
-    logger.close()
+                f"{before['eval/margin']:.4f}); training took {run.train_s:.1f} s")
+    run.log(step, {"time/train_s": run.train_s})
+    run.finish(lambda: export_hf_model(engine, tokenizer, args.output_dir), args.output_dir, "the policy",
+               ReloadCheck("logp", "sequence log-probs", engine, lambda: load_causal_lm(args.output_dir),
+                           lambda model, batch: sequence_logprobs(model, batch)[0],
+                           collator(eval_pairs[:4] or train_pairs[:4])))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from utils.checkpoint import BadStepGuard, Checkpointing, data_layout, reload_max_abs_diff
+from utils.checkpoint import data_layout
 from utils.data import PairCollator, split_pair_batch, tokenize_pairs
 from utils.distributed import all_reduce_sum, rank_batches
 from utils.flags import BATCH_FLAGS, add_pair_eval_args, check_range, single_model_parser, validate_training_args
@@ -23,9 +23,9 @@ from utils.logging import print_rank0
 from utils.losses import pair_metrics, pairwise_loss
 from utils.model import load_tokenizer
 from utils.reward_model import RewardModel, export_reward_model
-from utils.accelerator import PhaseMemory
+from utils.run import ReloadCheck, Run
 from utils.training import (build_trained_engine, check_pair_splits, micro_batch_schedule, spec_from_args,
-                            start_single_model_run, train_ds_config_from_args, train_with_evaluations)
+                            start_single_model_run, train_ds_config_from_args, train_micro_batches)
 
 
 def parse_args(argv=None):
@@ -92,19 +92,16 @@ def main(argv=None):
         metrics = evaluate_pairs(engine, eval_pairs, collator, args.per_device_eval_batch_size, args.eval_iters)
         metrics["time/eval_s"] = time.time() - eval_start
         print_rank0(f"[step2] eval at step {step}: {_format_eval(metrics)} in {metrics['time/eval_s']:.1f} s")
-        logger.log(step, metrics)
         return metrics
 
-    checkpointing = Checkpointing(args, {"model": engine}, data_layout(args, len(train_pairs)))
-    loop, shared, _ = checkpointing.restore()
-    logger = checkpointing.metrics_logger(args, loop)
-    if checkpointing.last_path:
-        before = shared["before"]
-        print_rank0(f"[step2] resumed from {checkpointing.last_path} at step {loop.step}")
-    else:
-        before = run_eval(0)
+    run = Run(args, "step2", "step2 reward", {"model": engine}, data_layout(args, len(train_pairs)), total_steps,
+              evaluate=run_eval)
 
-    guard = BadStepGuard(loop, args.max_bad_steps, checkpointing)
+    def before():
+        metrics = run_eval(0)
+        return {"before": metrics}, metrics
+
+    before = run.restore(before)["before"]
 
     def micro_step(batch):
         chosen, rejected = pair_scores(engine, batch)
@@ -116,25 +113,18 @@ def main(argv=None):
         return ({"train/loss": mean_loss, "train/accuracy": mean_acc, "train/margin": mean_margin},
                 {"loss": f"{mean_loss:.4f}", "acc": f"{mean_acc:.2f}"}, f"loss {mean_loss:.4f} accuracy {mean_acc:.3f}")
 
-    elapsed = train_with_evaluations(engine, loader, sampler, loop, total_steps, args, guard, PhaseMemory(),
-                                     checkpointing, logger, micro_step, step_metrics, "step2", "step2 reward",
-                                     {"before": before}, run_eval)
+    train_micro_batches(run, engine, loader, sampler, micro_step, step_metrics)
 
-    after = run_eval(loop.step)
-    step = loop.step
+    step = run.loop.step
+    after = run.evaluate_now()
     print_rank0(f"[step2] eval accuracy after {step} steps: {after['eval/accuracy']:.4f} "
-                f"(before {before['eval/accuracy']:.4f}); training took {elapsed:.1f} s")
-    logger.log(step, {"time/train_s": elapsed})
-    export_start = time.time()
-    export_reward_model(engine, tokenizer, args.output_dir)
-    diff = reload_max_abs_diff(engine, lambda: RewardModel.from_pretrained(args.output_dir, load_tokenizer(args.output_dir)),
-                               lambda model, batch: sequence_scores(model, batch["input_ids"], batch["attention_mask"]),
-                               collator(eval_pairs[:4] or train_pairs[:4]))
-    export_time = time.time() - export_start
-    print_rank0(f"[step2] saved the reward model to {args.output_dir} "
-                f"(reloaded scores differ from the engine's by at most {diff:.2e}; export and check {export_time:.1f} s)")
-    logger.log(step, {"export/score_max_abs_diff": diff, "time/export_s": export_time})
-    logger.close()
+                f"(before {before['eval/accuracy']:.4f}); training took {run.train_s:.1f} s")
+    run.log(step, {"time/train_s": run.train_s})
+    run.finish(lambda: export_reward_model(engine, tokenizer, args.output_dir), args.output_dir, "the reward model",
+               ReloadCheck("score", "scores", engine, lambda: RewardModel.from_pretrained(args.output_dir,
+                                                                                load_tokenizer(args.output_dir)),
+                           lambda model, batch: sequence_scores(model, batch["input_ids"], batch["attention_mask"]),
+                           collator(eval_pairs[:4] or train_pairs[:4])))
 
 
 if __name__ == "__main__":

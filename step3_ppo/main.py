@@ -22,11 +22,14 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from step3_ppo.advantages import ALIASES, ESTIMATORS, estimator_name, get_estimator
 from step3_ppo.engine import build_engines
-from step3_ppo.reward_funcs import BUILTINS, RewardFunctionError, is_function_spec, load_reward_function
+from step3_ppo.rollout_engines import ROLLOUT_ENGINES
+from step3_ppo.reward_funcs import (BUILTINS, RewardFunctionError, builtins_help, is_function_spec,
+                                    load_reward_function)
 from step3_ppo.rewards import FunctionReward, RewardModelReward, reward_model_name, unique_names
 from step3_ppo.shaping import AdaptiveKLController, FixedKLController
 from step3_ppo.trainer import PPOConfig, PPOTrainer
-from utils.checkpoint import BadStepGuard, Checkpointing, data_layout, export_hf_model
+from utils.checkpoint import data_layout
+from utils.export import export_hf_model
 from utils.data import (PromptCollator, SFTCollator, describe_skips, distributed_loader, read_texts, stop_token_ids,
                         tokenize_prompts, tokenize_texts)
 from utils.errors import one_line
@@ -34,11 +37,13 @@ from utils.distributed import is_rank0, rank, start_process, world_size
 from utils.flags import (add_checkpoint_args, add_data_args, add_generation_args, add_model_args,
                          add_offload_reference_arg, add_output_args, add_training_args, check_range,
                          check_sequence_fits, fail, resolve_generation_args, validate_training_args)
-from utils.logging import print_rank0, progress_bar
+from utils.logging import print_rank0
+from utils.losses import POLICY_LOSSES
 from utils.model import check_model_path, load_tokenizer
 from utils.ops import KL_ESTIMATORS, LOSS_AGGREGATIONS
 from utils.reward_model import check_policy_dir, check_reward_model_dir, export_reward_model
-from utils.training import loop_metrics, memory_postfix, step_examples, total_training_steps
+from utils.run import Run
+from utils.training import step_examples, total_training_steps
 
 MODELS = ("actor_", "critic_")
 # step 3's own defaults for the per-model flags of utils/flags.py (DeepSpeed-Chat's values; dropout off,
@@ -55,15 +60,23 @@ def parse_args(argv=None):
                                   "--reward_model_name_or_path or --reward_funcs says otherwise"},
                    MODEL_DEFAULTS, optional=("critic_",))
     g = add_generation_args(p, do_sample=True)  # + step 3's rollout flags (DeepSpeed-Chat's names)
-    g.add_argument("--per_device_generation_batch_size", type=int, default=4)
+    g.add_argument("--per_device_generation_batch_size", type=int, default=4,
+                   help="prompts per rank per generation batch (each sampled --n_samples_per_prompt times)")
     g.add_argument("--generation_batches", type=int, default=1, help="generation batches per PPO iteration")
-    g.add_argument("--max_prompt_seq_len", type=int, default=256)
-    g.add_argument("--max_answer_seq_len", type=int, default=256)
-    g.add_argument("--min_answer_seq_len", type=int, default=1)
+    g.add_argument("--max_prompt_seq_len", type=int, default=256,
+                   help="max prompt length in tokens; a longer prompt keeps its last tokens (and a chat "
+                        "template's header)")
+    g.add_argument("--max_answer_seq_len", type=int, default=256, help="max new tokens per answer")
+    g.add_argument("--min_answer_seq_len", type=int, default=1, help="min new tokens per answer (>= 1)")
+    g.add_argument("--rollout_engine", choices=list(ROLLOUT_ENGINES), default="hf",
+                   help="what generates the rollout: " + "; ".join(f"{name}: {e.help}"
+                                                                  for name, e in ROLLOUT_ENGINES.items()))
     g.add_argument("--enable_hybrid_engine", action="store_true",
                    help="generation mode: ZeRO-3 params gathered once, hooks lifted, LoRA merged; the rollout's "
                         "no-grad forwards also on models gathered once (see --no_gathered_experience)")
-    g.add_argument("--no_merge_lora_for_generation", dest="merge_lora_for_generation", action="store_false")
+    g.add_argument("--no_merge_lora_for_generation", dest="merge_lora_for_generation", action="store_false",
+                   help="with --enable_hybrid_engine, generate through the separate LoRA adapters instead of "
+                        "merging them into the base weights for the rollout")
     g.add_argument("--no_gathered_experience", dest="gathered_experience", action="store_false",
                    help="with the hybrid engine, score the rollout through ZeRO-3's per-layer hooks instead of "
                         "on models gathered whole (less memory when critic or reward model outgrow the actor)")
@@ -72,37 +85,56 @@ def parse_args(argv=None):
                         "caches, gathered weights) back, so training starts from a lower peak (slower next gather)")
     add_training_args(p, MODELS, MODEL_DEFAULTS)
     g = p.add_argument_group("RL")
-    g.add_argument("--per_device_training_batch_size", type=int, default=4, help="PPO mini-batch size")
-    g.add_argument("--ppo_epochs", type=int, default=1)
+    g.add_argument("--per_device_training_batch_size", type=int, default=4,
+                   help="PPO mini-batch size, in rows (answers) per rank")
+    g.add_argument("--ppo_epochs", type=int, default=1,
+                   help="passes over each rollout's mini-batches per PPO iteration")
     g.add_argument("--n_samples_per_prompt", type=int, default=1,
                    help="answers sampled per prompt (a group); --per_device_generation_batch_size counts prompts, "
                         "so a rank's rollout is that x this x --generation_batches rows")
     g.add_argument("--advantage_estimator", choices=list(ESTIMATORS) + list(ALIASES), default="gae",
                    help="; ".join(f"{name}: {e.help}" for name, e in ESTIMATORS.items())
                         + "; OpenRLHF's names: " + ", ".join(f"{a} = {n}" for a, n in ALIASES.items()))
+    g.add_argument("--policy_loss", choices=list(POLICY_LOSSES), default="ppo",
+                   help="the actor's loss: " + "; ".join(f"{name}: {e.help}" for name, e in POLICY_LOSSES.items()))
     g.add_argument("--loss_agg", choices=LOSS_AGGREGATIONS, default=None,
                    help="token_mean (DAPO), seq_mean (GRPO), constant_norm (Dr. GRPO: sums over "
                         "--max_answer_seq_len); default: the estimator's (grpo seq_mean, dr_grpo constant_norm, "
                         "else token_mean)")
     g.add_argument("--kl_ctl", type=float, default=0.1, help="initial KL(actor||reference) coefficient")
     g.add_argument("--adaptive_kl", action="store_true", help="Ziegler et al. controller towards --kl_target")
-    g.add_argument("--kl_target", type=float, default=6.0)
-    g.add_argument("--kl_horizon", type=float, default=10000)
-    g.add_argument("--kl_estimator", choices=KL_ESTIMATORS, default="k1")
+    g.add_argument("--kl_target", type=float, default=6.0,
+                   help="with --adaptive_kl: the KL(actor||reference) per answer (nats, summed over its tokens) "
+                        "Ziegler et al.'s controller steers --kl_ctl towards (default %(default)s)")
+    g.add_argument("--kl_horizon", type=float, default=10000,
+                   help="with --adaptive_kl: the controller's horizon, in answers (all ranks): each iteration "
+                        "moves --kl_ctl by at most 20%% x the rollout's answers / this (default %(default)s)")
+    g.add_argument("--kl_estimator", choices=KL_ESTIMATORS, default="k1",
+                   help="per-token estimate of KL(actor||reference) in the reward, with r = log-ratio: "
+                        "k1 = r, k2 = r^2/2, k3 = exp(-r) - 1 + r (default %(default)s)")
     g.add_argument("--kl_in_loss", action="store_true",
                    help="KL to the reference as a k3 loss term (GRPO-style) instead of in the reward")
-    g.add_argument("--clip_reward_value", type=float, default=5.0)
+    g.add_argument("--clip_reward_value", type=float, default=5.0,
+                   help="the sequence score is clipped to [-this, this] (reward units, > 0) before the KL "
+                        "penalty is added")
     g.add_argument("--normalize_reward", action="store_true", help="score normalised by running mean/std")
-    g.add_argument("--gamma", type=float, default=1.0)
-    g.add_argument("--lam", type=float, default=0.95)
-    g.add_argument("--no_whiten_advantages", dest="whiten_advantages", action="store_false")
-    g.add_argument("--cliprange", type=float, default=0.2)
-    g.add_argument("--cliprange_value", type=float, default=0.2)
+    g.add_argument("--gamma", type=float, default=1.0,
+                   help="per-token discount of the returns and of GAE, in [0, 1]")
+    g.add_argument("--lam", type=float, default=0.95, help="GAE's lambda (with gae), in [0, 1]")
+    g.add_argument("--no_whiten_advantages", dest="whiten_advantages", action="store_false",
+                   help="keep the raw advantages of the estimators that whiten them (gae, reinforce_pp, ...: "
+                        "mean 0, std 1 over the rollout)")
+    g.add_argument("--cliprange", type=float, default=0.2,
+                   help="PPO's clip of the new/old policy ratio to [1 - this, 1 + this] (a fraction, > 0)")
+    g.add_argument("--cliprange_value", type=float, default=0.2,
+                   help="the critic's new values are clipped to the rollout's values +- this (reward units, > 0)")
     g.add_argument("--critic_fresh_value_head", action="store_true",
                    help="with gae: the critic may start from a plain causal LM (--critic_model_name_or_path "
                         "without a value head) whose value head is new")
     g.add_argument("--unsupervised_dataset_name", default=None, help="text/JSON file for the PPO-ptx loss")
-    g.add_argument("--unsup_coef", type=float, default=27.8)
+    g.add_argument("--unsup_coef", type=float, default=27.8,
+                   help="weight of the PPO-ptx language-modelling loss (mean NLL per token of "
+                        "--unsupervised_dataset_name) added to the actor loss")
     g = p.add_argument_group("rewards")
     g.add_argument("--reward_model_name_or_path", default=None,
                    help="the reward model (default: --critic_model_name_or_path, DeepSpeed-Chat's convention)")
@@ -110,8 +142,7 @@ def parse_args(argv=None):
                    help="rewards summed with --reward_weights: reward-model directories, Python functions as "
                         "path/to/file.py:function or package.module:function (called with prompts, completions, "
                         "completion_ids and every other field of the prompt rows as keyword lists), or "
-                        "built-ins: math_exact (the last number or \\boxed{} equals the row's 'answer'), "
-                        "format (--format_pattern matches), sentiment (VADER)")
+                        "built-ins: " + builtins_help().replace("%", "%%"))  # argparse formats help with %
     g.add_argument("--reward_weights", nargs="+", type=float, default=None, help="one per --reward_funcs entry")
     g.add_argument("--format_pattern", default=None, help="the regex of the 'format' built-in")
     g.add_argument("--skip_bad_rewards", action="store_true",
@@ -121,7 +152,9 @@ def parse_args(argv=None):
     g.add_argument("--overlong_buffer_len", type=int, default=0,
                    help="DAPO's overlong penalty: answers longer than --max_answer_seq_len minus this lose up to "
                         "--overlong_penalty_factor, linearly")
-    g.add_argument("--overlong_penalty_factor", type=float, default=1.0)
+    g.add_argument("--overlong_penalty_factor", type=float, default=1.0,
+                   help="the most DAPO's overlong penalty subtracts, reached at --max_answer_seq_len tokens "
+                        "(reward units)")
     g.add_argument("--truncation_penalty", type=float, default=0.0,
                    help="subtracted from the reward of answers cut at --max_answer_seq_len without EOS")
     g.add_argument("--mask_truncated_completions", action="store_true",
@@ -137,12 +170,16 @@ def parse_args(argv=None):
     g.add_argument("--eval_do_sample", action="store_true", help="sample the answers (default: greedy)")
     g = p.add_argument_group("frozen models")
     add_offload_reference_arg(g)
-    g.add_argument("--offload_reward_model", action="store_true")
+    g.add_argument("--offload_reward_model", action="store_true",
+                   help="keep the frozen reward models' parameters in CPU memory (ZeRO-3 offload)")
     g.add_argument("--enable_ema", action="store_true", help="keep an EMA of the actor, saved as actor_ema/")
     add_checkpoint_args(p)
     g = add_output_args(p)
-    g.add_argument("--print_answers", action="store_true")
-    g.add_argument("--print_answers_interval", type=int, default=1)
+    g.add_argument("--print_answers", action="store_true",
+                   help="print one prompt, its answer and score on rank 0 every --print_answers_interval "
+                        "iterations")
+    g.add_argument("--print_answers_interval", type=int, default=1,
+                   help="PPO iterations between printed answers (with --print_answers)")
     args = p.parse_args(argv)
     validate_args(args)
     return args
@@ -238,7 +275,7 @@ def build_rewards(args, tokenizer, engines) -> list:
     for spec in args.reward_specs:
         if is_function_spec(spec):
             try:
-                func = load_reward_function(spec, args.format_pattern)
+                func = load_reward_function(spec, **vars(args))  # a built-in takes the options it declares
             except RewardFunctionError as e:
                 raise SystemExit(f"error: --reward_funcs: {e}") from None
             components.append(FunctionReward(func, tokenizer, args.reward_timeout, args.skip_bad_rewards))
@@ -354,72 +391,55 @@ def checkpointed_engines(engines) -> dict:
     return named
 
 
-def train(run: Setup) -> int:
+def train(prepared: Setup) -> Run:
     """PPO iterations until --max_steps or the end of --num_train_epochs (resuming with --resume);
-    returns the number of iterations done."""
-    args, trainer = run.args, run.trainer
-    checkpointing = Checkpointing(args, checkpointed_engines(run.engines), data_layout(args, len(run.loader.dataset)))
-    loop, shared, rank_state = checkpointing.restore()
-    if checkpointing.last_path:
-        trainer.kl_ctl.load_state_dict(shared["kl_ctl"])
-        trainer.reward_moments.load_state_dict(rank_state["reward_moments"])
-        print_rank0(f"[step3] resumed from {checkpointing.last_path} at step {loop.step}")
-    logger = checkpointing.metrics_logger(args, loop)
-    trainer.guard = BadStepGuard(loop, args.max_bad_steps, checkpointing)
-    progress = progress_bar(run.total_steps, loop.step, "step3 ppo")
-    evaluate = (lambda: trainer.evaluate(run.eval_batches, args.eval_do_sample)) if run.eval_batches else None
-    if evaluate and loop.step == 0:
-        logger.log(0, evaluate())
-    while loop.step < run.total_steps and loop.epoch < args.num_train_epochs:
-        run.sampler.set_epoch(loop.epoch)
-        batches = iter(run.loader)
-        for _ in range(loop.batches_in_epoch):  # consumed before the checkpoint this run resumed from
-            next(batches)
-        while loop.batches_in_epoch + args.generation_batches <= len(run.loader) and loop.step < run.total_steps:
-            prompt_batches = [next(batches) for _ in range(args.generation_batches)]
-            loop.batches_in_epoch += args.generation_batches
-            metrics, rollout = trainer.step(prompt_batches, loop.step)
-            loop.step += 1
-            loop.overflow_steps += int(metrics.get("train/overflow_skipped", 0))
-            metrics.update(loop_metrics(loop, trainer.memory))
-            if evaluate and (loop.step % args.eval_interval == 0 or loop.step == run.total_steps):
-                metrics.update(evaluate())
-            logger.log(loop.step, metrics)
-            if progress is not None:
-                progress.update(1)
-                shown = {"eval_acc": f"{metrics['eval/accuracy']:.3f}"} if "eval/accuracy" in metrics else {}
-                progress.set_postfix(score=f"{metrics.get('reward/score_mean', float('nan')):.3f}",
-                                     kl=f"{metrics.get('kl/ref_mean', float('nan')):.3f}", **shown,
-                                     **memory_postfix(metrics))
-            if args.print_answers and loop.step % args.print_answers_interval == 0:
-                _print_answer(run.tokenizer, rollout[0], loop.step)
-            checkpointing.maybe_save(loop, {"kl_ctl": trainer.kl_ctl.state_dict()},
-                                     {"reward_moments": trainer.reward_moments.state_dict()})
-        if loop.step < run.total_steps:
-            loop.epoch, loop.batches_in_epoch = loop.epoch + 1, 0
-    if progress is not None:
-        progress.close()
-    logger.close()
-    return loop.step
+    evaluations before the first, every --eval_interval and after the last. Returns the finished Run."""
+    args, trainer = prepared.args, prepared.trainer
+    evaluate = (lambda step: trainer.evaluate(prepared.eval_batches, args.eval_do_sample)) if prepared.eval_batches else None
+    run = Run(args, "step3", "step3 ppo", checkpointed_engines(prepared.engines),
+              data_layout(args, len(prepared.loader.dataset)), prepared.total_steps, memory=trainer.memory,
+              evaluate=evaluate, evaluate_last=True)
+    run.restore(lambda: ({}, evaluate(0) if evaluate else {}))
+    if run.resumed:
+        trainer.kl_ctl.load_state_dict(run.state["kl_ctl"])
+        trainer.reward_moments.load_state_dict(run.rank_state["reward_moments"])
+    trainer.guard = run.guard
+    for prompt_batches in run.steps(prepared.loader, prepared.sampler, args.generation_batches):
+        metrics, rollout = trainer.step(prompt_batches, run.loop.step)
+        run.loop.overflow_steps += int(metrics.get("train/overflow_skipped", 0))
+        shown = {"score": f"{metrics.get('reward/score_mean', float('nan')):.3f}",
+                 "kl": f"{metrics.get('kl/ref_mean', float('nan')):.3f}"}
+        run.after_step(metrics, lambda evaluation: {**shown, **(
+            {"eval_acc": f"{evaluation['eval/accuracy']:.3f}"} if "eval/accuracy" in evaluation else {})},
+                       state={"kl_ctl": trainer.kl_ctl.state_dict()},
+                       rank_state={"reward_moments": trainer.reward_moments.state_dict()})
+        if args.print_answers and run.loop.step % args.print_answers_interval == 0:
+            _print_answer(prepared.tokenizer, rollout[0], run.loop.step)
+    return run
+
+
+def export(prepared: Setup) -> None:
+    """actor/ (and critic/, actor_ema/ when the run has them) under --output_dir."""
+    engines, out = prepared.engines, prepared.args.output_dir
+    export_hf_model(engines.actor, prepared.tokenizer, os.path.join(out, "actor"))
+    if engines.critic is not None:
+        export_reward_model(engines.critic, prepared.tokenizer, os.path.join(out, "critic"))
+    if engines.ema is not None:
+        export_hf_model(engines.ema.engine, prepared.tokenizer, os.path.join(out, "actor_ema"))
 
 
 def main(argv=None):
     args = parse_args(argv)
-    run = setup(args)
-    start = time.time()
+    prepared = setup(args)
     try:
-        steps = train(run)
+        run = train(prepared)
     except RewardFunctionError as e:  # on the rank whose rows it scored, which may not be rank 0
         print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
-    print_rank0(f"[step3] {steps} PPO iterations in {time.time() - start:.1f} s")
-    engines = run.engines
-    export_hf_model(engines.actor, run.tokenizer, os.path.join(args.output_dir, "actor"))
-    if engines.critic is not None:
-        export_reward_model(engines.critic, run.tokenizer, os.path.join(args.output_dir, "critic"))
-    if engines.ema is not None:
-        export_hf_model(engines.ema.engine, run.tokenizer, os.path.join(args.output_dir, "actor_ema"))
-    print_rank0(f"[step3] saved actor/{' and critic/' if engines.critic is not None else ''} under {args.output_dir}")
+    print_rank0(f"[step3] {run.loop.step} PPO iterations in {run.train_s:.1f} s (evaluations {run.eval_s:.1f} s)")
+    engines = prepared.engines
+    saved = ["actor/"] + ["critic/"] * (engines.critic is not None) + ["actor_ema/"] * (engines.ema is not None)
+    run.finish(lambda: export(prepared), args.output_dir, " and ".join(saved))
 
 
 def _print_answer(tokenizer, row, step: int) -> None:

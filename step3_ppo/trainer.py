@@ -21,12 +21,13 @@ from dataclasses import dataclass, fields
 import torch
 
 from step3_ppo.advantages import advantages_and_returns, get_estimator, zero_variance_groups
-from step3_ppo.hybrid import gathered, generate
-from step3_ppo.reward_funcs import combine
-from step3_ppo.shaping import RunningMoments, compute_rewards, length_penalty
+from step3_ppo.hybrid import gathered
+from step3_ppo.rollout_engines import ROLLOUT_ENGINES
+from step3_ppo.rewards import combine
+from step3_ppo.shaping import RunningMoments, clip_scores, compute_rewards, length_penalty
 from utils import accelerator, losses
 from utils.distributed import all_reduce_max, all_reduce_sum, world_size
-from utils.forward import (GenerationSettings, eval_mode, generation_kwargs, lm_nll, model_device, to_device,
+from utils.forward import (GenerationSettings, eval_mode, lm_nll, model_device, to_device,
                            token_logprobs, token_values)
 from utils.ops import explained_variance, masked_mean, masked_whiten, select
 from utils.rollout import Row, from_token_layout, pack, split_generation, to_token_layout
@@ -57,6 +58,8 @@ class PPOConfig:
     ppo_epochs: int = 1
     n_samples_per_prompt: int = 1  # answers sampled per prompt; they form a group (group baselines, RLOO)
     advantage_estimator: str = "gae"
+    policy_loss: str = "ppo"  # an entry of utils.losses.POLICY_LOSSES
+    rollout_engine: str = "hf"  # an entry of step3_ppo.rollout_engines.ROLLOUT_ENGINES
     loss_agg: str | None = None  # None: the estimator's default
     reward_weights: tuple | None = None  # one per reward component; None: 1 each
     overlong_buffer_len: int = 0
@@ -106,7 +109,9 @@ class PPOTrainer:
         self.config = config
         self.estimator = get_estimator(config.advantage_estimator)
         self.loss_agg = config.loss_agg or self.estimator.loss_agg
+        self.policy_loss = losses.POLICY_LOSSES[config.policy_loss]
         self.actor, self.ref = engines.actor, engines.ref
+        self.rollout = ROLLOUT_ENGINES[config.rollout_engine].build(self.actor, config)
         self.critic = engines.critic if self.estimator.needs_critic else None
         self.ema = getattr(engines, "ema", None)
         self.rewards = list(rewards)
@@ -130,9 +135,8 @@ class PPOTrainer:
         c = self.config
         n = c.n_samples_per_prompt if n is None else n
         ids, mask = prompt_batch["input_ids"], prompt_batch["attention_mask"]
-        sequences = generate(self.actor, ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0),
-                             hybrid=c.enable_hybrid_engine, merge_lora=c.merge_lora_for_generation,
-                             **generation_kwargs(settings or c.generation, c.stop_token_ids, c.pad_token_id))
+        sequences = self.rollout.generate(ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0),
+                                          settings or c.generation)
         rows = split_generation(sequences, ids, mask, c.stop_token_ids, samples_per_prompt=n)
         prompt_rows = prompt_batch.get("rows") or [{} for _ in range(ids.shape[0])]
         for i, row in enumerate(rows):
@@ -259,13 +263,12 @@ class PPOTrainer:
         if c.normalize_reward:
             self.reward_moments.update(scores[loss_mask.sum(-1) > 0] if loss_mask.any() else scores)
             scores = (scores - self.reward_moments.mean) / max(self.reward_moments.std, 1e-8)
-        if c.clip_reward_value is not None:
-            scores = scores.clamp(-c.clip_reward_value, c.clip_reward_value)
+        scores = clip_scores(scores, c.clip_reward_value)
         if self.estimator.baseline is not None:
             scores = self.estimator.baseline(scores, groups)
         kl_coef_in_reward = 0.0 if c.kl_in_loss else self.kl_ctl.value
         rewards, kl = compute_rewards(scores, layout["old_logprobs"], layout["ref_logprobs"], action_mask,
-                                      kl_coef_in_reward, None, c.kl_estimator)
+                                      kl_coef_in_reward, c.kl_estimator)
         advantages, returns = advantages_and_returns(self.estimator, values, rewards, action_mask, c.gamma, c.lam)
         if self.estimator.whiten and c.whiten_advantages and loss_mask.sum() > 1:
             advantages = masked_whiten(advantages, loss_mask)
@@ -301,8 +304,9 @@ class PPOTrainer:
 
         logprobs, entropy = self.logprobs_fn(self.actor, batch, c.generation.logprob_temperature,
                                              return_entropy=True)
-        actor_loss, actor_stats = losses.policy_loss(logprobs, old["old_logprobs"], old["advantages"], action_mask,
-                                                     c.cliprange, loss_mask=loss_mask, **agg)
+        actor_loss, actor_stats = self.policy_loss.fn(logprobs, old["old_logprobs"], old["advantages"], action_mask,
+                                                      loss_mask=loss_mask, **agg,
+                                                      **{name: getattr(c, name) for name in self.policy_loss.options})
         loss = actor_loss
         kl_loss = torch.zeros(())
         if c.kl_in_loss and self.ref is not None:
@@ -374,7 +378,7 @@ class PPOTrainer:
         for c in self.rewards:
             mean = totals[f"part/{c.name}_sum"] / max(totals[f"part/{c.name}_count"], 1)
             metrics[f"eval/reward/{c.name}_mean"] = mean
-            if getattr(getattr(c, "func", None), "is_accuracy", False) and "eval/accuracy" not in metrics:
+            if c.is_accuracy and "eval/accuracy" not in metrics:
                 metrics["eval/accuracy"] = mean
         return metrics
 

@@ -132,3 +132,25 @@ def test_response_nll_is_the_token_mean_over_the_batch_and_lowers_the_likelihood
     loss.backward()
     assert logps.grad.tolist() == pytest.approx([-0.25, -0.25])  # descent raises every response's log-prob
     assert response_nll(torch.zeros(2), torch.zeros(2)).item() == 0.0  # no token: 0, not nan
+
+
+def test_every_policy_loss_entry_is_the_plain_surrogate_at_the_first_epoch_and_reads_real_settings():
+    """At the first PPO epoch the policy IS the old policy: every registered loss gives ratio 1, so
+    -advantage aggregated, log-ratio 0, nothing clipped; the options an entry reads are PPOConfig fields
+    (the flags of the same name), so the trainer can hand them over by name."""
+    import dataclasses
+
+    from step3_ppo.trainer import PPOConfig
+    from utils.losses import POLICY_LOSSES
+
+    fields = {f.name for f in dataclasses.fields(PPOConfig)}
+    logprobs = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -9.0]], requires_grad=True)
+    advantages = torch.tensor([[1.0, -2.0, 0.5], [3.0, 1.0, 7.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    for name, entry in POLICY_LOSSES.items():
+        assert entry.help and set(entry.options) <= fields, name
+        options = {option: getattr(PPOConfig(stop_token_ids=(0,), pad_token_id=0), option) for option in entry.options}
+        loss, stats = entry.fn(logprobs, logprobs.detach(), advantages, mask, loss_mask=mask, loss_agg="token_mean",
+                               agg_constant=None, **options)
+        assert loss.item() == pytest.approx(-(1 - 2 + 0.5 + 3 + 1) / 5), name
+        assert stats["log_ratio_max_abs"].item() == 0 and stats["clipfrac"].item() == 0, name

@@ -145,6 +145,41 @@ def test_bf16_zero3_dpo_trains_in_fp32_math_and_exports(tiny_gpt2, pair_data, tm
     assert weights and all(t.dtype == torch.float32 and t.numel() > 0 for t in weights.values())
 
 
+def test_a_registered_reference_free_loss_runs_with_lengths_and_its_own_flag(tiny_gpt2, pair_data, tmp_path,
+                                                                           monkeypatch, capsys):
+    """The DPO step asks the PAIR_LOSSES entry, not the loss's name: a toy SimPO-like entry (no reference,
+    length-normalised, its own --toy_gamma) registered here runs with no reference model or log-probs, gets
+    the responses' token counts, and its flag reaches it; the held-out figures before training come from a
+    real pass of the policy."""
+    import torch.nn.functional as F
+
+    from step2_dpo.main import main
+    from utils import losses
+
+    seen = []
+
+    def toy(p, beta, toy_gamma):
+        assert p.ref_chosen is None and p.ref_rejected is None and p.chosen_tokens is not None
+        seen.append(toy_gamma)
+        chosen, rejected = p.chosen.float() / p.chosen_tokens, p.rejected.float() / p.rejected_tokens
+        return -F.logsigmoid(beta * (chosen - rejected) - toy_gamma), beta * chosen, beta * rejected
+
+    entry = losses.PairLoss(toy, "a toy SimPO", needs_reference=False, needs_lengths=True,
+                            options={"toy_gamma": losses.PairOption(0.5, "the toy's target margin")})
+    monkeypatch.setitem(losses.PAIR_LOSSES, "toy", entry)
+    out = str(tmp_path / "toy")
+    main([str(a) for a in _dpo_args(tiny_gpt2, pair_data, out, steps=2, extra=[
+        "--loss_type", "toy", "--beta", 2.0, "--toy_gamma", 0.25])])
+    assert set(seen) == {0.25}
+    printed = capsys.readouterr().out
+    assert "reference: none (the loss is reference-free)" in printed and "reference log-probs of" not in printed
+    rows = metrics(out)
+    evals = [r for r in rows if "eval/loss" in r]
+    assert [r["step"] for r in evals] == [0, 2] and evals[0]["eval/loss"] != pytest.approx(LN2, abs=1e-3)
+    assert all(math.isfinite(r["train/loss"]) for r in rows if "train/loss" in r)
+    assert os.path.exists(os.path.join(out, "model.safetensors"))
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--label_smoothing", 0.1, "--loss_type", "ipo"], "does not take it"),
     (["--beta", 0], "--beta must be > 0"),

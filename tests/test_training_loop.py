@@ -1,13 +1,18 @@
-"""The optimizer-step accounting of the training loop (utils/training.py): gradient-accumulation boundaries
-read where DeepSpeed means them, fp16 loss-scaler skips counted as overflows (not as bad steps), per-phase
-peak memory. fp16 loss scaling needs a GPU, so the overflow is a stub engine that follows DeepSpeed's
-counter semantics; one real engine checks those semantics."""
+"""The run lifecycle (utils/run.py) and the optimizer-step accounting of the micro-batch loop over it
+(utils/training.py): gradient-accumulation boundaries read where DeepSpeed means them, fp16 loss-scaler
+skips counted as overflows (not as bad steps), per-phase peak memory, the resume skip, evaluations every
+K steps in rows of their own, the run's state. fp16 loss scaling needs a GPU, so the overflow is a stub
+engine that follows DeepSpeed's counter semantics; one real engine checks those semantics."""
+import argparse
+
 import pytest
 import torch
 
 from utils.accelerator import PhaseMemory
 from utils.checkpoint import LoopState
-from utils.training import APPLIED, OVERFLOW, backward_and_step, memory_postfix, run_micro_batches
+from utils.logging import read_metrics
+from utils.run import Run, memory_postfix
+from utils.training import APPLIED, OVERFLOW, backward_and_step, train_micro_batches
 
 
 class StubEngine:
@@ -43,17 +48,33 @@ class Sampler:
         pass
 
 
-class FiniteGuard:
-    def all_finite(self, *values):
-        return True
+def args_for(tmp_path, num_epochs: int = 1, **extra):
+    return argparse.Namespace(output_dir=str(tmp_path), num_train_epochs=num_epochs, max_bad_steps=3,
+                              enable_tensorboard=False, tensorboard_path=None, **extra)
 
 
-def run(engine, n_batches: int, total_steps: int, num_epochs: int = 1, memory=None):
-    loop, logged = LoopState(), []
+def make_run(tmp_path, total_steps: int, num_epochs: int = 1, memory=None, **kwargs) -> Run:
+    run = Run(args_for(tmp_path, num_epochs, **kwargs.pop("extra", {})), "test", "test", {}, None, total_steps,
+              memory=memory, **kwargs)
+    run.restore()
+    return run
+
+
+def run(engine, n_batches: int, total_steps: int, num_epochs: int = 1, memory=None, tmp_path=None):
+    import tempfile
+
+    the_run = make_run(tmp_path or tempfile.mkdtemp(), total_steps, num_epochs, memory)
+    logged = []
+    engine.get_lr = lambda: [0.1]
     loader = [torch.tensor(float(i)) for i in range(n_batches)]
-    run_micro_batches(engine, loader, Sampler(), loop, total_steps, num_epochs, FiniteGuard(),
-                      lambda batch: (batch, ()), lambda means: logged.append((loop.step, means[0])), "test", memory)
-    return loop, logged
+
+    def step_metrics(means):
+        logged.append((the_run.loop.step + 1, means[0]))
+        return {"train/loss": means[0]}, {}, None
+
+    train_micro_batches(the_run, engine, loader, Sampler(), lambda batch: (batch, ()), step_metrics)
+    the_run.logger.close()
+    return the_run.loop, logged
 
 
 def test_accumulation_boundaries_are_the_engines():
@@ -129,7 +150,50 @@ def test_phase_memory_records_each_phases_peak():
     assert memory_postfix(metrics) == {"mem": f"{metrics['mem/big_peak_gb']:.2f}G"}
 
 
-def test_training_loop_reports_the_training_phase_peak():
-    memory = PhaseMemory()
-    run(StubEngine(gas=1), n_batches=2, total_steps=2, memory=memory)
-    assert list(memory.metrics()) == ["mem/training_peak_gb"]
+def test_training_loop_reports_the_training_phase_peak(tmp_path):
+    run(StubEngine(gas=1), n_batches=2, total_steps=2, memory=PhaseMemory(), tmp_path=tmp_path)
+    rows = read_metrics(str(tmp_path))
+    assert [r["step"] for r in rows] == [1, 2] and all(r["mem/training_peak_gb"] > 0 for r in rows)
+
+
+def test_steps_yield_units_and_a_resumed_run_skips_what_its_checkpoint_consumed(tmp_path):
+    """Three batches per RL iteration, two iterations per epoch of 7 batches (the 7th is left over),
+    resumed after the first iteration of epoch 1: the second iteration's batches come next."""
+    fresh = make_run(tmp_path / "a", total_steps=4, num_epochs=2)
+    seen = []
+    for unit in fresh.steps(list(range(7)), Sampler(), batches_per_step=3):
+        seen.append(unit)
+        fresh.after_step({})
+    assert seen == [[0, 1, 2], [3, 4, 5], [0, 1, 2], [3, 4, 5]] and fresh.loop.step == 4
+    resumed = make_run(tmp_path / "b", total_steps=4, num_epochs=2)
+    resumed.loop.step, resumed.loop.epoch, resumed.loop.batches_in_epoch = 3, 1, 3
+    assert list(resumed.steps(list(range(7)), Sampler(), batches_per_step=3))[:1] == [[3, 4, 5]]
+
+
+def test_evaluations_every_k_steps_join_the_steps_row(tmp_path):
+    calls = []
+
+    def evaluate(step):
+        calls.append(step)
+        return {"eval/x": float(step), "time/eval_s": 0.0}
+
+    for last, expected in ((False, [2, 4]), (True, [2, 4, 5])):
+        run_ = make_run(tmp_path / str(last), total_steps=5, evaluate=evaluate, evaluate_last=last,
+                        extra={"eval_interval": 2})
+        calls.clear()
+        for _ in run_.steps(list(range(10)), Sampler()):
+            run_.after_step({"train/loss": 1.0})
+        run_.logger.close()
+        assert calls == expected
+        rows = read_metrics(str(tmp_path / str(last)))
+        assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]  # one row per step
+        assert [r["step"] for r in rows if "eval/x" in r] == expected
+        assert all(r["eval/x"] == r["step"] and r["train/loss"] == 1.0 for r in rows if "eval/x" in r)
+
+
+def test_restore_keeps_the_state_of_before_and_logs_its_metrics_at_step_0(tmp_path):
+    run_ = Run(args_for(tmp_path), "test", "test", {}, None, 1)
+    state = run_.restore(lambda: ({"ppl_before": 3.5}, {"eval/perplexity": 3.5}))
+    run_.logger.close()
+    assert state == {"ppl_before": 3.5} and not run_.resumed
+    assert read_metrics(str(tmp_path)) == [{"step": 0, "eval/perplexity": 3.5}]

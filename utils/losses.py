@@ -2,12 +2,12 @@
 
 - ``sft_nll``: next-token NLL on trained labels (step 1, PPO-ptx, perplexity);
 - ``pairwise_loss`` / ``pair_metrics``: the reward model's Bradley-Terry loss (step 2);
-- ``policy_loss``: PPO's clipped surrogate against the OLD policy (step 3's actor);
+- ``policy_loss`` (``POLICY_LOSSES``): PPO's clipped surrogate against the OLD policy (step 3's actor);
 - ``value_loss``: the clipped value loss (step 3's critic);
 - ``kl_penalty_loss``: KL(actor || reference) as a loss term (GRPO-style alternative to the
   in-reward penalty);
-- ``dpo_loss``: preference tuning against a frozen reference from sequence log-probs (DPO,
-  conservative DPO, IPO), and ``response_nll``, the optional NLL term on the chosen responses
+- ``pair_loss`` (``PAIR_LOSSES``; ``dpo_loss`` with a reference): preference tuning from sequence
+  log-probs (DPO, conservative DPO, IPO), and ``response_nll``, the optional NLL term on the chosen responses
   (RPO) (step2_dpo).
 
 Per-token losses follow the layout of utils/ops.py (``[B, L-1]``, ``action_mask``). Every input
@@ -18,7 +18,8 @@ gradient is finite with nan/inf in all padded positions.
 """
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -26,8 +27,9 @@ from torch import Tensor
 
 from utils.ops import aggregate, kl_estimate, masked_mean, select
 
-__all__ = ["IGNORE_INDEX", "sft_nll", "pairwise_loss", "pair_metrics", "policy_loss", "value_loss", "DPO_LOSS_TYPES",
-           "dpo_loss", "response_nll", "kl_penalty_loss"]
+__all__ = ["IGNORE_INDEX", "sft_nll", "pairwise_loss", "pair_metrics", "policy_loss", "PolicyLoss", "POLICY_LOSSES",
+           "value_loss", "PairLogps", "PairLoss", "PairOption", "PAIR_LOSSES", "DPO_LOSS_TYPES", "pair_loss", "dpo_loss",
+           "response_nll", "kl_penalty_loss"]
 
 IGNORE_INDEX = -100
 
@@ -99,6 +101,24 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, acti
     return loss, stats
 
 
+@dataclass(frozen=True)
+class PolicyLoss:
+    """One `--policy_loss` of step 3: `fn(logprobs, old_logprobs, advantages, action_mask, *, loss_mask,
+    loss_agg, agg_constant, **options) -> (loss, stats)` with stats `clipfrac`, `approx_kl`,
+    `log_ratio_max_abs` (tensors); `options` names the RL settings (PPOConfig fields, flags of the same
+    name) it reads besides those; `help` is the flag's one line."""
+    fn: Callable[..., Tuple[Tensor, Dict[str, Tensor]]]
+    help: str
+    options: Tuple[str, ...] = ()
+
+
+# A new policy loss is one entry here and its pure function above (with a hand-computed test).
+POLICY_LOSSES: Dict[str, PolicyLoss] = {
+    "ppo": PolicyLoss(policy_loss, "PPO's clipped surrogate, ratio against the rollout-time policy clipped to "
+                                   "1 +- --cliprange (Schulman et al. 2017)", options=("cliprange",)),
+}
+
+
 def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, action_mask: Tensor,
                cliprange_value: float) -> Tuple[Tensor, Dict[str, Tensor]]:
     """Clipped value loss: ``0.5 * mean(max((V - R)^2, (V_clip - R)^2))`` over actions.
@@ -131,41 +151,97 @@ def kl_penalty_loss(logprobs: Tensor, ref_logprobs: Tensor, action_mask: Tensor,
     return aggregate(kl_estimate(logprobs, ref_logprobs, "k3"), action_mask, loss_agg, agg_constant)
 
 
-DPO_LOSS_TYPES = ("sigmoid", "ipo")
+@dataclass(frozen=True)
+class PairLogps:
+    """SEQUENCE log-probs [B] of a batch of preference pairs (summed over each response's tokens), the
+    reference's (None when the loss needs no reference) and the responses' token counts (None unless
+    the loss needs lengths)."""
+    chosen: Tensor
+    rejected: Tensor
+    ref_chosen: Tensor | None = None
+    ref_rejected: Tensor | None = None
+    chosen_tokens: Tensor | None = None
+    rejected_tokens: Tensor | None = None
 
 
-def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor, ref_rejected_logps: Tensor,
-             beta: float, loss_type: str = "sigmoid", label_smoothing: float = 0.0) -> Tuple[Tensor, Dict[str, Tensor]]:
-    """Mean preference loss of a batch of pairs from SEQUENCE log-probs [B] (summed over each response).
+def _ratios(p: PairLogps) -> Tuple[Tensor, Tensor]:
+    """(logp_c - ref_c, logp_r - ref_r) in fp32, the reference a constant."""
+    return (p.chosen.float() - p.ref_chosen.detach().float(), p.rejected.float() - p.ref_rejected.detach().float())
 
-    ``h = (logp_c - ref_c) - (logp_r - ref_r)``, the policy's log-ratio margin over the reference's.
-    - ``sigmoid`` (DPO, Rafailov et al. 2023): ``-log sigmoid(beta * h)``; ln 2 when the policy is the
-      reference. ``label_smoothing`` eps (conservative DPO: each label is wrong with probability eps):
-      ``-(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)``.
-    - ``ipo`` (Azar et al. 2023): ``(h - 1 / (2 beta))^2``: a squared target margin, which does not
-      push h to infinity on pairs the policy already ranks right (DPO's overfitting on easy pairs).
-    Stats (detached): implicit rewards ``beta * (logp - ref)`` of chosen and rejected (means), the
-    fraction of pairs whose chosen reward is higher, and the mean margin between them.
-    """
-    if loss_type not in DPO_LOSS_TYPES:
-        raise ValueError(f"unknown DPO loss type {loss_type!r}; choose from {', '.join(DPO_LOSS_TYPES)}")
-    if beta <= 0:
-        raise ValueError(f"beta must be > 0, got {beta}")
+
+def sigmoid_pair_loss(p: PairLogps, beta: float, label_smoothing: float = 0.0) -> Tuple[Tensor, Tensor, Tensor]:
+    """DPO (Rafailov et al. 2023): ``-log sigmoid(beta * h)`` with ``h = (logp_c - ref_c) - (logp_r - ref_r)``,
+    the policy's log-ratio margin over the reference's; ln 2 when the policy is the reference.
+    ``label_smoothing`` eps (conservative DPO: each label is wrong with probability eps):
+    ``-(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)``. Implicit rewards ``beta * (logp - ref)``."""
     if not 0 <= label_smoothing < 0.5:
         raise ValueError(f"label_smoothing must be in [0, 0.5), got {label_smoothing}")
-    chosen_ratio = chosen_logps.float() - ref_chosen_logps.detach().float()
-    rejected_ratio = rejected_logps.float() - ref_rejected_logps.detach().float()
+    chosen_ratio, rejected_ratio = _ratios(p)
     h = chosen_ratio - rejected_ratio
-    if loss_type == "sigmoid":
-        losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
-    else:
-        losses = (h - 1 / (2 * beta)) ** 2
+    losses = -(1 - label_smoothing) * F.logsigmoid(beta * h) - label_smoothing * F.logsigmoid(-beta * h)
+    return losses, beta * chosen_ratio, beta * rejected_ratio
+
+
+def ipo_pair_loss(p: PairLogps, beta: float) -> Tuple[Tensor, Tensor, Tensor]:
+    """IPO (Azar et al. 2023): ``(h - 1 / (2 beta))^2``, a squared target margin, which does not push h to
+    infinity on pairs the policy already ranks right (DPO's overfitting on easy pairs)."""
+    chosen_ratio, rejected_ratio = _ratios(p)
+    return (chosen_ratio - rejected_ratio - 1 / (2 * beta)) ** 2, beta * chosen_ratio, beta * rejected_ratio
+
+
+@dataclass(frozen=True)
+class PairOption:
+    """A setting of one pair loss, offered as the DPO step's flag `--<name>`."""
+    default: float
+    help: str
+
+
+@dataclass(frozen=True)
+class PairLoss:
+    """One `--loss_type` of the DPO step: `fn(pairs: PairLogps, beta, **options) -> (losses [B], chosen
+    rewards [B], rejected rewards [B])` (the rewards detached by the caller: the implicit rewards whose
+    accuracy and margin are reported). `needs_reference`: False for a reference-free loss (no reference
+    model, no reference log-probs); `needs_lengths`: the responses' token counts are filled in;
+    `options`: its own settings, each a flag of the DPO step."""
+    fn: Callable[..., Tuple[Tensor, Tensor, Tensor]]
+    help: str
+    needs_reference: bool = True
+    needs_lengths: bool = False
+    options: Dict[str, PairOption] = field(default_factory=dict)
+
+
+# A new pair loss (SimPO, ORPO, ...) is one entry here and its pure function above (with a hand-computed test).
+PAIR_LOSSES: Dict[str, PairLoss] = {
+    "sigmoid": PairLoss(sigmoid_pair_loss, "DPO's -log sigmoid(beta * margin of log-ratios) (Rafailov et al. 2023)",
+                        options={"label_smoothing": PairOption(
+                            0.0, "conservative DPO: the probability that a pair's label is flipped, in [0, 0.5)")}),
+    "ipo": PairLoss(ipo_pair_loss, "IPO's squared target margin 1 / (2 beta) (Azar et al. 2023)"),
+}
+DPO_LOSS_TYPES = tuple(PAIR_LOSSES)
+
+
+def pair_loss(pairs: PairLogps, beta: float, loss_type: str = "sigmoid", **options) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """Mean preference loss of a batch of pairs by the `PAIR_LOSSES` entry `loss_type` (its own options by
+    name), with the implicit-reward stats (detached): the mean chosen and rejected rewards, the fraction
+    of pairs whose chosen reward is higher, and their mean margin."""
+    if loss_type not in PAIR_LOSSES:
+        raise ValueError(f"unknown DPO loss type {loss_type!r}; choose from {', '.join(PAIR_LOSSES)}")
+    if beta <= 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
+    losses, chosen_rewards, rejected_rewards = PAIR_LOSSES[loss_type].fn(pairs, beta, **options)
     with torch.no_grad():
-        chosen_rewards, rejected_rewards = beta * chosen_ratio, beta * rejected_ratio
+        chosen_rewards, rejected_rewards = chosen_rewards.detach(), rejected_rewards.detach()
         stats = {"chosen_reward": chosen_rewards.mean(), "rejected_reward": rejected_rewards.mean(),
                  "accuracy": (chosen_rewards > rejected_rewards).float().mean(),
                  "margin": (chosen_rewards - rejected_rewards).mean()}
     return losses.mean(), stats
+
+
+def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor, ref_rejected_logps: Tensor,
+             beta: float, loss_type: str = "sigmoid", **options) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """`pair_loss` of pairs scored against a reference (every loss of the DPO family that has one)."""
+    return pair_loss(PairLogps(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps), beta, loss_type,
+                     **options)
 
 
 def response_nll(logps: Tensor, token_counts: Tensor) -> Tensor:

@@ -3,7 +3,7 @@
 The flags are defined in utils/flags.py."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
@@ -106,8 +106,6 @@ def step_examples(args, tokenizer, step: int, tokenize, settings: dict, with_eva
     through ``tokenize(rows) -> (examples, stats)``, cached in ``--data_output_path`` when given
     (one rank builds, every rank and later run reads). ``settings``: what else changes the
     result (lengths, options), part of the cache key."""
-    import dataclasses
-
     from utils.data import (RowFormat, build_step_rows, cached_examples, source_fingerprint,
                             tokenizer_fingerprint)
     from utils.logging import print_rank0
@@ -118,7 +116,7 @@ def step_examples(args, tokenizer, step: int, tokenize, settings: dict, with_eva
     # the key (a hash of the whole vocabulary, a walk of every source folder) only when there is a cache
     key = {"step": step, "sources": [source_fingerprint(p) for p in args.data_path],
            "sft_only": [source_fingerprint(p) for p in sft_only], "data_split": args.data_split, "seed": args.seed,
-           "eval_fraction": args.eval_fraction, "format": dataclasses.asdict(fmt),
+           "eval_fraction": args.eval_fraction, "format": asdict(fmt),
            "tokenizer": tokenizer_fingerprint(tokenizer), "with_eval": with_eval, **settings} if cache_dir else {}
 
     def build():
@@ -230,103 +228,33 @@ def backward_and_step(engine, loss) -> str | None:
     return APPLIED if engine.was_step_applied() else OVERFLOW
 
 
-def loop_metrics(loop, memory) -> dict:
-    """What every step logs with each optimizer step (PPO iteration in step 3) besides its own figures:
-    the epoch, the updates skipped so far (non-finite, fp16 overflow), and each phase's peak memory
-    since the last call (`mem/<phase>_peak_gb`, the largest over ranks; utils/accelerator.py says
-    what is measured). Collective: every rank calls it."""
-    from utils.distributed import all_reduce_max_list
+def train_micro_batches(run, engine, loader, sampler, micro_step, step_metrics) -> None:
+    """The optimisation of steps 1-2 and DPO over `run` (a utils.run.Run, restored): micro-batches with
+    gradient accumulation, resumable from the run's position.
 
-    peaks = memory.metrics()
-    names = sorted(peaks)
-    return {"epoch": loop.epoch, "train/bad_steps": loop.bad_steps, "train/overflow_steps": loop.overflow_steps,
-            **dict(zip(names, all_reduce_max_list([peaks[n] for n in names])))}
-
-
-def memory_postfix(metrics: dict) -> dict:
-    """{"mem": "<largest phase peak>G"} for a progress bar's postfix ({} when nothing was measured)."""
-    peaks = [v for k, v in metrics.items() if k.startswith("mem/")]
-    return {"mem": f"{max(peaks):.2f}G"} if peaks else {}
-
-
-def run_micro_batches(engine, loader, sampler, loop, total_steps: int, num_epochs: int, guard, micro_step,
-                      on_step, name: str, memory=None) -> None:
-    """The training loop of steps 1 and 2, resumable from `loop`'s position.
-
-    `micro_step(batch) -> (loss, extra_stats)`; a non-finite loss (on any rank) skips its update.
-    At each gradient-accumulation boundary `loop.step` advances and `on_step([mean loss, mean
-    extra stats...])` gets the means over the accumulated micro-batches and all ranks; an update
-    the fp16 loss scaler skipped counts in `loop.overflow_steps`. `memory` (a
-    utils.accelerator.PhaseMemory) records the peak of the micro-batches as the "training" phase.
-    """
-    import contextlib
-
+    `micro_step(batch) -> (loss, extra_stats)`; a non-finite loss (on any rank) skips its update. At
+    each accumulation boundary `step_metrics(means) -> (metrics, postfix, line)` turns the means of
+    [loss, extra stats...] over the accumulated micro-batches and all ranks into the step's `train/*`
+    figures, the progress bar's postfix and the `--print_loss` line; the learning rate is added and
+    `run.after_step` logs, evaluates, checkpoints. An update the fp16 loss scaler skipped counts in
+    `loop.overflow_steps`; the micro-batches' peak memory is the "training" phase."""
     from utils.distributed import all_reduce_sum, world_size
     from utils.logging import print_rank0
 
-    phase = memory.phase if memory is not None else (lambda _: contextlib.nullcontext())
-    accumulated = []
-    while loop.step < total_steps and loop.epoch < num_epochs:
-        sampler.set_epoch(loop.epoch)
-        for index, batch in enumerate(loader):
-            if index < loop.batches_in_epoch:
-                continue  # consumed before the checkpoint this run resumed from
-            loop.batches_in_epoch = index + 1
-            with phase("training"):
-                loss, extra = micro_step(batch)
-                if not guard.all_finite(loss):
-                    print_rank0(f"[{name}] skipped a batch with a non-finite loss ({loop.bad_steps} so far)")
-                    continue
-                outcome = backward_and_step(engine, loss)
-            accumulated.append((loss.item(), *extra))
-            if outcome is None:
+    loop, accumulated = run.loop, []
+    for (batch,) in run.steps(loader, sampler):
+        with run.memory.phase("training"):
+            loss, extra = micro_step(batch)
+            if not run.guard.all_finite(loss):
+                print_rank0(f"[{run.name}] skipped a batch with a non-finite loss ({loop.bad_steps} so far)")
                 continue
-            if outcome == OVERFLOW:
-                loop.overflow_steps += 1
-            loop.step += 1
-            local_means = [sum(column) / len(accumulated) for column in zip(*accumulated)]
-            accumulated = []
-            on_step([value / world_size() for value in all_reduce_sum(local_means)])
-            if loop.step >= total_steps:
-                break
-        else:
-            loop.epoch, loop.batches_in_epoch = loop.epoch + 1, 0
-
-
-def train_with_evaluations(engine, loader, sampler, loop, total_steps: int, args, guard, memory, checkpointing,
-                           logger, micro_step, step_metrics, name: str, label: str, shared_state: dict,
-                           evaluate=None) -> float:
-    """The optimisation of steps 1-2 and DPO around `run_micro_batches`; returns its seconds, evaluations excluded.
-
-    At every optimizer step: `step_metrics(means) -> (metrics, postfix, line)` turns the step's means
-    into its `train/*` figures, the progress bar's postfix and the `--print_loss` line; the learning
-    rate and `loop_metrics` are added and everything is logged; `evaluate(step) -> metrics` (with
-    "time/eval_s") runs every `--eval_interval` steps before the last; a checkpoint holding
-    `shared_state` is written when `--save_interval` says so."""
-    import time
-
-    from utils.logging import print_rank0, progress_bar
-
-    progress = progress_bar(total_steps, loop.step, label)
-    interval = getattr(args, "eval_interval", 0)
-    start, eval_time = time.time(), 0.0
-
-    def on_step(means):
-        nonlocal eval_time
-        metrics, postfix, line = step_metrics(means)
-        metrics = {**metrics, "train/lr": engine.get_lr()[0], **loop_metrics(loop, memory)}
-        logger.log(loop.step, metrics)
-        if progress is not None:
-            progress.update(1)
-            progress.set_postfix(**postfix, **memory_postfix(metrics))
-        if args.print_loss:
-            print_rank0(f"[{name}] step {loop.step} {line}")
-        if evaluate is not None and interval and loop.step % interval == 0 and loop.step < total_steps:
-            eval_time += evaluate(loop.step)["time/eval_s"]
-        checkpointing.maybe_save(loop, shared_state)
-
-    run_micro_batches(engine, loader, sampler, loop, total_steps, args.num_train_epochs, guard, micro_step, on_step,
-                      name, memory)
-    if progress is not None:
-        progress.close()
-    return time.time() - start - eval_time
+            outcome = backward_and_step(engine, loss)
+        accumulated.append((loss.item(), *extra))
+        if outcome is None:
+            continue
+        if outcome == OVERFLOW:
+            loop.overflow_steps += 1
+        local_means = [sum(column) / len(accumulated) for column in zip(*accumulated)]
+        accumulated = []
+        metrics, postfix, line = step_metrics([value / world_size() for value in all_reduce_sum(local_means)])
+        run.after_step({**metrics, "train/lr": engine.get_lr()[0]}, postfix, line)

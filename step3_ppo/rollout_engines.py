@@ -1,0 +1,54 @@
+"""Rollout engines: what generates a rollout's answers from the actor's current weights (`--rollout_engine`).
+
+An engine is built once per run, `ROLLOUT_ENGINES[name].build(actor, config)` (the actor's DeepSpeed
+engine, the run's PPOConfig), and offers `generate(input_ids, attention_mask, settings) -> sequences
+[B, P + T]`: left-padded prompts [B, P] with their answers after them (padded with the pad id after a
+stop token), decoded with `settings` (utils.forward.GenerationSettings) and stopping at the config's
+stop tokens. The trainer computes the old log-probs with its own forward whatever the engine (an
+engine's own log-probs may only measure the generator-trainer mismatch), so the lr=0 promise holds
+for every engine that returns the tokens it sampled.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+
+from step3_ppo.hybrid import generate
+from utils.forward import GenerationSettings, generation_kwargs
+
+
+class RolloutEngine(Protocol):
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 settings: GenerationSettings) -> torch.Tensor: ...
+
+
+class ActorGenerate:
+    """transformers' `generate` on the actor engine itself: with `--enable_hybrid_engine` in its generation
+    mode (ZeRO-3 parameters gathered once, hooks lifted, KV cache, LoRA merged: step3_ppo/hybrid.py),
+    else through ZeRO's per-layer hooks."""
+
+    def __init__(self, actor, config):
+        self.actor, self.config = actor, config
+
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 settings: GenerationSettings) -> torch.Tensor:
+        c = self.config
+        return generate(self.actor, input_ids, attention_mask, hybrid=c.enable_hybrid_engine,
+                        merge_lora=c.merge_lora_for_generation,
+                        **generation_kwargs(settings, c.stop_token_ids, c.pad_token_id))
+
+
+@dataclass(frozen=True)
+class RolloutEngineEntry:
+    """`build(actor, config) -> RolloutEngine`; `help`: the flag's one line."""
+    build: Callable[..., RolloutEngine]
+    help: str
+
+
+# A new engine (vLLM, ...) is one entry here and its class (with a test that its tokens train at lr=0).
+ROLLOUT_ENGINES: dict[str, RolloutEngineEntry] = {
+    "hf": RolloutEngineEntry(ActorGenerate, "transformers' generate on the actor (with --enable_hybrid_engine: "
+                                            "ZeRO-3 parameters gathered once, KV cache, LoRA merged)"),
+}
