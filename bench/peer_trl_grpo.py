@@ -18,7 +18,7 @@ called by TRL through a thin reward function (PYTHONPATH=REPO). --prompts_per_ra
 x --group completions each (ours --n_samples_per_prompt, TRL num_generations); answers exactly
 --answer_len tokens (ours --min_answer_seq_len = --max_answer_seq_len; TRL max_completion_length and
 generation_kwargs min_new_tokens, so the EOS never comes earlier); sampled at --temperature, --top_k,
---top_p on both. KL: TRL beta (k3, in the loss) = ours --kl_ctl BETA --kl_in_loss --kl_estimator k3.
+--top_p on both. KL: TRL beta (k3, in the loss) = ours --kl_ctl BETA --kl_in_loss --kl_loss_estimator k3.
 Loss: per-sequence mean of the token losses on both (ours grpo's seq_mean = TRL loss_type="grpo"),
 group-normalised advantages, clip 0.2. Updates per rollout: ours rollout R = prompts_per_rank x group
 rows per rank, --per_device_training_batch_size T, --ppo_epochs E: R/T x E optimizer steps; TRL
@@ -329,7 +329,7 @@ def grpo_command(args, model_dir: str, out_dir: str, port: int) -> list[str]:
            "--top_k", str(args.top_k), "--top_p", str(args.top_p),
            "--per_device_generation_batch_size", str(args.prompts_per_rank), "--generation_batches", "1",
            "--per_device_training_batch_size", str(args.train_batch_size), "--ppo_epochs", str(args.ppo_epochs),
-           "--kl_ctl", str(args.beta), "--kl_in_loss", "--kl_estimator", "k3",
+           "--kl_ctl", str(args.beta), "--kl_in_loss", "--kl_loss_estimator", "k3", "--kl_estimator", "k3",
            "--actor_learning_rate", "1e-6", "--lr_scheduler_type", "constant",
            "--max_steps", str(args.steps), "--seed", "1234", "--output_dir", out_dir]
     if args.chat_template:

@@ -128,7 +128,8 @@ def biggest_share(r: dict) -> tuple[str, float]:
     return big, shares[big]
 
 
-def logits_to_keep_logprobs(model, batch: dict, temperature: float, return_entropy: bool = False):
+def logits_to_keep_logprobs(model, batch: dict, temperature: float, return_entropy: bool = False,
+                            entropy_grad: bool = False):
     """PROPOSED policy forward, passed through PPOTrainer's `logprobs_fn` seam for the A/B only: the
     LM head (and log-softmax) only for the positions that predict response tokens (transformers'
     `logits_to_keep`), not for the prompt. Same contract as utils.forward.token_logprobs."""
@@ -149,7 +150,7 @@ def logits_to_keep_logprobs(model, batch: dict, temperature: float, return_entro
     pad = torch.zeros((input_ids.shape[0], p - 1), device=device)
     logprobs = torch.cat([pad, logprobs_from_logits(logits, input_ids[:, p:])], dim=1)
     if return_entropy:
-        return logprobs, torch.cat([pad, entropy_from_logits(logits.detach())], dim=1)
+        return logprobs, torch.cat([pad, entropy_from_logits(logits if entropy_grad else logits.detach())], dim=1)
     return logprobs
 
 

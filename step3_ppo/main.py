@@ -7,7 +7,8 @@ Which KL is which (never confused here):
   charged inside the reward with coefficient `--kl_ctl` (fixed, or `--adaptive_kl` towards
   `--kl_target`), or as a separate loss term with `--kl_in_loss` (GRPO-style alternative);
 - `ppo/approx_kl_old`, `ppo/clipfrac`, `ppo/log_ratio_max_abs`: the current actor against the
-  OLD (rollout-time) actor, whose ratio PPO clips (`--cliprange`).
+  OLD (rollout-time) actor, whose ratio the `--policy_loss` clips (`--cliprange`, `--cliprange_low`,
+  `--cliprange_high`).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 from torch.utils.data import DataLoader, DistributedSampler
 
-from step3_ppo.advantages import ALIASES, ESTIMATORS, estimator_name, get_estimator
+from step3_ppo.advantages import ALIASES, ESTIMATORS, REWARD_NORMS, estimator_name, get_estimator
 from step3_ppo.engine import build_engines
 from step3_ppo.rollout_engines import ROLLOUT_ENGINES
 from step3_ppo.reward_funcs import (BUILTINS, RewardFunctionError, builtins_help, is_function_spec,
@@ -38,7 +39,7 @@ from utils.flags import (add_checkpoint_args, add_data_args, add_generation_args
                          add_offload_reference_arg, add_output_args, add_training_args, check_range,
                          check_sequence_fits, fail, resolve_generation_args, validate_training_args)
 from utils.logging import print_rank0
-from utils.losses import POLICY_LOSSES
+from utils.losses import GSPO_CLIPRANGE_HIGH, GSPO_CLIPRANGE_LOW, KL_LOSS_ESTIMATORS, POLICY_LOSSES
 from utils.model import check_model_path, load_tokenizer
 from utils.ops import KL_ESTIMATORS, LOSS_AGGREGATIONS
 from utils.reward_model import check_policy_dir, check_reward_model_dir, export_reward_model
@@ -99,8 +100,20 @@ def parse_args(argv=None):
                    help="the actor's loss: " + "; ".join(f"{name}: {e.help}" for name, e in POLICY_LOSSES.items()))
     g.add_argument("--loss_agg", choices=LOSS_AGGREGATIONS, default=None,
                    help="token_mean (DAPO), seq_mean (GRPO), constant_norm (Dr. GRPO: sums over "
-                        "--max_answer_seq_len); default: the estimator's (grpo seq_mean, dr_grpo constant_norm, "
-                        "else token_mean)")
+                        "--max_answer_seq_len); default: the policy loss's (gspo seq_mean, cispo token_mean), else "
+                        "the estimator's (grpo seq_mean, dr_grpo constant_norm, else token_mean)")
+    g.add_argument("--cliprange_low", type=float, default=None,
+                   help="the ratio's lower clip, 1 - this (a fraction, > 0; ppo, gspo); default: --cliprange for "
+                        f"ppo, {GSPO_CLIPRANGE_LOW:g} for gspo (the paper's, on the sequence's mean log-ratio)")
+    g.add_argument("--cliprange_high", type=float, default=None,
+                   help="the ratio's upper clip, 1 + this (a fraction, > 0; DAPO's clip-higher: 0.28); cispo caps its "
+                        f"weight there; default: --cliprange for ppo and cispo, {GSPO_CLIPRANGE_HIGH:g} for gspo")
+    g.add_argument("--dual_clip", type=float, default=None, metavar="C",
+                   help="dual-clip: a negative-advantage action's loss is capped at -advantage x C (a ratio, > 1; "
+                        "OpenRLHF/veRL use 3; ppo, gspo); default: off")
+    g.add_argument("--entropy_coef", type=float, default=0.0,
+                   help="entropy bonus: this x the action tokens' entropy (nats per token, aggregated as the loss) "
+                        "is subtracted from the actor loss (>= 0; 0: only logged, ppo/entropy)")
     g.add_argument("--kl_ctl", type=float, default=0.1, help="initial KL(actor||reference) coefficient")
     g.add_argument("--adaptive_kl", action="store_true", help="Ziegler et al. controller towards --kl_target")
     g.add_argument("--kl_target", type=float, default=6.0,
@@ -113,7 +126,12 @@ def parse_args(argv=None):
                    help="per-token estimate of KL(actor||reference) in the reward, with r = log-ratio: "
                         "k1 = r, k2 = r^2/2, k3 = exp(-r) - 1 + r (default %(default)s)")
     g.add_argument("--kl_in_loss", action="store_true",
-                   help="KL to the reference as a k3 loss term (GRPO-style) instead of in the reward")
+                   help="KL to the reference as a loss term (GRPO-style; its form: --kl_loss_estimator), weighted by "
+                        "--kl_ctl, instead of in the reward")
+    g.add_argument("--kl_loss_estimator", choices=KL_LOSS_ESTIMATORS, default="k2",
+                   help="with --kl_in_loss, the per-token loss (nats) with r = log-ratio to the reference: k2 = r^2/2 "
+                        "x the detached ratio pi/pi_old, whose gradient is KL(pi||ref)'s; k3 = exp(-r) - 1 + r, "
+                        "whose gradient is KL(ref||pi)'s (biased; a warning) (default %(default)s)")
     g.add_argument("--clip_reward_value", type=float, default=5.0,
                    help="the sequence score is clipped to [-this, this] (reward units, > 0) before the KL "
                         "penalty is added")
@@ -125,7 +143,8 @@ def parse_args(argv=None):
                    help="keep the raw advantages of the estimators that whiten them (gae, reinforce_pp, ...: "
                         "mean 0, std 1 over the rollout)")
     g.add_argument("--cliprange", type=float, default=0.2,
-                   help="PPO's clip of the new/old policy ratio to [1 - this, 1 + this] (a fraction, > 0)")
+                   help="PPO's clip of the new/old policy ratio to [1 - this, 1 + this] (a fraction, > 0): the "
+                        "default of --cliprange_low / --cliprange_high for ppo and cispo (gspo has its own)")
     g.add_argument("--cliprange_value", type=float, default=0.2,
                    help="the critic's new values are clipped to the rollout's values +- this (reward units, > 0)")
     g.add_argument("--critic_fresh_value_head", action="store_true",
@@ -144,6 +163,10 @@ def parse_args(argv=None):
                         "completion_ids and every other field of the prompt rows as keyword lists), or "
                         "built-ins: " + builtins_help().replace("%", "%%"))  # argparse formats help with %
     g.add_argument("--reward_weights", nargs="+", type=float, default=None, help="one per --reward_funcs entry")
+    g.add_argument("--reward_norm", choices=REWARD_NORMS, default="sum_then_normalize",
+                   help="several rewards with a group estimator: sum_then_normalize (weighted sum, then the "
+                        "estimator's baseline) or normalize_then_sum (each reward z-scored in its group first, in "
+                        "standard deviations; GDPO, TRL's) (default %(default)s)")
     g.add_argument("--format_pattern", default=None, help="the regex of the 'format' built-in")
     g.add_argument("--skip_bad_rewards", action="store_true",
                    help="a reward function that raises, times out or gives a non-finite score skips (and counts) "
@@ -189,7 +212,9 @@ def validate_args(args) -> None:
     """Impossible settings stop the run here, before any model is loaded."""
     resolve_generation_args(args)
     check_range(args, 0, ("cliprange", "cliprange_value", "clip_reward_value"), strict=True)
-    check_range(args, 0, ("kl_ctl", "unsup_coef", "kl_horizon"))
+    check_range(args, 0, ("cliprange_low", "cliprange_high"), strict=True)
+    check_range(args, 0, ("kl_ctl", "unsup_coef", "kl_horizon", "entropy_coef"))
+    check_policy_loss_args(args)
     check_range(args, 1, ("print_answers_interval",))
     for name in ("gamma", "lam"):
         if not 0 <= getattr(args, name) <= 1:
@@ -231,6 +256,21 @@ def validate_args(args) -> None:
                                                    "max_answer_seq_len"))  # last: it checks OUTPUT_DIR
 
 
+def check_policy_loss_args(args) -> None:
+    """A setting the chosen --policy_loss does not read stops the run (it would silently do nothing);
+    --dual_clip must exceed 1; the k3 KL loss prints its bias."""
+    entry = POLICY_LOSSES[args.policy_loss]
+    for name in sorted(set().union(*(e.options for e in POLICY_LOSSES.values())) - set(entry.options)):
+        if getattr(args, name, None) is not None and name != "cliprange":
+            readers = [n for n, e in POLICY_LOSSES.items() if name in e.options]
+            fail(f"--{name} does nothing with --policy_loss {args.policy_loss} (it is read by {', '.join(readers)})")
+    if args.dual_clip is not None and args.dual_clip <= 1:
+        fail(f"--dual_clip must be > 1, got {args.dual_clip}")
+    if args.kl_in_loss and args.kl_loss_estimator == "k3":
+        print_rank0("[step3] warning: --kl_loss_estimator k3 as a loss has a biased gradient: its expectation is "
+                    "the gradient of KL(reference || actor), not of KL(actor || reference) (k2 is unbiased)")
+
+
 def validate_rl_args(args) -> None:
     """The estimator, samples per prompt, rewards and length shaping; sets `args.reward_specs` (the
     run's rewards, in order), `args.reward_model_paths` (the reward-model directories among them) and
@@ -266,6 +306,10 @@ def validate_rl_args(args) -> None:
              f"estimator ({', '.join(n for n, e in ESTIMATORS.items() if not e.needs_critic)})")
     if args.critic_fresh_value_head and not estimator.needs_critic:
         fail(f"--critic_fresh_value_head: --advantage_estimator {args.advantage_estimator} has no critic")
+    if args.reward_norm == "normalize_then_sum" and not estimator.groups:
+        fail(f"--reward_norm normalize_then_sum normalises each reward within a prompt's group: --advantage_estimator "
+             f"{args.advantage_estimator} has no groups (choose one of "
+             f"{', '.join(n for n, e in ESTIMATORS.items() if e.groups)})")
 
 
 def build_rewards(args, tokenizer, engines) -> list:

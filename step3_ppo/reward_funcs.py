@@ -17,7 +17,7 @@ itself raises RewardFunctionError (math_exact without an 'answer' field) says th
 always stops the run.
 
 A built-in is one `BUILTINS` entry (its factory, one line of help, whether it is an accuracy) next to its
-function; the weighted sum of the rewards is `step3_ppo.rewards.combine`.
+function; the weighted sum of the rewards is `step3_ppo.advantages.combine`.
 """
 from __future__ import annotations
 

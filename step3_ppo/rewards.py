@@ -8,8 +8,8 @@ for one that runs no model, and `is_accuracy`: its mean is also the eval's `eval
 - `RewardModelReward`: a trained reward model's value at the last real token (step 2);
 - `FunctionReward`: a Python function of the prompts, decoded completions, completion ids and
   every other field of the prompt rows (step3_ppo/reward_funcs.py: loading, built-ins, checks).
-The trainer scores every component, then combines them with `--reward_weights` (`combine`
-below); step3_ppo/shaping.py turns the total into per-token rewards.
+The trainer scores every component, then combines them with `--reward_weights` (`combine`, pure, in
+step3_ppo/advantages.py, with `--reward_norm`); step3_ppo/shaping.py turns the total into per-token rewards.
 """
 from __future__ import annotations
 
@@ -29,25 +29,6 @@ class Reward(Protocol):
     is_accuracy: bool
 
     def __call__(self, rows: list[Row]) -> torch.Tensor: ...
-
-
-def combine(scores: dict[str, torch.Tensor], weights: list[float] | None = None) -> torch.Tensor:
-    """The weighted sum of the rewards' scores (weights 1.0 by default, in `scores`' order); NaN stays NaN."""
-    if not scores:
-        raise ValueError("combine: no reward scores to combine")
-    names = list(scores)
-    if weights is None:
-        weights = [1.0] * len(names)
-    if len(weights) != len(names):
-        raise ValueError(f"--reward_weights has {len(weights)} values, expected {len(names)} "
-                         f"(one per reward: {', '.join(names)})")
-    shapes = {tuple(t.shape) for t in scores.values()}
-    if len(shapes) != 1:
-        raise ValueError(f"combine: reward scores of different shapes {sorted(shapes)}")
-    total = torch.zeros(shapes.pop(), dtype=torch.float32)
-    for name, weight in zip(names, weights):
-        total = total + float(weight) * scores[name].detach().float().cpu()
-    return total
 
 
 class RewardModelReward:

@@ -9,7 +9,8 @@ are never confused:
   (`compute_rewards`, coefficient `kl_ctl.value`, fixed or adaptive), or, with `kl_in_loss`,
   as a separate loss term instead;
 - the PPO CLIP: the ratio of the current actor to the OLD (rollout-time) actor, clipped in
-  `policy_loss`. Its log is `ppo/log_ratio_max_abs`, exactly 0 in theory at learning rate 0.
+  the `--policy_loss` (utils.losses.POLICY_LOSSES). Its log is `ppo/log_ratio_max_abs`, exactly 0 in
+  theory at learning rate 0.
 """
 from __future__ import annotations
 
@@ -20,10 +21,9 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from step3_ppo.advantages import advantages_and_returns, get_estimator, zero_variance_groups
+from step3_ppo.advantages import advantages_and_returns, combine, get_estimator, zero_variance_groups
 from step3_ppo.hybrid import gathered
 from step3_ppo.rollout_engines import ROLLOUT_ENGINES
-from step3_ppo.rewards import combine
 from step3_ppo.shaping import RunningMoments, clip_scores, compute_rewards, length_penalty
 from utils import accelerator, losses
 from utils.distributed import all_reduce_max, all_reduce_sum, world_size
@@ -59,9 +59,14 @@ class PPOConfig:
     n_samples_per_prompt: int = 1  # answers sampled per prompt; they form a group (group baselines, RLOO)
     advantage_estimator: str = "gae"
     policy_loss: str = "ppo"  # an entry of utils.losses.POLICY_LOSSES
+    cliprange_low: float | None = None  # None: the policy loss's default (--cliprange; gspo: the paper's)
+    cliprange_high: float | None = None
+    dual_clip: float | None = None
+    entropy_coef: float = 0.0
     rollout_engine: str = "hf"  # an entry of step3_ppo.rollout_engines.ROLLOUT_ENGINES
-    loss_agg: str | None = None  # None: the estimator's default
+    loss_agg: str | None = None  # None: the policy loss's default, else the estimator's
     reward_weights: tuple | None = None  # one per reward component; None: 1 each
+    reward_norm: str = "sum_then_normalize"  # step3_ppo.advantages.REWARD_NORMS
     overlong_buffer_len: int = 0
     overlong_penalty_factor: float = 1.0
     truncation_penalty: float = 0.0
@@ -72,6 +77,7 @@ class PPOConfig:
     clip_reward_value: float | None = 5.0
     normalize_reward: bool = False
     kl_in_loss: bool = False
+    kl_loss_estimator: str = "k2"  # utils.losses.KL_LOSS_ESTIMATORS
     gamma: float = 1.0
     lam: float = 0.95
     whiten_advantages: bool = True
@@ -101,15 +107,15 @@ class PPOTrainer:
     """Runs RL iterations over the engines: actor, reference (when a KL term needs one), critic (when the
     estimator needs one) and the reward components (reward models and/or functions, step3_ppo/rewards.py).
 
-    `logprobs_fn(model, packed_batch, temperature, return_entropy=False)` is the policy forward
-    (utils.forward.token_logprobs); a benchmark can pass a variant without patching.
+    `logprobs_fn(model, packed_batch, temperature, return_entropy=False, entropy_grad=False)` is the policy
+    forward (utils.forward.token_logprobs); a benchmark can pass a variant without patching.
     """
 
     def __init__(self, engines, config: PPOConfig, kl_ctl, rewards, unsup_batches=None, logprobs_fn=token_logprobs):
         self.config = config
         self.estimator = get_estimator(config.advantage_estimator)
-        self.loss_agg = config.loss_agg or self.estimator.loss_agg
         self.policy_loss = losses.POLICY_LOSSES[config.policy_loss]
+        self.loss_agg = config.loss_agg or self.policy_loss.loss_agg or self.estimator.loss_agg
         self.actor, self.ref = engines.actor, engines.ref
         self.rollout = ROLLOUT_ENGINES[config.rollout_engine].build(self.actor, config)
         self.critic = engines.critic if self.estimator.needs_critic else None
@@ -252,7 +258,12 @@ class PPOTrainer:
                                  c.overlong_penalty_factor, c.truncation_penalty)
         raw_scores = torch.tensor([r.score for r in rows], dtype=torch.float32)
         groups = torch.tensor([r.group for r in rows])
-        selected = self.select_trained(rows, raw_scores + penalty, groups)
+        scores = raw_scores
+        if c.reward_norm != "sum_then_normalize":  # each component normalised in its group before the sum
+            parts = {comp.name: torch.tensor([r.score_parts[comp.name] for r in rows], dtype=torch.float32)
+                     for comp in self.rewards}
+            scores = combine(parts, c.reward_weights, groups, c.reward_norm)
+        selected = self.select_trained(rows, scores + penalty, groups)
         batch = pack(rows, c.pad_token_id)
         action_mask, loss_mask = batch["action_mask"], batch["loss_mask"]
         p, length = batch["prompt_len"], batch["input_ids"].shape[1]
@@ -303,14 +314,17 @@ class PPOTrainer:
         agg = {"loss_agg": self.loss_agg, "agg_constant": c.max_answer_seq_len}
 
         logprobs, entropy = self.logprobs_fn(self.actor, batch, c.generation.logprob_temperature,
-                                             return_entropy=True)
+                                             return_entropy=True, entropy_grad=c.entropy_coef != 0)
         actor_loss, actor_stats = self.policy_loss.fn(logprobs, old["old_logprobs"], old["advantages"], action_mask,
                                                       loss_mask=loss_mask, **agg,
                                                       **{name: getattr(c, name) for name in self.policy_loss.options})
         loss = actor_loss
+        if c.entropy_coef:
+            loss = loss - c.entropy_coef * losses.entropy_bonus(entropy, loss_mask, **agg)
         kl_loss = torch.zeros(())
         if c.kl_in_loss and self.ref is not None:
-            kl_loss = losses.kl_penalty_loss(logprobs, old["ref_logprobs"], loss_mask, **agg)
+            kl_loss = losses.kl_penalty_loss(logprobs, old["ref_logprobs"], loss_mask, **agg,
+                                             estimator=c.kl_loss_estimator, old_logprobs=old["old_logprobs"])
             loss = loss + self.kl_ctl.value * kl_loss
         ptx_loss = torch.zeros(())
         if self.unsup_batches is not None:
@@ -324,7 +338,7 @@ class PPOTrainer:
                  "ppo/clipfrac": actor_stats["clipfrac"].item(),
                  "ppo/approx_kl_old": actor_stats["approx_kl"].item(),
                  "ppo/log_ratio_max_abs": actor_stats["log_ratio_max_abs"].item(),
-                 "ppo/entropy": masked_mean(entropy, action_mask).item()}
+                 "ppo/entropy": masked_mean(entropy.detach(), loss_mask).item()}  # nats per trained token
         if self.critic is not None:
             critic_mask = loss_mask.to(model_device(self.critic))
             values = token_values(self.critic, ids, mask)

@@ -18,12 +18,22 @@ def poisoned(values, fill):
     return x.requires_grad_(True)
 
 
+POLICY_LOSS_CASES = {  # every registered loss, and ppo with each option
+    "ppo": lambda *a: losses.policy_loss(*a, cliprange=0.2),
+    "ppo_clip_higher_dual_clip": lambda *a: losses.policy_loss(*a, cliprange=0.2, cliprange_high=0.28, dual_clip=3.0),
+    "gspo": lambda *a: losses.gspo_loss(*a, dual_clip=3.0),
+    "cispo": lambda *a: losses.cispo_loss(*a, cliprange_high=0.28),
+}
+
+
+@pytest.mark.parametrize("case", sorted(POLICY_LOSS_CASES))
 @pytest.mark.parametrize("fill", [NAN, INF, -INF, -100.0])
-def test_policy_loss_gradient_finite_with_non_finite_padding(fill):
+def test_policy_loss_gradient_finite_with_non_finite_padding(fill, case):
+    assert {"ppo", "gspo", "cispo"} <= set(POLICY_LOSS_CASES) and set(losses.POLICY_LOSSES) <= set(POLICY_LOSS_CASES)
     logprobs = poisoned([-1.0, -2.0, -0.5, -1.5], fill)
     old = poisoned([-1.1, -2.0, -0.4, -1.5], fill).detach()
     advantages = poisoned([1.0, -1.0, 0.5, 2.0], fill).detach()
-    loss, stats = losses.policy_loss(logprobs, old, advantages, MASK, cliprange=0.2)
+    loss, stats = POLICY_LOSS_CASES[case](logprobs, old, advantages, MASK)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all()
     assert (logprobs.grad[MASK == 0] == 0).all()
@@ -44,20 +54,32 @@ def test_value_loss_gradient_finite_with_non_finite_padding(fill):
 def test_kl_penalty_loss_gradient_finite_issue_reproduction():
     """The issue's case: k3 of a pad log-ratio below -88 overflowed exp() and gave a nan gradient."""
     lp = torch.tensor([[-100., -1., -2.]], requires_grad=True)
-    loss = losses.kl_penalty_loss(lp, torch.tensor([[0., -1.5, -1.]]), torch.tensor([[0., 1., 1.]]))
+    loss = losses.kl_penalty_loss(lp, torch.tensor([[0., -1.5, -1.]]), torch.tensor([[0., 1., 1.]]), estimator="k3")
     loss.backward()
     assert torch.isfinite(lp.grad).all() and lp.grad[0, 0] == 0
     # d/dlp of mean(exp(ref - lp) - 1 + lp - ref) over the 2 actions = (1 - exp(ref - lp)) / 2
     assert lp.grad[0, 1:].tolist() == pytest.approx([(1 - math.exp(-0.5)) / 2, (1 - math.exp(1.0)) / 2], abs=1e-6)
 
 
+@pytest.mark.parametrize("estimator", ["k2", "k3"])
 @pytest.mark.parametrize("fill", [NAN, INF, -INF])
-def test_kl_penalty_loss_gradient_finite_with_non_finite_padding(fill):
+def test_kl_penalty_loss_gradient_finite_with_non_finite_padding(fill, estimator):
     logprobs = poisoned([-1.0, -2.0, -0.5, -1.5], fill)
     ref = poisoned([-1.2, -1.0, -0.5, -3.0], fill).detach()
-    loss = losses.kl_penalty_loss(logprobs, ref, MASK)
+    old = poisoned([-1.1, -2.0, -0.4, -1.5], fill).detach()
+    loss = losses.kl_penalty_loss(logprobs, ref, MASK, estimator=estimator, old_logprobs=old)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all()
+    assert (logprobs.grad[MASK == 0] == 0).all()
+
+
+@pytest.mark.parametrize("fill", [NAN, INF, -INF])
+def test_entropy_bonus_gradient_finite_with_non_finite_padding(fill):
+    entropy = poisoned([0.5, 1.0, 2.0, 0.1], fill)
+    bonus = losses.entropy_bonus(entropy, MASK)
+    bonus.backward()
+    assert bonus.item() == pytest.approx(0.9) and torch.isfinite(entropy.grad).all()
+    assert (entropy.grad[MASK == 0] == 0).all()
 
 
 @pytest.mark.parametrize("fill", [NAN, INF, -INF])
@@ -135,8 +157,9 @@ def test_response_nll_is_the_token_mean_over_the_batch_and_lowers_the_likelihood
 
 
 def test_every_policy_loss_entry_is_the_plain_surrogate_at_the_first_epoch_and_reads_real_settings():
-    """At the first PPO epoch the policy IS the old policy: every registered loss gives ratio 1, so
-    -advantage aggregated, log-ratio 0, nothing clipped; the options an entry reads are PPOConfig fields
+    """At the first PPO epoch the policy IS the old policy: every registered loss gives ratio 1, so the
+    gradient of -advantage aggregated (and that value, except CISPO's -A * logprob whose gradient only is
+    the surrogate's), log-ratio 0, nothing clipped; the options an entry reads are PPOConfig fields
     (the flags of the same name), so the trainer can hand them over by name."""
     import dataclasses
 
@@ -150,7 +173,11 @@ def test_every_policy_loss_entry_is_the_plain_surrogate_at_the_first_epoch_and_r
     for name, entry in POLICY_LOSSES.items():
         assert entry.help and set(entry.options) <= fields, name
         options = {option: getattr(PPOConfig(stop_token_ids=(0,), pad_token_id=0), option) for option in entry.options}
+        logprobs.grad = None
         loss, stats = entry.fn(logprobs, logprobs.detach(), advantages, mask, loss_mask=mask, loss_agg="token_mean",
                                agg_constant=None, **options)
-        assert loss.item() == pytest.approx(-(1 - 2 + 0.5 + 3 + 1) / 5), name
+        if name != "cispo":
+            assert loss.item() == pytest.approx(-(1 - 2 + 0.5 + 3 + 1) / 5), name
+        loss.backward()
+        assert logprobs.grad.flatten().tolist() == pytest.approx((-advantages * mask / 5).flatten().tolist()), name
         assert stats["log_ratio_max_abs"].item() == 0 and stats["clipfrac"].item() == 0, name

@@ -16,7 +16,8 @@ import torch
 
 from step3_ppo.reward_funcs import (BUILTINS, Builtin, RewardFunction, RewardFunctionError, final_answer,
                                     is_function_spec, load_reward_function, math_exact, score_batch)
-from step3_ppo.rewards import FunctionReward, RewardModelReward, combine
+from step3_ppo.advantages import combine
+from step3_ppo.rewards import FunctionReward, RewardModelReward
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 README_LIST = "The built-in reward functions (`BUILTINS`"  # the line that opens the README's list

@@ -66,9 +66,12 @@ def causal_lm_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor
     return out.logits
 
 
-def token_logprobs(model: nn.Module, batch: dict, temperature: float = 1.0, return_entropy: bool = False):
+def token_logprobs(model: nn.Module, batch: dict, temperature: float = 1.0, return_entropy: bool = False,
+                   entropy_grad: bool = False):
     """log p(token i+1 | prefix) [B, L-1] fp32 of a packed batch (utils.rollout.pack: input_ids,
-    attention_mask, ...), in the layout of utils/ops.py; optionally with the per-token entropy.
+    attention_mask, ...), in the layout of utils/ops.py; optionally with the per-token entropy,
+    detached (a monitor) unless `entropy_grad` (an entropy bonus in the loss: its softmax is kept for
+    the backward, one more [B, L-1, V] fp32 tensor).
 
     `temperature` divides the logits first: sampling draws from softmax(logits / T), so the policy
     whose ratio PPO clips is that one, and the reference is scored the same way so that the KL
@@ -80,7 +83,7 @@ def token_logprobs(model: nn.Module, batch: dict, temperature: float = 1.0, retu
         logits = logits / temperature
     logprobs = logprobs_from_logits(logits, input_ids[:, 1:])
     if return_entropy:
-        return logprobs, entropy_from_logits(logits.detach())
+        return logprobs, entropy_from_logits(logits if entropy_grad else logits.detach())
     return logprobs
 
 

@@ -2,10 +2,12 @@
 
 - ``sft_nll``: next-token NLL on trained labels (step 1, PPO-ptx, perplexity);
 - ``pairwise_loss`` / ``pair_metrics``: the reward model's Bradley-Terry loss (step 2);
-- ``policy_loss`` (``POLICY_LOSSES``): PPO's clipped surrogate against the OLD policy (step 3's actor);
+- ``POLICY_LOSSES`` (step 3's actor, against the OLD policy): ``policy_loss`` (PPO's clipped
+  surrogate, with clip-higher and dual-clip), ``gspo_loss`` (GSPO's sequence-level ratio),
+  ``cispo_loss`` (CISPO's clipped, stop-gradient importance weight); ``entropy_bonus``;
 - ``value_loss``: the clipped value loss (step 3's critic);
 - ``kl_penalty_loss``: KL(actor || reference) as a loss term (GRPO-style alternative to the
-  in-reward penalty);
+  in-reward penalty), in a form whose gradient is KL's (k2, importance-weighted), or k3;
 - ``pair_loss`` (``PAIR_LOSSES``; ``dpo_loss`` with a reference): preference tuning from sequence
   log-probs (DPO, conservative DPO, IPO), and ``response_nll``, the optional NLL term on the chosen responses
   (RPO) (step2_dpo).
@@ -27,9 +29,10 @@ from torch import Tensor
 
 from utils.ops import aggregate, kl_estimate, masked_mean, select
 
-__all__ = ["IGNORE_INDEX", "sft_nll", "pairwise_loss", "pair_metrics", "policy_loss", "PolicyLoss", "POLICY_LOSSES",
-           "value_loss", "PairLogps", "PairLoss", "PairOption", "PAIR_LOSSES", "DPO_LOSS_TYPES", "pair_loss", "dpo_loss",
-           "response_nll", "kl_penalty_loss"]
+__all__ = ["IGNORE_INDEX", "sft_nll", "pairwise_loss", "pair_metrics", "policy_loss", "gspo_loss", "cispo_loss",
+           "entropy_bonus", "PolicyLoss", "POLICY_LOSSES", "GSPO_CLIPRANGE_LOW", "GSPO_CLIPRANGE_HIGH", "value_loss",
+           "PairLogps", "PairLoss", "PairOption", "PAIR_LOSSES", "DPO_LOSS_TYPES", "pair_loss", "dpo_loss",
+           "response_nll", "KL_LOSS_ESTIMATORS", "kl_penalty_loss"]
 
 IGNORE_INDEX = -100
 
@@ -64,41 +67,133 @@ def pair_metrics(chosen_scores: Tensor, rejected_scores: Tensor) -> dict:
             "rejected_mean": r.mean().item(), "margin_mean": (c - r).mean().item()}
 
 
+def _clipped_surrogate(ratio: Tensor, advantages: Tensor, low: float, high: float,
+                       dual_clip: float | None) -> Tuple[Tensor, Tensor]:
+    """(per-token loss, where the clip is active) of PPO's pessimistic bound
+    ``max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high))``, capped at ``-A * dual_clip`` where A < 0."""
+    pg1 = -advantages * ratio
+    pg2 = -advantages * torch.clamp(ratio, 1.0 - low, 1.0 + high)
+    loss = torch.max(pg1, pg2)
+    if dual_clip is not None:
+        if dual_clip <= 1:
+            raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+        loss = torch.where(advantages < 0, torch.min(loss, -advantages * dual_clip), loss)
+    return loss, pg2 > pg1
+
+
+def _masked_inputs(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, action_mask: Tensor,
+                   loss_mask: Tensor | None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(logprobs, log_ratio to the old policy, advantages), each selected on ``action_mask`` before any
+    arithmetic (0 elsewhere, whatever the padding holds), and ``loss_mask`` (default ``action_mask``)."""
+    logprobs, old_logprobs = select(logprobs, action_mask), select(old_logprobs, action_mask)
+    loss_mask = action_mask if loss_mask is None else loss_mask
+    return logprobs, logprobs - old_logprobs, select(advantages, action_mask), loss_mask
+
+
+def _policy_stats(log_ratio: Tensor, clipped: Tensor, loss_mask: Tensor) -> Dict[str, Tensor]:
+    """The stats every policy loss returns (detached): ``clipfrac``, the fraction of ``loss_mask``'s actions
+    whose clip is active; ``approx_kl``, the masked mean of k2 ``0.5 * log_ratio**2`` of KL(old || new) (a drift
+    monitor); ``log_ratio_max_abs``, max |per-token log-ratio| over every action (``log_ratio`` is 0 elsewhere)."""
+    with torch.no_grad():
+        lr = log_ratio.detach()
+        return {"clipfrac": masked_mean(clipped.float(), loss_mask),
+                "approx_kl": masked_mean(0.5 * lr**2, loss_mask),
+                "log_ratio_max_abs": lr.abs().max() if lr.numel() else lr.new_zeros(())}
+
+
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, action_mask: Tensor,
-                cliprange: float, loss_mask: Tensor | None = None, loss_agg: str = "token_mean",
-                agg_constant: float | None = None) -> Tuple[Tensor, Dict[str, Tensor]]:
+                cliprange: float = 0.2, loss_mask: Tensor | None = None, loss_agg: str = "token_mean",
+                agg_constant: float | None = None, *, cliprange_low: float | None = None,
+                cliprange_high: float | None = None,
+                dual_clip: float | None = None) -> Tuple[Tensor, Dict[str, Tensor]]:
     """PPO clipped surrogate over the actions of the mini-batch, aggregated by ``loss_agg``
     (utils.ops.aggregate: token mean by default, per-sequence mean, or Dr. GRPO's constant).
 
     ``ratio = exp(logprobs - old_logprobs)`` is ALWAYS against the old (rollout-time) policy,
     never the reference model; at the first PPO epoch it is exactly 1.
-    ``loss = agg(max(-A * ratio, -A * clip(ratio, 1±eps)))``: the pessimistic bound removes the
-    incentive to move the ratio outside the trust region in the direction the advantage favours.
+    ``loss = agg(max(-A * ratio, -A * clip(ratio, 1 - eps_low, 1 + eps_high)))`` (Schulman et al. 2017,
+    1707.06347): the pessimistic bound removes the incentive to move the ratio outside the trust region
+    in the direction the advantage favours. ``eps_low`` / ``eps_high`` are ``cliprange_low`` /
+    ``cliprange_high``, each ``cliprange`` when None; a larger ``eps_high`` is DAPO's clip-higher
+    (Yu et al. 2025, 2503.14476, 0.28): low-probability tokens with a positive advantage may grow further,
+    which keeps the entropy from collapsing.
+    ``dual_clip`` C > 1 (Ye et al. 2020, 1912.09729; OpenRLHF's and veRL's ``clip_ratio_c``, 3): where
+    A < 0 the bound above is ``-A * ratio`` for a large ratio, unbounded; it is capped,
+    ``min(max(pg1, pg2), -A * C)``, so one token the policy already made much likelier cannot dominate
+    the step (its gradient is 0 where the cap is active).
     ``loss_mask`` (default ``action_mask``): the actions that enter the loss; rows dropped from
     training (a truncated answer, a group without signal) are 0 there but still 1 in
-    ``action_mask``, whose log-ratio is still measured.
-
-    Stats (detached, over ``loss_mask``): ``clipfrac`` fraction of actions where the clipped term
-    is the active one; ``approx_kl`` = masked mean of the k2 estimator ``0.5 * (logp - old_logp)**2``
-    of KL(old || new) (a drift monitor); ``log_ratio_max_abs`` = max |logp - old_logp| over all of
-    ``action_mask`` (0 if none).
+    ``action_mask``, whose log-ratio is still measured. Stats: ``_policy_stats`` (``clipfrac``: the
+    clipped term is the active one).
     """
-    loss_mask = action_mask if loss_mask is None else loss_mask
-    logprobs, old_logprobs = select(logprobs, action_mask), select(old_logprobs, action_mask)
-    advantages = select(advantages, action_mask)
-    log_ratio = logprobs - old_logprobs
-    ratio = torch.exp(log_ratio)
-    pg1 = -advantages * ratio
-    pg2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    loss = aggregate(torch.max(pg1, pg2), loss_mask, loss_agg, agg_constant)
-    with torch.no_grad():
-        lr = log_ratio.detach()
-        stats = {
-            "clipfrac": masked_mean((pg2 > pg1).float(), loss_mask),
-            "approx_kl": masked_mean(0.5 * lr**2, loss_mask),
-            "log_ratio_max_abs": lr.abs().max() if lr.numel() else lr.new_zeros(()),
-        }
-    return loss, stats
+    low = cliprange if cliprange_low is None else cliprange_low
+    high = cliprange if cliprange_high is None else cliprange_high
+    _, log_ratio, advantages, loss_mask = _masked_inputs(logprobs, old_logprobs, advantages, action_mask, loss_mask)
+    per_token, clipped = _clipped_surrogate(torch.exp(log_ratio), advantages, low, high, dual_clip)
+    return aggregate(per_token, loss_mask, loss_agg, agg_constant), _policy_stats(log_ratio, clipped, loss_mask)
+
+
+GSPO_CLIPRANGE_LOW, GSPO_CLIPRANGE_HIGH = 3e-4, 4e-4  # the ranges of the GSPO paper's experiments (2507.18071)
+
+
+def gspo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, action_mask: Tensor,
+              loss_mask: Tensor | None = None, loss_agg: str = "seq_mean", agg_constant: float | None = None, *,
+              cliprange_low: float | None = None, cliprange_high: float | None = None,
+              dual_clip: float | None = None) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """GSPO (Zheng et al. 2025, 2507.18071): the clipped surrogate on the SEQUENCE's importance ratio
+    ``s_i = exp(mean over row i's actions of (logprobs - old_logprobs))`` (the length-normalised
+    sequence likelihood ratio), in the paper's per-token form GSPO-token:
+    ``s_i,t = sg[s_i] * pi_t / sg[pi_t]``, whose value is ``s_i`` on every action and whose gradient
+    reaches each token's log-prob; ``loss = agg(max(-A_t * s_i,t, -A_t * clip(s_i,t, 1 - eps_low,
+    1 + eps_high)))``. With one advantage per sequence and ``seq_mean`` aggregation (the default
+    here, and the paper's 1/|y_i| sum) its gradient is exactly GSPO's sequence-level one.
+    Why: a token-level ratio is one noisy sample of an importance weight; the sequence's mean
+    log-ratio matches the unit the reward is given at, and is clipped whole (the paper: far more
+    tokens clipped than PPO, and stabler training, notably of MoE models).
+    ``eps_low`` / ``eps_high``: ``cliprange_low`` / ``cliprange_high``, the paper's 3e-4 / 4e-4 when
+    None (a mean log-ratio moves far less than one token's; --cliprange does not apply).
+    ``dual_clip`` as in ``policy_loss``. The sequence ratio is over ``action_mask`` (every action of
+    the row), the loss over ``loss_mask``. Stats: ``_policy_stats`` on the per-token log-ratio
+    (``clipfrac``: the fraction of actions whose sequence is clipped).
+    """
+    low = GSPO_CLIPRANGE_LOW if cliprange_low is None else cliprange_low
+    high = GSPO_CLIPRANGE_HIGH if cliprange_high is None else cliprange_high
+    logprobs, log_ratio, advantages, loss_mask = _masked_inputs(logprobs, old_logprobs, advantages, action_mask,
+                                                                loss_mask)
+    sequence_log_ratio = masked_mean(log_ratio.detach(), action_mask, dim=-1).unsqueeze(-1)
+    ratio = torch.exp(sequence_log_ratio + logprobs - logprobs.detach())
+    per_token, clipped = _clipped_surrogate(ratio, advantages, low, high, dual_clip)
+    return aggregate(per_token, loss_mask, loss_agg, agg_constant), _policy_stats(log_ratio, clipped, loss_mask)
+
+
+def cispo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, action_mask: Tensor,
+               cliprange: float = 0.2, loss_mask: Tensor | None = None, loss_agg: str = "token_mean",
+               agg_constant: float | None = None, *,
+               cliprange_high: float | None = None) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """CISPO (MiniMax-M1, 2506.13585): ``loss = agg(-sg(min(ratio, 1 + eps_high)) * A * logprobs)``,
+    token mean by default (the paper's 1 / sum |o_i|). The importance weight is clipped and detached
+    and multiplies a REINFORCE term, so every token keeps a gradient, ``-sg(w) * A``, however far its
+    ratio moved: PPO's clip zeroes the gradient of exactly the rare tokens ("However", "Wait") whose
+    ratio grows fastest, which the paper found carry the reflective behaviour. No lower bound (the
+    paper sets eps_low large and tunes only eps_high). ``eps_high``: ``cliprange_high``, ``cliprange``
+    when None. The loss VALUE is not a surrogate of the return (it scales with the log-probs); only
+    its gradient is. Stats: ``_policy_stats`` (``clipfrac``: the weight is capped).
+    """
+    high = cliprange if cliprange_high is None else cliprange_high
+    logprobs, log_ratio, advantages, loss_mask = _masked_inputs(logprobs, old_logprobs, advantages, action_mask,
+                                                                loss_mask)
+    ratio = torch.exp(log_ratio.detach())
+    weight = torch.clamp(ratio, max=1.0 + high)
+    loss = aggregate(-weight * advantages * logprobs, loss_mask, loss_agg, agg_constant)
+    return loss, _policy_stats(log_ratio, ratio > 1.0 + high, loss_mask)
+
+
+def entropy_bonus(entropy: Tensor, action_mask: Tensor, loss_agg: str = "token_mean",
+                  agg_constant: float | None = None) -> Tensor:
+    """The policy's entropy (nats per token) over the actions, aggregated as the policy loss is; step 3
+    subtracts ``--entropy_coef`` times it from the actor loss (OpenRLHF's ``entropy_coef``, veRL's
+    ``entropy_coeff``), which pushes against the entropy collapse of RL on a few answers."""
+    return aggregate(select(entropy, action_mask), action_mask, loss_agg, agg_constant)
 
 
 @dataclass(frozen=True)
@@ -106,16 +201,27 @@ class PolicyLoss:
     """One `--policy_loss` of step 3: `fn(logprobs, old_logprobs, advantages, action_mask, *, loss_mask,
     loss_agg, agg_constant, **options) -> (loss, stats)` with stats `clipfrac`, `approx_kl`,
     `log_ratio_max_abs` (tensors); `options` names the RL settings (PPOConfig fields, flags of the same
-    name) it reads besides those; `help` is the flag's one line."""
+    name) it reads besides those; `help` is the flag's one line; `loss_agg`: its own default of
+    `--loss_agg` (None: the advantage estimator's)."""
     fn: Callable[..., Tuple[Tensor, Dict[str, Tensor]]]
     help: str
     options: Tuple[str, ...] = ()
+    loss_agg: str | None = None
 
 
 # A new policy loss is one entry here and its pure function above (with a hand-computed test).
 POLICY_LOSSES: Dict[str, PolicyLoss] = {
     "ppo": PolicyLoss(policy_loss, "PPO's clipped surrogate, ratio against the rollout-time policy clipped to "
-                                   "1 +- --cliprange (Schulman et al. 2017)", options=("cliprange",)),
+                                   "[1 - --cliprange_low, 1 + --cliprange_high] (Schulman et al. 2017; clip-higher: "
+                                   "DAPO), optional --dual_clip",
+                      options=("cliprange", "cliprange_low", "cliprange_high", "dual_clip")),
+    "gspo": PolicyLoss(gspo_loss, "GSPO's surrogate on the sequence ratio exp(mean log-ratio), clipped to "
+                                  "[1 - 3e-4, 1 + 4e-4] unless --cliprange_low/high say otherwise, sequence mean "
+                                  "(Zheng et al. 2025)",
+                       options=("cliprange_low", "cliprange_high", "dual_clip"), loss_agg="seq_mean"),
+    "cispo": PolicyLoss(cispo_loss, "CISPO's REINFORCE term weighted by the detached ratio capped at "
+                                    "1 + --cliprange_high, token mean (MiniMax-M1 2025)",
+                        options=("cliprange", "cliprange_high"), loss_agg="token_mean"),
 }
 
 
@@ -139,16 +245,37 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, action_mask:
     return loss, stats
 
 
-def kl_penalty_loss(logprobs: Tensor, ref_logprobs: Tensor, action_mask: Tensor, loss_agg: str = "token_mean",
-                    agg_constant: float | None = None) -> Tensor:
-    """GRPO-style "KL in the loss": k3 KL(actor || reference), aggregated as the policy loss is.
+KL_LOSS_ESTIMATORS = ("k2", "k3")
 
-    Differentiable w.r.t. ``logprobs`` (ref is a constant). An ALTERNATIVE to the in-reward
-    penalty of step 3's reward shaping; the two are not used together (that would penalise KL
-    twice).
+
+def kl_penalty_loss(logprobs: Tensor, ref_logprobs: Tensor, action_mask: Tensor, loss_agg: str = "token_mean",
+                    agg_constant: float | None = None, estimator: str = "k3",
+                    old_logprobs: Tensor | None = None) -> Tensor:
+    """KL(actor || reference) as a loss term (GRPO-style), aggregated as the policy loss is.
+
+    ``k2`` (step 3's default, ``--kl_loss_estimator``): ``sg(pi / pi_old) * 0.5 * (logprobs - ref)**2``.
+    Its gradient, ``sg(pi / pi_old) * (log pi - log ref) * grad log pi``, averaged over tokens drawn
+    from pi_old is exactly grad KL(pi || ref): on-policy because E_pi[grad log pi] = 0, off-policy
+    (later mini-batches and PPO epochs, samples from the rollout's pi_old) thanks to the detached
+    importance weight (OpenRLHF's ``unbiased_gradient``, #1309; the weight is 1 while the policy is
+    the rollout's, and omitted without ``old_logprobs``). Not clamped: a clamp would bias it again.
+    ``k3``: ``exp(ref - logprobs) - 1 + logprobs - ref``, an unbiased VALUE of KL(pi || ref) but a
+    biased loss: its expected gradient is ``-E_pi[(ref / pi) grad log pi] = grad KL(ref || pi)``, the
+    reverse direction (OpenRLHF #1101, open-instruct #534); kept for the runs that used it (and this
+    function's default, its former only form).
+    Differentiable w.r.t. ``logprobs`` only (reference and old policy are constants). An ALTERNATIVE
+    to the in-reward penalty of step 3's reward shaping; the two are not used together (that would
+    penalise KL twice).
     """
+    if estimator not in KL_LOSS_ESTIMATORS:
+        raise ValueError(f"unknown KL loss estimator {estimator!r}; choose from {', '.join(KL_LOSS_ESTIMATORS)}")
     logprobs, ref_logprobs = select(logprobs, action_mask), select(ref_logprobs.detach(), action_mask)
-    return aggregate(kl_estimate(logprobs, ref_logprobs, "k3"), action_mask, loss_agg, agg_constant)
+    if estimator == "k3":
+        return aggregate(kl_estimate(logprobs, ref_logprobs, "k3"), action_mask, loss_agg, agg_constant)
+    per_token = kl_estimate(logprobs, ref_logprobs, "k2")
+    if old_logprobs is not None:
+        per_token = torch.exp(logprobs.detach() - select(old_logprobs.detach(), action_mask)) * per_token
+    return aggregate(per_token, action_mask, loss_agg, agg_constant)
 
 
 @dataclass(frozen=True)

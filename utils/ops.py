@@ -192,15 +192,15 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Per-token entropy ``H = logsumexp(z) - sum softmax(z) * z`` in fp32, shape ``[B, T]``.
+    """Per-token entropy ``H = logsumexp(z) - sum softmax(z) * z`` in fp32 (fp64 kept), shape ``[B, T]``.
 
-    Why: a monitoring signal (collapse of the policy shows as entropy -> 0). Computed one
-    sequence at a time to bound the fp32 temporaries.
+    Why: a monitoring signal (collapse of the policy shows as entropy -> 0), and step 3's
+    entropy bonus (differentiable). Computed one sequence at a time to bound the fp32 temporaries.
     """
     flat, chunk = _row_chunks(logits)
     out = []
     for c in flat.split(chunk, dim=0):
-        c = c.float()
+        c = c if c.dtype == torch.float64 else c.float()
         p = torch.softmax(c, dim=-1)
         out.append(torch.logsumexp(c, dim=-1) - (p * c).sum(dim=-1))
     return torch.cat(out).view(logits.shape[:-1])
