@@ -12,6 +12,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "slow: launches processes or trains for seconds; `bash scripts/test.sh -m \"not slow\"` is the "
+                   "fast tier for the edit-test loop (CI runs everything)")
+
+
 @pytest.fixture(scope="session")
 def tiny_gpt2() -> str:
     from utils.tiny_model import make_tiny_model_cached

@@ -181,6 +181,7 @@ def _rank_main(rank, port, cache_dir, out_dir):
         tdist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_ranks_only_rank0_builds_and_a_failure_reaches_both(tmp_path):
     import torch.multiprocessing as mp
 

@@ -2,9 +2,12 @@
 import os
 import subprocess
 
+import pytest
+
 from tests.launch import ROOT, subprocess_env
 
 
+@pytest.mark.slow
 def test_quick_demo_writes_table_and_curves(tmp_path):
     """With --with_dpo: DPO after step 2, and its row in the evaluation beside SFT and RLHF."""
     out = tmp_path / "demo"
@@ -26,6 +29,7 @@ def test_quick_demo_writes_table_and_curves(tmp_path):
     assert (out / "step3" / "actor" / "model.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_quick_arithmetic_demo_prints_accuracy_before_and_after(tmp_path):
     """--task arithmetic: the verifiable demo's chain (problems generated, GRPO without critic or reward
     model, the held-out evaluation before and after, the curves) on a tiny model with ChatML."""

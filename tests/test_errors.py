@@ -114,6 +114,7 @@ def test_rows_all_skipped_as_empty_say_so(tmp_path):
         build_step_rows([str(path)], "1,0,0", step=1, seed=1, eval_fraction=0.1)
 
 
+@pytest.mark.slow
 def test_a_known_error_is_one_line_once_for_two_ranks(tiny_gpt2, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"prompt": "Human: hi\n\nAssistant:", "response": " yes"}) + "\n{not json\n")

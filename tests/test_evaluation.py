@@ -232,6 +232,7 @@ def policy_dirs(policy, tmp_path_factory):
     return dirs
 
 
+@pytest.mark.slow
 def test_compare_three_policies_leaves_the_two_policy_figures_alone(policy_dirs, tiny_gpt2, tiny_gpt2_reward):
     """A DPO policy next to SFT and RLHF: its own row, KL and win-rate block; the SFT and RLHF figures
     (same seed) are those of the two-policy comparison to the last digit."""
@@ -378,6 +379,7 @@ def test_eval_cli(tiny_gpt2, tiny_gpt2_reward, tmp_path, capsys, monkeypatch):
     assert "judge2_win_rate_ci" in saved["rlhf_vs_sft"] and "95% CI" in printed
 
 
+@pytest.mark.slow
 def test_eval_cli_policies_without_rlhf(policy_dirs, tiny_gpt2, tiny_gpt2_reward, tmp_path, capsys, monkeypatch):
     """--policy NAME=DIR rows in their order; without --rlhf_model there is no RLHF row."""
     import utils.evaluation
@@ -495,6 +497,7 @@ def test_plot_eval_panels(tmp_path):
 
 
 # --------------------------------------------------------------------------- chat
+@pytest.mark.slow
 def test_chat_piped_subprocess(tiny_gpt2):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.run([sys.executable, "chat.py", "--model_name_or_path", tiny_gpt2, "--max_new_tokens", "6"],

@@ -35,6 +35,7 @@ def _probe(tuned: bool, **env) -> tuple[str, int]:
     return out[0], int(out[1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc mallopt")
 def test_tuned_malloc_reuses_large_buffers():
     applied, tuned_faults = _probe(True)
@@ -45,6 +46,7 @@ def test_tuned_malloc_reuses_large_buffers():
     assert tuned_faults < default_faults / 10
 
 
+@pytest.mark.slow
 def test_user_choice_wins():
     assert _probe(True, RLHF_MALLOC_TUNING="0")[0] == "False"
     assert _probe(True, MALLOC_TOP_PAD_="0")[0] == "False"

@@ -197,6 +197,7 @@ def test_print_path_keeps_library_noise_off_stdout():
     assert out == "/some/dir\n"
 
 
+@pytest.mark.slow
 def test_tiny_model_cli_prints_only_the_folder_on_a_cold_cache(tmp_path):
     """CI regression: on a cold cache DeepSpeed's import warning landed in the captured path."""
     out = _stdout_of(["-m", "utils.tiny_model", "--arch", "gpt2", "--print_path"], {"RLHF_CACHE": str(tmp_path)})

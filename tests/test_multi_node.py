@@ -102,6 +102,7 @@ def output_files(out: str) -> set[str]:
             if not f.startswith("train.log.node")}
 
 
+@pytest.mark.slow
 def test_step1_two_nodes_match_one_node(cluster, tiny_gpt2, sft_data, tmp_path):  # noqa: F811
     """The two nodes are started through scripts/step1_sft/run_multi_node.sh (MULTI_NODE_MODE=no_ssh),
     which runs `deepspeed --hostfile H --no_ssh --node_rank i ... --module step1_sft.main` with its
@@ -145,6 +146,7 @@ def step3_args(model, critic, prompts, out):
             "--per_device_training_batch_size", 2, "--ppo_epochs", 1, "--max_steps", 2, "--seed", 5]
 
 
+@pytest.mark.slow
 def test_step3_two_nodes_match_one_node(cluster, tiny_gpt2, tiny_gpt2_reward, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     write_prompts(prompts, 40)
@@ -201,6 +203,7 @@ def _error_line(log: str) -> str:
     return lines[-1][:300] if lines else "(no error line)"
 
 
+@pytest.mark.slow
 def test_killed_node_stops_the_surviving_node(cluster, tiny_gpt2, sft_data, tmp_path):  # noqa: F811
     """SIGKILL of node 1's process group (launcher and rank) mid-training: the kernel resets its TCP
     connections, gloo raises on node 0 at its next collective, rank 0 exits 1 and its launcher follows."""
@@ -214,6 +217,7 @@ def test_killed_node_stops_the_surviving_node(cluster, tiny_gpt2, sft_data, tmp_
     assert stopped_after < 120
 
 
+@pytest.mark.slow
 def test_unreachable_node_stops_the_surviving_node_after_dist_timeout(cluster, tiny_gpt2, sft_data, tmp_path):  # noqa: F811
     """Node 1's link goes down, then node 1 is killed (a machine losing power): no reset reaches node 0,
     so only the collective timeout (`--dist_timeout`, given to deepspeed.init_distributed) ends the wait."""

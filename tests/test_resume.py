@@ -8,6 +8,8 @@ import math
 import os
 import time
 
+import pytest
+
 from tests.launch import kill_group, metrics, run_deepspeed, run_module, start_deepspeed, tail
 from tests.test_step1_run import common_args, sft_data  # noqa: F401  (fixture)
 
@@ -57,6 +59,7 @@ def step1(args: list) -> None:
     main([str(a) for a in args])
 
 
+@pytest.mark.slow
 def test_crash_while_saving_keeps_previous_checkpoint(tiny_gpt2, sft_data, tmp_path, capsys):  # noqa: F811
     out = str(tmp_path / "out")
     base = common_args(tiny_gpt2, sft_data, out, steps=4) + ["--zero_stage", 0, "--save_interval", 2]
@@ -81,6 +84,7 @@ def _env(**extra):
     return subprocess_env(**extra)
 
 
+@pytest.mark.slow
 def test_resume_with_another_world_size_or_data_layout_is_refused(tiny_gpt2, sft_data, tmp_path):  # noqa: F811
     """A resume reads the rows after the checkpoint's position in the loader: another number of ranks, batch
     size, seed or data would skip or repeat rows silently, so it is refused, naming what differs (one
@@ -102,6 +106,7 @@ def test_resume_with_another_world_size_or_data_layout_is_refused(tiny_gpt2, sft
     assert "Traceback" not in proc.stderr
 
 
+@pytest.mark.slow
 def test_a_checkpoint_with_a_missing_file_falls_back_to_the_previous_one(tiny_gpt2, sft_data, tmp_path, capsys):  # noqa: F811
     out = str(tmp_path / "out")
     args = common_args(tiny_gpt2, sft_data, out, steps=4) + ["--zero_stage", 2, "--save_interval", 2,
@@ -120,6 +125,7 @@ def test_a_checkpoint_with_a_missing_file_falls_back_to_the_previous_one(tiny_gp
     assert steps == [1, 2, 3, 4, 5, 6], steps
 
 
+@pytest.mark.slow
 def test_resume_on_another_world_size_through_the_universal_checkpoint(tiny_gpt2, sft_data, tmp_path, capsys):  # noqa: F811
     """ZeRO-2 on 2 ranks, resumed on 1 with --universal_checkpoint: the checkpoint is converted once
     (deepspeed.checkpoint.ds_to_universal) and loaded with DeepSpeed's universal loading. The weights come

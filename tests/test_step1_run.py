@@ -44,6 +44,7 @@ def check_run(out: str, proc) -> list[dict]:
     return rows
 
 
+@pytest.mark.slow
 def test_two_rank_zero3_full_finetune(tiny_gpt2, sft_data, tmp_path):
     out = str(tmp_path / "out")
     proc = run_deepspeed("step1_sft.main", common_args(tiny_gpt2, sft_data, out) + ["--zero_stage", 3],
@@ -55,6 +56,7 @@ def test_two_rank_zero3_full_finetune(tiny_gpt2, sft_data, tmp_path):
     assert all(p.numel() > 0 for p in model.parameters())  # a naive ZeRO-3 save would write empty tensors
 
 
+@pytest.mark.slow
 def test_two_rank_zero3_lora_exports_merged_weights(tiny_llama, sft_data, tmp_path):
     out = str(tmp_path / "out")
     args = common_args(tiny_llama, sft_data, out) + ["--zero_stage", 3, "--lora_dim", 8, "--only_optimize_lora",
@@ -67,6 +69,7 @@ def test_two_rank_zero3_lora_exports_merged_weights(tiny_llama, sft_data, tmp_pa
     assert not any("lora" in k for k in keys)
 
 
+@pytest.mark.slow
 def test_zero0_single_process(tiny_opt, sft_data, tmp_path):
     out = str(tmp_path / "out")
     proc = run_module("step1_sft.main", common_args(tiny_opt, sft_data, out, steps=8) + ["--zero_stage", 0])
@@ -74,6 +77,7 @@ def test_zero0_single_process(tiny_opt, sft_data, tmp_path):
     check_run(out, proc)
 
 
+@pytest.mark.slow
 def test_bad_flags_fail_before_loading(tiny_gpt2, sft_data, tmp_path):
     proc = run_module("step1_sft.main", common_args(tiny_gpt2, sft_data, str(tmp_path)) + ["--only_optimize_lora"])
     assert proc.returncode != 0 and "--only_optimize_lora needs --lora_dim" in proc.stderr

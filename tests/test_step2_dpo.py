@@ -87,6 +87,7 @@ def _losses(out):
     return ([r["train/loss"] for r in rows if "train/loss" in r], [r for r in rows if "eval/loss" in r])
 
 
+@pytest.mark.slow
 def test_the_reference_forms_give_the_same_losses_and_ln2_at_step_0(tiny_gpt2, pair_data, tmp_path):
     """A frozen reference engine (here ZeRO-3), the policy's own log-probs precomputed before its first
     update, and (with LoRA on a frozen base) the policy with its adapters disabled: one reference, so
@@ -115,6 +116,7 @@ def test_the_reference_forms_give_the_same_losses_and_ln2_at_step_0(tiny_gpt2, p
     assert results["engine"][0] != pytest.approx(results["adapters"][0], abs=1e-3)  # LoRA trains otherwise
 
 
+@pytest.mark.slow
 def test_ipo_smoothing_and_nll_term_reach_the_run(tiny_gpt2, pair_data, tmp_path):
     from step2_dpo.main import main
 
@@ -194,6 +196,7 @@ def test_contradictory_dpo_settings_stop_before_any_model_loads(flags, message, 
                                      "--output_dir", str(tmp_path / "out"), *flags]])
 
 
+@pytest.mark.slow
 def test_two_rank_zero3_dpo_learns_exports_and_resumes_exactly_after_sigkill(tiny_gpt2, pair_data, tmp_path):
     """Precomputed reference log-probs gathered over 2 ranks and kept in the checkpoints: a run killed
     after a checkpoint and resumed writes the same metrics as the uninterrupted run (dropout on: only

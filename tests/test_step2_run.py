@@ -48,6 +48,7 @@ def pair_data(tmp_path_factory) -> str:
     return str(folder)
 
 
+@pytest.mark.slow
 def test_two_rank_zero3_reward_model_learns_and_exports(tiny_gpt2, pair_data, tmp_path):
     out = str(tmp_path / "out")
     args = ["--model_name_or_path", tiny_gpt2, "--data_path", pair_data, "--data_split", "0,10,0",
@@ -93,6 +94,7 @@ def test_two_rank_zero3_reward_model_learns_and_exports(tiny_gpt2, pair_data, tm
     assert reloaded["margin_mean"] == pytest.approx(last["eval/margin"], abs=1e-4)
 
 
+@pytest.mark.slow
 def test_zero3_bf16_reward_model_trains_with_its_head_in_the_backbones_dtype(tiny_llama, pair_data, tmp_path):
     """ZeRO-3 builds the backbone in bf16 (zero.Init) and deepspeed.initialize casts nothing at stage 3:
     an fp32 value head made DeepSpeed's partition defragmentation fail (mixed dtypes). bench/gpu.sh's

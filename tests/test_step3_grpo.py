@@ -195,6 +195,7 @@ def test_evaluation_on_its_own_prompt_file(tiny_llama, tmp_path):
     assert metrics["eval/prompts"] == 6 and metrics["eval/reward/aligned_length_mean"] > 0
 
 
+@pytest.mark.slow
 def test_two_ranks_zero3_hybrid_no_critic_checkpoint_resume(tiny_gpt2, tmp_path):
     """2 ranks, ZeRO-3 + hybrid, RLOO at lr 0 on shuffled rows: every function call gets its rows' own
     fields (else it raises and the run fails), the log-ratio stays ~0, the checkpoint and the output hold

@@ -2,10 +2,13 @@
 model's mean score rises over a short run (top-k sampling keeps the action space small)."""
 import json
 
+import pytest
+
 from step3_ppo.main import parse_args, setup, train
 from tests.test_step3_lr0 import write_prompts
 
 
+@pytest.mark.slow
 def test_reward_rises(tiny_gpt2, tiny_gpt2_reward, tmp_path):
     write_prompts(tmp_path / "prompts.jsonl", 64)
     out = tmp_path / "out"

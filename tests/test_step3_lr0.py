@@ -137,6 +137,7 @@ ESTIMATOR_NAMES = ["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_
 GROUP_LAYOUTS = [(2, 2, 2, 8), (4, 2, 1, 2)]
 
 
+@pytest.mark.slow
 def test_log_ratio_is_zero_at_lr0_for_every_estimator(ppo_setup):
     """Every advantage estimator, n samples per prompt in groups, generation batch != mini-batch, the
     estimator's own loss aggregation: the log-ratio stays ~0 and each group's rows answer one prompt.

@@ -61,6 +61,7 @@ def trainer_for(run, args) -> PPOTrainer:
     return PPOTrainer(run.engines, config, run.trainer.kl_ctl, run.trainer.rewards)
 
 
+@pytest.mark.slow
 def test_log_ratio_is_zero_at_lr0_for_every_policy_loss_and_option(lr0_run):
     model, tmp, run = lr0_run
     assert run.engines.ref is not None and len(run.trainer.rewards) == 2

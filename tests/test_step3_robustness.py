@@ -86,6 +86,7 @@ def test_missing_model_directory_is_named(tmp_path):
         parse_args(ppo_args(str(tmp_path / "does-not-exist"), tmp_path / "p.jsonl", tmp_path / "out"))
 
 
+@pytest.mark.slow
 def test_step3_kill_and_resume_matches_uninterrupted(tiny_gpt2, tiny_gpt2_reward, tmp_path):
     """Sampling, PPO epochs, the adaptive KL controller and EMA: all must come back exactly."""
     write_prompts(tmp_path / "prompts.jsonl", 64)

@@ -8,6 +8,7 @@ from tests.launch import metrics, run_deepspeed, tail
 from tests.test_step3_lr0 import write_prompts
 
 
+@pytest.mark.slow
 def test_generation_modes_agree_and_repartition(tiny_llama, tmp_path):
     """Greedy tokens: plain ZeRO-3 generate == hybrid generation mode (LoRA merged) == hybrid unmerged;
     afterwards every parameter is partitioned again, the weights are bit-for-bit unchanged, DeepSpeed's
@@ -34,6 +35,7 @@ def test_generation_modes_agree_and_repartition(tiny_llama, tmp_path):
     assert tree["restored"] and tree["after"]["merged_wrappers"] == 0, tree
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("experience", ["gathered", "hooked"])
 def test_two_rank_zero3_hybrid_lr0_log_ratio_and_exports(tiny_gpt2, tiny_gpt2_reward, tmp_path, experience):
     """lr 0 under ZeRO-3 + hybrid: the rollout scored on gathered models (default) or through the

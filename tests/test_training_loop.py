@@ -129,6 +129,7 @@ print(json.dumps(memory.metrics()))
 """
 
 
+@pytest.mark.slow
 def test_phase_memory_records_each_phases_peak():
     """In a fresh interpreter: in this one the heap already holds freed blocks (tune_malloc keeps them),
     so a new allocation need not raise the RSS at all."""
