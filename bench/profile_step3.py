@@ -36,8 +36,7 @@ def worker(argv) -> None:
     rows, _, _ = trainer.make_experience([next(batches)])
     trainer.compute_advantages(rows)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for minibatch in trainer.minibatches(rows, 2, 0):
-            trainer.train_minibatch(minibatch)
+        trainer.train_epochs(rows, 2)
     if is_rank0():
         table = prof.key_averages()
         with open(options["--report"], "w") as f:

@@ -17,6 +17,7 @@ from utils.distributed import all_reduce_sum, rank_batches
 from utils.flags import BATCH_FLAGS, single_model_parser, validate_training_args
 from utils.forward import causal_lm_logits, eval_mode, lm_nll
 from utils.logging import print_rank0
+from utils.losses import IGNORE_INDEX
 from utils.model import load_causal_lm
 from utils.run import ReloadCheck, Run
 from utils.training import (build_trained_engine, micro_batch_schedule, spec_from_args, start_single_model_run,
@@ -42,6 +43,19 @@ def evaluate_perplexity(engine, examples: list, collator, batch_size: int) -> fl
             total_tokens += weight * count.item()
     total_nll, total_tokens = all_reduce_sum([total_nll, total_tokens])
     return math.exp(total_nll / max(total_tokens, 1.0))
+
+
+def sft_loss_terms(engine, batch: dict) -> tuple[dict, tuple]:
+    """A micro-batch's loss as utils.training.train_micro_batches takes it: {"tokens": its NLL per trained
+    token} (no extra stats)."""
+    nll, count = lm_nll(engine, batch)
+    return {"tokens": nll / count.clamp(min=1)}, ()
+
+
+def trained_tokens(batch: dict) -> dict:
+    """{"tokens": the labels a micro-batch trains on} (sft_nll's count, without a forward): the unit its
+    loss is averaged over, summed over the optimizer step by utils.training.train_micro_batches."""
+    return {"tokens": int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())}
 
 
 def logits_of(model, batch: dict) -> torch.Tensor:
@@ -74,15 +88,13 @@ def main(argv=None):
 
     ppl_before = run.restore(before)["ppl_before"]
 
-    def micro_step(batch):
-        nll, count = lm_nll(engine, batch)
-        return nll / count.clamp(min=1), ()
-
     def step_metrics(means):
         (mean_loss,) = means
         return {"train/loss": mean_loss}, {"loss": f"{mean_loss:.4f}"}, f"loss {mean_loss:.4f}"
 
-    train_micro_batches(run, engine, loader, sampler, micro_step, step_metrics)
+    # the loss is the NLL per trained token of the whole optimizer step (all micro-batches, all ranks)
+    train_micro_batches(run, engine, loader, sampler, lambda batch: sft_loss_terms(engine, batch), step_metrics,
+                        counts=trained_tokens)
 
     ppl_after = evaluate_perplexity(engine, eval_examples, collator, args.per_device_eval_batch_size)
     print_rank0(f"[step1] eval perplexity after {run.loop.step} steps: {ppl_after:.3f} (before {ppl_before:.3f}); "

@@ -167,17 +167,34 @@ class PreferenceLoss:
 
     def __call__(self, logps: torch.Tensor, counts: torch.Tensor | None, ref_logps: torch.Tensor | None,
                  with_nll: bool = True) -> tuple:
+        terms, stats = self.terms(logps, counts, ref_logps, with_nll)
+        return sum(terms.values()), stats
+
+    def terms(self, logps: torch.Tensor, counts: torch.Tensor | None, ref_logps: torch.Tensor | None,
+              with_nll: bool = True) -> tuple[dict, dict]:
+        """The loss's terms by the unit each is a mean over (`units`): "pairs", the pair loss; with
+        --nll_loss_coef, "chosen_tokens", the NLL term per chosen response token; and the stats."""
         chosen, rejected = split_pair_batch(logps)
         ref_chosen, ref_rejected = split_pair_batch(ref_logps.to(logps.device)) if ref_logps is not None else (None, None)
         chosen_tokens, rejected_tokens = split_pair_batch(counts) if self.entry.needs_lengths else (None, None)
         loss, stats = pair_loss(PairLogps(chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens),
                                 self.beta, self.loss_type, **self.options)
+        terms = {"pairs": loss}
         stats["chosen_logp"], stats["rejected_logp"] = chosen.detach().mean(), rejected.detach().mean()
         if self.nll_loss_coef and with_nll:
             nll = response_nll(chosen, split_pair_batch(counts)[0])
             stats["nll"] = nll.detach()
-            loss = loss + self.nll_loss_coef * nll
-        return loss, stats
+            terms["chosen_tokens"] = self.nll_loss_coef * nll
+        return terms, stats
+
+    def units(self, batch: dict) -> dict:
+        """{unit: count} of a PreferenceCollator batch for the terms above (no forward): its pairs and, with
+        the NLL term, its chosen response tokens; train_micro_batches sums them over the optimizer step."""
+        pairs = batch["input_ids"].shape[0] // 2
+        units = {"pairs": pairs}
+        if self.nll_loss_coef:
+            units["chosen_tokens"] = int(batch["action_mask"][:pairs].sum())
+        return units
 
 
 EVAL_STATS = ("loss", "accuracy", "chosen_reward", "rejected_reward", "margin", "chosen_logp", "rejected_logp")
@@ -307,8 +324,8 @@ def main(argv=None):
 
     def micro_step(batch):
         logps, counts = sequence_logprobs(engine, batch)
-        loss, stats = loss_of(logps, counts, reference(batch))
-        return loss, tuple(stats[name].item() for name in stat_names)
+        terms, stats = loss_of.terms(logps, counts, reference(batch))
+        return terms, tuple(stats[name].item() for name in stat_names)
 
     def step_metrics(means):
         mean_loss, accuracy, margin, *_ = means
@@ -316,7 +333,9 @@ def main(argv=None):
                 {"loss": f"{mean_loss:.4f}", "acc": f"{accuracy:.2f}"},
                 f"loss {mean_loss:.4f} accuracy {accuracy:.3f} margin {margin:.4f}")
 
-    train_micro_batches(run, engine, loader, sampler, micro_step, step_metrics)
+    # the pair loss is the mean over the optimizer step's pairs (all micro-batches, all ranks), the NLL term
+    # the mean over its chosen response tokens
+    train_micro_batches(run, engine, loader, sampler, micro_step, step_metrics, counts=loss_of.units)
 
     step = run.loop.step
     after = run.evaluate_now()

@@ -155,11 +155,12 @@ def needs_synced_gpus(engine, hybrid: bool) -> bool:
 
 @torch.no_grad()
 def generate(engine, input_ids: torch.Tensor, attention_mask: torch.Tensor, hybrid: bool, merge_lora: bool = True,
-             **generation_kwargs) -> torch.Tensor:
-    """Sequences [B, P + T] for left-padded prompts [B, P], in the actor's generation mode.
+             logprob_temperature: float | None = None, **generation_kwargs):
+    """Sequences [B, P + T] for left-padded prompts [B, P], in the actor's generation mode; with
+    `logprob_temperature`, also the generator's log-probs [B, T] of its tokens (utils.forward.generate).
 
     `generation_kwargs` come from utils.forward.generation_kwargs (KV cache on).
     """
     with generation_mode(engine, hybrid, merge_lora):
-        return forward_generate(engine.module, input_ids, attention_mask,
+        return forward_generate(engine.module, input_ids, attention_mask, logprob_temperature=logprob_temperature,
                                 synced_gpus=needs_synced_gpus(engine, hybrid), **generation_kwargs)

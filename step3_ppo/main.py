@@ -41,7 +41,7 @@ from utils.flags import (add_checkpoint_args, add_data_args, add_generation_args
 from utils.logging import print_rank0
 from utils.losses import GSPO_CLIPRANGE_HIGH, GSPO_CLIPRANGE_LOW, KL_LOSS_ESTIMATORS, POLICY_LOSSES
 from utils.model import check_model_path, load_tokenizer
-from utils.ops import KL_ESTIMATORS, LOSS_AGGREGATIONS
+from utils.ops import KL_ESTIMATORS, LOSS_AGGREGATIONS, ROLLOUT_CORRECTIONS
 from utils.reward_model import check_policy_dir, check_reward_model_dir, export_reward_model
 from utils.run import Run
 from utils.training import step_examples, total_training_steps
@@ -72,6 +72,17 @@ def parse_args(argv=None):
     g.add_argument("--rollout_engine", choices=list(ROLLOUT_ENGINES), default="hf",
                    help="what generates the rollout: " + "; ".join(f"{name}: {e.help}"
                                                                   for name, e in ROLLOUT_ENGINES.items()))
+    g.add_argument("--no_rollout_logprobs", dest="rollout_logprobs", action="store_false",
+                   help="keep no log-probs of the rollout engine for its own tokens: no rollout/logprob_diff_* "
+                        "metrics and no --rollout_correction, and generate holds no per-step logits (rows x tokens "
+                        "x vocabulary x 4 bytes less while generating)")
+    g.add_argument("--rollout_correction", choices=ROLLOUT_CORRECTIONS, default="none",
+                   help="weight each action's policy loss by w = pi_old / pi_rollout, the trainer's old log-prob "
+                        "against the generator's (a ratio of probabilities): none; tis: min(w, C); icepop: w, and 0 "
+                        "outside [1/C, C]; seq_mask_tis: 0 on answers whose geometric-mean w leaves [1/C, C], else "
+                        "min(w, C); C = --rollout_correction_threshold (default %(default)s)")
+    g.add_argument("--rollout_correction_threshold", type=float, default=2.0, metavar="C",
+                   help="C of --rollout_correction, a ratio of probabilities (> 1) (default %(default)s)")
     g.add_argument("--enable_hybrid_engine", action="store_true",
                    help="generation mode: ZeRO-3 params gathered once, hooks lifted, LoRA merged; the rollout's "
                         "no-grad forwards also on models gathered once (see --no_gathered_experience)")
@@ -184,6 +195,15 @@ def parse_args(argv=None):
                    help="answers cut without EOS are left out of the loss (TRL's)")
     g.add_argument("--filter_zero_variance_groups", action="store_true",
                    help="groups whose rewards are all equal (no signal) are left out of the loss and counted (DAPO)")
+    g.add_argument("--dynamic_sampling", action="store_true",
+                   help="DAPO's dynamic sampling: generate further prompt batches (one per rank per round) until each "
+                        "rank holds --per_device_generation_batch_size x --generation_batches groups whose rewards "
+                        "differ, at most --max_sampling_rounds rounds; the rest is filled with groups without signal, "
+                        "left out of the loss; logged as dynamic/* (groups over all ranks)")
+    g.add_argument("--max_sampling_rounds", type=int, default=4,
+                   help="with --dynamic_sampling, the most generation rounds of one iteration, the first included "
+                        "(rounds, >= 1; each further one a prompt batch per rank from the training prompts) "
+                        "(default %(default)s)")
     g = p.add_argument_group("evaluation during training")
     g.add_argument("--eval_interval", type=int, default=0,
                    help="evaluate before the first iteration, every K iterations and at the end (0: never)")
@@ -215,7 +235,8 @@ def validate_args(args) -> None:
     check_range(args, 0, ("cliprange_low", "cliprange_high"), strict=True)
     check_range(args, 0, ("kl_ctl", "unsup_coef", "kl_horizon", "entropy_coef"))
     check_policy_loss_args(args)
-    check_range(args, 1, ("print_answers_interval",))
+    check_range(args, 1, ("print_answers_interval", "max_sampling_rounds"))
+    check_rollout_args(args)
     for name in ("gamma", "lam"):
         if not 0 <= getattr(args, name) <= 1:
             fail(f"--{name} must be in [0, 1], got {getattr(args, name)}")
@@ -254,6 +275,24 @@ def validate_args(args) -> None:
     validate_training_args(args, MODELS, positive=("per_device_generation_batch_size", "per_device_training_batch_size",
                                                    "generation_batches", "ppo_epochs", "max_prompt_seq_len",
                                                    "max_answer_seq_len"))  # last: it checks OUTPUT_DIR
+
+
+def check_rollout_args(args) -> None:
+    """--dynamic_sampling compares the answers to a prompt; --rollout_correction needs the generator's own
+    log-probs (an engine that gives them, not turned off) and C > 1."""
+    if args.dynamic_sampling and args.n_samples_per_prompt < 2:
+        fail(f"--dynamic_sampling keeps the prompts whose answers' rewards differ: it needs --n_samples_per_prompt "
+             f">= 2, got {args.n_samples_per_prompt}")
+    if args.rollout_correction == "none":
+        return
+    if not ROLLOUT_ENGINES[args.rollout_engine].logprobs:
+        fail(f"--rollout_correction {args.rollout_correction}: --rollout_engine {args.rollout_engine} gives no "
+             f"log-probs of its tokens")
+    if not args.rollout_logprobs:
+        fail(f"--rollout_correction {args.rollout_correction} needs the generator's log-probs, which "
+             f"--no_rollout_logprobs leaves out")
+    if not args.rollout_correction_threshold > 1:
+        fail(f"--rollout_correction_threshold must be > 1, got {args.rollout_correction_threshold}")
 
 
 def check_policy_loss_args(args) -> None:
@@ -404,6 +443,9 @@ def setup(args) -> Setup:
                                  reward_weights=tuple(args.reward_weights) if args.reward_weights else None)
     trainer = PPOTrainer(engines, config, kl_controller(args), build_rewards(args, tokenizer, engines),
                          unsupervised_batches(args, tokenizer))
+    if not ROLLOUT_ENGINES[args.rollout_engine].logprobs:
+        print_rank0(f"[step3] --rollout_engine {args.rollout_engine} gives no log-probs of its tokens: "
+                    f"rollout/logprob_diff_* are not logged")
     return Setup(args, tokenizer, sampler, loader, engines, trainer, steps_per_epoch, total_steps,
                  eval_batches(args, eval_prompts, tokenizer) if args.eval_interval else [])
 
@@ -449,7 +491,12 @@ def train(prepared: Setup) -> Run:
         trainer.reward_moments.load_state_dict(run.rank_state["reward_moments"])
     trainer.guard = run.guard
     for prompt_batches in run.steps(prepared.loader, prepared.sampler, args.generation_batches):
-        metrics, rollout = trainer.step(prompt_batches, run.loop.step)
+        # dynamic sampling draws further prompt batches from the same loader (a resume skips them too)
+        metrics, rollout = trainer.step(prompt_batches, run.loop.step, more_prompts=run.next_batch)
+        if metrics.get("dynamic/missing_groups"):
+            print_rank0(f"[step3] step {run.loop.step + 1}: {metrics['dynamic/missing_groups']:.0f} groups with "
+                        f"signal missing after {metrics['dynamic/rounds']} sampling rounds (--max_sampling_rounds); "
+                        f"trained on the {metrics['dynamic/kept_groups']:.0f} kept")
         run.loop.overflow_steps += int(metrics.get("train/overflow_skipped", 0))
         shown = {"score": f"{metrics.get('reward/score_mean', float('nan')):.3f}",
                  "kl": f"{metrics.get('kl/ref_mean', float('nan')):.3f}"}

@@ -7,6 +7,12 @@ stop token), decoded with `settings` (utils.forward.GenerationSettings) and stop
 stop tokens. The trainer computes the old log-probs with its own forward whatever the engine (an
 engine's own log-probs may only measure the generator-trainer mismatch), so the lr=0 promise holds
 for every engine that returns the tokens it sampled.
+
+An engine whose entry says `logprobs=True` also offers `generate_with_logprobs(input_ids, attention_mask,
+settings) -> (sequences, log-probs [B, T])`: its own log-probs of the tokens it sampled, under its full
+distribution at the rollout temperature (`settings.logprob_temperature`). The trainer logs their distance
+to its old log-probs (`rollout/logprob_diff_*`) and `--rollout_correction` weights the loss by their ratio;
+an engine that cannot give them says `logprobs=False`, and then neither is available.
 """
 from __future__ import annotations
 
@@ -39,16 +45,26 @@ class ActorGenerate:
                         merge_lora=c.merge_lora_for_generation,
                         **generation_kwargs(settings, c.stop_token_ids, c.pad_token_id))
 
+    def generate_with_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                               settings: GenerationSettings) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same, with generate's raw logits turned into the sampled tokens' log-probs step by step."""
+        c = self.config
+        return generate(self.actor, input_ids, attention_mask, hybrid=c.enable_hybrid_engine,
+                        merge_lora=c.merge_lora_for_generation, logprob_temperature=settings.logprob_temperature,
+                        **generation_kwargs(settings, c.stop_token_ids, c.pad_token_id))
+
 
 @dataclass(frozen=True)
 class RolloutEngineEntry:
-    """`build(actor, config) -> RolloutEngine`; `help`: the flag's one line."""
+    """`build(actor, config) -> RolloutEngine`; `help`: the flag's one line; `logprobs`: whether its engine
+    offers `generate_with_logprobs` (the generator's own log-probs of the sampled tokens)."""
     build: Callable[..., RolloutEngine]
     help: str
+    logprobs: bool = False
 
 
 # A new engine (vLLM, ...) is one entry here and its class (with a test that its tokens train at lr=0).
 ROLLOUT_ENGINES: dict[str, RolloutEngineEntry] = {
     "hf": RolloutEngineEntry(ActorGenerate, "transformers' generate on the actor (with --enable_hybrid_engine: "
-                                            "ZeRO-3 parameters gathered once, KV cache, LoRA merged)"),
+                                            "ZeRO-3 parameters gathered once, KV cache, LoRA merged)", logprobs=True),
 }

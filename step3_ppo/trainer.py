@@ -26,12 +26,16 @@ from step3_ppo.hybrid import gathered
 from step3_ppo.rollout_engines import ROLLOUT_ENGINES
 from step3_ppo.shaping import RunningMoments, clip_scores, compute_rewards, length_penalty
 from utils import accelerator, losses
-from utils.distributed import all_reduce_max, all_reduce_sum, world_size
+from utils.distributed import all_reduce_max, all_reduce_max_list, all_reduce_sum, world_size
 from utils.forward import (GenerationSettings, eval_mode, lm_nll, model_device, to_device,
                            token_logprobs, token_values)
-from utils.ops import explained_variance, masked_mean, masked_whiten, select
+from utils.ops import explained_variance, masked_mean, masked_whiten, rollout_correction_weights, select
 from utils.rollout import Row, from_token_layout, pack, split_generation, to_token_layout
-from utils.training import OVERFLOW, backward_and_step
+from utils.training import OVERFLOW, accumulation_windows, backward_and_step, step_normalised_loss, window_totals
+
+
+# the loss figures logged as their optimizer steps' mean (each mini-batch logs its part of its step's loss)
+STEP_LOSSES = ("loss/actor", "loss/kl", "loss/critic")
 
 
 def component_sums(rows: list[Row], names: list[str]) -> dict:
@@ -72,7 +76,12 @@ class PPOConfig:
     truncation_penalty: float = 0.0
     mask_truncated_completions: bool = False
     filter_zero_variance_groups: bool = False
+    dynamic_sampling: bool = False  # DAPO: more prompt batches until the rollout holds its groups with signal
+    max_sampling_rounds: int = 4  # generation rounds of one iteration with dynamic_sampling, the first included
     skip_bad_rewards: bool = False
+    rollout_logprobs: bool = True  # keep the rollout engine's own log-probs of its tokens (when it gives them)
+    rollout_correction: str = "none"  # utils.ops.ROLLOUT_CORRECTIONS
+    rollout_correction_threshold: float = 2.0  # C of the rollout correction (> 1)
     kl_estimator: str = "k1"
     clip_reward_value: float | None = 5.0
     normalize_reward: bool = False
@@ -117,7 +126,13 @@ class PPOTrainer:
         self.policy_loss = losses.POLICY_LOSSES[config.policy_loss]
         self.loss_agg = config.loss_agg or self.policy_loss.loss_agg or self.estimator.loss_agg
         self.actor, self.ref = engines.actor, engines.ref
-        self.rollout = ROLLOUT_ENGINES[config.rollout_engine].build(self.actor, config)
+        engine_entry = ROLLOUT_ENGINES[config.rollout_engine]
+        self.rollout = engine_entry.build(self.actor, config)
+        self.rollout_logprobs = engine_entry.logprobs and config.rollout_logprobs  # rows keep "rollout_logprobs"
+        if config.rollout_correction != "none" and not self.rollout_logprobs:
+            raise ValueError(f"--rollout_correction {config.rollout_correction} needs the rollout engine's own "
+                             f"log-probs, which --rollout_engine {config.rollout_engine} does not give"
+                             + ("" if engine_entry.logprobs else " (or --no_rollout_logprobs left them out)"))
         self.critic = engines.critic if self.estimator.needs_critic else None
         self.ema = getattr(engines, "ema", None)
         self.rewards = list(rewards)
@@ -128,25 +143,32 @@ class PPOTrainer:
         self.guard = None  # BadStepGuard: skips updates with a non-finite reward or loss (set by main)
         self.memory = accelerator.PhaseMemory()  # peak memory of generation / experience / training
         self.overflow_skipped = 0  # updates of this iteration the fp16 loss scaler skipped
+        self.used = {}  # per engine, whether the last mini-batch's loss was finite and trained on
 
     def finite(self, *values) -> bool:
         return self.guard is None or self.guard.all_finite(*values)
 
     # ------------------------------------------------------------------ rollout + experience
     def generate_rows(self, prompt_batch: dict, first_group: int = 0, settings: GenerationSettings | None = None,
-                      n: int | None = None) -> list[Row]:
+                      n: int | None = None, logprobs: bool = False) -> list[Row]:
         """`n_samples_per_prompt` answers to each prompt of the batch, generated together (a group never
         straddles generation batches); group ids count from `first_group`, each row keeps its prompt row.
-        `settings` / `n` replace the rollout's (evaluation: greedy, one answer)."""
+        `settings` / `n` replace the rollout's (evaluation: greedy, one answer). With `logprobs` (an engine
+        that gives them) each row keeps the generator's own log-probs of its answer, "rollout_logprobs"."""
         c = self.config
         n = c.n_samples_per_prompt if n is None else n
         ids, mask = prompt_batch["input_ids"], prompt_batch["attention_mask"]
-        sequences = self.rollout.generate(ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0),
-                                          settings or c.generation)
+        inputs = (ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0), settings or c.generation)
+        if logprobs:
+            sequences, generated = self.rollout.generate_with_logprobs(*inputs)
+        else:
+            sequences = self.rollout.generate(*inputs)
         rows = split_generation(sequences, ids, mask, c.stop_token_ids, samples_per_prompt=n)
         prompt_rows = prompt_batch.get("rows") or [{} for _ in range(ids.shape[0])]
         for i, row in enumerate(rows):
             row.group, row.prompt = first_group + i // n, prompt_rows[i // n]
+            if logprobs:
+                row.per_action["rollout_logprobs"] = generated[i, :row.response_ids.numel()].float().cpu().clone()
         return rows
 
     def inference_weights(self, engine):
@@ -188,12 +210,12 @@ class PPOTrainer:
             for row, score in zip(rows, combine(parts, self.config.reward_weights).tolist()):
                 row.score = score
 
-    def make_experience(self, prompt_batches: list[dict]) -> tuple[list[Row], float, float]:
+    def make_experience(self, prompt_batches: list[dict], first_group: int = 0) -> tuple[list[Row], float, float]:
         """Rollout, then the no-grad forwards; returns the rows and the generation/experience seconds.
 
         The actor's old log-probs are computed while its weights are still gathered for generation
         (hybrid), on the unmerged weights training uses; each other engine is gathered once for
-        all prompt batches.
+        all prompt batches. Group ids count from `first_group` (a later round of dynamic sampling).
         """
         rows_per_batch, generation_s, experience_s = [], 0.0, 0.0
         memory, n = self.memory, self.config.n_samples_per_prompt
@@ -201,7 +223,8 @@ class PPOTrainer:
             for prompt_batch in prompt_batches:
                 t0 = time.time()
                 with memory.phase("generation"):
-                    rows = self.generate_rows(prompt_batch, first_group=sum(map(len, rows_per_batch)) // n)
+                    group = first_group + sum(map(len, rows_per_batch)) // n
+                    rows = self.generate_rows(prompt_batch, first_group=group, logprobs=self.rollout_logprobs)
                 t1 = time.time()
                 with memory.phase("experience"):
                     self.store_logprobs(rows, self.actor, "old_logprobs")
@@ -233,7 +256,8 @@ class PPOTrainer:
         """Mark the rows the loss leaves out (`Row.trained`), and count them:
         - a skipped (NaN) score (`--skip_bad_rewards`): the whole group, whose baseline it would bias;
         - `--mask_truncated_completions`: an answer cut at the length limit (TRL's);
-        - `--filter_zero_variance_groups`: a group whose rewards are all equal (DAPO's dynamic sampling).
+        - `--filter_zero_variance_groups` (and `--dynamic_sampling`, whose rollout is filled up with such
+          groups when too few had signal): a group whose rewards are all equal (DAPO's).
         NaN scores become 0 so the arithmetic stays finite (those rows are not trained on)."""
         c = self.config
         bad = torch.isnan(scores)
@@ -242,15 +266,15 @@ class PPOTrainer:
         truncated = torch.tensor([not r.ended_with_eos for r in rows])
         flat = zero_variance_groups(scores, groups) & ~bad_groups
         drop = bad_groups | (truncated if c.mask_truncated_completions else torch.zeros_like(bad))
-        drop = drop | (flat if c.filter_zero_variance_groups else torch.zeros_like(bad))
+        drop = drop | (flat if c.filter_zero_variance_groups or c.dynamic_sampling else torch.zeros_like(bad))
         for row, dropped in zip(rows, drop.tolist()):
             row.trained = not dropped
         return {"scores": scores, "bad_rows": int(bad.sum()), "dropped_rows": int(drop.sum()),
                 "zero_variance_rows": int(flat.sum())}
 
-    def compute_advantages(self, rows: list[Row]) -> dict:
-        """Sequence rewards (components, length penalty, normalisation, clip, the estimator's group
-        baseline) on the last action, the KL penalty per action, advantages, whitening over the rollout."""
+    def sequence_rewards(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(raw scores [B] (NaN: skipped), the scores the loss selection and baselines see: the components
+        combined by --reward_norm plus the length penalty [B], the penalty [B], group ids [B])."""
         c = self.config
         lengths = torch.tensor([r.response_ids.numel() for r in rows])
         ended = torch.tensor([r.ended_with_eos for r in rows])
@@ -263,12 +287,32 @@ class PPOTrainer:
             parts = {comp.name: torch.tensor([r.score_parts[comp.name] for r in rows], dtype=torch.float32)
                      for comp in self.rewards}
             scores = combine(parts, c.reward_weights, groups, c.reward_norm)
-        selected = self.select_trained(rows, scores + penalty, groups)
+        return raw_scores, scores + penalty, penalty, groups
+
+    def groups_with_signal(self, rows: list[Row]) -> list[int]:
+        """The ids of the groups (in rollout order) whose rewards are all finite and not all equal: under a
+        group baseline the only ones with non-zero advantages (what DAPO's dynamic sampling collects)."""
+        _, scores, _, groups = self.sequence_rewards(rows)
+        bad = torch.isnan(scores)
+        dead = zero_variance_groups(torch.where(bad, torch.zeros_like(scores), scores), groups)
+        dead = dead | torch.isin(groups, groups[bad])
+        return list(dict.fromkeys(g for g, no_signal in zip(groups.tolist(), dead.tolist()) if not no_signal))
+
+    def compute_advantages(self, rows: list[Row]) -> dict:
+        """Sequence rewards (components, length penalty, normalisation, clip, the estimator's group
+        baseline) on the last action, the KL penalty per action, advantages, whitening over the rollout;
+        with the generator's log-probs, their distance to the old log-probs and the rollout correction's
+        weights ("rollout_weights")."""
+        c = self.config
+        raw_scores, scores, penalty, groups = self.sequence_rewards(rows)
+        selected = self.select_trained(rows, scores, groups)
         batch = pack(rows, c.pad_token_id)
         action_mask, loss_mask = batch["action_mask"], batch["loss_mask"]
         p, length = batch["prompt_len"], batch["input_ids"].shape[1]
         names = ("old_logprobs", "ref_logprobs") + (("old_values",) if self.critic is not None else ())
+        names += ("rollout_logprobs",) if self.rollout_logprobs else ()
         layout = {name: to_token_layout(rows, name, p, length) for name in names}
+        mismatch = self.rollout_mismatch(rows, layout, action_mask, loss_mask, p) if self.rollout_logprobs else {}
         values = layout.get("old_values", torch.zeros_like(action_mask))
         scores = selected["scores"]
         if c.normalize_reward:
@@ -298,43 +342,83 @@ class PPOTrainer:
             "bad_rows": selected["bad_rows"],
             "dropped_rows": selected["dropped_rows"],
             "zero_variance_rows": selected["zero_variance_rows"],
+            **mismatch,
             **component_sums(rows, [comp.name for comp in self.rewards]),
         }
 
+    def rollout_mismatch(self, rows: list[Row], layout: dict, action_mask: torch.Tensor, loss_mask: torch.Tensor,
+                         prompt_len: int) -> dict:
+        """|generator - trainer| log-prob of every action (the trainer's old log-probs against the rollout
+        engine's own), as sums for the iteration's mean and max; with --rollout_correction the per-action
+        off-policy weights stored in the rows ("rollout_weights") and their sums over the trained actions."""
+        c = self.config
+        mask = action_mask != 0
+        diff = select((layout["old_logprobs"] - layout["rollout_logprobs"]).abs(), mask)
+        out = {"logprob_diff_sum": diff.sum().item(), "logprob_diff_count": int(mask.sum()),
+               "logprob_diff_max": diff.max().item() if diff.numel() else 0.0}
+        if c.rollout_correction != "none":
+            weights = rollout_correction_weights(layout["old_logprobs"], layout["rollout_logprobs"], action_mask,
+                                                 c.rollout_correction, c.rollout_correction_threshold)
+            from_token_layout(rows, "rollout_weights", weights, prompt_len)
+            trained = loss_mask != 0
+            out.update(rollout_weight_sum=select(weights, trained).sum().item(),
+                       rollout_masked_sum=int((trained & (weights == 0)).sum()),
+                       rollout_weight_count=int(trained.sum()))
+        return out
+
     # ------------------------------------------------------------------ PPO epochs
-    def train_minibatch(self, rows: list[Row]) -> dict:
+    def loss_units(self, rows: list[Row]) -> dict:
+        """What a mini-batch's losses are averaged over: its trained actions ("tokens": the actor's loss with
+        token_mean, the critic's) and its trained answers ("sequences": seq_mean, constant_norm)."""
+        trained = [r for r in rows if r.trained]
+        return {"tokens": sum(r.response_ids.numel() for r in trained), "sequences": len(trained)}
+
+    def train_minibatch(self, rows: list[Row], counts: dict, totals: dict, boundary: bool,
+                        replay: dict | None = None) -> dict:
+        """One mini-batch's forward, backward and step of the actor (and critic) in its optimizer step
+        (`train_epochs`). `counts` / `totals`: its loss units (`loss_units`) and those of its whole optimizer
+        step on every rank, so that the step's loss is ONE mean (utils.training.step_normalised_loss);
+        `boundary`: whether its step() updates the weights (the window's last mini-batch). `replay`
+        ({"actor": rows, "critic": rows} of an earlier mini-batch of the window): an engine whose loss here is
+        non-finite at the boundary backwards 0 x that mini-batch's instead, so its window still closes. The
+        PPO-ptx term keeps its own per-mini-batch mean."""
         c = self.config
         batch = pack(rows, c.pad_token_id)
         ids, mask = batch["input_ids"], batch["attention_mask"]
         p, length = batch["prompt_len"], ids.shape[1]
         names = ("old_logprobs", "ref_logprobs", "advantages") + (("old_values", "returns") if self.critic is not None else ())
+        names += ("rollout_weights",) if c.rollout_correction != "none" else ()
         old = to_device({name: to_token_layout(rows, name, p, length) for name in names}, model_device(self.actor))
         action_mask = batch["action_mask"].to(model_device(self.actor))
         loss_mask = batch["loss_mask"].to(model_device(self.actor))  # the actions of the rows still trained on
         agg = {"loss_agg": self.loss_agg, "agg_constant": c.max_answer_seq_len}
+        unit = "tokens" if self.loss_agg == "token_mean" else "sequences"
+        steps, ranks = self.actor.gradient_accumulation_steps(), world_size()
 
         logprobs, entropy = self.logprobs_fn(self.actor, batch, c.generation.logprob_temperature,
                                              return_entropy=True, entropy_grad=c.entropy_coef != 0)
         actor_loss, actor_stats = self.policy_loss.fn(logprobs, old["old_logprobs"], old["advantages"], action_mask,
-                                                      loss_mask=loss_mask, **agg,
+                                                      loss_mask=loss_mask, weights=old.get("rollout_weights"), **agg,
                                                       **{name: getattr(c, name) for name in self.policy_loss.options})
-        loss = actor_loss
+        policy = actor_loss
         if c.entropy_coef:
-            loss = loss - c.entropy_coef * losses.entropy_bonus(entropy, loss_mask, **agg)
+            policy = policy - c.entropy_coef * losses.entropy_bonus(entropy, loss_mask, **agg)
         kl_loss = torch.zeros(())
         if c.kl_in_loss and self.ref is not None:
             kl_loss = losses.kl_penalty_loss(logprobs, old["ref_logprobs"], loss_mask, **agg,
                                              estimator=c.kl_loss_estimator, old_logprobs=old["old_logprobs"])
-            loss = loss + self.kl_ctl.value * kl_loss
+            policy = policy + self.kl_ctl.value * kl_loss
+        loss, _ = step_normalised_loss({unit: policy}, counts, totals, steps, ranks)
         ptx_loss = torch.zeros(())
         if self.unsup_batches is not None:
             nll, count = lm_nll(self.actor, next(self.unsup_batches))
             ptx_loss = nll / count.clamp(min=1)
             loss = loss + c.unsup_coef * ptx_loss
-        if self.finite(loss):
-            self.count_overflow(backward_and_step(self.actor, loss))
+        self.used = {"actor": self.backward(self.actor, loss, boundary, (replay or {}).get("actor"))}
 
-        stats = {"loss/actor": actor_loss.item(), "loss/kl": kl_loss.item(), "loss/ptx": ptx_loss.item(),
+        share = counts[unit] / totals[unit] if totals[unit] else 0.0  # this mini-batch's part of the step's loss
+        stats = {"loss/actor": actor_loss.item() * share, "loss/kl": kl_loss.item() * share,
+                 "loss/ptx": ptx_loss.item(),
                  "ppo/clipfrac": actor_stats["clipfrac"].item(),
                  "ppo/approx_kl_old": actor_stats["approx_kl"].item(),
                  "ppo/log_ratio_max_abs": actor_stats["log_ratio_max_abs"].item(),
@@ -345,10 +429,47 @@ class PPOTrainer:
             critic_loss, critic_stats = losses.value_loss(values, old["old_values"].to(values.device),
                                                           old["returns"].to(values.device), critic_mask,
                                                           c.cliprange_value)
-            if self.finite(critic_loss):
-                self.count_overflow(backward_and_step(self.critic, critic_loss))
-            stats.update({"loss/critic": critic_loss.item(), "value/clipfrac": critic_stats["value_clipfrac"].item()})
+            scaled, logged = step_normalised_loss({"tokens": critic_loss}, counts, totals, steps, ranks)
+            self.used["critic"] = self.backward(self.critic, scaled, boundary, (replay or {}).get("critic"))
+            stats.update({"loss/critic": logged, "value/clipfrac": critic_stats["value_clipfrac"].item()})
         return stats
+
+    def backward(self, engine, loss, boundary: bool, replay_rows: list[Row] | None) -> bool:
+        """`loss`'s backward and step on `engine` when it is finite on every rank (else the bad-step guard
+        counts it); a skipped loss at the window's boundary backwards 0 x an earlier mini-batch's forward
+        (`replay_rows`) so the window's update still happens. Returns whether `loss` was used."""
+        if self.finite(loss):
+            self.count_overflow(backward_and_step(engine, loss, boundary))
+            return True
+        if boundary and replay_rows:
+            batch = pack(replay_rows, self.config.pad_token_id)
+            if engine is self.critic:
+                out = token_values(engine, batch["input_ids"], batch["attention_mask"])
+            else:
+                out = self.logprobs_fn(engine, batch, self.config.generation.logprob_temperature)
+            zero = 0.0 * select(out, batch["action_mask"].to(out.device)).sum()
+            self.count_overflow(backward_and_step(engine, zero, True))
+        return False
+
+    def train_epochs(self, rows: list[Row], step: int) -> tuple[list[dict], int]:
+        """`--ppo_epochs` passes over the rollout's mini-batches, in optimizer steps of
+        `--gradient_accumulation_steps` mini-batches (the iteration's last step may hold fewer: its own
+        window, so no gradient carries into the next rollout). Each step's losses are one mean over its
+        trained tokens (or answers) on every rank: the window's counts are all-reduced once before its
+        first backward. Returns the mini-batches' stats and the number of optimizer steps."""
+        minibatches = [mb for epoch in range(self.config.ppo_epochs) for mb in self.minibatches(rows, step, epoch)]
+        size = self.actor.gradient_accumulation_steps()
+        stats, windows = [], list(accumulation_windows(minibatches, size))
+        for window in windows:
+            counts = [self.loss_units(mb) for mb in window]
+            totals = window_totals(counts)
+            replay = {}  # per engine, a mini-batch of this window it trained on
+            for j, mb in enumerate(window):
+                stats.append(self.train_minibatch(mb, counts[j], totals, boundary=j == len(window) - 1, replay=replay))
+                for engine, used in self.used.items():
+                    if used:
+                        replay.setdefault(engine, mb)
+        return stats, len(windows)
 
     def count_overflow(self, outcome) -> None:
         if outcome == OVERFLOW:
@@ -396,12 +517,48 @@ class PPOTrainer:
                 metrics["eval/accuracy"] = mean
         return metrics
 
+    # ------------------------------------------------------------------ dynamic sampling (DAPO)
+    def sample_dynamically(self, rows: list[Row], more_prompts) -> tuple[list[Row], dict, float, float]:
+        """DAPO's dynamic sampling: while this rank's rollout holds fewer groups with signal
+        (`groups_with_signal`) than the groups it asked for, generate one more prompt batch from
+        `more_prompts() -> batch | None` (the run's loader, counted in its resume position), at most
+        `max_sampling_rounds` rounds in all, the first included. Every rank runs the same rounds (ZeRO-3
+        generation is collective): a round happens when any rank is short and every rank got a batch.
+        The rollout keeps its size: the first groups with signal, filled up (when still short) with groups
+        without, which select_trained drops from the loss. Returns the rows, the counts (this rank's) and
+        the extra generation / experience seconds."""
+        c, n = self.config, self.config.n_samples_per_prompt
+        wanted = len(rows) // n
+        rounds, generation_s, experience_s = 1, 0.0, 0.0
+        while rounds < c.max_sampling_rounds:
+            if not all_reduce_max(float(len(self.groups_with_signal(rows)) < wanted)):
+                break
+            batch = more_prompts() if more_prompts is not None else None
+            if all_reduce_max(float(batch is None)):
+                break
+            more, g_s, e_s = self.make_experience([batch], first_group=max(r.group for r in rows) + 1)
+            rows, rounds = rows + more, rounds + 1
+            generation_s, experience_s = generation_s + g_s, experience_s + e_s
+        signal = self.groups_with_signal(rows)
+        kept = signal[:wanted]
+        others = [g for g in dict.fromkeys(r.group for r in rows) if g not in set(signal)]
+        chosen = set(kept + others[:wanted - len(kept)])
+        counts = {"generated_groups": len({r.group for r in rows}), "kept_groups": len(kept),
+                  "missing_groups": wanted - len(kept), "rounds": rounds}
+        return [r for r in rows if r.group in chosen], counts, generation_s, experience_s
+
     # ------------------------------------------------------------------ one iteration
-    def step(self, prompt_batches: list[dict], step: int) -> tuple[dict, list[Row]]:
-        """Rollout over the prompt batches, then PPO epochs; returns metrics averaged over ranks."""
+    def step(self, prompt_batches: list[dict], step: int, more_prompts=None) -> tuple[dict, list[Row]]:
+        """Rollout over the prompt batches (with dynamic sampling, more from `more_prompts`), then PPO epochs;
+        returns metrics averaged over ranks."""
+        c = self.config
         rows, generation_s, experience_s = self.make_experience(prompt_batches)
+        sampling = {}
+        if c.dynamic_sampling:
+            rows, sampling, g_s, e_s = self.sample_dynamically(rows, more_prompts)
+            generation_s, experience_s = generation_s + g_s, experience_s + e_s
         scores = torch.tensor([r.score for r in rows])
-        if self.config.skip_bad_rewards:  # NaN: a skipped score, left out of the loss (select_trained)
+        if c.skip_bad_rewards:  # NaN: a skipped score, left out of the loss (select_trained)
             scores = scores[~torch.isnan(scores)]
         if not self.finite(scores):
             # a NaN/inf reward would poison advantages and every update: skip the whole iteration
@@ -414,35 +571,40 @@ class PPOTrainer:
 
         self.overflow_skipped = 0
         with self.memory.phase("training"):
-            train_stats = [self.train_minibatch(mb) for epoch in range(self.config.ppo_epochs)
-                           for mb in self.minibatches(rows, step, epoch)]
+            train_stats, optimizer_steps = self.train_epochs(rows, step)
         if self.ema is not None:
             self.ema.update(self.actor)
         t3 = time.time()
 
         n = len(rows)
+        diff_max = exp_stats.pop("logprob_diff_max", None)
         local = {
             "rows": n,
             **{k: v for k, v in exp_stats.items() if k != "explained_variance"},
+            **{f"dynamic/{k}": v for k, v in sampling.items() if k != "rounds"},
             "kl_seq_sum": exp_stats["kl_seq_sum"],
             "response_len_sum": sum(r.response_ids.numel() for r in rows),
             "eos_sum": sum(r.ended_with_eos for r in rows),
             "explained_variance_sum": exp_stats["explained_variance"],
             "trained_tokens": sum(r.response_ids.numel() for r in rows if r.trained),
-            **{k + "_sum": sum(s[k] for s in train_stats) / len(train_stats) for k in train_stats[0]},
+            # a loss is its optimizer steps' mean (each mini-batch holds its part of its step's loss, summed over
+            # ranks below); every other figure the mini-batches' mean, averaged over ranks
+            **{k + "_sum": sum(s[k] for s in train_stats) / (optimizer_steps if k in STEP_LOSSES else len(train_stats))
+               for k in train_stats[0]},
         }
         keys = list(local)
         totals = dict(zip(keys, all_reduce_sum([local[k] for k in keys])))
         ranks, rows_total = world_size(), totals["rows"]
-        log_ratio_max = all_reduce_max(max(s["ppo/log_ratio_max_abs"] for s in train_stats))
+        log_ratio_max, diff_max = all_reduce_max_list([max(s["ppo/log_ratio_max_abs"] for s in train_stats),
+                                                       diff_max or 0.0])
         kl_mean = totals["kl_seq_sum"] / rows_total
         metrics = {
             "reward/score_mean": totals["score_sum"] / max(totals["scored_rows"], 1),
             "reward/total_mean": totals["total_reward_sum"] / rows_total,
             "kl/ref_mean": kl_mean,
             "kl/coef": self.kl_ctl.value,
-            **{f"reward/{c.name}_mean": totals[f"part/{c.name}_sum"] / max(totals[f"part/{c.name}_count"], 1)
-               for c in self.rewards},
+            **{f"reward/{comp.name}_mean": totals[f"part/{comp.name}_sum"] / max(totals[f"part/{comp.name}_count"], 1)
+               for comp in self.rewards},
             "ppo/log_ratio_max_abs": log_ratio_max,
             "gen/response_len_mean": totals["response_len_sum"] / rows_total,
             "gen/eos_fraction": totals["eos_sum"] / rows_total,
@@ -453,20 +615,32 @@ class PPOTrainer:
             "ppo/skipped_non_finite": 0.0,
             "train/overflow_skipped": float(self.overflow_skipped),  # the same on every rank
         }
-        c = self.config
         if c.overlong_buffer_len or c.truncation_penalty:
             metrics["reward/length_penalty_mean"] = totals["length_penalty_sum"] / rows_total
         if c.skip_bad_rewards:
             metrics["reward/skipped_rows"] = totals["bad_rows"]
-        if c.skip_bad_rewards or c.mask_truncated_completions or c.filter_zero_variance_groups:
+        if c.skip_bad_rewards or c.mask_truncated_completions or c.filter_zero_variance_groups or c.dynamic_sampling:
             metrics["train/dropped_rows"] = totals["dropped_rows"]
             metrics["train/trained_tokens"] = totals["trained_tokens"]
         if c.n_samples_per_prompt > 1:
             metrics["reward/zero_variance_group_fraction"] = totals["zero_variance_rows"] / rows_total
+        if sampling:  # groups over all ranks; rounds the same on every rank
+            generated, kept = totals["dynamic/generated_groups"], totals["dynamic/kept_groups"]
+            metrics.update({"dynamic/generated_groups": generated, "dynamic/kept_groups": kept,
+                            "dynamic/dropped_groups": generated - kept,
+                            "dynamic/missing_groups": totals["dynamic/missing_groups"],
+                            "dynamic/rounds": sampling["rounds"]})
+        if diff_max is not None and "logprob_diff_count" in totals:  # the generator's log-probs against the trainer's
+            metrics["rollout/logprob_diff_mean"] = totals["logprob_diff_sum"] / max(totals["logprob_diff_count"], 1)
+            metrics["rollout/logprob_diff_max"] = diff_max
+        if c.rollout_correction != "none":
+            trained = max(totals["rollout_weight_count"], 1)
+            metrics["rollout/correction_weight_mean"] = totals["rollout_weight_sum"] / trained
+            metrics["rollout/correction_masked_fraction"] = totals["rollout_masked_sum"] / trained
         if self.critic is not None:
             metrics["value/explained_variance"] = totals["explained_variance_sum"] / ranks
         for key in train_stats[0]:
             if key != "ppo/log_ratio_max_abs":
-                metrics[key] = totals[key + "_sum"] / ranks
+                metrics[key] = totals[key + "_sum"] / (1 if key in STEP_LOSSES else ranks)
         self.kl_ctl.update(kl_mean, rows_total)
         return metrics, rows

@@ -166,7 +166,29 @@ def generation_kwargs(settings: GenerationSettings, stop_token_ids, pad_token_id
 
 
 @torch.no_grad()
-def generate(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, **kwargs) -> Tensor:
-    """Sequences [B, P + T] of a plain (unwrapped) causal LM for left-padded prompts [B, P], on its device."""
+def generate(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, logprob_temperature: float | None = None,
+             **kwargs):
+    """Sequences [B, P + T] of a plain (unwrapped) causal LM for left-padded prompts [B, P], on its device.
+
+    With `logprob_temperature`: (sequences, the generator's own log-probs [B, T] fp32 of the tokens it
+    chose, under softmax(logits / logprob_temperature)), the distribution the trainer scores
+    (`token_logprobs`; before min-length, top-k and top-p processing, as vLLM's raw log-probs). `generate`
+    is asked for its raw logits (`output_logits`), which it keeps for every step: T x B x V x 4 bytes
+    more while generating (16 rows x 64 tokens x 49152 tokens of SmolLM2: 0.2 GB), freed here.
+    """
     device = model_device(model)
-    return model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **kwargs)
+    if logprob_temperature is None:
+        return model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **kwargs)
+    out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                         output_logits=True, return_dict_in_generate=True, **kwargs)
+    return out.sequences, sampled_logprobs(out.logits, out.sequences[:, input_ids.shape[1]:], logprob_temperature)
+
+
+def sampled_logprobs(step_logits, tokens: Tensor, temperature: float = 1.0) -> Tensor:
+    """[B, T] fp32: log softmax(step_logits[t] / temperature) at tokens[:, t], one step at a time (no
+    [B, T, V] stack); `step_logits` is `generate`'s tuple of T raw [B, V] logits."""
+    if len(step_logits) != tokens.shape[1]:
+        raise ValueError(f"{len(step_logits)} steps of logits for {tokens.shape[1]} generated tokens")
+    columns = [logprobs_from_logits(logits.float() / temperature, tokens[:, t].to(logits.device))
+               for t, logits in enumerate(step_logits)]
+    return torch.stack(columns, dim=1) if columns else tokens.new_zeros(tokens.shape, dtype=torch.float32)

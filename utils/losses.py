@@ -90,6 +90,13 @@ def _masked_inputs(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, a
     return logprobs, logprobs - old_logprobs, select(advantages, action_mask), loss_mask
 
 
+def _weighted(per_token: Tensor, weights: Tensor | None, action_mask: Tensor) -> Tensor:
+    """Each action's loss term times its off-policy weight (the rollout correction, utils.ops.
+    rollout_correction_weights: detached, >= 0; 0 removes the term but keeps the action in the
+    aggregation's count); unchanged when ``weights`` is None."""
+    return per_token if weights is None else per_token * select(weights.detach(), action_mask)
+
+
 def _policy_stats(log_ratio: Tensor, clipped: Tensor, loss_mask: Tensor) -> Dict[str, Tensor]:
     """The stats every policy loss returns (detached): ``clipfrac``, the fraction of ``loss_mask``'s actions
     whose clip is active; ``approx_kl``, the masked mean of k2 ``0.5 * log_ratio**2`` of KL(old || new) (a drift
@@ -104,8 +111,8 @@ def _policy_stats(log_ratio: Tensor, clipped: Tensor, loss_mask: Tensor) -> Dict
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, action_mask: Tensor,
                 cliprange: float = 0.2, loss_mask: Tensor | None = None, loss_agg: str = "token_mean",
                 agg_constant: float | None = None, *, cliprange_low: float | None = None,
-                cliprange_high: float | None = None,
-                dual_clip: float | None = None) -> Tuple[Tensor, Dict[str, Tensor]]:
+                cliprange_high: float | None = None, dual_clip: float | None = None,
+                weights: Tensor | None = None) -> Tuple[Tensor, Dict[str, Tensor]]:
     """PPO clipped surrogate over the actions of the mini-batch, aggregated by ``loss_agg``
     (utils.ops.aggregate: token mean by default, per-sequence mean, or Dr. GRPO's constant).
 
@@ -124,12 +131,14 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, acti
     ``loss_mask`` (default ``action_mask``): the actions that enter the loss; rows dropped from
     training (a truncated answer, a group without signal) are 0 there but still 1 in
     ``action_mask``, whose log-ratio is still measured. Stats: ``_policy_stats`` (``clipfrac``: the
-    clipped term is the active one).
+    clipped term is the active one). ``weights``: each action's off-policy weight, multiplying its
+    term (``_weighted``; every policy loss takes them).
     """
     low = cliprange if cliprange_low is None else cliprange_low
     high = cliprange if cliprange_high is None else cliprange_high
     _, log_ratio, advantages, loss_mask = _masked_inputs(logprobs, old_logprobs, advantages, action_mask, loss_mask)
     per_token, clipped = _clipped_surrogate(torch.exp(log_ratio), advantages, low, high, dual_clip)
+    per_token = _weighted(per_token, weights, action_mask)
     return aggregate(per_token, loss_mask, loss_agg, agg_constant), _policy_stats(log_ratio, clipped, loss_mask)
 
 
@@ -139,7 +148,7 @@ GSPO_CLIPRANGE_LOW, GSPO_CLIPRANGE_HIGH = 3e-4, 4e-4  # the ranges of the GSPO p
 def gspo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, action_mask: Tensor,
               loss_mask: Tensor | None = None, loss_agg: str = "seq_mean", agg_constant: float | None = None, *,
               cliprange_low: float | None = None, cliprange_high: float | None = None,
-              dual_clip: float | None = None) -> Tuple[Tensor, Dict[str, Tensor]]:
+              dual_clip: float | None = None, weights: Tensor | None = None) -> Tuple[Tensor, Dict[str, Tensor]]:
     """GSPO (Zheng et al. 2025, 2507.18071): the clipped surrogate on the SEQUENCE's importance ratio
     ``s_i = exp(mean over row i's actions of (logprobs - old_logprobs))`` (the length-normalised
     sequence likelihood ratio), in the paper's per-token form GSPO-token:
@@ -163,13 +172,14 @@ def gspo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, action
     sequence_log_ratio = masked_mean(log_ratio.detach(), action_mask, dim=-1).unsqueeze(-1)
     ratio = torch.exp(sequence_log_ratio + logprobs - logprobs.detach())
     per_token, clipped = _clipped_surrogate(ratio, advantages, low, high, dual_clip)
+    per_token = _weighted(per_token, weights, action_mask)
     return aggregate(per_token, loss_mask, loss_agg, agg_constant), _policy_stats(log_ratio, clipped, loss_mask)
 
 
 def cispo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, action_mask: Tensor,
                cliprange: float = 0.2, loss_mask: Tensor | None = None, loss_agg: str = "token_mean",
                agg_constant: float | None = None, *,
-               cliprange_high: float | None = None) -> Tuple[Tensor, Dict[str, Tensor]]:
+               cliprange_high: float | None = None, weights: Tensor | None = None) -> Tuple[Tensor, Dict[str, Tensor]]:
     """CISPO (MiniMax-M1, 2506.13585): ``loss = agg(-sg(min(ratio, 1 + eps_high)) * A * logprobs)``,
     token mean by default (the paper's 1 / sum |o_i|). The importance weight is clipped and detached
     and multiplies a REINFORCE term, so every token keeps a gradient, ``-sg(w) * A``, however far its
@@ -184,7 +194,8 @@ def cispo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, actio
                                                                 loss_mask)
     ratio = torch.exp(log_ratio.detach())
     weight = torch.clamp(ratio, max=1.0 + high)
-    loss = aggregate(-weight * advantages * logprobs, loss_mask, loss_agg, agg_constant)
+    loss = aggregate(_weighted(-weight * advantages * logprobs, weights, action_mask), loss_mask, loss_agg,
+                     agg_constant)
     return loss, _policy_stats(log_ratio, ratio > 1.0 + high, loss_mask)
 
 
@@ -199,7 +210,8 @@ def entropy_bonus(entropy: Tensor, action_mask: Tensor, loss_agg: str = "token_m
 @dataclass(frozen=True)
 class PolicyLoss:
     """One `--policy_loss` of step 3: `fn(logprobs, old_logprobs, advantages, action_mask, *, loss_mask,
-    loss_agg, agg_constant, **options) -> (loss, stats)` with stats `clipfrac`, `approx_kl`,
+    loss_agg, agg_constant, weights, **options) -> (loss, stats)` (`weights`: the rollout correction's
+    per-action off-policy weights or None, multiplying each action's term) with stats `clipfrac`, `approx_kl`,
     `log_ratio_max_abs` (tensors); `options` names the RL settings (PPOConfig fields, flags of the same
     name) it reads besides those; `help` is the flag's one line; `loss_agg`: its own default of
     `--loss_agg` (None: the advantage estimator's)."""

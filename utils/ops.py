@@ -31,7 +31,8 @@ from torch import Tensor
 
 __all__ = [
     "select", "masked_sum", "masked_mean", "LOSS_AGGREGATIONS", "aggregate", "masked_var", "masked_whiten", "explained_variance",
-    "logprobs_from_logits", "entropy_from_logits", "KL_ESTIMATORS", "kl_estimate",
+    "logprobs_from_logits", "entropy_from_logits", "KL_ESTIMATORS", "kl_estimate", "ROLLOUT_CORRECTIONS",
+    "rollout_correction_weights",
     "position_ids_from_attention_mask", "last_one_index", "sequence_score",
 ]
 
@@ -230,6 +231,54 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") -
     if estimator == "k2":
         return 0.5 * log_ratio**2
     return torch.exp(-log_ratio) - 1 + log_ratio
+
+
+# ---------------------------------------------------------------------------
+# generator-trainer mismatch
+# ---------------------------------------------------------------------------
+ROLLOUT_CORRECTIONS = ("none", "tis", "icepop", "seq_mask_tis")
+
+
+def rollout_correction_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, action_mask: Tensor,
+                               mode: str = "none", threshold: float = 2.0) -> Tensor:
+    """Per-action off-policy weights ``[B, L-1]`` (no gradient; 0 off ``action_mask``) for tokens that the
+    rollout engine sampled with log-probs ``rollout_logprobs`` and that the trainer's own forward scores
+    ``old_logprobs`` (the OLD policy, which the policy loss's ratio is taken against).
+
+    ``w = pi_old / pi_rollout = exp(old - rollout)`` is the importance weight of the distribution the loss
+    assumes against the one that drew the token; the two differ by the engines' numerics (kernels, KV
+    cache, precision, another engine's weights sync). With ``C = threshold`` (> 1):
+
+    * ``none``: 1 on every action;
+    * ``tis``: ``min(w, C)``, truncated importance sampling (Yao et al. 2025, "Your efficient RL framework
+      secretly brings you off-policy RL training"; OpenRLHF ``tis``, veRL's token-level rollout IS);
+    * ``icepop``: ``w`` where ``1/C <= w <= C``, else 0 (IcePop, Ring-1T: a token whose engines disagree
+      that much leaves the gradient instead of being reweighted);
+    * ``seq_mask_tis``: every action of a row whose geometric-mean weight ``exp(mean of log w over its
+      actions)`` leaves ``[1/C, C]`` gets 0, the other rows' actions ``min(w, C)`` (a whole answer is
+      rejected when its engines disagree on it on average; OpenRLHF ``seq-mask-tis``).
+
+    Inputs are selected on the mask before any arithmetic (padding may hold anything).
+    """
+    if mode not in ROLLOUT_CORRECTIONS:
+        raise ValueError(f"unknown rollout correction {mode!r}; choose from {', '.join(ROLLOUT_CORRECTIONS)}")
+    if not threshold > 1:
+        raise ValueError(f"the rollout correction threshold must be > 1, got {threshold}")
+    with torch.no_grad():
+        mask = action_mask.to(old_logprobs.device) != 0
+        log_w = select(old_logprobs.float(), mask) - select(rollout_logprobs.float().to(mask.device), mask)
+        weight = torch.exp(log_w)
+        if mode == "none":
+            weight = torch.ones_like(weight)
+        elif mode == "tis":
+            weight = weight.clamp(max=threshold)
+        elif mode == "icepop":
+            weight = torch.where((weight >= 1 / threshold) & (weight <= threshold), weight, torch.zeros_like(weight))
+        else:
+            geometric = torch.exp(masked_mean(log_w, mask, dim=-1)).unsqueeze(-1)
+            inside = (geometric >= 1 / threshold) & (geometric <= threshold)
+            weight = torch.where(inside, weight.clamp(max=threshold), torch.zeros_like(weight))
+        return select(weight, mask)
 
 
 # ---------------------------------------------------------------------------

@@ -4,6 +4,7 @@ The flags are defined in utils/flags.py."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
+from typing import Iterable, Iterator
 
 import torch
 
@@ -213,13 +214,17 @@ def build_trained_engine(model: torch.nn.Module, ds_config: dict, spec: EngineSp
 APPLIED, OVERFLOW = "applied", "overflow"
 
 
-def backward_and_step(engine, loss) -> str | None:
+def backward_and_step(engine, loss, boundary: bool | None = None) -> str | None:
     """One micro-batch's `engine.backward` and `engine.step`. Returns None inside a gradient
     accumulation, else at the boundary APPLIED, or OVERFLOW when DeepSpeed's fp16 dynamic loss
     scaler skipped the update (the gradients overflowed: it lowers the scale and training goes on;
     a skip to count, not a bad step). The boundary is read BEFORE `step()`: after it, DeepSpeed's
-    `is_gradient_accumulation_boundary()` already describes the next micro-batch.
+    `is_gradient_accumulation_boundary()` already describes the next micro-batch. `boundary` (True /
+    False) sets it for this micro-batch instead of DeepSpeed's counter (a window of our own: the last
+    partial one of a PPO iteration, a skipped micro-batch); None keeps the counter's.
     """
+    if boundary is not None:
+        engine.set_gradient_accumulation_boundary(boundary)
     boundary = engine.is_gradient_accumulation_boundary()
     engine.backward(loss)
     engine.step()
@@ -228,33 +233,112 @@ def backward_and_step(engine, loss) -> str | None:
     return APPLIED if engine.was_step_applied() else OVERFLOW
 
 
-def train_micro_batches(run, engine, loader, sampler, micro_step, step_metrics) -> None:
+# --------------------------------------------------------------------------- #
+# One normalisation over the whole optimizer step
+# --------------------------------------------------------------------------- #
+def accumulation_windows(items: Iterable, size: int) -> Iterator[list]:
+    """`items` in consecutive lists of `size` (the micro-batches of one optimizer step); the last may be
+    shorter. Reading a window ahead is what lets its counts be known before its first backward."""
+    window = []
+    for item in items:
+        window.append(item)
+        if len(window) == size:
+            yield window
+            window = []
+    if window:
+        yield window
+
+
+def window_totals(counts: list[dict]) -> dict:
+    """{unit: count} of each micro-batch of a window (the units its loss terms are averaged over: trained
+    tokens, trained sequences, pairs) summed over the window and over every rank, in ONE all-reduce
+    (every rank passes the same units in the same window)."""
+    from utils.distributed import all_reduce_sum
+
+    units = sorted(counts[0]) if counts else []
+    return dict(zip(units, all_reduce_sum([sum(c[u] for c in counts) for u in units])))
+
+
+def step_normalised_loss(terms: dict, counts: dict, totals: dict, accumulation: int, ranks: int) -> tuple:
+    """(the loss one micro-batch hands to `engine.backward`, its part of the step's loss to log).
+
+    `terms` maps a unit to a loss term averaged over this micro-batch's `counts[unit]` units (an SFT
+    loss per trained token, a policy loss per trained token or sequence, a DPO loss per pair); the
+    step's loss is each term averaged over the `totals[unit]` units of the whole window on every rank.
+    DeepSpeed divides every micro-batch's loss by the accumulation steps (`engine.backward`) and
+    averages the gradients over the data-parallel ranks, so the term is scaled by
+    accumulation x ranks x count / total: the gradient is then that of the step's token (sequence,
+    pair) mean, however the units fall on micro-batches and ranks, and a partial window divides by its
+    own total. With equal counts everywhere the factor is exactly 1.0 (the loss is unchanged bit for
+    bit). The logged part is term x count / total; summed over the window and the ranks it is the
+    step's loss.
+    """
+    loss, logged = 0.0, 0.0
+    for unit, term in terms.items():
+        total = totals[unit]
+        loss = loss + term * (accumulation * ranks * counts[unit] / total if total else 0.0)
+        logged += term.item() * (counts[unit] / total if total else 0.0)
+    return loss, logged
+
+
+def train_micro_batches(run, engine, loader, sampler, micro_step, step_metrics, counts=None) -> None:
     """The optimisation of steps 1-2 and DPO over `run` (a utils.run.Run, restored): micro-batches with
     gradient accumulation, resumable from the run's position.
 
-    `micro_step(batch) -> (loss, extra_stats)`; a non-finite loss (on any rank) skips its update. At
-    each accumulation boundary `step_metrics(means) -> (metrics, postfix, line)` turns the means of
-    [loss, extra stats...] over the accumulated micro-batches and all ranks into the step's `train/*`
-    figures, the progress bar's postfix and the `--print_loss` line; the learning rate is added and
-    `run.after_step` logs, evaluates, checkpoints. An update the fp16 loss scaler skipped counts in
-    `loop.overflow_steps`; the micro-batches' peak memory is the "training" phase."""
+    `micro_step(batch) -> (loss, extra_stats)`; a non-finite loss (on any rank) skips its micro-batch. At
+    each accumulation boundary `step_metrics(means) -> (metrics, postfix, line)` turns [loss, extra
+    stats...] over the accumulated micro-batches and all ranks into the step's `train/*` figures, the
+    progress bar's postfix and the `--print_loss` line; the learning rate is added and `run.after_step`
+    logs, evaluates, checkpoints. An update the fp16 loss scaler skipped counts in `loop.overflow_steps`;
+    the micro-batches' peak memory is the "training" phase.
+
+    `counts(batch) -> {unit: count}` (steps 1 and DPO) makes the loss ONE mean over the optimizer step:
+    `micro_step` then returns `{unit: loss term averaged over this micro-batch's units}`, the window of
+    `gradient_accumulation_steps` micro-batches is read ahead, its totals are all-reduced once, and each
+    term is weighted by step_normalised_loss (the boundary is the window's last micro-batch); the logged
+    loss is the step's mean, the extra stats the micro-batches' means. A non-finite last micro-batch
+    still closes its window: the first finite one of the window is replayed with weight 0. Without
+    `counts`, each micro-batch's loss weighs the same (DeepSpeed's 1 / accumulation steps, the ranks'
+    mean) and DeepSpeed's counter sets the boundaries."""
     from utils.distributed import all_reduce_sum, world_size
     from utils.logging import print_rank0
 
-    loop, accumulated = run.loop, []
-    for (batch,) in run.steps(loader, sampler):
-        with run.memory.phase("training"):
-            loss, extra = micro_step(batch)
-            if not run.guard.all_finite(loss):
-                print_rank0(f"[{run.name}] skipped a batch with a non-finite loss ({loop.bad_steps} so far)")
+    loop, accumulated, ranks = run.loop, [], world_size()
+    size = engine.gradient_accumulation_steps() if counts else 1
+    for window in accumulation_windows(run.steps(loader, sampler), size):
+        batches = [batch for (batch,) in window]
+        local = [counts(batch) for batch in batches] if counts else []
+        totals = window_totals(local) if counts else {}
+        replay = None  # a micro-batch of this window already trained on
+        for j, batch in enumerate(batches):
+            last = j == len(batches) - 1
+            with run.memory.phase("training"):
+                loss, extra = micro_step(batch)
+                logged = None
+                if counts:
+                    loss, logged = step_normalised_loss(loss, local[j], totals, size, ranks)
+                if not run.guard.all_finite(loss):
+                    print_rank0(f"[{run.name}] skipped a batch with a non-finite loss ({loop.bad_steps} so far)")
+                    if not (counts and last and replay is not None):
+                        continue
+                    terms, _ = micro_step(replay[0])  # the window's update still happens, without this batch
+                    loss = 0.0 * step_normalised_loss(terms, replay[1], totals, size, ranks)[0]
+                else:
+                    replay = replay or (batch, local[j] if counts else None)
+                    accumulated.append((loss.item() if logged is None else logged, *extra))
+                outcome = backward_and_step(engine, loss, last if counts else None)
+            if outcome is None:
                 continue
-            outcome = backward_and_step(engine, loss)
-        accumulated.append((loss.item(), *extra))
-        if outcome is None:
-            continue
-        if outcome == OVERFLOW:
-            loop.overflow_steps += 1
-        local_means = [sum(column) / len(accumulated) for column in zip(*accumulated)]
-        accumulated = []
-        metrics, postfix, line = step_metrics([value / world_size() for value in all_reduce_sum(local_means)])
-        run.after_step({**metrics, "train/lr": engine.get_lr()[0]}, postfix, line)
+            if outcome == OVERFLOW:
+                loop.overflow_steps += 1
+            columns = list(zip(*accumulated))
+            accumulated = []
+            if not columns:
+                continue
+            local_means = [sum(column) / len(column) for column in columns]
+            if counts:
+                local_means[0] = sum(columns[0])  # each micro-batch's part of the step's loss
+            summed = all_reduce_sum(local_means)
+            means = [summed[0] if counts else summed[0] / ranks] + [value / ranks for value in summed[1:]]
+            metrics, postfix, line = step_metrics(means)
+            run.after_step({**metrics, "train/lr": engine.get_lr()[0]}, postfix, line)
