@@ -84,7 +84,7 @@ class Run:
         self.logger = self.guard = self.progress = None
         self.train_s = self.eval_s = 0.0
         self.restored_from: str | None = None
-        self._batches, self._batches_left = None, lambda: 0  # the epoch `steps` is in (for `next_batch`)
+        self._epoch = None  # (the batch iterator, its length) of the epoch `steps` is in, for `next_batch`
 
     @property
     def resumed(self) -> bool:
@@ -131,14 +131,14 @@ class Run:
             batches = iter(loader)
             for _ in range(loop.batches_in_epoch):  # consumed before the checkpoint this run resumed from
                 next(batches)
-            self._batches, self._batches_left = batches, lambda: len(loader) - loop.batches_in_epoch
+            self._epoch = batches, len(loader)
             while loop.batches_in_epoch + batches_per_step <= len(loader) and loop.step < self.total_steps:
                 unit = [next(batches) for _ in range(batches_per_step)]
                 loop.batches_in_epoch += batches_per_step
                 yield unit
             if loop.step < self.total_steps:
                 loop.epoch, loop.batches_in_epoch = loop.epoch + 1, 0
-        self._batches, self._batches_left = None, lambda: 0
+        self._epoch = None
         if self.progress is not None:
             self.progress.close()
         self.train_s += time.time() - start - (self.eval_s - eval_before)
@@ -147,10 +147,10 @@ class Run:
         """One more loader batch for the step `steps` just yielded (step 3's dynamic sampling draws further
         prompt batches), counted in the loop's position like the step's own, so a resumed run skips it too;
         None when the epoch has none left (the next step then starts the next epoch)."""
-        if self._batches is None or self._batches_left() <= 0:
+        if self._epoch is None or self.loop.batches_in_epoch >= self._epoch[1]:
             return None
         self.loop.batches_in_epoch += 1
-        return next(self._batches)
+        return next(self._epoch[0])
 
     def after_step(self, metrics: dict, postfix: dict | Callable[[dict], dict] | None = None, line: str | None = None,
                    state: dict | None = None, rank_state: dict | None = None) -> dict:
