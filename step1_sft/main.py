@@ -81,12 +81,12 @@ def main(argv=None):
 
     run = Run(args, "step1", "step1 sft", {"model": engine}, data_layout(args, len(train_examples)), total_steps)
 
-    def before():
+    def evaluate_before():
         ppl = evaluate_perplexity(engine, eval_examples, collator, args.per_device_eval_batch_size)
         print_rank0(f"[step1] eval perplexity before training: {ppl:.3f}")
         return {"ppl_before": ppl}, {"eval/perplexity": ppl}
 
-    ppl_before = run.restore(before)["ppl_before"]
+    ppl_before = run.restore(evaluate_before)["ppl_before"]
 
     def step_metrics(means):
         (mean_loss,) = means

@@ -295,7 +295,7 @@ def main(argv=None):
         if "train" in ref_logps:
             attach_reference(train_pairs, ref_logps["train"])
 
-    def before():  # before any update: the policy is still the reference
+    def evaluate_before():  # before any update: the policy is still the reference
         if reference.kind == "none":  # a reference-free loss: the policy's own evaluation
             metrics = run_eval(0)
             return {"before": metrics, "ref_logps": {}}, metrics
@@ -312,7 +312,7 @@ def main(argv=None):
         print_rank0(f"[dpo] eval before training (the policy is the reference): {_format_eval(metrics)}")
         return {"before": metrics, "ref_logps": ref_logps}, metrics
 
-    state = run.restore(before)
+    state = run.restore(evaluate_before)
     if run.resumed and reference.kind != "none":
         if len(state["ref_logps"]["eval"]) != len(eval_pairs):
             fail(f"the checkpoint holds reference log-probs of {len(state['ref_logps']['eval'])} held-out pairs, this "

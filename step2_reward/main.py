@@ -97,11 +97,11 @@ def main(argv=None):
     run = Run(args, "step2", "step2 reward", {"model": engine}, data_layout(args, len(train_pairs)), total_steps,
               evaluate=run_eval)
 
-    def before():
+    def evaluate_before():
         metrics = run_eval(0)
         return {"before": metrics}, metrics
 
-    before = run.restore(before)["before"]
+    before = run.restore(evaluate_before)["before"]
 
     def micro_step(batch):
         chosen, rejected = pair_scores(engine, batch)

@@ -16,7 +16,6 @@ import argparse
 import itertools
 import os
 import sys
-import time
 from dataclasses import dataclass
 
 from torch.utils.data import DataLoader, DistributedSampler

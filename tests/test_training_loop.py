@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from utils.accelerator import PhaseMemory
-from utils.checkpoint import LoopState
 from utils.logging import read_metrics
 from utils.run import Run, memory_postfix
 from utils.training import APPLIED, OVERFLOW, backward_and_step, train_micro_batches
