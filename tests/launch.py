@@ -25,17 +25,27 @@ def subprocess_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in PROCESS_GROUP_VARS}
     env.update({"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                 "TOKENIZERS_PARALLELISM": "false"})
+    # DeepSpeed's JIT ops in this checkout's folder, as scripts/common.sh sets it (utils/extensions.py)
+    env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".cache", "torch_extensions"))
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
 
+def rank_command(module: str, args: list, num_ranks: int = 2, launcher: bool = False) -> list[str]:
+    """The command that runs N CPU ranks (gloo) of `python -m MODULE ARGS` on this machine: tests/ranks.py,
+    which starts them as `deepspeed --num_gpus N --module` does without its two start-ups, or, with
+    `launcher=True`, the `deepspeed` command itself (for tests of what the launcher adds)."""
+    port, args = str(free_port()), [str(a) for a in args]
+    if launcher:
+        deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+        return [deepspeed, "--num_gpus", str(num_ranks), "--master_port", port, "--module", module, *args]
+    return [sys.executable, os.path.join(ROOT, "tests", "ranks.py"), str(num_ranks), port, module, *args]
+
+
 def run_deepspeed(module: str, args: list, num_ranks: int = 2, timeout: int = 600, log_path: str | None = None,
-                  env: dict | None = None) -> subprocess.CompletedProcess:
-    """`deepspeed --num_gpus N --module MODULE ARGS` from the repository root (CPU ranks, gloo)."""
-    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    cmd = [launcher, "--num_gpus", str(num_ranks), "--master_port", str(free_port()), "--module", module,
-           *[str(a) for a in args]]
-    return _run(cmd, timeout, log_path, env)
+                  env: dict | None = None, launcher: bool = False) -> subprocess.CompletedProcess:
+    """N ranks of `python -m MODULE ARGS` from the repository root (CPU ranks, gloo); see rank_command."""
+    return _run(rank_command(module, args, num_ranks, launcher), timeout, log_path, env)
 
 
 def run_module(module: str, args: list, timeout: int = 600, log_path: str | None = None,
@@ -62,11 +72,9 @@ def tail(proc: subprocess.CompletedProcess, n: int = 3000) -> str:
 
 
 def start_deepspeed(module: str, args: list, num_ranks: int = 2, log_path: str | None = None,
-                    env: dict | None = None) -> subprocess.Popen:
+                    env: dict | None = None, launcher: bool = False) -> subprocess.Popen:
     """Like run_deepspeed, but returns at once; the launcher and its ranks share a new process group."""
-    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    cmd = [launcher, "--num_gpus", str(num_ranks), "--master_port", str(free_port()), "--module", module,
-           *[str(a) for a in args]]
+    cmd = rank_command(module, args, num_ranks, launcher)
     log = open(log_path or os.devnull, "w")
     return subprocess.Popen(cmd, cwd=ROOT, env=env or subprocess_env(), stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)

@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 
-from tests.launch import ROOT, free_port, subprocess_env
+from tests.launch import ROOT, free_port, rank_command, subprocess_env
 
 SUBNET = "10.77.0"  # only ever assigned inside the namespaces created here
 
@@ -226,12 +226,10 @@ def start_nodes(cluster: Cluster, hostfile: str, module: str, args: list, log_di
 
 @contextlib.contextmanager
 def single_node_running(module: str, args: list, log_path: str, num_ranks: int = 2, env: dict | None = None):
-    """`deepspeed --num_gpus N --master_port P --module MODULE ARGS`, the command of tests.launch.run_deepspeed,
-    but started in the background in its own process group, which is SIGKILLed on exit (no stray rank
-    survives a timeout). Yields the NodeRun; wait with `.proc.wait(timeout)`."""
-    launcher = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    cmd = [launcher, "--num_gpus", str(num_ranks), "--master_port", str(free_port()), "--module", module,
-           *[str(a) for a in args]]
+    """N ranks on this node (tests.launch.rank_command, as run_deepspeed), but started in the background in
+    its own process group, which is SIGKILLed on exit (no stray rank survives a timeout). Yields the
+    NodeRun; wait with `.proc.wait(timeout)`."""
+    cmd = rank_command(module, args, num_ranks)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env or subprocess_env(), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)

@@ -10,7 +10,7 @@ import torch
 
 from tests.launch import metrics, run_deepspeed, tail
 from tests.test_resume import comparable, kill_and_resume, max_relative_difference
-from tests.test_step2_run import _remove_shm_buffers, pair_data  # noqa: F401  (fixture)
+from tests.test_step2_run import pair_data  # noqa: F401  (fixture)
 
 LN2 = math.log(2.0)
 ROWS = [{"prompt": "Human: What about the plot?\n\nAssistant:", "chosen": " good fine", "rejected": " bad"},
@@ -209,7 +209,6 @@ def test_two_rank_zero3_dpo_learns_exports_and_resumes_exactly_after_sigkill(tin
 
     full = str(tmp_path / "full")
     proc = run_deepspeed("step2_dpo.main", args(full), log_path=str(tmp_path / "full.log"))
-    _remove_shm_buffers(proc)
     assert os.path.isfile(os.path.join(full, "model.safetensors")), tail(proc)
     rows = metrics(full)
     evals = [r for r in rows if "eval/loss" in r]
@@ -227,7 +226,6 @@ def test_two_rank_zero3_dpo_learns_exports_and_resumes_exactly_after_sigkill(tin
 
     killed = str(tmp_path / "killed")
     resumed_at, proc = kill_and_resume("step2_dpo.main", args(killed), killed, tmp_path)
-    _remove_shm_buffers(proc)
     assert os.path.isfile(os.path.join(killed, "model.safetensors")), tail(proc)
     resumed_rows = metrics(killed)
     assert [r["step"] for r in resumed_rows if "train/loss" in r] == list(range(1, 13))
