@@ -173,4 +173,6 @@ def main(argv=None) -> int:
 if __name__ == "__main__":
     if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    sys.exit(main())
+    from utils.errors import run_main  # a chat template that fails or loops: one `error:` line, not a traceback
+
+    sys.exit(run_main(main))

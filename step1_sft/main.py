@@ -101,8 +101,9 @@ def main(argv=None):
                 f"training took {run.train_s:.1f} s")
     run.log(run.loop.step, {"eval/perplexity": ppl_after, "time/train_s": run.train_s})
     run.finish(lambda: export_hf_model(engine, tokenizer, args.output_dir), args.output_dir, "the fine-tuned model",
-               ReloadCheck("logits", "logits", engine, lambda: load_causal_lm(args.output_dir), logits_of,
-                           collator(eval_examples[:4])))
+               ReloadCheck("logits", "logits", engine,
+                           lambda: load_causal_lm(args.output_dir, trust_remote_code=args.trust_remote_code),
+                           logits_of, collator(eval_examples[:4])))
 
 
 if __name__ == "__main__":

@@ -344,7 +344,8 @@ def main(argv=None):
                 f"{before['eval/margin']:.4f}); training took {run.train_s:.1f} s")
     run.log(step, {"time/train_s": run.train_s})
     run.finish(lambda: export_hf_model(engine, tokenizer, args.output_dir), args.output_dir, "the policy",
-               ReloadCheck("logp", "sequence log-probs", engine, lambda: load_causal_lm(args.output_dir),
+               ReloadCheck("logp", "sequence log-probs", engine,
+                           lambda: load_causal_lm(args.output_dir, trust_remote_code=args.trust_remote_code),
                            lambda model, batch: sequence_logprobs(model, batch)[0],
                            collator(eval_pairs[:4] or train_pairs[:4])))
 

@@ -121,8 +121,9 @@ def main(argv=None):
                 f"(before {before['eval/accuracy']:.4f}); training took {run.train_s:.1f} s")
     run.log(step, {"time/train_s": run.train_s})
     run.finish(lambda: export_reward_model(engine, tokenizer, args.output_dir), args.output_dir, "the reward model",
-               ReloadCheck("score", "scores", engine, lambda: RewardModel.from_pretrained(args.output_dir,
-                                                                                load_tokenizer(args.output_dir)),
+               ReloadCheck("score", "scores", engine, lambda: RewardModel.from_pretrained(
+                   args.output_dir, load_tokenizer(args.output_dir, args.trust_remote_code),
+                   trust_remote_code=args.trust_remote_code),
                            lambda model, batch: sequence_scores(model, batch["input_ids"], batch["attention_mask"]),
                            collator(eval_pairs[:4] or train_pairs[:4])))
 

@@ -21,7 +21,7 @@ import json
 import os
 import sys
 
-from utils.model import ModelLoadError, check_model_path
+from utils.model import ModelLoadError, check_model_path, check_remote_code, check_weight_files
 
 
 def parse_args(argv=None):
@@ -94,8 +94,10 @@ def main(argv=None) -> dict:
     for flag, path in flags:
         if not os.path.isdir(os.path.expanduser(path)):
             fail(f"{flag} directory {path!r} does not exist")
-        try:
+        try:  # before anything loads: a directory that would fail later fails now
             check_model_path(path, flag)
+            check_remote_code(path, False, flag)
+            check_weight_files(path, flag)
         except ModelLoadError as e:
             fail(str(e))
 

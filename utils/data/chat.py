@@ -19,14 +19,30 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import threading
 import weakref
 
 from utils.data.formats import SkipRow, common_prefix_len
 from utils.data.sources import DataError
+from utils.errors import one_line
 
 _SENTINEL = "Sentinel reply 7"
 # tokenizer -> (the template it was probed with, its end-of-turn id): two renders once, not per row
 _END_OF_TURN = weakref.WeakKeyDictionary()
+# tokenizer -> (template text, the --chat_template file it came from): errors name the file
+_TEMPLATE_FILES = weakref.WeakKeyDictionary()
+# A render takes well under a millisecond; one still running after this long loops (seconds, 0: no limit)
+RENDER_TIME_LIMIT_S = 5.0
+
+
+class ChatTemplateError(DataError):
+    """A chat template that fails on a conversation, is refused by Jinja's sandbox or runs past
+    ``RENDER_TIME_LIMIT_S``; the message names the template (the --chat_template file or the tokenizer's)."""
+
+
+class _RenderTimeout(BaseException):
+    """Raised into a render past its time limit; a BaseException so no `except Exception` on the way keeps it."""
 
 
 def load_chat_template(path: str) -> str:
@@ -47,19 +63,114 @@ def load_chat_template(path: str) -> str:
     return text
 
 
+def use_chat_template_file(tokenizer, path: str) -> None:
+    """Give ``tokenizer`` the template of ``--chat_template FILE``, remembering the file for error messages."""
+    tokenizer.chat_template = load_chat_template(path)
+    _TEMPLATE_FILES[tokenizer] = (tokenizer.chat_template, path)
+
+
+def template_name(tokenizer) -> str:
+    """How errors name the tokenizer's template: its --chat_template file, else the tokenizer's directory."""
+    known = _TEMPLATE_FILES.get(tokenizer)
+    if known is not None and known[0] == getattr(tokenizer, "chat_template", None):
+        return f"chat template {known[1]} (--chat_template)"
+    return f"chat template of the tokenizer {getattr(tokenizer, 'name_or_path', '') or '?'}"
+
+
 def require_template(tokenizer, origin: str = "") -> None:
     if not getattr(tokenizer, "chat_template", None):
         where = f"{origin}: " if origin else ""
         raise DataError(f"{where}conversational rows need a chat template and the tokenizer "
-                        f"({getattr(tokenizer, 'name_or_path', '?')}) has none; give one with --chat_template FILE "
-                        "(a Jinja file)")
+                        f"({getattr(tokenizer, 'name_or_path', '?')}) has none; the training steps take one with "
+                        "--chat_template FILE (a Jinja file) and save it with their output's tokenizer; the evaluation "
+                        "tools and chat.py read it from the model directory (its tokenizer_config.json "
+                        "'chat_template', or chat_template.jinja)")
 
 
 def render(tokenizer, messages: list, add_generation_prompt: bool = False) -> list[int]:
-    """Token ids of ``messages`` through the tokenizer's chat template (apply_chat_template's own ids)."""
-    out = tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
-                                        return_dict=True)
+    """Token ids of ``messages`` through the tokenizer's chat template (apply_chat_template's own ids).
+
+    Templates are code from the model directory or --chat_template: transformers runs them in Jinja's
+    ImmutableSandboxedEnvironment, and here under ``RENDER_TIME_LIMIT_S``, every failure (a refusal of
+    the sandbox, the template's own raise_exception, deep recursion, a loop stopped) one line naming it."""
+    def call():
+        return tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
+                                             return_dict=True)
+
+    try:
+        out = _within_time_limit(call, RENDER_TIME_LIMIT_S)
+    except _RenderTimeout:
+        raise ChatTemplateError(f"{template_name(tokenizer)}: rendering one conversation ran past "
+                                f"{RENDER_TIME_LIMIT_S:g} s and was stopped (a loop that does not end?)") from None
+    except DataError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - whatever the template raised is the template's problem
+        raise ChatTemplateError(f"{template_name(tokenizer)} failed: {_describe(exc)}") from exc
     return list(out["input_ids"])
+
+
+def _describe(exc: Exception) -> str:
+    """One line for what a template raised: Jinja's kind of error (SecurityError: the sandbox refused) and text."""
+    import jinja2
+
+    text = one_line(exc, 300) or "(no message)"
+    if isinstance(exc, RecursionError):
+        return f"RecursionError: {text} (a macro that calls itself without end?)"
+    if isinstance(exc, jinja2.exceptions.SecurityError):
+        return f"Jinja's sandbox refused it: {text}"
+    if type(exc) is jinja2.exceptions.TemplateError:  # what the template's raise_exception(...) raises
+        return f"the template raised an error: {text}"
+    return f"{type(exc).__name__}: {text}"
+
+
+def _within_time_limit(call, seconds: float):
+    """``call()``, stopped by _RenderTimeout after ``seconds``: a SIGALRM timer in the main thread (Jinja runs
+    as Python bytecode, so the handler fires inside the loop; a few microseconds per call), else a thread."""
+    if not seconds:
+        return call()
+    if hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread() \
+            and signal.getitimer(signal.ITIMER_REAL)[0] == 0 \
+            and signal.getsignal(signal.SIGALRM) is not None:  # never disturb someone else's timer or handler
+        return _call_with_alarm(call, seconds)
+    return _call_in_thread(call, seconds)
+
+
+def _call_with_alarm(call, seconds: float):
+    state = {"active": True}
+
+    def on_alarm(signum, frame):
+        if state["active"]:
+            raise _RenderTimeout()
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        return call()
+    finally:
+        state["active"] = False
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _call_in_thread(call, seconds: float):
+    """Without signals (off the main thread, or a timer already running): the render runs in a daemon
+    thread; one past the limit cannot be killed and is abandoned (the error ends the run)."""
+    outcome = {}
+
+    def target():
+        try:
+            outcome["value"] = call()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=target, name="chat-template-render", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise _RenderTimeout()
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
 
 
 def _special_ids(tokenizer) -> set:
