@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import sys
 from dataclasses import dataclass
 
 from torch.utils.data import DataLoader, DistributedSampler
@@ -32,7 +31,6 @@ from utils.checkpoint import data_layout
 from utils.export import export_hf_model
 from utils.data import (PromptCollator, SFTCollator, describe_skips, distributed_loader, read_texts, stop_token_ids,
                         tokenize_prompts, tokenize_texts)
-from utils.errors import one_line
 from utils.distributed import is_rank0, rank, start_process, world_size
 from utils.flags import (add_checkpoint_args, add_data_args, add_generation_args, add_model_args,
                          add_offload_reference_arg, add_output_args, add_training_args, check_range,
@@ -181,7 +179,8 @@ def parse_args(argv=None):
     g.add_argument("--skip_bad_rewards", action="store_true",
                    help="a reward function that raises, times out or gives a non-finite score skips (and counts) "
                         "the rows (their groups) instead of stopping the run")
-    g.add_argument("--reward_timeout", type=float, default=None, help="seconds a reward function call may take")
+    g.add_argument("--reward_timeout", type=float, default=None,
+                   help="seconds a reward function call may take; then its worker process is killed (default: none)")
     g.add_argument("--overlong_buffer_len", type=int, default=0,
                    help="DAPO's overlong penalty: answers longer than --max_answer_seq_len minus this lose up to "
                         "--overlong_penalty_factor, linearly")
@@ -350,17 +349,24 @@ def validate_rl_args(args) -> None:
              f"{', '.join(n for n, e in ESTIMATORS.items() if e.groups)})")
 
 
-def build_rewards(args, tokenizer, engines) -> list:
-    """The reward components, in --reward_funcs order (or the one reward model)."""
+def load_reward_functions(args) -> dict:
+    """The reward functions of --reward_funcs by spec, loaded (and so checked) before any model is."""
+    functions = {}
+    for spec in filter(is_function_spec, args.reward_specs):
+        try:
+            functions[spec] = load_reward_function(spec, **vars(args))  # a built-in takes the options it declares
+        except RewardFunctionError as e:
+            raise SystemExit(f"error: --reward_funcs: {e}") from None
+    return functions
+
+
+def build_rewards(args, tokenizer, engines, functions: dict) -> list:
+    """The reward components, in --reward_funcs order (or the one reward model); `functions` by spec."""
     several = len(args.reward_model_paths) > 1
     components = []
     for spec in args.reward_specs:
-        if is_function_spec(spec):
-            try:
-                func = load_reward_function(spec, **vars(args))  # a built-in takes the options it declares
-            except RewardFunctionError as e:
-                raise SystemExit(f"error: --reward_funcs: {e}") from None
-            components.append(FunctionReward(func, tokenizer, args.reward_timeout, args.skip_bad_rewards))
+        if spec in functions:
+            components.append(FunctionReward(functions[spec], tokenizer, args.reward_timeout, args.skip_bad_rewards))
         else:
             components.append(RewardModelReward(engines.rewards[spec], tokenizer.pad_token_id,
                                                 reward_model_name(spec) if several else "reward_model"))
@@ -407,6 +413,7 @@ class Setup:
 def setup(args) -> Setup:
     """Everything before the first PPO iteration: process group, tokenizer, prompts, engines, trainer."""
     start_process(args)
+    functions = load_reward_functions(args)
     tokenizer = load_tokenizer(args.actor_model_name_or_path, args.trust_remote_code, padding_side="left",
                                chat_template=args.chat_template)
     critic = [args.critic_model_name_or_path] if get_estimator(args.advantage_estimator).needs_critic else []
@@ -440,7 +447,7 @@ def setup(args) -> Setup:
     print_rank0(f"[step3] responses end at {tokenizer.convert_ids_to_tokens(stop_ids)}")
     config = PPOConfig.from_args(args, stop_token_ids=tuple(stop_ids), pad_token_id=tokenizer.pad_token_id,
                                  reward_weights=tuple(args.reward_weights) if args.reward_weights else None)
-    trainer = PPOTrainer(engines, config, kl_controller(args), build_rewards(args, tokenizer, engines),
+    trainer = PPOTrainer(engines, config, kl_controller(args), build_rewards(args, tokenizer, engines, functions),
                          unsupervised_batches(args, tokenizer))
     if not ROLLOUT_ENGINES[args.rollout_engine].logprobs:
         print_rank0(f"[step3] --rollout_engine {args.rollout_engine} gives no log-probs of its tokens: "
@@ -521,11 +528,7 @@ def export(prepared: Setup) -> None:
 def main(argv=None):
     args = parse_args(argv)
     prepared = setup(args)
-    try:
-        run = train(prepared)
-    except RewardFunctionError as e:  # on the rank whose rows it scored, which may not be rank 0
-        print(f"error: {one_line(e)}", file=sys.stderr, flush=True)
-        raise SystemExit(1) from None
+    run = train(prepared)  # a RewardFunctionError on any rank is shown once, by run_main (utils/errors.py)
     print_rank0(f"[step3] {run.loop.step} PPO iterations in {run.train_s:.1f} s (evaluations {run.eval_s:.1f} s)")
     engines = prepared.engines
     saved = ["actor/"] + ["critic/"] * (engines.critic is not None) + ["actor_ema/"] * (engines.ema is not None)

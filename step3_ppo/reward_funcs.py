@@ -11,10 +11,11 @@ the rest. It returns one finite number per completion (a list, tuple, 1-D tensor
 
 What stops a run (RewardFunctionError, one line naming the function and the first bad row's origin): a
 spec that does not load, a call that raises, runs past the timeout, returns the wrong count, or returns a
-None / non-number / non-finite value. With `skip_bad` the per-row problems only make those rows NaN and a
-raise / wrong count / timeout makes the whole batch NaN; the caller drops and counts them. A function that
-itself raises RewardFunctionError (math_exact without an 'answer' field) says the setup is wrong: that
-always stops the run.
+None / non-number / non-finite value, or whose worker process exits or crashes (step 3 calls each function
+in a process of its own, step3_ppo/reward_worker.py). With `skip_bad` the per-row problems only make those
+rows NaN and a raise / wrong count / timeout / dead worker makes the whole batch NaN; the caller drops and
+counts them. A function that itself raises RewardFunctionError (math_exact without an 'answer' field) says
+the setup is wrong: that always stops the run.
 
 A built-in is one `BUILTINS` entry (its factory, one line of help, whether it is an accuracy) next to its
 function; the weighted sum of the rewards is `step3_ppo.advantages.combine`.
@@ -33,17 +34,15 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
-
-import torch
 
 from utils.errors import ProjectError, one_line
 
 DEFAULT_FORMAT_PATTERN = r"\\boxed\{[^{}]+\}"
 _MESSAGE_LIMIT = 200
 _SHOWN_ORIGINS = 3
-_FLOAT32_MAX = torch.finfo(torch.float32).max
+_FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: torch is not imported here (see _is_tensor)
 _module_counter = itertools.count()
 
 
@@ -59,14 +58,22 @@ class RewardFunctionError(ProjectError):
         super().__init__(one_line(f"reward function {function}: {problem}{where}"))
 
 
+class CallFailed(Exception):
+    """A call that gave no result: it raised in its worker process, ran past its deadline, or the worker exited
+    or crashed (step3_ppo/reward_worker.py); str() says which, score_batch adds the function and rows."""
+
+
 @dataclass(frozen=True)
 class RewardFunction:
-    """A loaded reward function: `name` is log-safe (`reward/<name>_mean`), `spec` what the user gave."""
+    """A loaded reward function: `name` is log-safe (`reward/<name>_mean`), `spec` what the user gave.
+    `options`: what `load_reward_function` loaded it with, so a worker process can load it again by its spec;
+    None for a function handed over as an object, which can only be called in this process."""
 
     name: str
     fn: Callable
     is_accuracy: bool = False
     spec: str = ""
+    options: dict | None = field(default=None, compare=False, repr=False)
 
     @property
     def label(self) -> str:
@@ -234,8 +241,9 @@ def load_reward_function(spec: str, /, **options) -> RewardFunction:
     the ones it declares (`format`: `format_pattern`, default a non-empty `\\boxed{...}`), others are ignored."""
     builtin = BUILTINS.get(spec)
     if builtin is not None:
-        return RewardFunction(spec, builtin.make(**_declared(builtin.make, options)), is_accuracy=builtin.is_accuracy,
-                              spec=spec)
+        declared = _declared(builtin.make, options)
+        return RewardFunction(spec, builtin.make(**declared), is_accuracy=builtin.is_accuracy, spec=spec,
+                              options=declared)
     if ":" not in spec:
         if spec.endswith(".py"):
             raise RewardFunctionError(spec, "missing the ':function' part (expected path/to/file.py:function)")
@@ -246,7 +254,7 @@ def load_reward_function(spec: str, /, **options) -> RewardFunction:
                                         f"name around ':' (expected {_forms()})")
     module = _load_file(spec, where) if _is_path(where) else _load_module(spec, where)
     fn = _attribute(spec, module, attr)
-    return RewardFunction(_log_name(attr.rsplit(".", 1)[-1]), fn, spec=spec)
+    return RewardFunction(_log_name(attr.rsplit(".", 1)[-1]), fn, spec=spec, options={})
 
 
 def _is_path(where: str) -> bool:
@@ -368,13 +376,20 @@ def _origins(origins: list[str], indices: list[int]) -> str:
     return shown + (f" (+{more} more)" if more > 0 else "")
 
 
+def _is_tensor(value) -> bool:
+    """torch.is_tensor without importing torch, which would add a second to each reward worker's start: a
+    value cannot be a tensor unless torch was imported."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.is_tensor(value)
+
+
 def _as_list(result, expected: int) -> list | str:
     """The result as a list of `expected` values, or a string saying why it is not one."""
-    if torch.is_tensor(result) or type(result).__module__ == "numpy":
+    if _is_tensor(result) or type(result).__module__ == "numpy":
         shape = tuple(result.shape)
         if len(shape) != 1:
             return f"returned an array of shape {shape}, expected {expected} numbers (shape ({expected},))"
-        result = result.detach().cpu().tolist() if torch.is_tensor(result) else result.tolist()
+        result = result.detach().cpu().tolist() if _is_tensor(result) else result.tolist()
     elif not isinstance(result, (list, tuple)):
         return f"returned a {type(result).__name__}, expected a list of {expected} numbers (one per completion)"
     if len(result) != expected:
@@ -383,7 +398,7 @@ def _as_list(result, expected: int) -> list | str:
 
 
 def _number(value) -> float | None:
-    if torch.is_tensor(value) and value.numel() == 1:
+    if _is_tensor(value) and value.numel() == 1:
         value = value.item()
     if isinstance(value, numbers.Real):
         number = float(value)
@@ -400,7 +415,7 @@ def _describe(value) -> str:
 
 
 def _number_like(value) -> bool:
-    return isinstance(value, numbers.Real) or (torch.is_tensor(value) and value.numel() == 1)
+    return isinstance(value, numbers.Real) or (_is_tensor(value) and value.numel() == 1)
 
 
 def _check_lengths(completions, completion_ids, extra, origins) -> None:
@@ -414,16 +429,20 @@ def _check_lengths(completions, completion_ids, extra, origins) -> None:
 
 def score_batch(func: RewardFunction, *, prompts: list, completions: list[str], completion_ids: list[list[int]],
                 extra: dict[str, list], origins: list[str], timeout: float | None = None,
-                skip_bad: bool = False, on_skip: Callable[[str], None] | None = None
-                ) -> tuple[torch.Tensor, list[int]]:
+                skip_bad: bool = False, on_skip: Callable[[str], None] | None = None,
+                call: Callable[[dict, float | None], object] | None = None) -> tuple[torch.Tensor, list[int]]:
     """`func`'s scores of one batch (float32 [B]) and the indices of the rows it could not score.
 
-    Calls `func.fn(prompts=, completions=, completion_ids=, **extra)` once. `timeout` seconds (None or 0:
-    no limit) stops a call: by SIGALRM in the main thread, else by abandoning a daemon thread. Without
-    `skip_bad` every problem raises RewardFunctionError; with it bad rows (all rows, for a raise, a wrong
-    count or a timeout) come back NaN and listed, and `on_skip` (if given) gets the error's one line.
-    SIGALRM interrupts at the next Python bytecode: a long call into C code finishes before it stops.
+    Calls `func.fn(prompts=, completions=, completion_ids=, **extra)` once: through `call(kwargs, timeout)`
+    when given (step 3's worker process, RewardWorker.call, which kills a call at its deadline and raises
+    CallFailed), else in this process, where `timeout` seconds (None or 0: no limit) stop a call by SIGALRM
+    in the main thread (at the next Python bytecode: not inside C code), else by abandoning a daemon thread.
+    Without `skip_bad` every problem raises RewardFunctionError; with it bad rows (all rows, for a raise, a
+    wrong count, a timeout or a dead worker) come back NaN and listed, and `on_skip` (if given) gets the
+    error's one line.
     """
+    import torch  # here, not at the top: a reward worker process loads this module without it
+
     n = len(completions)
     _check_lengths(completions, completion_ids, extra, origins)
     everything = list(range(n))
@@ -436,13 +455,15 @@ def score_batch(func: RewardFunction, *, prompts: list, completions: list[str], 
             on_skip(str(error))
         return torch.full((n,), float("nan"), dtype=torch.float32), everything
 
-    call = lambda: func.fn(prompts=prompts, completions=completions, completion_ids=completion_ids, **extra)  # noqa: E731
     try:
-        result = _call(call, timeout)
+        kwargs = dict(prompts=prompts, completions=completions, completion_ids=completion_ids, **extra)
+        result = call(kwargs, timeout) if call is not None else _call(lambda: func.fn(**kwargs), timeout)
     except RewardFunctionError:
         raise
     except _Timeout:
         return fail_batch(f"ran past --reward_timeout {timeout:g} s on rows {_origins(origins, everything)}")
+    except CallFailed as exc:
+        return fail_batch(f"{exc} (batch of {n} rows: {_origins(origins, everything)})")
     except Exception as exc:
         text = one_line(f"{type(exc).__name__}: {exc}", _MESSAGE_LIMIT)
         return fail_batch(f"raised {text} (batch of {n} rows: {_origins(origins, everything)})")

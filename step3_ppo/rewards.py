@@ -19,6 +19,7 @@ from typing import Protocol
 import torch
 
 from step3_ppo.reward_funcs import RewardFunction, score_batch
+from step3_ppo.reward_worker import RewardWorker
 from utils.forward import eval_mode, sequence_scores
 from utils.rollout import Row, pack
 
@@ -52,7 +53,12 @@ class FunctionReward:
     `completions` are the responses decoded without special tokens; `completion_ids` the generated
     ids (the stop token included when there is one); `prompts` each row's prompt as the data gave
     it (a string or a message list); every field of `extra` is a list with None where a row lacks
-    it. `skipped` counts the rows whose score was bad and skipped (`--skip_bad_rewards`).
+    it. `skipped` counts the rows whose score was bad and skipped (`--skip_bad_rewards`); the first such
+    error is printed once, so a function that always fails is not silent.
+
+    A function loaded by its spec is called in its own worker process (step3_ppo/reward_worker.py: a hang
+    is killed at `timeout`, an exit or a crash is a failed call); one handed over as an object
+    (`RewardFunction.options` None) is called in this process.
     """
 
     engine = None
@@ -61,6 +67,8 @@ class FunctionReward:
         self.func, self.tokenizer, self.timeout, self.skip_bad = func, tokenizer, timeout, skip_bad
         self.name, self.is_accuracy = func.name, func.is_accuracy
         self.skipped = 0
+        self.worker = RewardWorker(func) if func.options is not None else None  # started at the first call
+        self.told_skip = False
 
     def __call__(self, rows: list[Row]) -> torch.Tensor:
         keys = list(dict.fromkeys(k for r in rows for k in (r.prompt.get("extra") or {})))
@@ -69,9 +77,16 @@ class FunctionReward:
             self.func, prompts=[r.prompt.get("prompt") for r in rows],
             completions=self.tokenizer.batch_decode([r.response_ids for r in rows], skip_special_tokens=True),
             completion_ids=[r.response_ids.tolist() for r in rows], extra=extra,
-            origins=[r.prompt.get("origin", "") for r in rows], timeout=self.timeout, skip_bad=self.skip_bad)
+            origins=[r.prompt.get("origin", "") for r in rows], timeout=self.timeout, skip_bad=self.skip_bad,
+            on_skip=self.tell_first_skip, call=self.worker.call if self.worker is not None else None)
         self.skipped += len(skipped)
         return scores
+
+    def tell_first_skip(self, error: str) -> None:
+        if not self.told_skip:
+            self.told_skip = True
+            print(f"[step3] warning: --skip_bad_rewards: {error}; its rows are skipped (only this function's first "
+                  f"error is printed, reward/skipped_rows counts them)", flush=True)
 
 
 def unique_names(components: list) -> None:

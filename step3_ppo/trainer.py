@@ -27,6 +27,7 @@ from step3_ppo.rollout_engines import ROLLOUT_ENGINES
 from step3_ppo.shaping import RunningMoments, clip_scores, compute_rewards, length_penalty
 from utils import accelerator, losses
 from utils.distributed import all_reduce_max, all_reduce_max_list, all_reduce_sum, world_size
+from utils.errors import ProjectError
 from utils.forward import (GenerationSettings, eval_mode, lm_nll, model_device, to_device,
                            token_logprobs, token_values)
 from utils.ops import explained_variance, masked_mean, masked_whiten, rollout_correction_weights, select
@@ -36,6 +37,10 @@ from utils.training import OVERFLOW, accumulation_windows, backward_and_step, st
 
 # the loss figures logged as their optimizer steps' mean (each mini-batch logs its part of its step's loss)
 STEP_LOSSES = ("loss/actor", "loss/kl", "loss/critic")
+
+
+class NothingToTrain(ProjectError):
+    """An iteration with no row left to train on: every rank decides it together, rank 0 prints it."""
 
 
 def component_sums(rows: list[Row], names: list[str]) -> dict:
@@ -547,6 +552,18 @@ class PPOTrainer:
                   "missing_groups": wanted - len(kept), "rounds": rounds}
         return [r for r in rows if r.group in chosen], counts, generation_s, experience_s
 
+    def stop_if_nothing_to_train(self, rows: list[Row], step: int) -> None:
+        """With --skip_bad_rewards, an iteration whose skipped rewards left no row to train on (any rank) stops
+        the run: training on nothing would go on silently to the end and exit 0 (a function that always fails)."""
+        trained, bad, total = all_reduce_sum([sum(r.trained for r in rows),
+                                              sum(r.score != r.score for r in rows), len(rows)])
+        if trained == 0 and bad > 0:
+            failing = [name for name in (comp.name for comp in self.rewards)
+                       if any(r.score_parts[name] != r.score_parts[name] for r in rows)]
+            raise NothingToTrain(f"iteration {step + 1}: nothing left to train: {bad:.0f} of {total:.0f} rows have a "
+                                 f"skipped reward (--skip_bad_rewards: {', '.join(failing) or 'another rank'}), and "
+                                 f"their groups were dropped; the first error of each function is printed above")
+
     # ------------------------------------------------------------------ one iteration
     def step(self, prompt_batches: list[dict], step: int, more_prompts=None) -> tuple[dict, list[Row]]:
         """Rollout over the prompt batches (with dynamic sampling, more from `more_prompts`), then PPO epochs;
@@ -566,6 +583,8 @@ class PPOTrainer:
                     "time/experience_s": experience_s}, rows
         t0 = time.time()
         exp_stats = self.compute_advantages(rows)
+        if c.skip_bad_rewards:
+            self.stop_if_nothing_to_train(rows, step)
         t2 = time.time()
         experience_s += t2 - t0
 
