@@ -1,5 +1,8 @@
 # Sourced by the launch scripts: repository root, venv, offline mode, a free port, demo inputs.
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# DeepSpeed's JIT-built ops (its CPU communication op) go to this checkout's own folder, not the shared
+# ~/.cache/torch_extensions, where two checkouts wait on each other's build lock (utils/extensions.py).
+export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.cache/torch_extensions}"
 # RLHF_USE_CURRENT_ENV=1: run with the python and packages already on PATH (a cluster's module, a
 # machine without network such as bench/gpu.sh's); otherwise set up and enter the repository's venv.
 if [ -z "${RLHF_USE_CURRENT_ENV:-}" ]; then
@@ -88,7 +91,8 @@ multi_node_launcher() {  # prints the launcher prefix for the given hostfile
     # pdsh forwards only NCCL*/PYTHON* variables (and a .deepspeed_env file) to the other nodes
     local env_file
     env_file="$(mktemp)"
-    for var in HF_HUB_OFFLINE TRANSFORMERS_OFFLINE OMP_NUM_THREADS GLOO_SOCKET_IFNAME TOKENIZERS_PARALLELISM; do
+    for var in HF_HUB_OFFLINE TRANSFORMERS_OFFLINE OMP_NUM_THREADS GLOO_SOCKET_IFNAME TOKENIZERS_PARALLELISM \
+               TORCH_EXTENSIONS_DIR; do
       [ -n "${!var:-}" ] && echo "$var=${!var}" >> "$env_file"
     done
     echo "env DS_ENV_FILE=$env_file deepspeed --hostfile $hostfile --master_port $MASTER_PORT${MASTER_ADDR:+ --master_addr $MASTER_ADDR}"

@@ -18,6 +18,16 @@ def pytest_configure(config):
                    "fast tier for the edit-test loop (CI runs everything)")
 
 
+@pytest.fixture(autouse=True)
+def _release_output_dir_locks():
+    """An in-process run that stopped early keeps its output directory's lock (utils/output_dir.py) until the
+    process exits; here that is the test session, so a later test or subprocess would find it taken."""
+    yield
+    from utils.output_dir import release
+
+    release()
+
+
 @pytest.fixture(scope="session")
 def tiny_gpt2() -> str:
     from utils.tiny_model import make_tiny_model_cached

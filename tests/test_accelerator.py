@@ -45,11 +45,11 @@ def test_an_offloaded_frozen_model_is_offloaded_whatever_the_trained_stage(train
     assert plain["zero_optimization"]["offload_param"]["device"] == "none"
 
 
-def step1_args(*extra):
-    return ["--model_name_or_path", "m", "--data_path", "d", "--output_dir", "o", *extra]
+def step1_args(out, *extra):
+    return ["--model_name_or_path", "m", "--data_path", "d", "--output_dir", str(out), *extra]
 
 
-def test_flash_attention_without_the_package_is_refused_before_loading(monkeypatch):
+def test_flash_attention_without_the_package_is_refused_before_loading(monkeypatch, tmp_path):
     import importlib.util
 
     from step1_sft.main import parse_args
@@ -58,12 +58,12 @@ def test_flash_attention_without_the_package_is_refused_before_loading(monkeypat
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn"
                         else real_find_spec(name, *a))
     with pytest.raises(SystemExit, match="flash_attn package"):
-        parse_args(step1_args("--attn_implementation", "flash_attention_2", "--dtype", "bf16"))
+        parse_args(step1_args(tmp_path, "--attn_implementation", "flash_attention_2", "--dtype", "bf16"))
 
 
-def test_attention_and_tf32_flags_parse():
+def test_attention_and_tf32_flags_parse(tmp_path):
     from step1_sft.main import parse_args
 
-    args = parse_args(step1_args("--attn_implementation", "sdpa", "--no_tf32"))
+    args = parse_args(step1_args(tmp_path, "--attn_implementation", "sdpa", "--no_tf32"))
     assert args.attn_implementation == "sdpa" and args.no_tf32
-    assert parse_args(step1_args()).attn_implementation is None
+    assert parse_args(step1_args(tmp_path)).attn_implementation is None

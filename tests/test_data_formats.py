@@ -181,11 +181,11 @@ def test_key_mapping_flags(tmp_path):
         D.read_rows(p, 2, fmt)
 
 
-def test_format_flags_parse_into_a_row_format():
+def test_format_flags_parse_into_a_row_format(tmp_path):
     from step1_sft.main import parse_args
 
-    args = parse_args(["--model_name_or_path", "m", "--data_path", "d", "--output_dir", "o", "--prompt_key", "q",
-                       "--messages_key", "conv", "--apply_chat_template", "--train_on_last_turn_only"])
+    args = parse_args(["--model_name_or_path", "m", "--data_path", "d", "--output_dir", str(tmp_path / "o"),
+                       "--prompt_key", "q", "--messages_key", "conv", "--apply_chat_template", "--train_on_last_turn_only"])
     assert RowFormat.from_args(args) == RowFormat(prompt_key="q", messages_key="conv", apply_chat_template=True)
     assert args.train_on_last_turn_only
 

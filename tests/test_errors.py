@@ -89,7 +89,7 @@ def test_used_output_dir_is_refused_unless_resume_or_overwrite(tiny_gpt2, tmp_pa
     (out / "checkpoints" / "latest").write_text("step-00000001")
     parse_args(args + ["--resume"])
     parse_args(args + ["--overwrite_output_dir"])
-    assert sorted(os.listdir(out)) == ["train.log"]  # the old run's outputs are gone, the log stays
+    assert sorted(os.listdir(out)) == [".run.lock", "train.log"]  # the old run's outputs are gone, the log stays
     fresh = tmp_path / "fresh"
     fresh.mkdir()
     (fresh / "train.log").write_text("log\n")

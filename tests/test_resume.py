@@ -6,6 +6,7 @@ as an uninterrupted run."""
 import glob
 import math
 import os
+import re
 import time
 
 import pytest
@@ -104,6 +105,11 @@ def test_resume_with_another_world_size_or_data_layout_is_refused(tiny_gpt2, sft
     assert len(message) == 1 and "another data layout" in message[0], tail(proc)
     assert "--per_device_train_batch_size 8 (this run: 4)" in message[0] and "--seed 7 (this run: 8)" in message[0]
     assert "Traceback" not in proc.stderr
+
+    from utils.checkpoint import CheckpointError  # a flag that shapes the model (not resumable), in this process
+
+    with pytest.raises(CheckpointError, match=re.escape("--learning_rate 0.003 (this run: 0.01)")):
+        step1(args + ["--resume", "--max_steps", 4, "--learning_rate", 0.01])
 
 
 @pytest.mark.slow

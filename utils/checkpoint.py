@@ -39,6 +39,11 @@ class BrokenCheckpoint(CheckpointError):
     back to the previous intact checkpoint. A file refused for what it holds is NOT this: that stops."""
 
 
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint that could not be written (a full disk, a file size limit): str() names the file, what
+    it was to hold and why, and says where a --resume would continue from."""
+
+
 def _deepspeed_state_classes() -> list:
     """The few classes DeepSpeed pickles into its checkpoint states besides tensors and containers:
     plain data, rebuilt from numbers/bools/dtypes only (found by saving ZeRO 0-3 checkpoints in fp32
@@ -158,50 +163,74 @@ class TrainingCheckpoints:
         return path
 
     def save(self, step: int, engines: dict, shared_state: dict, rank_state: dict) -> str:
-        """Collective: every rank calls it with its own `rank_state` (loop position, RNG, ...)."""
+        """Collective: every rank calls it with its own `rank_state` (loop position, RNG, ...). A write that
+        fails on any rank (a full disk, a file size limit) raises CheckpointWriteError on every rank, naming
+        the file and what it was to hold, once the partial checkpoint is removed."""
         tag = f"step-{step:08d}"
         final, tmp = os.path.join(self.root, tag), os.path.join(self.root, f".tmp-{tag}")
+        failure = None
         if is_rank0():
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        barrier()
-        for name, engine in engines.items():
-            if _has_optimizer(engine):
-                engine.save_checkpoint(os.path.join(tmp, name), tag=DS_TAG, save_latest=False)
-            else:
-                _save_weights(engine, os.path.join(tmp, f"{name}.safetensors"))
-        torch.save(rank_state, os.path.join(tmp, f"rank{rank():05d}.pt"))
-        barrier()
+            self._remove_partial_saves()
+            failure = _write_failure(lambda: _make_folder(tmp))
+        self._agree(failure, tmp)  # the barrier before every rank writes into tmp
+        self._agree(_write_failure(lambda: _write_rank_files(tmp, engines, rank_state)), tmp)
         if is_rank0():
-            with open(os.path.join(tmp, STATE_FILE), "w") as f:
-                json.dump({**shared_state, "step": step, "world_size": world_size(), "engines": sorted(engines)}, f)
-            open(os.path.join(tmp, COMPLETE_FILE), "w").close()
-            _fail_point("before_rename")
-            shutil.rmtree(final, ignore_errors=True)
-            os.rename(tmp, final)
-            _fail_point("before_pointer")
-            pointer_tmp = os.path.join(self.root, f".{LATEST_FILE}.tmp")
-            with open(pointer_tmp, "w") as f:
-                f.write(tag)
-            os.replace(pointer_tmp, os.path.join(self.root, LATEST_FILE))
-            self._prune(keep_tag=tag)
-        barrier()
+            state = {**shared_state, "step": step, "world_size": world_size(), "engines": sorted(engines)}
+            failure = _write_failure(lambda: self._publish(tmp, final, tag, state))
+        self._agree(failure, tmp)
         return final
 
+    def _publish(self, tmp: str, final: str, tag: str, state: dict) -> None:
+        """Rank 0: the run's state and the COMPLETE marker into `tmp`, renamed to `final`; then the pointer."""
+        with _writing("the run's state", os.path.join(tmp, STATE_FILE)) as path, open(path, "w") as f:
+            json.dump(state, f)
+        with _writing("the COMPLETE marker", os.path.join(tmp, COMPLETE_FILE)) as path:
+            open(path, "w").close()
+        _fail_point("before_rename")
+        shutil.rmtree(final, ignore_errors=True)
+        with _writing("the renamed checkpoint", final):
+            os.rename(tmp, final)
+        _fail_point("before_pointer")
+        pointer_tmp = os.path.join(self.root, f".{LATEST_FILE}.tmp")
+        with _writing(f"the {LATEST_FILE} pointer", pointer_tmp) as path, open(path, "w") as f:
+            f.write(tag)
+        os.replace(pointer_tmp, os.path.join(self.root, LATEST_FILE))
+        self._prune(keep_tag=tag)
+
+    def _remove_partial_saves(self) -> None:
+        """Rank 0, before a save: the `.tmp-step-*` folders of saves that never finished (a killed run)."""
+        for leftover in glob.glob(os.path.join(self.root, ".tmp-step-*")):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+    def _agree(self, failure: CheckpointWriteError | None, tmp: str) -> None:
+        """Collective, in place of a barrier: when a write failed on any rank, rank 0 removes the partial
+        checkpoint and every rank raises the failure of the lowest failing rank (rank 0 prints it), saying
+        where a --resume would continue from instead."""
+        failures = _gathered(str(failure) if failure is not None else None)
+        first = next((f for f in failures if f is not None), None)
+        if first is None:
+            return
+        if is_rank0():
+            shutil.rmtree(tmp, ignore_errors=True)
+        pointed = self.pointed()
+        where = (f"--resume continues from {os.path.basename(pointed)}, the latest checkpoint" if pointed
+                 else "no earlier checkpoint exists: start the run again with --overwrite_output_dir")
+        raise CheckpointWriteError(f"{first}; the partial checkpoint {tmp} was removed; {where}")
+
     def load(self, engines: dict, path: str | None = None, layout: dict | None = None,
-             universal: bool = False) -> tuple[dict, dict]:
+             universal: bool = False, flags: dict | None = None) -> tuple[dict, dict]:
         """Restore every engine from the latest (or given) checkpoint; returns (shared, this rank's) state.
 
         `layout` (data_layout) must match the one the checkpoint was written with, else the run is
-        refused before any engine is touched: the resumed run would skip the wrong rows.
+        refused before any engine is touched: the resumed run would skip the wrong rows. So must
+        `flags` (run_flags), but for utils.flags.RESUMABLE_FLAGS: the run would go on under other settings.
         A checkpoint of another world size is refused unless `universal`: then each ZeRO (stage 1-3)
         engine's DeepSpeed checkpoint is converted to the universal format (rank 0, once, kept in the
         checkpoint) and loaded from it; ZeRO-0 and weights-only engines load as they are."""
         path = path or self.latest()
         if path is None:
             raise CheckpointError(f"no checkpoint under {self.root}")
-        with open(os.path.join(path, STATE_FILE)) as f:
-            shared = json.load(f)
+        shared = self.read_state(path)
         resharded = shared["world_size"] != world_size()
         if resharded and not universal:
             raise CheckpointError(
@@ -218,6 +247,12 @@ class TrainingCheckpoints:
                     f"checkpoint {path} was written with another data layout: {'; '.join(differ)}. The resumed run "
                     f"would skip or repeat the wrong rows: resume with the checkpoint's settings, or start a new "
                     f"run (--overwrite_output_dir)")
+        changed = changed_flags(shared.get("flags"), flags)
+        if changed:
+            raise CheckpointError(
+                f"checkpoint {path} was written with other settings, which cannot change mid-run: "
+                f"{'; '.join(changed)}. Resume with the checkpoint's values, or start a new run "
+                f"(--overwrite_output_dir)")
         if sorted(engines) != shared["engines"]:
             raise CheckpointError(f"checkpoint {path} holds engines {shared['engines']}, this run has {sorted(engines)}")
         for name, engine in engines.items():
@@ -245,11 +280,49 @@ class TrainingCheckpoints:
             rank_state = safe_torch_load(os.path.join(path, f"rank{rank():05d}.pt"))
         return shared, rank_state
 
+    @staticmethod
+    def read_state(path: str) -> dict:
+        """The run's state of checkpoint `path` (its state.json); missing or unreadable: BrokenCheckpoint."""
+        file = os.path.join(path, STATE_FILE)
+        try:
+            with open(file) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            raise BrokenCheckpoint(f"{file} is missing") from None
+        except (OSError, ValueError) as exc:
+            raise BrokenCheckpoint(f"{file} cannot be read ({one_line(exc, 160)})") from None
+
+    @staticmethod
+    def check_files(engines: dict, path: str, shared: dict) -> None:
+        """BrokenCheckpoint naming the first of this rank's files of checkpoint `path` that is missing:
+        each engine's DeepSpeed model states (DeepSpeed itself stops on an assertion) or weights, and
+        this rank's state. A checkpoint of another world size is checked while it is converted."""
+        if shared["world_size"] != world_size():
+            return
+        files = [os.path.join(path, f"rank{rank():05d}.pt")]
+        for name, engine in engines.items():
+            files.append(engine._get_ckpt_name(os.path.join(path, name), DS_TAG) if _has_optimizer(engine)
+                         else os.path.join(path, f"{name}.safetensors"))
+        for file in files:
+            if not os.path.isfile(file):
+                raise BrokenCheckpoint(f"{file} is missing")
+
     def _prune(self, keep_tag: str) -> None:
+        """Remove the checkpoints beyond `keep`, never through a symlink out of the output directory: a
+        linked step folder is unlinked, its target kept; a linked checkpoints/ is not pruned at all (what
+        it points at may be another run's), said once."""
+        from utils.output_dir import remove_entry
+
+        if os.path.islink(self.root):
+            if not getattr(self, "_said_link", False):
+                print(f"[checkpoint] {self.root} is a symlink to {os.path.realpath(self.root)}: old checkpoints "
+                      f"there are not pruned", flush=True)
+                self._said_link = True
+            return
         tags = sorted(t for t in os.listdir(self.root) if t.startswith("step-"))
         for tag in tags[:-self.keep] if self.keep > 0 else []:
             if tag != keep_tag:
-                shutil.rmtree(os.path.join(self.root, tag), ignore_errors=True)
+                remove_entry(os.path.join(self.root, tag))
 
 
 @contextmanager
@@ -309,6 +382,116 @@ def _convert_to_universal(engine_dir: str) -> str:
     return target
 
 
+def _write_rank_files(tmp: str, engines: dict, rank_state: dict) -> None:
+    """This rank's part of a checkpoint: each engine's DeepSpeed checkpoint (or weights) and its own state."""
+    for name, engine in engines.items():
+        if _has_optimizer(engine):
+            folder = os.path.join(tmp, name)
+            with keeping_write_failures(engine, f"the DeepSpeed checkpoint of engine {name!r}", folder):
+                engine.save_checkpoint(folder, tag=DS_TAG, save_latest=False)
+        else:
+            with _writing(f"the weights of engine {name!r}", os.path.join(tmp, f"{name}.safetensors")) as path:
+                _save_weights(engine, path)
+    with _writing(f"rank {rank()}'s loop and RNG state", os.path.join(tmp, f"rank{rank():05d}.pt")) as path:
+        torch.save(rank_state, path)
+
+
+def _make_folder(path: str) -> None:
+    with _writing("the checkpoint's folder", path):
+        os.makedirs(path)
+
+
+def _write_failure(write) -> CheckpointWriteError | None:
+    """`write()`'s CheckpointWriteError, returned rather than raised (the ranks agree on it first)."""
+    try:
+        write()
+    except CheckpointWriteError as exc:
+        return exc
+    return None
+
+
+def _gathered(value) -> list:
+    """`value` of every rank, in rank order (a plain list of one without a process group)."""
+    if not torch.distributed.is_initialized() or world_size() == 1:
+        return [value]
+    values = [None] * world_size()
+    torch.distributed.all_gather_object(values, value)
+    return values
+
+
+# torch's zip writer reports a failed write (a full disk, a file size limit) as a RuntimeError of its own
+_TORCH_WRITE_FAILURE = re.compile(r"inline_container|PytorchStreamWriter|file write failed|unexpected pos")
+
+
+@contextmanager
+def _writing(what: str, path: str):
+    """Yields `path`; a write into it that fails raises CheckpointWriteError naming `what`, the path and why."""
+    try:
+        yield path
+    except OSError as exc:
+        raise CheckpointWriteError(f"could not write {what} to {path} ({_why_not_written(exc, path)})") from None
+    except RuntimeError as exc:
+        if not _TORCH_WRITE_FAILURE.search(str(exc)):
+            raise
+        raise CheckpointWriteError(f"could not write {what} to {path} ({_why_not_written(exc, path)})") from None
+
+
+def _why_not_written(exc: BaseException, path: str) -> str:
+    """The OS's reason, else the likely one: a disk with no space left, or a file size limit."""
+    import errno
+    import resource
+
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    limited = f"files are limited to {limit} bytes here (ulimit -f)" if limit != resource.RLIM_INFINITY else ""
+    if isinstance(exc, OSError) and exc.errno is not None:
+        reason = os.strerror(exc.errno).lower()
+        return f"{reason}: {limited}" if exc.errno == errno.EFBIG and limited else reason
+    folder = os.path.dirname(path)
+    while folder and not os.path.isdir(folder):
+        folder = os.path.dirname(folder)
+    free = shutil.disk_usage(folder or ".").free
+    if free < 1 << 20:
+        return f"no space left on the device: {free} bytes free"
+    return limited or f"{one_line(exc, 120)}; {free} bytes free on the device"
+
+
+class _WriteFailureKeepingEngine:
+    """An engine's DeepSpeed checkpoint engine whose `save` keeps a failed write instead of raising it, so
+    that DeepSpeed's save_checkpoint still reaches its own barrier on every rank; its later files are
+    skipped. Every other attribute and method is the wrapped engine's."""
+
+    def __init__(self, inner, what: str):
+        self._inner, self._what, self.failure = inner, what, None
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def save(self, state_dict, path: str):
+        if self.failure is not None:
+            return None
+        try:
+            with _writing(self._what, path):
+                return self._inner.save(state_dict, path)
+        except CheckpointWriteError as exc:
+            self.failure = exc
+            return None
+
+
+@contextmanager
+def keeping_write_failures(engine, what: str, folder: str):
+    """`engine.save_checkpoint` inside this block raises the first failed file write (CheckpointWriteError
+    naming it as `what`) after DeepSpeed's own collectives, not in the middle of them."""
+    original = engine.checkpoint_engine
+    engine.checkpoint_engine = _WriteFailureKeepingEngine(original, what)
+    try:
+        with _writing(what, folder):  # DeepSpeed's own writes (its recovery scripts)
+            yield
+        if engine.checkpoint_engine.failure is not None:
+            raise engine.checkpoint_engine.failure
+    finally:
+        engine.checkpoint_engine = original
+
+
 def _has_optimizer(engine) -> bool:
     """DeepSpeed checkpoints need an optimizer; weights-only engines (the actor's EMA) are saved directly."""
     from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
@@ -356,7 +539,7 @@ class LoopState:
 
 # What decides which rows a resumed run reads next (the loader's order, batch boundaries, the rows).
 DATA_LAYOUT_FLAGS = ("data_path", "data_split", "sft_only_data_path", "eval_fraction", "seed", "max_seq_len",
-                     "max_prompt_seq_len", "per_device_train_batch_size", "gradient_accumulation_steps",
+                     "dedupe", "max_prompt_seq_len", "per_device_train_batch_size", "gradient_accumulation_steps",
                      "per_device_generation_batch_size", "generation_batches", "per_device_training_batch_size")
 
 
@@ -366,6 +549,53 @@ def data_layout(args, rows: int) -> dict:
     The world size is compared separately."""
     return {**{f"--{name}": getattr(args, name) for name in DATA_LAYOUT_FLAGS if hasattr(args, name)},
             "training rows": rows}
+
+
+def run_flags(args) -> dict:
+    """The run's parsed flags as JSON values, saved with each checkpoint and compared on --resume."""
+    flags = {}
+    for name, value in sorted(vars(args).items()):
+        try:
+            flags[name] = json.loads(json.dumps(value))  # tuples read back as lists, like the saved ones
+        except (TypeError, ValueError):
+            continue
+    return flags
+
+
+def changed_flags(saved: dict | None, given: dict | None) -> list[str]:
+    """`--name saved (this run: given)` for each flag both runs have whose value differs, but for
+    utils.flags.RESUMABLE_FLAGS and the attributes derived from flags."""
+    from utils.flags import DERIVED_ATTRIBUTES, RESUMABLE_FLAGS
+
+    if not saved or not given:
+        return []
+    skip = RESUMABLE_FLAGS | DERIVED_ATTRIBUTES
+    return [f"--{name} {saved[name]!r} (this run: {given[name]!r})" for name in sorted(saved)
+            if name in given and name not in skip and saved[name] != given[name]]
+
+
+# Flags naming the files a run trains on (their content is hashed: data_hashes)
+DATA_FILE_FLAGS = ("data_path", "sft_only_data_path", "unsupervised_dataset_name")
+
+
+def data_hashes(args) -> dict[str, str]:
+    """{file: sha256} of the local files the run's training data is read from (a hub data set has none)."""
+    from utils.data.sources import content_hashes
+
+    sources = []
+    for name in DATA_FILE_FLAGS:
+        value = getattr(args, name, None) or []
+        sources += [value] if isinstance(value, str) else list(value)
+    return content_hashes(sources)
+
+
+def changed_data(saved: dict | None, given: dict | None) -> list[str]:
+    """The files whose content differs between the checkpoint's `saved` hashes and this run's, each with how."""
+    if saved is None or given is None:
+        return []
+    changed = [f"{path} (edited)" for path in sorted(saved) if path in given and saved[path] != given[path]]
+    return (changed + [f"{path} (gone)" for path in sorted(set(saved) - set(given))]
+            + [f"{path} (new)" for path in sorted(set(given) - set(saved))])
 
 
 class Checkpointing:
@@ -383,6 +613,10 @@ class Checkpointing:
         self.engines = engines
         self.layout = layout
         self.universal = getattr(args, "universal_checkpoint", False)
+        self.ignore_data_change = getattr(args, "resume_ignore_data_change", False)
+        self.flags = run_flags(args)
+        self.data: dict | None = None  # data_hashes, read by `restore` when the run saves or resumes
+        self.args = args
         self.last_path: str | None = None
 
     def restore(self) -> tuple[LoopState, dict, dict]:
@@ -391,6 +625,8 @@ class Checkpointing:
         from utils.distributed import all_reduce_max
         from utils.logging import print_rank0
 
+        if self.interval > 0 or self.resume:
+            self.data = data_hashes(self.args)
         pointed = self.store.pointed() if self.resume else None
         if pointed is None:
             return LoopState(), {}, {}
@@ -399,20 +635,23 @@ class Checkpointing:
         candidates = [p for p in self.store.complete() if os.path.basename(p) <= os.path.basename(pointed)]
         problems = [] if pointed in candidates else [f"{pointed} (named by {LATEST_FILE}) is missing or incomplete"]
         for path in candidates:
-            try:
-                shared, rank_state = self.store.load(self.engines, path, self.layout, self.universal)
-                broken = 0.0
-            except BrokenCheckpoint as exc:
-                problems.append(str(exc))
-                broken = 1.0
-            if all_reduce_max(broken) == 0.0:
-                break
-            print_rank0(f"[checkpoint] {path} is broken ({problems[-1] if problems else 'on another rank'}); "
-                        f"trying the previous one")
+            problem = self._missing_file(path)
+            if all_reduce_max(float(problem is not None)) == 0.0:  # every rank's files are there: load
+                try:
+                    shared, rank_state = self._load(path)
+                except BrokenCheckpoint as exc:
+                    problem = str(exc)
+                if all_reduce_max(float(problem is not None)) == 0.0:
+                    break
+            problems.append(problem or f"{path} is broken on another rank")
+            if path != candidates[-1]:
+                print_rank0(f"[checkpoint] {path} is broken ({problems[-1]}); trying the previous one")
         else:
             raise CheckpointError(f"no intact checkpoint under {self.store.root} ({'; '.join(problems) or 'none complete'}"
-                                  f"): start a new run with --overwrite_output_dir, or restore the files")
-        shared.pop("layout", None)
+                                  f"): restore the missing files from a copy of the checkpoint, or start a new run "
+                                  f"with --overwrite_output_dir")
+        for key in ("layout", "flags", "data"):
+            shared.pop(key, None)
         rng = rank_state.pop("rng", None)
         if rng is not None:
             set_rng_state(rng)
@@ -432,6 +671,34 @@ class Checkpointing:
         self.last_path = path
         return loop, shared, rank_state
 
+    def _missing_file(self, path: str) -> str | None:
+        """What is missing or unreadable of this rank's files of checkpoint `path` (None: nothing)."""
+        try:
+            self.store.check_files(self.engines, path, self.store.read_state(path))
+        except BrokenCheckpoint as exc:
+            return str(exc)
+        return None
+
+    def _load(self, path: str) -> tuple[dict, dict]:
+        """`store.load` after the data check: a changed data file is refused, naming it, unless
+        --resume_ignore_data_change (then the row count may change too, and one line says so)."""
+        layout = self.layout
+        changed = changed_data(self.store.read_state(path).get("data"), self.data)
+        if changed and not self.ignore_data_change:
+            raise CheckpointError(
+                f"checkpoint {path} was trained on other data: {', '.join(changed)}. The resumed run would read "
+                f"other rows than the checkpoint's position assumes: restore the data, add "
+                f"--resume_ignore_data_change to go on with the new data, or start a new run (--overwrite_output_dir)")
+        if self.ignore_data_change and layout is not None:
+            layout = {k: v for k, v in layout.items() if k != "training rows"}
+        loaded = self.store.load(self.engines, path, layout, self.universal, self.flags)
+        if changed:
+            from utils.logging import print_rank0
+
+            print_rank0(f"[checkpoint] --resume_ignore_data_change: resuming {path} on changed training data "
+                        f"({', '.join(changed)})")
+        return loaded
+
     def metrics_logger(self, args, loop: LoopState):
         """The run's MetricsLogger (metrics.jsonl, TensorBoard, W&B): a resumed run keeps the jsonl rows up
         to the step it resumed from and continues the same W&B run."""
@@ -443,7 +710,8 @@ class Checkpointing:
                    force: bool = False) -> None:
         if not force and (self.interval <= 0 or loop.step % self.interval):
             return
-        shared = {**(shared or {}), "loop": asdict(loop), **({"layout": self.layout} if self.layout else {})}
+        shared = {**(shared or {}), "loop": asdict(loop), **({"layout": self.layout} if self.layout else {}),
+                  "flags": self.flags, **({"data": self.data} if self.data is not None else {})}
         rank_state = {**(rank_state or {}), "rng": rng_state()}
         self.last_path = self.store.save(loop.step, self.engines, shared, rank_state)
 

@@ -12,7 +12,6 @@ import argparse
 import importlib.util
 import json
 import os
-import shutil
 from typing import Sequence
 
 SCHEDULER_TYPES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
@@ -45,6 +44,33 @@ def fail(message: str):
     raise SystemExit(f"error: {message}")
 
 
+# The flags (parsed names) a --resume may change: from then on its value is used, not the checkpoint's.
+# They decide how long the run goes, when it evaluates, logs and saves, where it reports, how a process
+# waits or finds its files, or only how much memory the same arithmetic takes. Every other flag shapes
+# the trained model: a resume that changes one is refused, naming it and both values (utils.checkpoint
+# Checkpointing, every entry point); a new flag is in that group until it is listed here.
+RESUMABLE_FLAGS = frozenset({
+    # how long: the learning-rate schedule is recomputed over the new length
+    "max_steps", "num_train_epochs",
+    # evaluation: its figures, never the training
+    "eval_interval", "eval_iters", "per_device_eval_batch_size", "eval_num_prompts", "eval_do_sample",
+    "eval_data_path",
+    # logging and reporting
+    "print_loss", "print_answers", "print_answers_interval", "enable_tensorboard", "tensorboard_path",
+    "enable_wandb", "wandb_project", "wandb_run_name",
+    # checkpoints and what stops a run
+    "save_interval", "keep_checkpoints", "max_bad_steps", "resume", "universal_checkpoint",
+    "resume_ignore_data_change", "overwrite_output_dir", "skip_bad_rewards", "reward_timeout",
+    # processes and where files are (the data's content is compared on its own)
+    "dist_timeout", "local_rank", "output_dir", "data_output_path", "trust_remote_code",
+    # memory and speed at the same arithmetic
+    "gradient_checkpointing", "actor_gradient_checkpointing", "critic_gradient_checkpointing",
+    "release_inference_cache", "offload_reference_model", "offload_reward_model",
+})
+# Attributes an entry point derives from its flags after parsing (compared through those flags)
+DERIVED_ATTRIBUTES = frozenset({"reward_specs", "reward_model_paths"})
+
+
 # --------------------------------------------------------------------------- #
 # Groups
 # --------------------------------------------------------------------------- #
@@ -59,6 +85,9 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
                    help="held-out share of a source that has no eval/test split of its own, a fraction in [0, 1)")
     g.add_argument("--data_output_path", default=None,
                    help="folder caching the tokenised data, reused by later runs and by every rank (default: none)")
+    g.add_argument("--dedupe", action="store_true",
+                   help="drop exact duplicate training rows (all but the first) and the eval rows that are also "
+                        "training rows; without it they are only counted, in one line at data load")
     add_format_args(g)
 
 
@@ -188,6 +217,9 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
                    help="with --resume: a checkpoint written by another number of ranks is converted to DeepSpeed's "
                         "universal checkpoint format (once, inside the checkpoint) and loaded from it, instead of "
                         "being refused")
+    g.add_argument("--resume_ignore_data_change", action="store_true",
+                   help="with --resume: continue although the training data's content differs from the checkpoint's "
+                        "(else refused, naming the changed files); the resumed run reads the new rows")
     g.add_argument("--max_bad_steps", type=int, default=5,
                    help="stop after this many consecutive updates with a non-finite loss or reward")
 
@@ -255,20 +287,43 @@ RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "model.safetensors", "value_head.
                "actor", "critic")
 
 
-def check_output_dir(args, inputs: Sequence[str]) -> None:
-    """No run overwrites its input model or silently mixes with a previous run's outputs.
+# Flags naming what a run reads (a path, or several); none may lie in its output directory.
+INPUT_FLAGS = {"model_name_or_path": "model", "actor_model_name_or_path": "model", "critic_model_name_or_path": "model",
+               "reward_model_name_or_path": "model", "reward_model_paths": "model", "data_path": "data",
+               "sft_only_data_path": "data", "eval_data_path": "data", "unsupervised_dataset_name": "data",
+               "chat_template": "file"}
 
-    An output directory that is an input is refused; a used one (RUN_OUTPUTS) is refused unless
-    --resume finds a checkpoint there or --overwrite_output_dir asks to start clean (then the old
-    metrics.jsonl and checkpoints are deleted, so nothing of the old run is mixed in)."""
+
+def run_inputs(args, inputs: Sequence = ()) -> list[tuple[str, str, str]]:
+    """(flag, path, kind) of every input the run names that exists on disk (a hub name is not a path);
+    `inputs`: (flag, path) pairs the caller adds."""
+    found = [(flag, path, "model") for flag, path in inputs]
+    for name, kind in INPUT_FLAGS.items():
+        values = getattr(args, name, None)
+        flag = "--reward_funcs" if name == "reward_model_paths" else f"--{name}"  # step 3's reward-model dirs
+        found += [(flag, v, kind) for v in ([values] if isinstance(values, str) else values or [])]
+    return [(flag, path, kind) for flag, path, kind in dict.fromkeys(found) if path and os.path.exists(path)]
+
+
+def check_output_dir(args, inputs: Sequence[str]) -> None:
+    """No run overwrites its inputs, shares its output directory with a live run, or silently mixes with a
+    previous run's outputs.
+
+    An input (model, data, template) that is the output directory or inside it is refused; then rank 0
+    locks the directory (utils/output_dir.py: a second run is refused, naming the first); a used one
+    (RUN_OUTPUTS) is refused unless --resume finds a checkpoint there or --overwrite_output_dir asks to
+    start clean: then the lock holder deletes the old metrics.jsonl, checkpoints and tensorboard, never
+    through a symlink (a linked folder is unlinked, its target kept)."""
+    from utils.output_dir import is_within, lock_output_dir, remove_entry
+
     out = os.path.realpath(args.output_dir)
-    for flag, path in inputs:
-        if path and os.path.isdir(path) and os.path.realpath(path) == out:
-            fail(f"--output_dir {args.output_dir} is the input model of {flag}: the run would overwrite it; "
+    for flag, path, kind in run_inputs(args, inputs):
+        if is_within(path, out):
+            where = "is" if os.path.realpath(path) == out else f"holds {path},"
+            fail(f"--output_dir {args.output_dir} {where} the input {kind} of {flag}: the run would overwrite it; "
                  f"choose another --output_dir")
-    if not os.path.isdir(out):
-        return
-    used = [name for name in RUN_OUTPUTS if os.path.exists(os.path.join(out, name))]
+    holder = lock_output_dir(args.output_dir)  # before anything in it is deleted or written
+    used = [name for name in RUN_OUTPUTS if os.path.lexists(os.path.join(out, name))]
     if not used:
         return
     if getattr(args, "resume", False) and os.path.exists(os.path.join(out, "checkpoints", "latest")):
@@ -276,12 +331,9 @@ def check_output_dir(args, inputs: Sequence[str]) -> None:
     if not getattr(args, "overwrite_output_dir", False):
         fail(f"--output_dir {args.output_dir} holds a previous run ({', '.join(used)}): pass --resume to continue "
              f"from its latest checkpoint, --overwrite_output_dir to start clean, or another --output_dir")
-    for name in ("metrics.jsonl", "checkpoints", "tensorboard"):
-        path = os.path.join(out, name)
-        if os.path.isdir(path):
-            shutil.rmtree(path, ignore_errors=True)
-        elif os.path.exists(path):
-            os.remove(path)
+    if holder:  # one deleter: the other ranks may still be reading the check above
+        for name in ("metrics.jsonl", "checkpoints", "tensorboard"):
+            remove_entry(os.path.join(out, name))
 
 
 def model_max_positions(path: str) -> int | None:

@@ -25,6 +25,7 @@ from utils.checkpoint import BadStepGuard, Checkpointing, LoopState
 from utils.distributed import all_reduce_max_list
 from utils.export import reload_max_abs_diff
 from utils.logging import print_rank0, progress_bar
+from utils.output_dir import release as release_output_dir
 
 # what the checkpoint store writes into its shared state itself (not the run's)
 _STORE_KEYS = ("step", "world_size", "engines")
@@ -129,7 +130,8 @@ class Run:
         while loop.step < self.total_steps and loop.epoch < epochs:
             sampler.set_epoch(loop.epoch)
             batches = iter(loader)
-            for _ in range(loop.batches_in_epoch):  # consumed before the checkpoint this run resumed from
+            # consumed before the checkpoint this run resumed from (fewer rows since: --resume_ignore_data_change)
+            for _ in range(min(loop.batches_in_epoch, len(loader))):
                 next(batches)
             self._epoch = batches, len(loader)
             while loop.batches_in_epoch + batches_per_step <= len(loader) and loop.step < self.total_steps:
@@ -208,4 +210,5 @@ class Run:
         if check is not None:
             self.log(self.loop.step, {f"export/{check.quantity}_max_abs_diff": diff, "time/export_s": seconds})
         self.logger.close()
+        release_output_dir(out_dir)  # the run is done (an in-process run: the next may use the directory)
         return diff

@@ -114,15 +114,17 @@ def step_examples(args, tokenizer, step: int, tokenize, settings: dict, with_eva
     fmt = RowFormat.from_args(args)
     sft_only = list(getattr(args, "sft_only_data_path", []) or []) if step == 1 else []
     cache_dir = getattr(args, "data_output_path", None)
+    dedupe = getattr(args, "dedupe", False)
     # the key (a hash of the whole vocabulary, a walk of every source folder) only when there is a cache
     key = {"step": step, "sources": [source_fingerprint(p) for p in args.data_path],
            "sft_only": [source_fingerprint(p) for p in sft_only], "data_split": args.data_split, "seed": args.seed,
            "eval_fraction": args.eval_fraction, "format": asdict(fmt),
-           "tokenizer": tokenizer_fingerprint(tokenizer), "with_eval": with_eval, **settings} if cache_dir else {}
+           "tokenizer": tokenizer_fingerprint(tokenizer), "with_eval": with_eval, **settings,
+           **({"dedupe": True} if dedupe else {})} if cache_dir else {}  # absent when off: older caches still match
 
     def build():
         rows = build_step_rows(args.data_path, args.data_split, step=step, seed=args.seed, sft_only_data_path=sft_only,
-                               eval_fraction=args.eval_fraction, log=print_rank0, fmt=fmt)
+                               eval_fraction=args.eval_fraction, log=print_rank0, fmt=fmt, dedupe=dedupe)
         train, train_stats = tokenize(rows.train)
         evals, eval_stats = tokenize(rows.eval) if with_eval else ([], {})
         return train + evals, {"n_train": len(train), "train": train_stats, "eval": eval_stats}

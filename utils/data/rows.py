@@ -127,14 +127,52 @@ def split_source(src: Source, fractions: Sequence[float], step: int, seed: int,
     return [src.train[i] for i in order[b[step - 1]:b[step]]], ev
 
 
+def row_key(row: dict, step: int) -> str:
+    """What makes two normalised rows the same example: every field but their origin (file:line); before
+    step 3 also without the unused extra fields (an id column would make every row unique), while step 3's
+    reward functions read them."""
+    content = {k: v for k, v in row.items() if k != "origin" and (step == 3 or k != "extra")}
+    return json.dumps(content, sort_keys=True, ensure_ascii=False, default=str)
+
+
+def repeats(train: list, evals: list, step: int) -> tuple[list[int], list[int]]:
+    """(indices of training rows equal to an earlier training row, indices of eval rows equal to a training row)."""
+    seen: set[str] = set()
+    duplicates = []
+    for i, row in enumerate(train):
+        key = row_key(row, step)
+        if key in seen:
+            duplicates.append(i)
+        seen.add(key)
+    return duplicates, [i for i, row in enumerate(evals) if row_key(row, step) in seen]
+
+
+def report_repeats(train: list, evals: list, step: int, dedupe: bool,
+                   log: Callable[[str], None]) -> tuple[list, list, dict]:
+    """Count exact duplicate training rows and eval rows also in training, in one line; with ``dedupe``
+    drop them (the later copies from training, those rows from eval). Returns (train, eval, counts)."""
+    duplicates, overlap = repeats(train, evals, step)
+    counts = {"duplicate_train": len(duplicates), "eval_in_train": len(overlap)}
+    action = "dropped (--dedupe)" if dedupe else "--dedupe drops them" if duplicates or overlap else "nothing to drop"
+    log(f"[data] {STEP_NAMES[step]}: {len(duplicates)} of {len(train)} training rows are exact duplicates of "
+        f"another, {len(overlap)} of {len(evals)} eval rows are also training rows; {action}")
+    if dedupe:
+        drop_train, drop_eval = set(duplicates), set(overlap)
+        train = [row for i, row in enumerate(train) if i not in drop_train]
+        evals = [row for i, row in enumerate(evals) if i not in drop_eval]
+    return train, evals, counts
+
+
 def build_step_rows(data_paths: Sequence[str], data_split: str, step: int, seed: int,
                     sft_only_data_path: Sequence[str] = (), eval_fraction: float = 0.1,
-                    log: Callable[[str], None] = print, fmt: RowFormat = DEFAULT_FORMAT) -> StepRows:
+                    log: Callable[[str], None] = print, fmt: RowFormat = DEFAULT_FORMAT,
+                    dedupe: bool = False) -> StepRows:
     """Train/eval rows of ``step`` (1, 2 or 3) blended from all sources.
 
     Each source contributes its step part (see ``split_source``) and its whole
     eval split; ``sft_only_data_path`` sources feed step 1 only, with all their
     train rows (their eval split, own or held out, goes to step 1's eval).
+    Exact repeats are counted (``report_repeats``), and dropped with ``dedupe``.
     """
     if step not in STEP_NAMES:
         raise DataError(f"step must be 1, 2 or 3, got {step!r}")
@@ -160,6 +198,8 @@ def build_step_rows(data_paths: Sequence[str], data_split: str, step: int, seed:
             log(f"[data] {name}: skipped {sum(skipped.values())} of this step's rows ({describe_skips(skipped)})")
         train += tr
         evals += ev
+    train, evals, counts = report_repeats(train, evals, step, dedupe, log)
+    stats.update(counts)
     _rng(seed, "blend", str(step)).shuffle(train)
     stats.update(train=len(train), eval=len(evals))
     names = data_paths + sft_only
