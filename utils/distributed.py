@@ -23,15 +23,17 @@ def init_distributed(timeout_s: int = 600) -> None:
     """
     import deepspeed
 
-    from utils import accelerator
+    from utils import accelerator, extensions
 
     if "RANK" not in os.environ:
         os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     tune_malloc()
     accelerator.set_local_device()
+    extensions.load_comm_op()  # per-checkout build, our own lock, no silent wait on a stale one
     deepspeed.init_distributed(dist_backend=accelerator.communication_backend(),
                                timeout=datetime.timedelta(seconds=timeout_s), auto_mpi_discovery=False)
+    _share_failures()
     _unlink_shm_buffer()
 
 
@@ -78,6 +80,15 @@ def tune_malloc() -> bool:
     except (OSError, AttributeError):  # not glibc (musl, macOS)
         return False
     return all(mallopt(param, value) == 1 for param, value in MALLOC_TUNING.values())
+
+
+def _share_failures() -> None:
+    """Hand the process group's store to utils.errors: the first rank of a job to fail claims the one
+    report there, so N ranks meeting the same bad input print one line, not N."""
+    from utils import errors
+
+    if torch.distributed.get_world_size() > 1:
+        errors.use_store(torch.distributed.distributed_c10d._get_default_store())
 
 
 def _unlink_shm_buffer() -> None:

@@ -1,20 +1,36 @@
 """How an entry point ends on an error the program raised itself: ONE `error: ...` line, printed once
-(by rank 0), and a non-zero exit; tracebacks are kept for bugs.
+per job, and a non-zero exit; tracebacks are kept for bugs.
 
 Known errors are the project's own, every one a `ProjectError`: bad data (utils.data.DataError), a
 model path or directory that is not what a flag expects (utils.model.ModelLoadError), a bad checkpoint
 (utils.checkpoint.CheckpointError), a reward function that does not load or misbehaves
-(step3_ppo.reward_funcs.RewardFunctionError); and the `SystemExit("error: ...")` of the flag checks.
+(step3_ppo.reward_funcs.RewardFunctionError), a step-3 iteration that --skip_bad_rewards left with
+nothing to train (step3_ppo.trainer.NothingToTrain); and the `SystemExit("error: ...")` of the flag checks.
 Under the `deepspeed` launcher every rank usually meets the same bad input; without this each printed a
 20-line `[rankN]: Traceback` whose last line was the only useful one.
+
+A job of several ranks ends as a whole within seconds when any rank fails, whatever the error: the
+failing rank exits at once (`os._exit`, so no atexit hook, process-group destructor or stray thread
+can keep it alive while its peers wait in a collective), and the launcher then ends the others. The
+first rank to fail claims the report on the process group's store (which utils.distributed hands over
+here); it shows its error tagged `[rank N]`, the other failing ranks (the same bad input, or a dead
+peer's consequences) stay silent.
 
 This module imports nothing of the project: the errors subclass `ProjectError` where they are defined,
 so `run_main` needs no list of them (and no import of the modules that define them).
 """
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
 import sys
+import time
+
+_CLAIM_KEY, _SHOWN_KEY = "rlhf/failure_claimed_by", "rlhf/failure_shown"
+_SHOWN_WAIT_S = 5.0  # how long a silent rank waits for the claiming rank to show its error
+_NO_STORE_GRACE_S = 5.0  # before the process group exists: how long rank N > 0 waits before showing its own
+_store = None  # the process group's store, once it exists (use_store)
 
 
 class ProjectError(Exception):
@@ -29,26 +45,107 @@ def one_line(text, limit: int | None = None) -> str:
     return line if limit is None else line[:limit]
 
 
-def _is_rank0() -> bool:
-    return os.environ.get("RANK", "0") == "0"
+def use_store(store) -> None:
+    """Where the ranks of this job agree which one reports a failure (utils.distributed, at start)."""
+    global _store
+    _store = store
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def _world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def report(message: str) -> None:
-    """Print `message` as one error line, on rank 0 only."""
-    if _is_rank0():
-        text = one_line(message)
-        print(text if text.startswith("error:") else f"error: {text}", file=sys.stderr, flush=True)
+    """Print `message` as one error line, tagged with this rank in a job of several."""
+    text = one_line(message)
+    text = text[len("error:"):].lstrip() if text.startswith("error:") else text
+    tag = f"[rank {_rank()}] " if _world_size() > 1 else ""
+    print(f"error: {tag}{text}", file=sys.stderr, flush=True)
 
 
 def run_main(main, argv=None):
-    """`main(argv)`, with the project's own errors turned into one readable line and exit status 1."""
+    """`main(argv)`, with the project's own errors turned into one readable line and exit status 1; in a
+    job of several ranks any error ends this rank at once, shown by one rank only (`_fail`)."""
     try:
         return main(argv)
     except SystemExit as exc:
         if isinstance(exc.code, str):  # SystemExit("error: ..."): a flag or input check
-            report(exc.code)
-            raise SystemExit(1) from None
+            _fail(lambda: report(exc.code))
+        if _world_size() > 1 and exc.code not in (0, None):
+            _exit_now(exc.code if isinstance(exc.code, int) else 1)
         raise
     except ProjectError as exc:
-        report(str(exc))
+        _fail(lambda: report(str(exc)))
+    except Exception as exc:  # a bug: its traceback, as Python (and torch's [rankN] hook) shows it
+        if _world_size() == 1:
+            raise
+        _fail(lambda: sys.excepthook(type(exc), exc, exc.__traceback__))
+
+
+def _fail(show) -> None:
+    """`show()` the error and exit 1: in one process as usual, in a job of several once per job and at once."""
+    if _world_size() == 1:
+        show()
         raise SystemExit(1) from None
+    if _store is None:
+        _show_without_store(show)
+    else:
+        _show_once(show)
+    _exit_now(1)
+
+
+def _exit_now(code: int) -> None:
+    """Flush and leave without Python's shutdown: nothing may keep a failed rank alive while its peers
+    wait for it in a collective (they wait up to --dist_timeout; the launcher ends them once it exits)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _show_once(show) -> None:
+    """The first rank to claim the failure on the store shows its error; a rank that loses the claim
+    waits (bounded) until it is shown, as the launcher ends every rank once one exits. A store that
+    does not answer has lost its host (rank 0), which either reported or was killed (the launcher
+    then names it), so this rank's error, most likely the lost peer's consequence, is not shown."""
+    with _native_stderr_muted():
+        try:
+            claimed = _store.compare_set(_CLAIM_KEY, "", str(_rank())) == str(_rank()).encode()
+        except Exception:
+            claimed = False
+    if claimed:
+        show()
+        sys.stderr.flush()
+    with _native_stderr_muted(), contextlib.suppress(Exception):
+        if claimed:
+            _store.set(_SHOWN_KEY, "1")
+        else:
+            _store.wait([_SHOWN_KEY], datetime.timedelta(seconds=_SHOWN_WAIT_S))
+
+
+def _show_without_store(show) -> None:
+    """Before the process group exists (flags, paths): every rank usually fails the same way, so rank 0
+    shows its error at once and rank N > 0 only if it is still alive after a grace period, that is,
+    when rank 0 did not fail (the launcher ends every rank once one exits)."""
+    if _rank() != 0:
+        time.sleep(_NO_STORE_GRACE_S)
+    show()
+
+
+@contextlib.contextmanager
+def _native_stderr_muted():
+    """File descriptor 2 sent to /dev/null: torch's store client logs a lost connection with a page of
+    C++ stack frames, noise around the one line this module prints."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
