@@ -188,7 +188,11 @@ def test_two_ranks_only_rank0_builds_and_a_failure_reaches_both(tmp_path):
     from utils.ports import free_port
 
     cache_dir = str(tmp_path / "cache")
-    mp.spawn(_rank_main, args=(free_port(), cache_dir, str(tmp_path)), nprocs=2, join=True)
+    try:
+        mp.spawn(_rank_main, args=(free_port(), cache_dir, str(tmp_path)), nprocs=2, join=True)
+    except mp.ProcessExitedException:  # a rank rarely aborts in gloo's teardown after its work (seen once in
+        if not all((tmp_path / f"rank{r}.json").exists() for r in range(2)):  # ~30 runs): judge by the results
+            raise
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["calls"] for r in results] == [1, 0]
     assert results[0]["examples"] == results[1]["examples"] == EXAMPLES

@@ -84,8 +84,8 @@ def test_used_output_dir_is_refused_unless_resume_or_overwrite(tiny_gpt2, tmp_pa
     args = step1_args(tiny_gpt2, "data.jsonl", str(out))
     with pytest.raises(SystemExit, match="holds a previous run .*--resume.*--overwrite_output_dir"):
         parse_args(args)
-    with pytest.raises(SystemExit, match="holds a previous run"):
-        parse_args(args + ["--resume"])  # no checkpoint to resume from
+    with pytest.raises(SystemExit, match="--resume finds no checkpoint .* stopped before its first save"):
+        parse_args(args + ["--resume"])  # no checkpoint to resume from (e.g. the first save failed)
     (out / "checkpoints" / "latest").write_text("step-00000001")
     parse_args(args + ["--resume"])
     parse_args(args + ["--overwrite_output_dir"])

@@ -153,6 +153,7 @@ def test_reward_model_resumes_on_one_rank_from_two_ranks_zero3_with_accumulation
     main([str(a) for a in args + ["--resume", "--universal_checkpoint", "--max_steps", 3]])
     printed = capsys.readouterr().out
     assert printed.count("converting") == 1 and "re-sharded" in printed and "skips 8 batches" in printed, printed
+    assert "the run is now 3 steps long, not 2" in printed, printed  # the schedule's new length is said
     assert_restored_exactly(exported, restored, {"model.safetensors": ("model", "backbone."),
                                                  "value_head.safetensors": ("model", "v_head.")}, tiny_gpt2)
     resumed = _train_rows(metrics(out))

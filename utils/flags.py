@@ -328,6 +328,10 @@ def check_output_dir(args, inputs: Sequence[str]) -> None:
         return
     if getattr(args, "resume", False) and os.path.exists(os.path.join(out, "checkpoints", "latest")):
         return
+    if getattr(args, "resume", False) and not getattr(args, "overwrite_output_dir", False):
+        fail(f"--resume finds no checkpoint in --output_dir {args.output_dir}, which holds a previous run "
+             f"({', '.join(used)}) that stopped before its first save: --overwrite_output_dir to start clean, "
+             f"or another --output_dir")
     if not getattr(args, "overwrite_output_dir", False):
         fail(f"--output_dir {args.output_dir} holds a previous run ({', '.join(used)}): pass --resume to continue "
              f"from its latest checkpoint, --overwrite_output_dir to start clean, or another --output_dir")

@@ -28,7 +28,7 @@ from utils.logging import print_rank0, progress_bar
 from utils.output_dir import release as release_output_dir
 
 # what the checkpoint store writes into its shared state itself (not the run's)
-_STORE_KEYS = ("step", "world_size", "engines")
+_STORE_KEYS = ("step", "world_size", "engines", "total_steps")
 
 
 def loop_metrics(loop: LoopState, memory: PhaseMemory) -> dict:
@@ -106,6 +106,12 @@ class Run:
         if self.restored_from:
             self.state = {k: v for k, v in shared.items() if k not in _STORE_KEYS}
             print_rank0(f"[{self.name}] resumed from {self.restored_from} at step {loop.step}")
+            saved_total = shared.get("total_steps")
+            if saved_total is not None and saved_total != self.total_steps:
+                # the scheduler's state comes back exactly, but its schedule is sized by the new length
+                print_rank0(f"[{self.name}] the run is now {self.total_steps} steps long, not {saved_total} "
+                            f"(--max_steps, --num_train_epochs or the number of ranks changed): the learning-rate "
+                            f"schedule continues from step {loop.step} over the new length")
         elif before is not None:
             state, metrics = before()
             self.state = dict(state)
@@ -172,7 +178,7 @@ class Run:
             shown = postfix(evaluation) if callable(postfix) else postfix
             self.progress.set_postfix(**(shown or {}), **memory_postfix(metrics))
         self.state.update(state or {})
-        self.checkpointing.maybe_save(loop, self.state, rank_state)
+        self.checkpointing.maybe_save(loop, {**self.state, "total_steps": self.total_steps}, rank_state)
         return evaluation
 
     def evaluation_due(self) -> bool:
