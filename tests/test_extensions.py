@@ -80,3 +80,19 @@ def test_the_scripts_and_the_test_launcher_set_a_per_checkout_dir(tmp_path):
     for script in ("scripts/setup.sh", "scripts/test.sh"):
         with open(os.path.join(ROOT, script)) as f:
             assert 'TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.cache/torch_extensions}"' in f.read()
+
+
+def test_the_interpreters_own_tools_come_first_on_path(monkeypatch):
+    """Builds use this interpreter's `ninja` whether or not the venv is activated: the venv's and the
+    system's log builds differently, and the scripts (activated) and the tests (not) rebuilt the op for
+    each other (20-25 s a time)."""
+    import sys
+
+    from utils.extensions import use_interpreter_tools
+
+    tools = os.path.dirname(sys.executable)
+    monkeypatch.setenv("PATH", "/usr/bin:/bin")
+    use_interpreter_tools()
+    assert os.environ["PATH"] == f"{tools}:/usr/bin:/bin"
+    use_interpreter_tools()  # once only
+    assert os.environ["PATH"].count(tools) == 1
