@@ -4,6 +4,7 @@ job, kill it with SIGKILL after a checkpoint and resume it: steps 1-2's loop (te
 2 ranks, ZeRO-3, dropout on) and step 3's (tests/test_step3_robustness.py) resume to the same metrics
 as an uninterrupted run."""
 import glob
+import json
 import math
 import os
 import re
@@ -32,25 +33,34 @@ def max_relative_difference(a: dict, b: dict) -> float:
     return max(abs(a[k] - b[k]) / max(abs(a[k]), abs(b[k]), 1e-12) for k in a)
 
 
-def wait_for_checkpoint(out: str, proc, timeout: float = 240.0) -> None:
-    pointer = os.path.join(out, "checkpoints", "latest")
-    deadline = time.time() + timeout
-    while not os.path.exists(pointer):
-        assert proc.poll() is None, "the run ended before writing a checkpoint"
-        assert time.time() < deadline, "no checkpoint in time"
-        time.sleep(0.05)
+def whole_rows(out: str) -> list[dict]:
+    """metrics.jsonl's complete lines (a killed writer may leave half a line)."""
+    path = os.path.join(out, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
 
 
-def kill_and_resume(module, args, out, tmp_path):
+def kill_after_row_and_resume(module, args, out, tmp_path, kill_at: int, timeout: float = 300.0):
+    """Start the run, SIGKILL it once it has logged step `kill_at`, resume it. The killed run's rows after
+    its last checkpoint are what an uninterrupted run writes (the process that saved went on from memory),
+    so a SIGKILL test needs two launches, not three. Returns (the checkpoint's step, the killed run's whole
+    rows, the resumed run's process)."""
     proc = start_deepspeed(module, args, log_path=str(tmp_path / "killed.log"))
     try:
-        wait_for_checkpoint(out, proc)
+        deadline = time.time() + timeout
+        while not any(r["step"] >= kill_at for r in whole_rows(out)):
+            assert proc.poll() is None, open(tmp_path / "killed.log").read()[-3000:]
+            assert time.time() < deadline, f"no step {kill_at} in time"
+            time.sleep(0.05)
     finally:
         kill_group(proc)
+    rows = whole_rows(out)
     with open(os.path.join(out, "checkpoints", "latest")) as f:
         resumed_at = int(f.read().strip().split("-")[1])
     proc = run_deepspeed(module, args + ["--resume"], log_path=str(tmp_path / "resumed.log"))
-    return resumed_at, proc
+    return resumed_at, rows, proc
 
 
 def step1(args: list) -> None:

@@ -11,31 +11,20 @@ the killed run itself (the rows it wrote after its one checkpoint, before the ki
 not three times; the universal-checkpoint tests launch the 2-rank run once and resume in this process
 (rank 0 of 1, as tests/test_resume.py's step1())."""
 import glob
-import json
 import math
 import os
-import time
 
 import pytest
 import torch
 
-from tests.launch import kill_group, metrics, run_deepspeed, start_deepspeed, tail
-from tests.test_resume import comparable, max_relative_difference
+from tests.launch import metrics, run_deepspeed, tail
+from tests.test_resume import comparable, kill_after_row_and_resume, max_relative_difference
 from tests.test_step1_run import common_args, sft_data  # noqa: F401  (fixture)
 from tests.test_step2_run import pair_data  # noqa: F401  (fixture)
 from tests.test_step3_lr0 import write_prompts
 from tests.test_step3_robustness import ppo_args
 
 LN2 = math.log(2.0)
-
-
-def _whole_rows(out: str) -> list[dict]:
-    """metrics.jsonl's complete lines (a killed writer may leave half a line)."""
-    path = os.path.join(out, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
 
 
 def _train_rows(rows: list[dict], last: int | None = None) -> list[dict]:
@@ -62,20 +51,9 @@ def test_step1_two_rank_zero3_with_dropout_resumes_exactly_after_sigkill(tiny_gp
     args = common_args(tiny_gpt2, sft_data, out, steps=8) + [
         "--zero_stage", 3, "--dropout", 0.1, "--save_interval", 4, "--lr_scheduler_type", "cosine",
         "--num_warmup_steps", 2]
-    proc = start_deepspeed("step1_sft.main", args, log_path=str(tmp_path / "killed.log"))
-    try:
-        deadline = time.time() + 300
-        while not any(r["step"] >= 7 for r in _train_rows(_whole_rows(out))):
-            assert proc.poll() is None, open(tmp_path / "killed.log").read()[-3000:]
-            assert time.time() < deadline, "no step 7 in time"
-            time.sleep(0.05)
-    finally:
-        kill_group(proc)
-    uninterrupted = _train_rows(_whole_rows(out))
-    with open(os.path.join(out, "checkpoints", "latest")) as f:
-        assert f.read().strip() == "step-00000004"
-
-    proc = run_deepspeed("step1_sft.main", args + ["--resume"], log_path=str(tmp_path / "resumed.log"))
+    resumed_at, uninterrupted, proc = kill_after_row_and_resume("step1_sft.main", args, out, tmp_path, kill_at=7)
+    uninterrupted = _train_rows(uninterrupted)
+    assert resumed_at == 4, resumed_at
     assert os.path.isfile(os.path.join(out, "model.safetensors")), tail(proc)
     assert "resumed from" in proc.stdout and "step-00000004" in proc.stdout, tail(proc)
     resumed = _train_rows(metrics(out))

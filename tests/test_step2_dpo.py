@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from tests.launch import metrics, run_deepspeed, tail
-from tests.test_resume import comparable, kill_and_resume, max_relative_difference
+from tests.launch import metrics, tail
+from tests.test_resume import comparable, kill_after_row_and_resume, max_relative_difference
 from tests.test_step2_run import pair_data  # noqa: F401  (fixture)
 
 LN2 = math.log(2.0)
@@ -207,10 +207,19 @@ def test_two_rank_zero3_dpo_learns_exports_and_resumes_exactly_after_sigkill(tin
             "--zero_stage", 3, "--precompute_ref_log_probs", "--save_interval", 4, "--eval_interval", 6,
             "--dropout", 0.1, "--num_warmup_steps", 2, "--lr_scheduler_type", "cosine"])
 
-    full = str(tmp_path / "full")
-    proc = run_deepspeed("step2_dpo.main", args(full), log_path=str(tmp_path / "full.log"))
-    assert os.path.isfile(os.path.join(full, "model.safetensors")), tail(proc)
-    rows = metrics(full)
+    out = str(tmp_path / "out")  # killed once it has logged step 7: steps 5-7 are the uninterrupted reference
+    resumed_at, uninterrupted, proc = kill_after_row_and_resume("step2_dpo.main", args(out), out, tmp_path, kill_at=7)
+    assert resumed_at == 4, resumed_at
+    assert os.path.isfile(os.path.join(out, "model.safetensors")), tail(proc)
+    rows = metrics(out)
+    assert [r["step"] for r in rows if "train/loss" in r] == list(range(1, 13))
+    last = max(r["step"] for r in uninterrupted)
+    expected = comparable(uninterrupted, resumed_at)
+    assert {step for step, _ in expected} >= {5, 6, 7} and (6, "eval/loss") in expected, sorted(expected)
+    difference = max_relative_difference(expected, comparable([r for r in rows if r["step"] <= last], resumed_at))
+    print(f"DPO resumed at step {resumed_at}: max relative difference {difference:.2e}")
+    assert difference <= 1e-5
+
     evals = [r for r in rows if "eval/loss" in r]
     assert [r["step"] for r in evals] == [0, 6, 12] and all(r["eval/pairs"] == 64 for r in evals), evals
     first, last = evals[0], evals[-1]
@@ -220,15 +229,6 @@ def test_two_rank_zero3_dpo_learns_exports_and_resumes_exactly_after_sigkill(tin
     assert [r["export/logp_max_abs_diff"] for r in rows if "export/logp_max_abs_diff" in r][0] <= 1e-4
     from utils.reward_model import check_policy_dir
 
-    check_policy_dir(full)  # a plain causal LM directory (step 3's actor, the evaluation, chat.py), no value head
-    with open(os.path.join(full, "config.json")) as f:
+    check_policy_dir(out)  # a plain causal LM directory (step 3's actor, the evaluation, chat.py), no value head
+    with open(os.path.join(out, "config.json")) as f:
         assert json.load(f)["model_type"] == "gpt2"
-
-    killed = str(tmp_path / "killed")
-    resumed_at, proc = kill_and_resume("step2_dpo.main", args(killed), killed, tmp_path)
-    assert os.path.isfile(os.path.join(killed, "model.safetensors")), tail(proc)
-    resumed_rows = metrics(killed)
-    assert [r["step"] for r in resumed_rows if "train/loss" in r] == list(range(1, 13))
-    difference = max_relative_difference(comparable(rows, resumed_at), comparable(resumed_rows, resumed_at))
-    print(f"DPO resumed at step {resumed_at}: max relative difference {difference:.2e}")
-    assert difference <= 1e-5
