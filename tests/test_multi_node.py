@@ -30,7 +30,7 @@ from tests.test_step3_lr0 import write_prompts
 
 REL_TOL = 1e-5
 ABS_FLOOR = 1e-7  # for values that are ~0 by construction (the first PPO actor loss is -mean(whitened adv))
-DIST_TIMEOUT = 30
+DIST_TIMEOUT = 15
 
 
 @pytest.fixture(scope="module")
