@@ -58,7 +58,12 @@ if [ "$WITH_DPO" = 1 ]; then  # DPO runs after steps 1-2 (it needs step 1's mode
   [[ " ${ORDERED[*]} " == *" dpo "* ]] || ORDERED=(dpo "${ORDERED[@]}")
   STEPS=("${ORDERED[@]}")
 fi
-python -m data.make_demo_data --out "$DEMO_DATA" --format "$DEMO_FORMAT" >/dev/null
+DATA_SIZES=()
+if [ "$QUICK" = 1 ]; then  # a smoke test reads a few steps' rows: a small copy of the demo data, not 6600 rows
+  export DEMO_DATA="$OUTPUT_ROOT/data"
+  DATA_SIZES=(--sft_train 256 --sft_eval 64 --pairs_train 256 --pairs_eval 64)
+fi
+python -m data.make_demo_data --out "$DEMO_DATA" --format "$DEMO_FORMAT" "${DATA_SIZES[@]}" >/dev/null
 STEP1="$OUTPUT_ROOT/step1" STEP2="$OUTPUT_ROOT/step2" STEP3="$OUTPUT_ROOT/step3" DPO="$OUTPUT_ROOT/step2_dpo"
 # Step 3 of the demo: RLOO on the reward model (4 answers per prompt, no critic), DAPO's overlong penalty
 # on the last 6 of the 24 tokens; 15 iterations of 4 prompts x 4 answers per rank at lr 5e-5. PPO with a
