@@ -8,7 +8,8 @@
 #                             [--task arithmetic]
 #   --with_dpo: also DPO from the step-1 model on the step-2 pairs (scripts/step2_dpo/run_cpu.sh, after
 #             step 2), and a DPO row in the evaluation next to SFT and RLHF
-#   --quick: tiny random models and a few steps (a smoke test of the whole chain, about 2 minutes)
+#   --quick: tiny random models, a few steps, a small copy of the demo data (a smoke test of the whole
+#             chain, about 80 s on 2 cores)
 #   --format: chat (default): the demo rows are conversations rendered with SmolLM2's chat template;
 #             raw: DeepSpeed-Chat's "Human: ...\n\nAssistant:" strings, concatenated as they are
 #   --task arithmetic: the verifiable demo instead: GRPO of SmolLM2-135M-Instruct on arithmetic problems
