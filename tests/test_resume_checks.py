@@ -83,20 +83,23 @@ def test_with_the_flag_a_changed_row_count_resumes_too(tmp_path):
     assert run.resumed and run.loop.step == 4  # 2 batches were read before: 3 of the 5 are left in epoch 0
 
 
-def test_the_data_hash_is_cheap_on_the_demo_data():
-    import time
-
+def test_the_data_hash_covers_every_file_a_source_reads(tmp_path):
+    """Every file of a directory source is hashed (sha256 hex), and an edit that keeps the size changes it;
+    its cost on the demo data is bench/data_hash.py's."""
     from utils.data.sources import content_hashes
 
-    demo = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "demo")
-    sources = [os.path.join(demo, name) for name in sorted(os.listdir(demo)) if os.path.isdir(os.path.join(demo, name))]
-    start = time.perf_counter()
-    hashes = content_hashes(sources)
-    seconds = time.perf_counter() - start
-    size = sum(os.path.getsize(p) for p in hashes)
-    print(f"sha256 of {len(hashes)} demo files, {size / 1e6:.1f} MB: {seconds * 1e3:.1f} ms")
-    assert hashes and all(len(h) == 64 for h in hashes.values())
-    assert seconds < 0.5
+    (tmp_path / "data").mkdir()
+    write_rows(tmp_path / "data" / "train.jsonl", ROWS)
+    write_rows(tmp_path / "data" / "eval.jsonl", ROWS[:2])
+    hashes = content_hashes([str(tmp_path / "data")])
+    assert sorted(os.path.basename(p) for p in hashes) == ["eval.jsonl", "train.jsonl"]
+    assert all(len(h) == 64 and int(h, 16) >= 0 for h in hashes.values())
+    path = str(tmp_path / "data" / "eval.jsonl")
+    text = open(path).read()
+    edited = text.replace("a", "b", 1) if "a" in text else text.replace("1", "2", 1)
+    assert len(edited) == len(text) and edited != text
+    open(path, "w").write(edited)
+    assert content_hashes([str(tmp_path / "data")])[path] != hashes[path]
 
 
 # ---------------------------------------------------------------------------------------------- point 7: flags
