@@ -19,13 +19,14 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from bench.common import machine_line  # noqa: E402
-from utils.data.sources import content_hashes  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=os.path.join(REPO, "data", "demo"), help="demo data directory")
     args = parser.parse_args()
+    from utils.data.sources import content_hashes  # after --help: it imports torch
+
     if not os.path.isdir(args.data):
         subprocess.run([sys.executable, "-m", "data.make_demo_data", "--out", args.data], cwd=REPO, check=True,
                        stdout=subprocess.DEVNULL)

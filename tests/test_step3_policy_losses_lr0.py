@@ -74,7 +74,8 @@ def test_log_ratio_is_zero_at_lr0_for_every_policy_loss_and_option(lr0_run):
         torch.manual_seed(len(maxima))
         metrics, rows = trainer.step(prompt_batches(run, 2, n_rows=2, offset=2 * len(maxima)), step=0)
         assert len(rows) == 8 and len({r.group for r in rows}) == 2
-        assert metrics["reward/zero_variance_group_fraction"] < 1 and metrics["loss/actor"] != 0, metrics
+        # advantages that are not all 0 (at lr 0 the ratio is 1, so a group-normalised loss is 0 up to rounding)
+        assert metrics["reward/zero_variance_group_fraction"] < 1, metrics
         assert metrics["ppo/entropy"] > 0 and metrics["loss/kl"] == pytest.approx(0.0, abs=1e-6), (loss, option)
         assert all(torch.isfinite(torch.tensor(metrics[k])) for k in ("loss/actor", "ppo/clipfrac")), metrics
         maxima[loss, option] = metrics["ppo/log_ratio_max_abs"]
