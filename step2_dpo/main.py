@@ -3,7 +3,8 @@
 Direct preference optimisation (Rafailov et al. 2023) needs no reward model and no RL: the loss of a
 pair is a function of the policy's and a frozen reference's sequence log-probs of both responses
 (utils.losses.dpo_loss: sigmoid DPO, conservative DPO with --label_smoothing, IPO; plus
---nll_loss_coef times the chosen responses' NLL, RPO). Data: the same pairs as step 2 (its share of
+--nll_loss_coef times the chosen responses' NLL, RPO), or of the policy's alone for the reference-free
+losses (SimPO, ORPO: --loss_type simpo|orpo; no reference model is built, loaded or precomputed). Data: the same pairs as step 2 (its share of
 --data_split, every format the data layer reads). A sequence log-prob sums the response tokens only
 (and the EOS that ends them), positions from the attention mask, so a pair scores the same under
 any padding (utils.forward.sequence_logprobs).
@@ -53,22 +54,29 @@ def parse_args(argv=None):
                                                          "the starting policy and the reference")
     parser.set_defaults(dropout=0.0)
     g = parser.add_argument_group("DPO")
-    g.add_argument("--beta", type=float, default=0.1,
-                   help="strength of the implicit KL to the reference: the loss reads beta * log-ratio margins")
+    g.add_argument("--beta", type=float, default=None,
+                   help="strength of the implicit KL to the reference: the loss reads beta * log-ratio margins "
+                        "(SimPO: beta * per-token log-prob margins); default: the loss's (simpo 2.0), else 0.1")
     g.add_argument("--loss_type", default="sigmoid", choices=list(PAIR_LOSSES),
                    help="; ".join(f"{name}: {entry.help}" for name, entry in PAIR_LOSSES.items()))
     for name, (option, owners) in pair_loss_options().items():  # each loss's own settings
         g.add_argument(f"--{name}", type=float, default=option.default,
                        help=f"{option.help} (--loss_type {' or '.join(owners)} only)")
     g.add_argument("--nll_loss_coef", type=float, default=0.0,
-                   help="add this times the chosen responses' NLL per token (RPO; 0: off)")
+                   help="add this times the chosen responses' NLL per token (RPO; 0: off; orpo has its own, weight 1)")
     g.add_argument("--precompute_ref_log_probs", action="store_true",
                    help="score every pair with the starting policy once before training and hold no reference model")
     add_offload_reference_arg(g)
     add_pair_eval_args(parser)
     args = parser.parse_args(argv)
-    check_range(args, 0, ("eval_interval", "eval_iters", "nll_loss_coef"))
-    check_range(args, 0, ("beta",), strict=True)
+    entry = PAIR_LOSSES[args.loss_type]
+    if args.beta is None:
+        args.beta = entry.default_beta if entry.default_beta is not None else 0.1
+    check_range(args, 0, ("eval_interval", "eval_iters", "nll_loss_coef", "simpo_gamma"))
+    check_range(args, 0, ("beta", "orpo_lambda"), strict=True)
+    if entry.nll_coef and args.nll_loss_coef:
+        fail(f"--nll_loss_coef: --loss_type {args.loss_type} has its own NLL term (weight {entry.nll_coef:g}); "
+             f"leave the flag out")
     if not 0 <= args.label_smoothing < 0.5:
         fail(f"--label_smoothing must be in [0, 0.5), got {args.label_smoothing}")
     for name, (option, owners) in pair_loss_options().items():
@@ -161,8 +169,9 @@ class PreferenceLoss:
     implicit-reward statistics."""
 
     def __init__(self, args):
-        self.beta, self.loss_type, self.nll_loss_coef = args.beta, args.loss_type, args.nll_loss_coef
+        self.beta, self.loss_type = args.beta, args.loss_type
         self.entry = PAIR_LOSSES[args.loss_type]
+        self.nll_loss_coef = self.entry.nll_coef or args.nll_loss_coef  # ORPO's SFT term, or RPO's
         self.options = {name: getattr(args, name) for name in self.entry.options}
 
     def __call__(self, logps: torch.Tensor, counts: torch.Tensor | None, ref_logps: torch.Tensor | None,
@@ -320,7 +329,7 @@ def main(argv=None):
                  f"with the checkpoint's settings")
         attach_all(state["ref_logps"])
     before = state["before"]
-    stat_names = ("accuracy", "margin", "chosen_reward", "rejected_reward") + (("nll",) if args.nll_loss_coef else ())
+    stat_names = ("accuracy", "margin", "chosen_reward", "rejected_reward") + (("nll",) if loss_of.nll_loss_coef else ())
 
     def micro_step(batch):
         logps, counts = sequence_logprobs(engine, batch)

@@ -31,8 +31,8 @@ from utils.ops import aggregate, kl_estimate, masked_mean, select
 
 __all__ = ["IGNORE_INDEX", "sft_nll", "pairwise_loss", "pair_metrics", "policy_loss", "gspo_loss", "cispo_loss",
            "entropy_bonus", "PolicyLoss", "POLICY_LOSSES", "GSPO_CLIPRANGE_LOW", "GSPO_CLIPRANGE_HIGH", "value_loss",
-           "PairLogps", "PairLoss", "PairOption", "PAIR_LOSSES", "DPO_LOSS_TYPES", "pair_loss", "dpo_loss",
-           "response_nll", "KL_LOSS_ESTIMATORS", "kl_penalty_loss"]
+           "PairLogps", "PairLoss", "PairOption", "PAIR_LOSSES", "simpo_pair_loss", "orpo_pair_loss", "DPO_LOSS_TYPES",
+           "pair_loss", "dpo_loss", "response_nll", "KL_LOSS_ESTIMATORS", "kl_penalty_loss"]
 
 IGNORE_INDEX = -100
 
@@ -328,6 +328,33 @@ def ipo_pair_loss(p: PairLogps, beta: float) -> Tuple[Tensor, Tensor, Tensor]:
     return (chosen_ratio - rejected_ratio - 1 / (2 * beta)) ** 2, beta * chosen_ratio, beta * rejected_ratio
 
 
+def _per_token(p: PairLogps) -> Tuple[Tensor, Tensor]:
+    """The responses' average log-prob per token (fp32): the length-normalised sequence scores."""
+    return (p.chosen.float() / p.chosen_tokens.float().clamp(min=1.0),
+            p.rejected.float() / p.rejected_tokens.float().clamp(min=1.0))
+
+
+def simpo_pair_loss(p: PairLogps, beta: float, simpo_gamma: float = 0.5) -> Tuple[Tensor, Tensor, Tensor]:
+    """SimPO (Meng et al. 2024, arXiv 2405.14734): ``-log sigmoid(beta * (avg_c - avg_r) - gamma)`` with
+    ``avg`` a response's log-prob per token: the reward is the policy's own length-normalised likelihood,
+    no reference model at all, and ``gamma`` a target margin (TRL's CPO `simpo_gamma`). The paper's
+    beta is 2-2.5 (the default here when --beta is not given), gamma 0.5-1.6. Rewards ``beta * avg``."""
+    chosen, rejected = _per_token(p)
+    return -F.logsigmoid(beta * (chosen - rejected) - simpo_gamma), beta * chosen, beta * rejected
+
+
+def orpo_pair_loss(p: PairLogps, beta: float, orpo_lambda: float = 0.1) -> Tuple[Tensor, Tensor, Tensor]:
+    """ORPO (Hong et al. 2024, arXiv 2403.07691), its odds-ratio term: ``-lambda log sigmoid(log odds_c -
+    log odds_r)``, ``odds(y) = P / (1 - P)`` with ``P = exp(avg)`` the response's per-token likelihood, so
+    ``log odds = avg - log(1 - exp(avg))``. No reference; the full ORPO loss adds the chosen responses' NLL
+    per token (the entry's `nll_coef` 1: the SFT term). `beta` is not read. Rewards: ``avg`` of each."""
+    chosen, rejected = _per_token(p)
+    # log(1 - exp(avg)) for avg < 0; avg == 0 (P = 1) would be -inf: clamp just below
+    log_odds = (chosen - torch.log1p(-torch.exp(chosen.clamp(max=-1e-6)))
+                - rejected + torch.log1p(-torch.exp(rejected.clamp(max=-1e-6))))
+    return -orpo_lambda * F.logsigmoid(log_odds), chosen, rejected
+
+
 @dataclass(frozen=True)
 class PairOption:
     """A setting of one pair loss, offered as the DPO step's flag `--<name>`."""
@@ -341,12 +368,16 @@ class PairLoss:
     rewards [B], rejected rewards [B])` (the rewards detached by the caller: the implicit rewards whose
     accuracy and margin are reported). `needs_reference`: False for a reference-free loss (no reference
     model, no reference log-probs); `needs_lengths`: the responses' token counts are filled in;
-    `options`: its own settings, each a flag of the DPO step."""
+    `options`: its own settings, each a flag of the DPO step; `default_beta`: --beta when not given (0.1 if
+    None); `nll_coef`: the chosen responses' NLL per token is part of the loss with this weight (ORPO's SFT
+    term; --nll_loss_coef is then refused)."""
     fn: Callable[..., Tuple[Tensor, Tensor, Tensor]]
     help: str
     needs_reference: bool = True
     needs_lengths: bool = False
     options: Dict[str, PairOption] = field(default_factory=dict)
+    default_beta: float | None = None
+    nll_coef: float = 0.0
 
 
 # A new pair loss (SimPO, ORPO, ...) is one entry here and its pure function above (with a hand-computed test).
@@ -355,6 +386,14 @@ PAIR_LOSSES: Dict[str, PairLoss] = {
                         options={"label_smoothing": PairOption(
                             0.0, "conservative DPO: the probability that a pair's label is flipped, in [0, 0.5)")}),
     "ipo": PairLoss(ipo_pair_loss, "IPO's squared target margin 1 / (2 beta) (Azar et al. 2023)"),
+    "simpo": PairLoss(simpo_pair_loss, "SimPO's -log sigmoid(beta * margin of per-token log-probs - gamma), no "
+                      "reference (Meng et al. 2024; --beta default 2.0)", needs_reference=False, needs_lengths=True,
+                      default_beta=2.0, options={"simpo_gamma": PairOption(
+                          0.5, "SimPO's target margin gamma between the beta-scaled per-token log-probs (>= 0)")}),
+    "orpo": PairLoss(orpo_pair_loss, "ORPO's chosen NLL per token + lambda * -log sigmoid(log odds ratio of the "
+                     "per-token likelihoods), no reference (Hong et al. 2024; --beta unused)", needs_reference=False,
+                     needs_lengths=True, nll_coef=1.0, options={"orpo_lambda": PairOption(
+                         0.1, "ORPO's weight lambda of the odds-ratio term against the NLL (> 0)")}),
 }
 DPO_LOSS_TYPES = tuple(PAIR_LOSSES)
 
