@@ -4,8 +4,8 @@ Direct preference optimisation (Rafailov et al. 2023) needs no reward model and 
 pair is a function of the policy's and a frozen reference's sequence log-probs of both responses
 (utils.losses.dpo_loss: sigmoid DPO, conservative DPO with --label_smoothing, IPO; plus
 --nll_loss_coef times the chosen responses' NLL, RPO), or of the policy's alone for the reference-free
-losses (SimPO, ORPO: --loss_type simpo|orpo; no reference model is built, loaded or precomputed). Data: the same pairs as step 2 (its share of
---data_split, every format the data layer reads). A sequence log-prob sums the response tokens only
+losses (SimPO, ORPO: --loss_type simpo|orpo; no reference model is built, loaded or precomputed).
+Data: the same pairs as step 2 (its share of --data_split, every format the data layer reads). A sequence log-prob sums the response tokens only
 (and the EOS that ends them), positions from the attention mask, so a pair scores the same under
 any padding (utils.forward.sequence_logprobs).
 
@@ -70,6 +70,8 @@ def parse_args(argv=None):
     add_pair_eval_args(parser)
     args = parser.parse_args(argv)
     entry = PAIR_LOSSES[args.loss_type]
+    if args.beta is not None and not entry.reads_beta:
+        fail(f"--beta: --loss_type {args.loss_type} does not read it; leave the flag out")
     if args.beta is None:
         args.beta = entry.default_beta if entry.default_beta is not None else 0.1
     check_range(args, 0, ("eval_interval", "eval_iters", "nll_loss_coef", "simpo_gamma"))

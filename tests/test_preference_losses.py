@@ -76,6 +76,7 @@ def test_flags_beta_defaults_and_refusals(tmp_path):
     assert _parse(tmp_path, "--loss_type", "simpo").beta == 2.0
     assert _parse(tmp_path, "--loss_type", "simpo", "--beta", 2.5).beta == 2.5
     for flags, message in [(["--loss_type", "orpo", "--nll_loss_coef", 0.5], "has its own NLL term"),
+                           (["--loss_type", "orpo", "--beta", 0.5], "does not read it"),
                            (["--simpo_gamma", 1.0], "does not take it"),
                            (["--loss_type", "orpo", "--orpo_lambda", 0], "--orpo_lambda must be > 0"),
                            (["--loss_type", "simpo", "--simpo_gamma", -1], "--simpo_gamma must be >= 0"),

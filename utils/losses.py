@@ -370,7 +370,7 @@ class PairLoss:
     model, no reference log-probs); `needs_lengths`: the responses' token counts are filled in;
     `options`: its own settings, each a flag of the DPO step; `default_beta`: --beta when not given (0.1 if
     None); `nll_coef`: the chosen responses' NLL per token is part of the loss with this weight (ORPO's SFT
-    term; --nll_loss_coef is then refused)."""
+    term; --nll_loss_coef is then refused); `reads_beta` False: --beta is refused (ORPO)."""
     fn: Callable[..., Tuple[Tensor, Tensor, Tensor]]
     help: str
     needs_reference: bool = True
@@ -378,6 +378,7 @@ class PairLoss:
     options: Dict[str, PairOption] = field(default_factory=dict)
     default_beta: float | None = None
     nll_coef: float = 0.0
+    reads_beta: bool = True
 
 
 # A new pair loss (SimPO, ORPO, ...) is one entry here and its pure function above (with a hand-computed test).
@@ -391,8 +392,8 @@ PAIR_LOSSES: Dict[str, PairLoss] = {
                       default_beta=2.0, options={"simpo_gamma": PairOption(
                           0.5, "SimPO's target margin gamma between the beta-scaled per-token log-probs (>= 0)")}),
     "orpo": PairLoss(orpo_pair_loss, "ORPO's chosen NLL per token + lambda * -log sigmoid(log odds ratio of the "
-                     "per-token likelihoods), no reference (Hong et al. 2024; --beta unused)", needs_reference=False,
-                     needs_lengths=True, nll_coef=1.0, options={"orpo_lambda": PairOption(
+                     "per-token likelihoods), no reference (Hong et al. 2024; no --beta)", needs_reference=False,
+                     needs_lengths=True, nll_coef=1.0, reads_beta=False, options={"orpo_lambda": PairOption(
                          0.1, "ORPO's weight lambda of the odds-ratio term against the NLL (> 0)")}),
 }
 DPO_LOSS_TYPES = tuple(PAIR_LOSSES)
