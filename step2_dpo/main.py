@@ -5,9 +5,9 @@ pair is a function of the policy's and a frozen reference's sequence log-probs o
 (utils.losses.dpo_loss: sigmoid DPO, conservative DPO with --label_smoothing, IPO; plus
 --nll_loss_coef times the chosen responses' NLL, RPO), or of the policy's alone for the reference-free
 losses (SimPO, ORPO: --loss_type simpo|orpo; no reference model is built, loaded or precomputed).
-Data: the same pairs as step 2 (its share of --data_split, every format the data layer reads). A sequence log-prob sums the response tokens only
-(and the EOS that ends them), positions from the attention mask, so a pair scores the same under
-any padding (utils.forward.sequence_logprobs).
+Data: the same pairs as step 2 (its share of --data_split, every format the data layer reads). A
+sequence log-prob sums the response tokens only (and the EOS that ends them), positions from the
+attention mask, so a pair scores the same under any padding (utils.forward.sequence_logprobs).
 
 The reference is the starting policy, in one of three forms:
 - --precompute_ref_log_probs: the policy itself scores every pair before its first update (eval
@@ -73,9 +73,12 @@ def parse_args(argv=None):
     if args.beta is not None and not entry.reads_beta:
         fail(f"--beta: --loss_type {args.loss_type} does not read it; leave the flag out")
     if args.beta is None:
-        args.beta = entry.default_beta if entry.default_beta is not None else 0.1
-    check_range(args, 0, ("eval_interval", "eval_iters", "nll_loss_coef", "simpo_gamma"))
-    check_range(args, 0, ("beta", "orpo_lambda"), strict=True)
+        args.beta = entry.default_beta
+    check_range(args, 0, ("eval_interval", "eval_iters", "nll_loss_coef"))
+    check_range(args, 0, ("beta",), strict=True)
+    for name, (option, _) in pair_loss_options().items():
+        if option.minimum is not None:
+            check_range(args, option.minimum, (name,), strict=option.strict)
     if entry.nll_coef and args.nll_loss_coef:
         fail(f"--nll_loss_coef: --loss_type {args.loss_type} has its own NLL term (weight {entry.nll_coef:g}); "
              f"leave the flag out")

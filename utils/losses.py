@@ -357,9 +357,12 @@ def orpo_pair_loss(p: PairLogps, beta: float, orpo_lambda: float = 0.1) -> Tuple
 
 @dataclass(frozen=True)
 class PairOption:
-    """A setting of one pair loss, offered as the DPO step's flag `--<name>`."""
+    """A setting of one pair loss, offered as the DPO step's flag `--<name>`; `minimum` (with `strict`: >)
+    its lower bound, checked with the other flags."""
     default: float
     help: str
+    minimum: float | None = None
+    strict: bool = False
 
 
 @dataclass(frozen=True)
@@ -368,15 +371,15 @@ class PairLoss:
     rewards [B], rejected rewards [B])` (the rewards detached by the caller: the implicit rewards whose
     accuracy and margin are reported). `needs_reference`: False for a reference-free loss (no reference
     model, no reference log-probs); `needs_lengths`: the responses' token counts are filled in;
-    `options`: its own settings, each a flag of the DPO step; `default_beta`: --beta when not given (0.1 if
-    None); `nll_coef`: the chosen responses' NLL per token is part of the loss with this weight (ORPO's SFT
+    `options`: its own settings, each a flag of the DPO step; `default_beta`: --beta when not given;
+    `nll_coef`: the chosen responses' NLL per token is part of the loss with this weight (ORPO's SFT
     term; --nll_loss_coef is then refused); `reads_beta` False: --beta is refused (ORPO)."""
     fn: Callable[..., Tuple[Tensor, Tensor, Tensor]]
     help: str
     needs_reference: bool = True
     needs_lengths: bool = False
     options: Dict[str, PairOption] = field(default_factory=dict)
-    default_beta: float | None = None
+    default_beta: float = 0.1
     nll_coef: float = 0.0
     reads_beta: bool = True
 
@@ -390,11 +393,11 @@ PAIR_LOSSES: Dict[str, PairLoss] = {
     "simpo": PairLoss(simpo_pair_loss, "SimPO's -log sigmoid(beta * margin of per-token log-probs - gamma), no "
                       "reference (Meng et al. 2024; --beta default 2.0)", needs_reference=False, needs_lengths=True,
                       default_beta=2.0, options={"simpo_gamma": PairOption(
-                          0.5, "SimPO's target margin gamma between the beta-scaled per-token log-probs (>= 0)")}),
+                          0.5, "SimPO's target margin gamma between the beta-scaled per-token log-probs (>= 0)", minimum=0.0)}),
     "orpo": PairLoss(orpo_pair_loss, "ORPO's chosen NLL per token + lambda * -log sigmoid(log odds ratio of the "
                      "per-token likelihoods), no reference (Hong et al. 2024; no --beta)", needs_reference=False,
                      needs_lengths=True, nll_coef=1.0, reads_beta=False, options={"orpo_lambda": PairOption(
-                         0.1, "ORPO's weight lambda of the odds-ratio term against the NLL (> 0)")}),
+                         0.1, "ORPO's weight lambda of the odds-ratio term against the NLL (> 0)", minimum=0.0, strict=True)}),
 }
 DPO_LOSS_TYPES = tuple(PAIR_LOSSES)
 
