@@ -22,10 +22,7 @@ function; the weighted sum of the rewards is `step3_ppo.advantages.combine`.
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import inspect
-import itertools
 import math
 import numbers
 import os
@@ -38,12 +35,13 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from utils.errors import ProjectError, one_line
+from utils.specs import load_object
+from utils.worker import CallFailed  # a worker's failed call (re-exported here, caught in score_batch)
 
 DEFAULT_FORMAT_PATTERN = r"\\boxed\{[^{}]+\}"
 _MESSAGE_LIMIT = 200
 _SHOWN_ORIGINS = 3
 _FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: torch is not imported here (see _is_tensor)
-_module_counter = itertools.count()
 
 
 class RewardFunctionError(ProjectError):
@@ -56,11 +54,6 @@ class RewardFunctionError(ProjectError):
             parts = ([f"row {origin}"] if origin else []) + ([f"index {index} in the batch"] if index is not None else [])
             where = f" ({', '.join(parts)})"
         super().__init__(one_line(f"reward function {function}: {problem}{where}"))
-
-
-class CallFailed(Exception):
-    """A call that gave no result: it raised in its worker process, ran past its deadline, or the worker exited
-    or crashed (step3_ppo/reward_worker.py); str() says which, score_batch adds the function and rows."""
 
 
 @dataclass(frozen=True)
@@ -141,11 +134,21 @@ def answers_match(predicted: str | None, answer) -> bool:
 _MISSING = object()
 
 
+def completion_text(completion) -> str:
+    """The text a built-in judges: the completion itself, or of a conversational one (a multi-turn trajectory's
+    messages after the prompt, TRL's shape) its last assistant message: the final answer, after tool calls
+    and replies."""
+    if isinstance(completion, list):
+        said = [m.get("content") for m in completion if isinstance(m, dict) and m.get("role") == "assistant"]
+        return said[-1] if said and isinstance(said[-1], str) else ""
+    return completion
+
+
 def math_exact(completions, answer=_MISSING, **kwargs) -> list[float]:
     """1.0 where the completion's `final_answer` equals the row's `answer` (int, float or str), else 0.0."""
     if answer is _MISSING:
         raise RewardFunctionError("math_exact", "the prompt rows need an 'answer' field (none of them has one)")
-    return [float(answers_match(final_answer(c), a)) for c, a in zip(completions, answer)]
+    return [float(answers_match(final_answer(completion_text(c)), a)) for c, a in zip(completions, answer)]
 
 
 def make_format(format_pattern: str | None = None) -> Callable:
@@ -157,7 +160,7 @@ def make_format(format_pattern: str | None = None) -> Callable:
         raise RewardFunctionError("format", f"--format_pattern {pattern!r} is not a valid regular expression: {exc}")
 
     def format(completions, **kwargs) -> list[float]:  # noqa: A001 - the built-in's name
-        return [float(compiled.search(c or "") is not None) for c in completions]
+        return [float(compiled.search(completion_text(c) or "") is not None) for c in completions]
 
     return format
 
@@ -172,7 +175,7 @@ def make_sentiment() -> Callable:
         raise RewardFunctionError("sentiment", f"needs the VADER judge: {one_line(exc, _MESSAGE_LIMIT)}")
 
     def sentiment(completions, **kwargs) -> list[float]:
-        return judge.score(list(completions))
+        return judge.score([completion_text(c) for c in completions])
 
     return sentiment
 
@@ -244,74 +247,8 @@ def load_reward_function(spec: str, /, **options) -> RewardFunction:
         declared = _declared(builtin.make, options)
         return RewardFunction(spec, builtin.make(**declared), is_accuracy=builtin.is_accuracy, spec=spec,
                               options=declared)
-    if ":" not in spec:
-        if spec.endswith(".py"):
-            raise RewardFunctionError(spec, "missing the ':function' part (expected path/to/file.py:function)")
-        raise RewardFunctionError(spec, f"unknown reward function; expected {_forms()}")
-    where, _, attr = spec.rpartition(":")
-    if not attr or not where:
-        raise RewardFunctionError(spec, f"missing the {'function' if not attr else 'file or module'} "
-                                        f"name around ':' (expected {_forms()})")
-    module = _load_file(spec, where) if _is_path(where) else _load_module(spec, where)
-    fn = _attribute(spec, module, attr)
-    return RewardFunction(_log_name(attr.rsplit(".", 1)[-1]), fn, spec=spec, options={})
-
-
-def _is_path(where: str) -> bool:
-    return where.endswith(".py") or "/" in where or os.sep in where or os.path.exists(where)
-
-
-def _import_problem(exc: BaseException) -> str:
-    if isinstance(exc, SyntaxError):
-        return f"syntax error at line {exc.lineno}: {one_line(exc.msg, _MESSAGE_LIMIT)}"
-    return f"importing it raised {type(exc).__name__}: {one_line(exc, _MESSAGE_LIMIT)}"
-
-
-def _load_file(spec: str, path: str):
-    if not os.path.exists(path):
-        raise RewardFunctionError(spec, f"no such file: {path}")
-    if not os.path.isfile(path):
-        raise RewardFunctionError(spec, f"{path} is not a file")
-    stem = _log_name(os.path.splitext(os.path.basename(path))[0]).replace(".", "_").replace("-", "_")
-    name = f"_reward_funcs_{next(_module_counter)}_{stem}"
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise RewardFunctionError(spec, f"{path} cannot be loaded as a Python module")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module  # dataclasses, pickling and typing look the module up by name
-    folder = os.path.dirname(os.path.abspath(path))
-    sys.path.insert(0, folder)  # while it runs: the file may import a helper next to it
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[name]
-        raise RewardFunctionError(spec, _import_problem(exc)) from exc
-    finally:
-        if folder in sys.path:
-            sys.path.remove(folder)
-    return module
-
-
-def _load_module(spec: str, name: str):
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name and (name == exc.name or name.startswith(exc.name + ".")):
-            raise RewardFunctionError(spec, f"no module named '{exc.name}' (on sys.path)") from exc
-        raise RewardFunctionError(spec, _import_problem(exc)) from exc
-    except Exception as exc:
-        raise RewardFunctionError(spec, _import_problem(exc)) from exc
-
-
-def _attribute(spec: str, module, attr: str) -> Callable:
-    obj = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise RewardFunctionError(spec, f"has no function '{attr}'")
-        obj = getattr(obj, part)
-    if not callable(obj):
-        raise RewardFunctionError(spec, f"'{attr}' is a {type(obj).__name__}, not a function")
-    return obj
+    fn = load_object(spec, RewardFunctionError, what="reward function", forms=_forms())
+    return RewardFunction(_log_name(spec.rpartition(":")[2].rsplit(".", 1)[-1]), fn, spec=spec, options={})
 
 
 # ---------------------------------------------------------------- calling
