@@ -1,0 +1,396 @@
+"""Tools for multi-turn rollouts (step3_ppo/tools.py, issue 28): the calculator's values and refusals, the
+Hermes call parser, TRL-style schemas and one-line spec errors, a Toolbox that turns every failed call into
+text for the model (and stops a hung call, C code included, within 2x the timeout), and the python tool's
+sandbox (step3_ppo/python_sandbox.py): no writes outside its folder, no TCP, no signals out, no output,
+process or folder left behind, and nothing run at all without Landlock."""
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from step3_ppo import python_sandbox
+from step3_ppo.tools import (TOOL_CALL_PARSERS, TOOLS, Toolbox, ToolCall, ToolError, calculator, load_tools, python,
+                             run_python, template_supports_tools, tool_system_prompt)
+
+HAS_LANDLOCK = python_sandbox.landlock_abi() >= 1
+needs_landlock = pytest.mark.skipif(not HAS_LANDLOCK, reason="no Landlock here: the python tool refuses to run")
+
+
+def call(name, **arguments) -> str:
+    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+
+
+# ---------------------------------------------------------------- calculator
+
+@pytest.mark.parametrize("expression, expected", [
+    ("(123 * 45 + 6789) / 2", "6162"), ("2 ** 100", "1267650600228229401496703205376"), ("0.1 + 0.2", "0.3"),
+    ("7 / 2", "3.5"), ("-7 // 2", "-4"), ("17 % 5", "2"), ("+-3", "-3"), ("2 ** -1", "0.5"), (" 1_000 * 3 ", "3000"),
+    ("123456789 * 987654321", "121932631112635269"),
+])
+def test_calculator_values(expression, expected):
+    assert calculator(expression) == expected
+
+
+@pytest.mark.parametrize("expression, message", [
+    ("9**9**9", "too large"), ("10**999 * 10**999", "too large"), ("2.0 ** 10000", "too large"),
+    ("1e308 * 10", "too large"), ("1 / 0", "division by zero"), ("5 % 0", "division by zero"),
+    ("x + 1", "not the name 'x'"), ("__import__('os').system('true')", "not a function call"),
+    ("(1).real", "not an attribute"), ("'a' * 3", "not the str"), ("True + 1", "not the bool"),
+    ("(-8) ** 0.5", "not a real number"), ("1 +", "not an arithmetic expression"), ("1 << 3", "allowed"),
+    ("1" * 2000, "longer than"),
+])
+def test_calculator_refusals(expression, message):
+    with pytest.raises(ValueError, match=message) as info:
+        calculator(expression)
+    assert "\n" not in str(info.value)
+
+
+# ---------------------------------------------------------------- parsing
+
+def parse(message):
+    return TOOL_CALL_PARSERS["hermes"].parse(message)
+
+
+def test_parser_reads_one_and_two_calls():
+    assert parse("Let me compute. " + call("calculator", expression="1+1")) == [
+        ToolCall("calculator", {"expression": "1+1"})]
+    two = parse(call("a", x=1) + " and " + call("b") + " done")
+    assert two == [ToolCall("a", {"x": 1}), ToolCall("b", {})]
+    assert parse("no call here, just <tool_call the answer") == [] and parse("") == []
+
+
+def test_parser_accepts_arguments_as_a_json_string():
+    body = json.dumps({"name": "calculator", "arguments": json.dumps({"expression": "2*3"})})
+    assert parse(f"<tool_call>{body}</tool_call>") == [ToolCall("calculator", {"expression": "2*3"})]
+
+
+@pytest.mark.parametrize("body, name, message", [
+    ('{"name": "calculator", "arguments": {"expression": "1+1"}', None, "not valid JSON"),
+    ('{"arguments": {"expression": "1"}}', None, 'no "name"'),
+    ('["calculator"]', None, "got an array"),
+    ('{"name": "calculator", "arguments": [1, 2]}', "calculator", "got an array"),
+    ('{"name": "calculator", "arguments": "not json"}', "calculator", "not a JSON object"),
+])
+def test_parser_marks_malformed_calls(body, name, message):
+    [parsed] = parse(f"<tool_call>{body}</tool_call>")
+    assert parsed.name == name and parsed.arguments is None and message in parsed.error
+
+
+def test_parser_marks_an_unclosed_block_after_good_ones():
+    calls = parse(call("a") + ' <tool_call>{"name": "b", "argu')
+    assert calls[0] == ToolCall("a", {}) and calls[1].error and "not closed" in calls[1].error and len(calls) == 2
+
+
+# ---------------------------------------------------------------- loading
+
+TRL_TOOL = '''
+def get_weather(city: str, unit: str = "celsius") -> str:
+    """Gets the current weather in a city.
+
+    Args:
+        city: The city's name.
+        unit: The temperature unit, "celsius" or "fahrenheit".
+    """
+    return f"22 degrees {unit} in {city}"
+
+
+def no_docstring(city: str) -> str:
+    return city
+
+
+def no_hints(city):
+    """Echoes.
+
+    Args:
+        city: The city's name.
+    """
+    return city
+'''
+
+
+@pytest.fixture
+def tool_file(tmp_path):
+    path = tmp_path / "my_tools.py"
+    path.write_text(TRL_TOOL)
+    return str(path)
+
+
+def test_schema_of_a_trl_style_function(tool_file):
+    [tool] = load_tools([f"{tool_file}:get_weather"])
+    assert tool.name == "get_weather" and tool.spec == f"{tool_file}:get_weather"
+    assert tool.schema == {"type": "function", "function": {
+        "name": "get_weather", "description": "Gets the current weather in a city.",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "description": "The city's name."},
+            "unit": {"type": "string", "description": 'The temperature unit, "celsius" or "fahrenheit".'}},
+            "required": ["city"]},
+        "return": {"type": "string"}}}
+    [builtin] = load_tools(["calculator"])
+    assert builtin.schema["function"]["parameters"]["required"] == ["expression"]
+    assert load_tools(["step3_ppo.tools:calculator"])[0].schema == builtin.schema
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("nope", "unknown tool; expected a built-in (calculator, python)"),
+    ("missing_file.py:f", "no such file"),
+    ("{file}:absent", "has no function 'absent'"),
+    ("{file}:no_docstring", "no docstring"),
+    ("{file}:no_hints", "missing a type hint"),
+    ("step3_ppo.no_such_module:f", "no module named"),
+])
+def test_bad_specs_are_one_line(tool_file, spec, message):
+    spec = spec.format(file=tool_file)
+    with pytest.raises(ToolError) as info:
+        load_tools([spec])
+    text = str(info.value)
+    assert text.startswith(f"tool {spec}: ") and message in text and "\n" not in text
+
+
+def test_duplicate_names_are_refused(tool_file):
+    with pytest.raises(ToolError, match="also the name of tool calculator"):
+        load_tools(["calculator", "step3_ppo.tools:calculator"])
+
+
+def test_system_prompt_and_template_check():
+    schemas = [tool.schema for tool in load_tools(["calculator"])]
+    prompt = tool_system_prompt(schemas)
+    assert "<tools>\n" + json.dumps(schemas[0]) + "\n</tools>" in prompt and "<tool_call>" in prompt
+    assert template_supports_tools(SimpleNamespace(chat_template="{% if tools %}{{ tools }}{% endif %}"))
+    assert template_supports_tools(SimpleNamespace(chat_template={"default": "x", "tool_use": "{{ tools }}"}))
+    assert not template_supports_tools(SimpleNamespace(chat_template="{{ messages }} tool_calls_x"))
+    assert not template_supports_tools(SimpleNamespace(chat_template=None))
+
+
+# ---------------------------------------------------------------- the Toolbox
+
+USER_TOOLS = '''
+import re, time
+
+def add(a: int, b: int) -> int:
+    """Adds two numbers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return a + b
+
+
+def broken(x: str) -> str:
+    """Always fails.
+
+    Args:
+        x: Anything.
+    """
+    raise RuntimeError("the backend is down")
+
+
+def table(n: int) -> dict:
+    """A small table.
+
+    Args:
+        n: How many rows.
+    """
+    return {"rows": list(range(n))}
+
+
+def spin(seconds: float) -> str:
+    """Busy-waits in Python forever.
+
+    Args:
+        seconds: Ignored.
+    """
+    while True:
+        pass
+
+
+def regex(text: str) -> bool:
+    """Matches a catastrophic regular expression (hangs in C code).
+
+    Args:
+        text: The text to match.
+    """
+    return re.match(r"(a+)+$", text) is not None
+'''
+
+
+@pytest.fixture
+def user_tools(tmp_path):
+    path = tmp_path / "user_tools.py"
+    path.write_text(USER_TOOLS)
+    names = ["add", "broken", "table", "spin", "regex"]
+    return load_tools(["calculator"] + [f"{path}:{name}" for name in names])
+
+
+def test_every_failed_call_comes_back_as_text(user_tools):
+    with Toolbox(user_tools, timeout=30) as box:
+        assert box.respond("The answer is 4.") == type(box.respond(""))([], 0, 0)
+        message = " ".join([
+            call("calculator", expression="12 * 12"), call("add", a=2, b=3), call("table", n=2),
+            "<tool_call>{not json}</tool_call>", call("search", query="x"), call("broken", x="1"),
+            call("add", a=1), call("calculator", expression="9**9**9"),
+        ])
+        turn = box.respond(message)
+    contents = [m["content"] for m in turn.messages]
+    assert [m["role"] for m in turn.messages] == ["tool"] * 8 and turn.calls == 8 and turn.errors == 5
+    assert contents[:3] == ["144", "5", '{"rows": [0, 1]}']
+    assert contents[3].startswith("error: malformed tool call: the <tool_call> block is not valid JSON")
+    assert contents[4] == ("error: unknown tool 'search'; available: calculator, add, broken, table, spin, regex")
+    assert contents[5] == "error: tool 'broken' raised RuntimeError: the backend is down"
+    assert contents[6] == "error: tool 'add' got wrong arguments: missing a required argument: 'b'"
+    assert contents[7].startswith("error: tool 'calculator' raised ValueError: the result is too large")
+    assert [m["name"] for m in turn.messages][:5] == ["calculator", "add", "table", "", "search"]
+
+
+def test_results_are_cut_at_the_limit(user_tools):
+    with Toolbox(user_tools, timeout=30, limit=100) as box:
+        [message] = box.respond(call("table", n=1000)).messages
+    assert len(message["content"]) == 100 and message["content"].endswith("[result cut at 100 characters]")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tool, arguments", [("spin", {"seconds": 1}), ("regex", {"text": "a" * 40 + "b"})])
+def test_a_hung_call_is_killed_within_twice_the_timeout(user_tools, tool, arguments):
+    timeout = 1.5
+    with Toolbox(user_tools, timeout=timeout) as box:  # the worker's start counts here too
+        started = time.monotonic()
+        turn = box.respond(call(tool, **arguments))
+        elapsed = time.monotonic() - started
+        assert turn.errors == 1 and elapsed < 2 * timeout, elapsed
+        assert turn.messages[0]["content"] == (f"error: tool '{tool}' ran past the time limit of {timeout:g} s "
+                                               "(its worker process was killed)")
+        assert box.respond(call("regex", text="aaa")).messages[0]["content"] == "True"  # a fresh worker
+        assert box.respond(call("add", a=1, b=2)).messages[0]["content"] == "3"
+
+
+# ---------------------------------------------------------------- the python tool
+
+def test_python_refuses_to_start_without_landlock(monkeypatch):
+    monkeypatch.setattr(python_sandbox, "landlock_abi", lambda: 0)
+    with pytest.raises(ToolError, match=r"^tool python: needs Linux's Landlock .* never run unsandboxed$"):
+        load_tools(["python"])
+    with pytest.raises(ToolError, match="Landlock"):
+        run_python("print(1)")
+    assert load_tools(["calculator"])  # the other tools do not need it
+
+
+@needs_landlock
+def test_python_prints_and_reports_errors():
+    assert python("print(6 * 7)") == "42\n"
+    assert python("") == "(no output)"
+    assert python("import sys; sys.exit(3)") == "(no output)\n[exit status 3]"
+    assert python("import sys; sys.exit(125)") == "(no output)\n[exit status 1]"  # not the keeper's refusal
+    failed = python("x = 1\nraise ValueError('bad input')")
+    assert failed.startswith("Traceback") and 'File "<code>", line 2' in failed
+    assert failed.endswith("ValueError: bad input\n\n[exit status 1]")
+
+
+@needs_landlock
+def test_python_cannot_write_outside_its_folder(tmp_path):
+    outside, home = tmp_path / "outside.txt", os.path.expanduser(f"~/rlhf-tool-test-{os.getpid()}.txt")
+    code = f"""
+import os
+open("inside.txt", "w").write("ok")
+print("inside", os.path.exists("inside.txt"))
+for path in [{str(outside)!r}, {home!r}]:
+    try:
+        open(path, "w").write("escaped")
+    except OSError as exc:
+        print("refused", type(exc).__name__)
+try:
+    os.rename("inside.txt", {str(tmp_path / "moved.txt")!r})
+except OSError as exc:
+    print("rename refused", type(exc).__name__)
+"""
+    try:
+        output = python(code)
+    finally:
+        escaped = os.path.exists(home)
+        if escaped:
+            os.remove(home)
+    assert output == "inside True\nrefused PermissionError\nrefused PermissionError\nrename refused PermissionError\n"
+    assert not outside.exists() and not escaped and not (tmp_path / "moved.txt").exists()
+
+
+@needs_landlock
+def test_python_runs_in_a_fresh_folder_that_is_removed(monkeypatch):
+    monkeypatch.setenv("RLHF_TEST_SECRET", "token")
+    code = "import os; print(os.getcwd()); print(os.listdir()); print(os.environ.get('RLHF_TEST_SECRET'))"
+    first, second = python(code), python(code)
+    folder, listing, secret = first.splitlines()
+    assert listing == "[]" and secret == "None" and first != second
+    assert not os.path.exists(folder) and not os.path.exists(second.splitlines()[0])
+
+
+@needs_landlock
+def test_python_cannot_reach_tcp_or_signal_the_trainer():
+    if python_sandbox.landlock_abi() < 6:
+        pytest.skip("TCP needs Landlock ABI 4, signal scoping ABI 6")
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        output = python(f"""
+import os, socket
+try:
+    socket.create_connection(("127.0.0.1", {port}), timeout=2)
+except OSError as exc:
+    print("connect", type(exc).__name__)
+try:
+    os.kill({os.getpid()}, 0)
+except OSError as exc:
+    print("signal", type(exc).__name__)
+""")
+    assert output == "connect PermissionError\nsignal PermissionError\n"
+
+
+@needs_landlock
+def test_python_output_is_cut_and_the_program_stopped():
+    started = time.monotonic()
+    run = run_python("while True:\n    print('x' * 100)", timeout=20, limit=500)
+    assert time.monotonic() - started < 5 and run.cut and run.status is None and not run.timed_out
+    assert len(run.output) == 500 and run.output.endswith("[output cut at 500 characters; the program was stopped]")
+
+
+@needs_landlock
+def test_python_memory_bomb_is_stopped():
+    output = python("x = bytearray(10 ** 10)")
+    assert output.endswith("MemoryError\n\n[exit status 1]")
+    grow = run_python("chunks = []\nwhile True:\n    chunks.append(b' ' * 10 ** 7)", memory=256 << 20)
+    assert "MemoryError" in grow.output and grow.status == 1
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "zombie" not in f.read()
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@needs_landlock
+@pytest.mark.parametrize("code", ["while True:\n    pass", "import time\ntime.sleep(100)"])
+def test_python_cannot_outlive_its_timeout(code):
+    """Through the Toolbox: the error text, within 2x the timeout; and a process that left the process group
+    (setsid) is killed too."""
+    timeout = 1.5
+    escape = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    print(os.getpid(), flush=True)\n"
+              "    time.sleep(100)\ntime.sleep(0.3)\n")
+    with Toolbox(load_tools(["python"]), timeout=timeout) as box:
+        started = time.monotonic()
+        turn = box.respond(call("python", code=escape + code))
+        elapsed = time.monotonic() - started
+        content = turn.messages[0]["content"]
+        assert turn.errors == 1 and elapsed < 2 * timeout, elapsed
+        assert content.startswith(f"error: tool 'python' ran past the time limit of {timeout:g} s (stopped); "
+                                  "its output before: ")
+        escaped = int(content.rsplit(" ", 1)[1])
+        assert not _alive(escaped)
+        assert box.respond(call("python", code="print('next')")).messages == [
+            {"role": "tool", "name": "python", "content": "next\n"}]
