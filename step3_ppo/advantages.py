@@ -24,9 +24,11 @@ def gae_advantages_and_returns(values: Tensor, rewards: Tensor, action_mask: Ten
 
     ``delta_t = r_t + gamma * V_{t+1} - V_t``, ``A_t = delta_t + gamma*lam*A_{t+1}``, where the
     step after a row's last action is terminal (``V = 0``, ``A = 0``). Why masking by the *next*
-    position: rows end at different places (EOS then padding) and start at different offsets
+    action: rows end at different places (EOS then padding) and start at different offsets
     (left padding); whatever sits in padding must neither bootstrap the last action nor leak into
-    the recursion. Outputs are 0 outside the mask; ``returns = advantages + values`` on actions
+    the recursion. A multi-turn row has an environment's tokens (mask 0) between its turns: the
+    recursion steps over them, so a turn's last action bootstraps from the next turn's first
+    (the episode goes on) and only the row's last action is terminal. Outputs are 0 outside the mask; ``returns = advantages + values`` on actions
     (the critic's regression target). Both are detached. Vectorised over the batch, sequential
     over time.
     """
@@ -40,12 +42,14 @@ def gae_advantages_and_returns(values: Tensor, rewards: Tensor, action_mask: Ten
         next_v = torch.zeros_like(v[..., 0])
         next_m = torch.zeros_like(v[..., 0])
         for t in range(T - 1, -1, -1):
-            # next_v / next_adv are 0 when t+1 is not an action (terminal or padding)
+            # next_*: the next action's (0 after the row's last action); non-actions carry them over
             delta = r[..., t] + gamma * next_v * next_m - v[..., t]
             a_t = delta + gamma * lam * next_adv * next_m
-            a_t = torch.where(m[..., t], a_t, torch.zeros_like(a_t))
-            adv[..., t] = a_t
-            next_adv, next_v, next_m = a_t, v[..., t], m[..., t].to(v.dtype)
+            here = m[..., t]
+            adv[..., t] = torch.where(here, a_t, torch.zeros_like(a_t))
+            next_adv = torch.where(here, a_t, next_adv)
+            next_v = torch.where(here, v[..., t], next_v)
+            next_m = torch.where(here, torch.ones_like(next_m), next_m)
         returns = select(adv + v, m)
         out_dtype = values.dtype if values.is_floating_point() else adv.dtype
         return adv.to(out_dtype), returns.to(out_dtype)
@@ -140,14 +144,15 @@ def returns_to_go(rewards: Tensor, action_mask: Tensor, gamma: float = 1.0) -> T
     """The discounted sum of the per-token rewards (KL penalty on every action, the sequence
     reward on the last) from each action to its row's end; 0 outside the mask. The advantage of
     every critic-free estimator (REINFORCE++, Hu 2025; and, with no KL in the reward, the group
-    advantage itself on every action)."""
+    advantage itself on every action). An environment's tokens between two turns (mask 0) are
+    stepped over: a turn's actions get the rest of the episode's rewards."""
     m = action_mask != 0
     r = select(rewards.float(), m)
     out = torch.zeros_like(r)
     running = torch.zeros_like(r[..., 0])
     for t in range(r.shape[-1] - 1, -1, -1):
-        running = torch.where(m[..., t], r[..., t] + gamma * running, torch.zeros_like(running))
-        out[..., t] = running
+        running = torch.where(m[..., t], r[..., t] + gamma * running, running)
+        out[..., t] = torch.where(m[..., t], running, torch.zeros_like(running))
     return out
 
 

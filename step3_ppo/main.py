@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from torch.utils.data import DataLoader, DistributedSampler
 
+from step3_ppo.agents import EnvReward, add_agent_args, build_agent, check_agent_args, prompts_with_tools
 from step3_ppo.advantages import ALIASES, ESTIMATORS, REWARD_NORMS, estimator_name, get_estimator
 from step3_ppo.engine import build_engines
 from step3_ppo.rollout_engines import ROLLOUT_ENGINES
@@ -214,6 +215,7 @@ def parse_args(argv=None):
     g.add_argument("--offload_reward_model", action="store_true",
                    help="keep the frozen reward models' parameters in CPU memory (ZeRO-3 offload)")
     g.add_argument("--enable_ema", action="store_true", help="keep an EMA of the actor, saved as actor_ema/")
+    add_agent_args(p)
     add_checkpoint_args(p)
     g = add_output_args(p)
     g.add_argument("--print_answers", action="store_true",
@@ -235,6 +237,7 @@ def validate_args(args) -> None:
     check_policy_loss_args(args)
     check_range(args, 1, ("print_answers_interval", "max_sampling_rounds"))
     check_rollout_args(args)
+    check_agent_args(args)
     for name in ("gamma", "lam"):
         if not 0 <= getattr(args, name) <= 1:
             fail(f"--{name} must be in [0, 1], got {getattr(args, name)}")
@@ -268,8 +271,12 @@ def validate_args(args) -> None:
         fail(f"--unsupervised_dataset_name {args.unsupervised_dataset_name!r} does not exist")
     for path in dict.fromkeys([args.actor_model_name_or_path, args.critic_model_name_or_path, *args.reward_model_paths]):
         if path:
-            check_sequence_fits(path, args.max_prompt_seq_len + args.max_answer_seq_len,
-                                "--max_prompt_seq_len + --max_answer_seq_len")
+            if args.env or args.tools:
+                check_sequence_fits(path, args.max_prompt_seq_len + args.max_trajectory_len,
+                                    "--max_prompt_seq_len + --max_trajectory_len")
+            else:
+                check_sequence_fits(path, args.max_prompt_seq_len + args.max_answer_seq_len,
+                                    "--max_prompt_seq_len + --max_answer_seq_len")
     validate_training_args(args, MODELS, positive=("per_device_generation_batch_size", "per_device_training_batch_size",
                                                    "generation_batches", "ppo_epochs", "max_prompt_seq_len",
                                                    "max_answer_seq_len"))  # last: it checks OUTPUT_DIR
@@ -330,12 +337,16 @@ def validate_rl_args(args) -> None:
              f"{args.max_answer_seq_len}")
     if args.reward_timeout is not None and args.reward_timeout <= 0:
         fail(f"--reward_timeout must be > 0, got {args.reward_timeout}")
-    specs = args.reward_specs = args.reward_funcs or [args.reward_model_name_or_path or args.critic_model_name_or_path]
+    env_reward = args.environment is not None and args.environment.has_reward  # the component `env`, last
+    default = [] if env_reward else [args.reward_model_name_or_path or args.critic_model_name_or_path]
+    specs = args.reward_specs = args.reward_funcs or ([args.reward_model_name_or_path] if args.reward_model_name_or_path
+                                                      else default)
     if specs == [None]:
         fail("no reward: give --reward_funcs, --reward_model_name_or_path or --critic_model_name_or_path")
-    if args.reward_weights is not None and len(args.reward_weights) != len(specs):
-        fail(f"--reward_weights has {len(args.reward_weights)} values for {len(specs)} rewards "
-             f"({' '.join(specs)})")
+    names = specs + (["env"] if env_reward else [])
+    if args.reward_weights is not None and len(args.reward_weights) != len(names):
+        fail(f"--reward_weights has {len(args.reward_weights)} values for {len(names)} rewards "
+             f"({' '.join(names)})")
     args.reward_model_paths = [spec for spec in specs if not is_function_spec(spec)]
     if estimator.needs_critic and not args.critic_model_name_or_path:
         fail(f"--advantage_estimator {args.advantage_estimator} trains a critic: give --critic_model_name_or_path "
@@ -370,6 +381,8 @@ def build_rewards(args, tokenizer, engines, functions: dict) -> list:
         else:
             components.append(RewardModelReward(engines.rewards[spec], tokenizer.pad_token_id,
                                                 reward_model_name(spec) if several else "reward_model"))
+    if args.environment is not None and args.environment.has_reward:
+        components.append(EnvReward())
     unique_names(components)
     return components
 
@@ -422,8 +435,11 @@ def setup(args) -> Setup:
         if len(other) != len(tokenizer) or other.eos_token_id != tokenizer.eos_token_id:
             raise SystemExit(f"error: the actor's tokenizer ({args.actor_model_name_or_path}, {len(tokenizer)} tokens) "
                              f"and that of {path} ({len(other)} tokens) differ")
-    tokenize = lambda rows: tokenize_prompts(rows, tokenizer, args.max_prompt_seq_len)  # noqa: E731
-    settings = {"max_prompt_seq_len": args.max_prompt_seq_len}
+    def tokenize(rows):  # with --tools, each prompt offers them (the template's tools, or the project's block)
+        rows, schemas = prompts_with_tools(rows, tokenizer, args.tool_list)
+        return tokenize_prompts(rows, tokenizer, args.max_prompt_seq_len, tools=schemas)
+    settings = {"max_prompt_seq_len": args.max_prompt_seq_len,
+                **({"tools": [t.schema for t in args.tool_list]} if args.tool_list else {})}
     split_eval = args.eval_interval > 0 and not args.eval_data_path
     prompts, stats, eval_prompts, _ = step_examples(args, tokenizer, 3, tokenize, settings, with_eval=split_eval)
     print_rank0(f"[step3] prompts {len(prompts)} {stats}")
@@ -443,12 +459,15 @@ def setup(args) -> Setup:
                          f"{world_size()} ranks")
     total_steps = total_training_steps(steps_per_epoch * args.num_train_epochs, args)
     engines = build_engines(args, tokenizer, total_steps, args.reward_model_paths)
+    if (args.env or args.tools) and not stats["chat"]:
+        raise SystemExit("error: --env/--tools need conversational prompts (message lists, or --apply_chat_template): "
+                         "turns and replies are rendered by the chat template")
     stop_ids = stop_token_ids(tokenizer, chat=stats["chat"])
     print_rank0(f"[step3] responses end at {tokenizer.convert_ids_to_tokens(stop_ids)}")
     config = PPOConfig.from_args(args, stop_token_ids=tuple(stop_ids), pad_token_id=tokenizer.pad_token_id,
                                  reward_weights=tuple(args.reward_weights) if args.reward_weights else None)
     trainer = PPOTrainer(engines, config, kl_controller(args), build_rewards(args, tokenizer, engines, functions),
-                         unsupervised_batches(args, tokenizer))
+                         unsupervised_batches(args, tokenizer), agent=build_agent(args, tokenizer))
     if not ROLLOUT_ENGINES[args.rollout_engine].logprobs:
         print_rank0(f"[step3] --rollout_engine {args.rollout_engine} gives no log-probs of its tokens: "
                     f"rollout/logprob_diff_* are not logged")

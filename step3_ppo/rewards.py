@@ -50,8 +50,10 @@ class RewardModelReward:
 class FunctionReward:
     """A reward function (TRL's convention: keyword lists aligned with the completions) over rows.
 
-    `completions` are the responses decoded without special tokens; `completion_ids` the generated
-    ids (the stop token included when there is one); `prompts` each row's prompt as the data gave
+    `completions` are the responses decoded without special tokens (a multi-turn trajectory's: its messages
+    after the prompt, TRL's conversational shape, with `turns`, `tool_calls` and `tool_errors` as fields);
+    `completion_ids` the generated ids (the stop token included when there is one; a trajectory's: every
+    response id, the environment's included); `prompts` each row's prompt as the data gave
     it (a string or a message list); every field of `extra` is a list with None where a row lacks
     it. `skipped` counts the rows whose score was bad and skipped (`--skip_bad_rewards`); the first such
     error is printed once, so a function that always fails is not silent.
@@ -73,9 +75,13 @@ class FunctionReward:
     def __call__(self, rows: list[Row]) -> torch.Tensor:
         keys = list(dict.fromkeys(k for r in rows for k in (r.prompt.get("extra") or {})))
         extra = {k: [(r.prompt.get("extra") or {}).get(k) for r in rows] for k in keys}
+        if any(r.agent is not None for r in rows):  # multi-turn: the messages after the prompt, and the counters
+            completions = [r.agent["messages"] for r in rows]
+            extra.update({k: [r.agent[k] for r in rows] for k in ("turns", "tool_calls", "tool_errors")})
+        else:
+            completions = self.tokenizer.batch_decode([r.response_ids for r in rows], skip_special_tokens=True)
         scores, skipped = score_batch(
-            self.func, prompts=[r.prompt.get("prompt") for r in rows],
-            completions=self.tokenizer.batch_decode([r.response_ids for r in rows], skip_special_tokens=True),
+            self.func, prompts=[r.prompt.get("prompt") for r in rows], completions=completions,
             completion_ids=[r.response_ids.tolist() for r in rows], extra=extra,
             origins=[r.prompt.get("origin", "") for r in rows], timeout=self.timeout, skip_bad=self.skip_bad,
             on_skip=self.tell_first_skip, call=self.worker.call if self.worker is not None else None)

@@ -21,6 +21,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from step3_ppo.agents import agent_sums
 from step3_ppo.advantages import advantages_and_returns, combine, get_estimator, zero_variance_groups
 from step3_ppo.hybrid import gathered
 from step3_ppo.rollout_engines import ROLLOUT_ENGINES
@@ -122,10 +123,12 @@ class PPOTrainer:
     estimator needs one) and the reward components (reward models and/or functions, step3_ppo/rewards.py).
 
     `logprobs_fn(model, packed_batch, temperature, return_entropy=False, entropy_grad=False)` is the policy
-    forward (utils.forward.token_logprobs); a benchmark can pass a variant without patching.
+    forward (utils.forward.token_logprobs); a benchmark can pass a variant without patching. `agent`
+    (step3_ppo.agents.MultiTurn) makes each rollout row a multi-turn trajectory.
     """
 
-    def __init__(self, engines, config: PPOConfig, kl_ctl, rewards, unsup_batches=None, logprobs_fn=token_logprobs):
+    def __init__(self, engines, config: PPOConfig, kl_ctl, rewards, unsup_batches=None, logprobs_fn=token_logprobs,
+                 agent=None):
         self.config = config
         self.estimator = get_estimator(config.advantage_estimator)
         self.policy_loss = losses.POLICY_LOSSES[config.policy_loss]
@@ -145,6 +148,7 @@ class PPOTrainer:
         self.reward_moments = RunningMoments()
         self.unsup_batches = unsup_batches
         self.logprobs_fn = logprobs_fn
+        self.agent = agent  # step3_ppo.agents.MultiTurn: rollouts of several turns with an environment / tools
         self.guard = None  # BadStepGuard: skips updates with a non-finite reward or loss (set by main)
         self.memory = accelerator.PhaseMemory()  # peak memory of generation / experience / training
         self.overflow_skipped = 0  # updates of this iteration the fp16 loss scaler skipped
@@ -162,6 +166,12 @@ class PPOTrainer:
         that gives them) each row keeps the generator's own log-probs of its answer, "rollout_logprobs"."""
         c = self.config
         n = c.n_samples_per_prompt if n is None else n
+        if self.agent is not None:  # multi-turn: each row a trajectory (step3_ppo/agents.py)
+            rows = self.agent.rollout(self.rollout, prompt_batch, settings or c.generation, n, c.stop_token_ids,
+                                      c.pad_token_id, logprobs=logprobs)
+            for i, row in enumerate(rows):
+                row.group = first_group + i // n
+            return rows
         ids, mask = prompt_batch["input_ids"], prompt_batch["attention_mask"]
         inputs = (ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0), settings or c.generation)
         if logprobs:
@@ -213,7 +223,8 @@ class PPOTrainer:
             parts = {c.name: torch.tensor([r.score_parts[c.name] for r in rows], dtype=torch.float32)
                      for c in self.rewards}
             for row, score in zip(rows, combine(parts, self.config.reward_weights).tolist()):
-                row.score = score
+                failed = row.agent is not None and row.agent["failed"] is not None  # its environment raised
+                row.score = float("nan") if failed else score
 
     def make_experience(self, prompt_batches: list[dict], first_group: int = 0) -> tuple[list[Row], float, float]:
         """Rollout, then the no-grad forwards; returns the rows and the generation/experience seconds.
@@ -281,7 +292,7 @@ class PPOTrainer:
         """(raw scores [B] (NaN: skipped), the scores the loss selection and baselines see: the components
         combined by --reward_norm plus the length penalty [B], the penalty [B], group ids [B])."""
         c = self.config
-        lengths = torch.tensor([r.response_ids.numel() for r in rows])
+        lengths = torch.tensor([r.action_count for r in rows])
         ended = torch.tensor([r.ended_with_eos for r in rows])
         penalty = length_penalty(lengths, ended, c.max_answer_seq_len, c.overlong_buffer_len,
                                  c.overlong_penalty_factor, c.truncation_penalty)
@@ -376,7 +387,7 @@ class PPOTrainer:
         """What a mini-batch's losses are averaged over: its trained actions ("tokens": the actor's loss with
         token_mean, the critic's) and its trained answers ("sequences": seq_mean, constant_norm)."""
         trained = [r for r in rows if r.trained]
-        return {"tokens": sum(r.response_ids.numel() for r in trained), "sequences": len(trained)}
+        return {"tokens": sum(r.action_count for r in trained), "sequences": len(trained)}
 
     def train_minibatch(self, rows: list[Row], counts: dict, totals: dict, boundary: bool,
                         replay: dict | None = None) -> dict:
@@ -509,12 +520,17 @@ class PPOTrainer:
                  **component_sums(rows, [c.name for c in self.rewards])}
         finite = [r.score for r in rows if r.score == r.score]
         local.update(score_sum=sum(finite), score_count=len(finite))
+        if self.agent is not None:
+            local.update(agent_sums(rows))
         keys = list(local)
         totals = dict(zip(keys, all_reduce_sum([local[k] for k in keys])))
         n = max(totals["rows"], 1)
         metrics = {"eval/score_mean": totals["score_sum"] / max(totals["score_count"], 1),
                    "eval/response_len_mean": totals["response_len_sum"] / n, "eval/eos_fraction": totals["eos_sum"] / n,
                    "eval/prompts": totals["rows"]}
+        if self.agent is not None:  # per trajectory
+            metrics.update({f"eval/{name}_mean": totals[f"agent/{name}_sum"] / n
+                            for name in ("turns", "tool_calls", "tool_errors", "env_tokens")})
         for c in self.rewards:
             mean = totals[f"part/{c.name}_sum"] / max(totals[f"part/{c.name}_count"], 1)
             metrics[f"eval/reward/{c.name}_mean"] = mean
@@ -569,6 +585,7 @@ class PPOTrainer:
         """Rollout over the prompt batches (with dynamic sampling, more from `more_prompts`), then PPO epochs;
         returns metrics averaged over ranks."""
         c = self.config
+        env_s0 = self.agent.env_s if self.agent is not None else 0.0
         rows, generation_s, experience_s = self.make_experience(prompt_batches)
         sampling = {}
         if c.dynamic_sampling:
@@ -605,7 +622,8 @@ class PPOTrainer:
             "response_len_sum": sum(r.response_ids.numel() for r in rows),
             "eos_sum": sum(r.ended_with_eos for r in rows),
             "explained_variance_sum": exp_stats["explained_variance"],
-            "trained_tokens": sum(r.response_ids.numel() for r in rows if r.trained),
+            "trained_tokens": sum(r.action_count for r in rows if r.trained),
+            **(agent_sums(rows) if self.agent is not None else {}),
             # a loss is its optimizer steps' mean (each mini-batch holds its part of its step's loss, summed over
             # ranks below); every other figure the mini-batches' mean, averaged over ranks
             **{k + "_sum": sum(s[k] for s in train_stats) / (optimizer_steps if k in STEP_LOSSES else len(train_stats))
@@ -658,6 +676,13 @@ class PPOTrainer:
             metrics["rollout/correction_masked_fraction"] = totals["rollout_masked_sum"] / trained
         if self.critic is not None:
             metrics["value/explained_variance"] = totals["explained_variance_sum"] / ranks
+        if self.agent is not None:  # per trajectory; the environment's and tools' time apart from generation's
+            env_s = self.agent.env_s - env_s0
+            metrics.update({f"rollout/{name}_mean": totals[f"agent/{name}_sum"] / rows_total
+                            for name in ("turns", "tool_calls", "env_tokens", "action_tokens")})
+            metrics.update({f"rollout/{name}": totals[f"agent/{name}_sum"]
+                            for name in ("tool_errors", "truncated", "env_failures")})
+            metrics.update({"time/env_s": env_s, "time/generation_s": generation_s - env_s})
         for key in train_stats[0]:
             if key != "ppo/log_ratio_max_abs":
                 metrics[key] = totals[key + "_sum"] / (1 if key in STEP_LOSSES else ranks)

@@ -36,6 +36,13 @@ def test_each_registry_entry_is_offered_by_its_flag_with_its_help(monkeypatch):
     rl, dpo = help_of(rl_args), help_of(dpo_args)
     for name, entry in [*losses.POLICY_LOSSES.items(), *rollout_engines.ROLLOUT_ENGINES.items(), *ESTIMATORS.items()]:
         assert f"{name}: {' '.join(entry.help.split())}" in rl, name
+    from step3_ppo.environments import ENVIRONMENTS
+    from step3_ppo.tools import TOOL_CALL_PARSERS, TOOLS
+
+    for name, entry in [*ENVIRONMENTS.items(), *TOOLS.items()]:  # listed as the reward built-ins: name (help)
+        assert f"{name} ({' '.join(entry.help.split())})" in rl, name
+    for name, entry in TOOL_CALL_PARSERS.items():
+        assert f"{name}: {' '.join(entry.help.split())}" in rl, name
     for name, entry in losses.PAIR_LOSSES.items():
         assert f"{name}: {' '.join(entry.help.split())}" in dpo, name
     assert "--toy_margin TOY_MARGIN a toy option (--loss_type toy_pair only)" in dpo

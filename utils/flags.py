@@ -68,7 +68,7 @@ RESUMABLE_FLAGS = frozenset({
     "release_inference_cache", "offload_reference_model", "offload_reward_model",
 })
 # Attributes an entry point derives from its flags after parsing (compared through those flags)
-DERIVED_ATTRIBUTES = frozenset({"reward_specs", "reward_model_paths"})
+DERIVED_ATTRIBUTES = frozenset({"reward_specs", "reward_model_paths", "environment", "tool_list"})
 
 
 # --------------------------------------------------------------------------- #

@@ -2,9 +2,11 @@
 evaluation (step 3's PPO and utils/evaluation share them).
 
 A row keeps only real tokens: the prompt without padding, the response up to and including its
-first EOS, and one value per action (old/ref log-probs, values, rewards, advantages, returns).
-Any set of rows is packed into a batch by left-padding prompts and right-padding responses, with
-the attention mask marking real tokens and the action mask marking the response tokens. Because
+first EOS (a multi-turn trajectory: every turn and the environment's replies between them), and one
+value per response token (old/ref log-probs, values, rewards, advantages, returns; 0 on an
+environment's tokens). Any set of rows is packed into a batch by left-padding prompts and
+right-padding responses, with the attention mask marking real tokens and the action mask the
+policy's own response tokens. Because
 position ids come from the attention mask in every forward, a row's tokens get identical
 positions however much padding its batch needs, so log-probs agree between the rollout batch and
 any PPO mini-batch (the trlx bug this layout rules out).
@@ -27,6 +29,16 @@ class Row:
     prompt: dict = field(default_factory=dict)  # the prompt row: "prompt" (as given), "origin", "extra" fields
     score_parts: dict = field(default_factory=dict)  # reward component name -> its score (before weighting)
     trained: bool = True  # False: dropped from the loss (truncated, a group without signal, a bad reward)
+    # [t] 1 on the policy's tokens, 0 on tokens an environment or tool appended (multi-turn rows,
+    # step3_ppo/agents.py); None: every response token is an action (a single answer)
+    response_action_mask: torch.Tensor | None = None
+    agent: dict | None = None  # a multi-turn trajectory's messages after the prompt and counters (agents.py)
+
+    @property
+    def action_count(self) -> int:
+        """The response's actions: its tokens, less those an environment appended."""
+        m = self.response_action_mask
+        return self.response_ids.numel() if m is None else int(m.sum())
 
 
 def split_generation(sequences: torch.Tensor, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
@@ -65,8 +77,9 @@ def pack(rows: list[Row], pad_token_id: int) -> dict:
     generation / experience / training phases, and the forward helpers (utils/forward.py) move
     each batch to the device of the model that reads it.
 
-    action_mask[b, i] = 1 when token i+1 of row b is one of its response tokens: the per-token
-    layout of utils/ops.py (position i is about predicting token i+1).
+    action_mask[b, i] = 1 when token i+1 of row b is one of its actions: a response token the policy
+    generated (not one an environment appended: `Row.response_action_mask`), in the per-token layout of
+    utils/ops.py (position i is about predicting token i+1).
     """
     prompt_len = max(r.prompt_ids.numel() for r in rows)
     response_len = max(r.response_ids.numel() for r in rows)
@@ -79,7 +92,8 @@ def pack(rows: list[Row], pad_token_id: int) -> dict:
         input_ids[b, prompt_len - p:prompt_len] = row.prompt_ids
         input_ids[b, prompt_len:prompt_len + t] = row.response_ids
         attention_mask[b, prompt_len - p:prompt_len + t] = 1
-        action_mask[b, prompt_len - 1:prompt_len - 1 + t] = 1
+        action_mask[b, prompt_len - 1:prompt_len - 1 + t] = 1 if row.response_action_mask is None else \
+            row.response_action_mask.float()
     trained = torch.tensor([float(r.trained) for r in rows])[:, None]
     return {"input_ids": input_ids, "attention_mask": attention_mask, "action_mask": action_mask,
             "loss_mask": action_mask * trained, "prompt_len": prompt_len}

@@ -17,6 +17,8 @@ rewrite earlier turns) gives SkipRow("template_mismatch") for that row.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import os
 import signal
@@ -32,6 +34,8 @@ _SENTINEL = "Sentinel reply 7"
 _END_OF_TURN = weakref.WeakKeyDictionary()
 # tokenizer -> (template text, the --chat_template file it came from): errors name the file
 _TEMPLATE_FILES = weakref.WeakKeyDictionary()
+# the tools every render passes to the template (rendering_tools), None: none
+_TOOLS: contextvars.ContextVar = contextvars.ContextVar("tools", default=None)
 # A render takes well under a millisecond; one still running after this long loops (seconds, 0: no limit)
 RENDER_TIME_LIMIT_S = 5.0
 
@@ -87,15 +91,28 @@ def require_template(tokenizer, origin: str = "") -> None:
                         "'chat_template', or chat_template.jinja)")
 
 
+@contextlib.contextmanager
+def rendering_tools(tools: list | None):
+    """Within it, every ``render`` passes ``tools`` (JSON schemas) to the template, which lists them in its
+    system block (step 3's prompts with --tools, when the template has a ``tools`` variable)."""
+    token = _TOOLS.set(tools)
+    try:
+        yield
+    finally:
+        _TOOLS.reset(token)
+
+
 def render(tokenizer, messages: list, add_generation_prompt: bool = False) -> list[int]:
     """Token ids of ``messages`` through the tokenizer's chat template (apply_chat_template's own ids).
 
     Templates are code from the model directory or --chat_template: transformers runs them in Jinja's
     ImmutableSandboxedEnvironment, and here under ``RENDER_TIME_LIMIT_S``, every failure (a refusal of
     the sandbox, the template's own raise_exception, deep recursion, a loop stopped) one line naming it."""
+    tools = _TOOLS.get()
+
     def call():
         return tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
-                                             return_dict=True)
+                                             return_dict=True, **({"tools": tools} if tools else {}))
 
     try:
         out = _within_time_limit(call, RENDER_TIME_LIMIT_S)

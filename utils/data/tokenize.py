@@ -6,7 +6,7 @@ import hashlib
 import json
 from typing import Sequence
 
-from utils.data.chat import assistant_spans, frame_lens, render, reply_ids, require_template
+from utils.data.chat import assistant_spans, frame_lens, render, rendering_tools, reply_ids, require_template
 from utils.data.formats import SkipRow, is_chat
 from utils.data.sources import JSON_EXTS, DataError, _read_data_file, _read_text
 
@@ -209,10 +209,17 @@ def _fitted_pairs(rows: Sequence[dict], tokenizer, max_seq_len: int) -> tuple[li
     return out, stats
 
 
-def tokenize_prompts(rows: Sequence[dict], tokenizer, max_prompt_seq_len: int) -> tuple[list, dict]:
+def tokenize_prompts(rows: Sequence[dict], tokenizer, max_prompt_seq_len: int, tools: list | None = None
+                     ) -> tuple[list, dict]:
     """PPO prompts; long prompts keep their last tokens (the part the answer follows) and a template's
     header.  Each example keeps, for reward functions, its row's prompt as given (``prompt``), where it
-    came from (``origin``) and its other fields (``extra``)."""
+    came from (``origin``) and its other fields (``extra``). ``tools``: JSON schemas the chat template
+    renders into each conversational prompt (its ``tools`` variable)."""
+    with rendering_tools(tools):
+        return _tokenize_prompts(rows, tokenizer, max_prompt_seq_len)
+
+
+def _tokenize_prompts(rows: Sequence[dict], tokenizer, max_prompt_seq_len: int) -> tuple[list, dict]:
     prefix = bos_prefix(tokenizer)
     if max_prompt_seq_len < len(prefix) + 1:
         raise DataError(f"max prompt length {max_prompt_seq_len} is too small")

@@ -1,0 +1,335 @@
+"""Multi-turn rollouts (step3_ppo/agents.py): token in, token out; the environment's tokens are not actions.
+
+The rollout-level tests run the tiny ChatML model through transformers' generate in this process (an engine
+that records what it generated), so the trained ids can be compared with the generated and appended ones."""
+import pytest
+import torch
+
+from step3_ppo.environments import EnvironmentSpec
+from step3_ppo.agents import OBSERVATION_CUT_MARK, AgentError, AgentLimits, MultiTurn, ReplyRenderer
+from utils.data.chat import render, stop_token_ids
+from utils.forward import GenerationSettings, generate, generation_kwargs
+from utils.model import load_tokenizer
+from utils.rollout import pack
+
+
+class RecordingEngine:
+    """A rollout engine over a plain HF model that keeps every turn's new tokens per input row."""
+
+    def __init__(self, model, stops, pad):
+        self.model, self.stops, self.pad = model, stops, pad
+        self.calls = []
+
+    def generate(self, input_ids, attention_mask, settings):
+        sequences = generate(self.model, input_ids, attention_mask,
+                             **generation_kwargs(settings, self.stops, self.pad))
+        self.calls.append((input_ids.clone(), attention_mask.clone(), sequences[:, input_ids.shape[1]:].clone()))
+        return sequences
+
+
+def Script(replies, fail_at=None, reward=1.0):
+    """A loaded environment whose replies come from a list (the k-th step returns replies[k-1], then None);
+    the `fail_at`-th step raises. `.seen` keeps every message it was sent; reward() is the turns it saw."""
+    seen = []
+
+    class Env:
+        def __init__(self, row):
+            self.turn = 0
+
+        def step(self, message):
+            seen.append(message)
+            self.turn += 1
+            if fail_at == self.turn:
+                raise ValueError("boom")
+            return replies[self.turn - 1] if self.turn <= len(replies) else None
+
+        def reward(self):
+            return reward * self.turn
+
+    spec = EnvironmentSpec(name="script", cls=Env, has_reward=True, spec="script")
+    object.__setattr__(spec, "seen", seen)
+    return spec
+
+
+@pytest.fixture(scope="module")
+def chat_model(tiny_chat_llama):
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = load_tokenizer(tiny_chat_llama, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(tiny_chat_llama).eval()
+    return tokenizer, model
+
+
+def prompt_batch(tokenizer, texts):
+    ids = [render(tokenizer, [{"role": "user", "content": t}], add_generation_prompt=True) for t in texts]
+    width = max(map(len, ids))
+    input_ids = torch.full((len(ids), width), tokenizer.pad_token_id)
+    mask = torch.zeros((len(ids), width), dtype=torch.long)
+    for b, row in enumerate(ids):
+        input_ids[b, width - len(row):], mask[b, width - len(row):] = torch.tensor(row), 1
+    rows = [{"prompt": [{"role": "user", "content": t}], "origin": f"x.jsonl:{i + 1}"} for i, t in enumerate(texts)]
+    return {"input_ids": input_ids, "attention_mask": mask, "rows": rows}
+
+
+def run(chat_model, env, limits=None, texts=("one two", "three four five six"), n=2, skip_bad=False, seed=0):
+    tokenizer, model = chat_model
+    stops = stop_token_ids(tokenizer, chat=True)
+    engine = RecordingEngine(model, stops, tokenizer.pad_token_id)
+    limits = limits or AgentLimits(max_turns=3, max_answer_seq_len=6, max_trajectory_len=200, max_observation_len=50)
+    agent = MultiTurn(tokenizer, limits, environment=env, skip_bad=skip_bad)
+    torch.manual_seed(seed)
+    rows = agent.rollout(engine, prompt_batch(tokenizer, list(texts)), GenerationSettings(max_new_tokens=6), n,
+                         stops, tokenizer.pad_token_id)
+    return tokenizer, engine, agent, rows
+
+
+def test_the_reply_suffix_is_the_templates_text_between_an_assistant_turn_and_the_next_prompt(chat_model):
+    tokenizer, _ = chat_model
+    suffix = ReplyRenderer(tokenizer).suffix([{"role": "tool", "content": "42"}])
+    assert tokenizer.decode(suffix) == "\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_trained_ids_are_the_generated_and_appended_ids_and_only_the_generated_are_actions(chat_model):
+    env = Script(["first reply", {"role": "tool", "content": "second reply"}])
+    tokenizer, engine, agent, rows = run(chat_model, env)
+    renderer = ReplyRenderer(tokenizer)
+    stops = set(stop_token_ids(tokenizer, chat=True))
+    assert len(rows) == 4 and len(engine.calls) == 3  # three turns: two replies, then the episode ends
+    for i, row in enumerate(rows):
+        expected, actions = [], []
+        replies = [[{"role": "user", "content": "first reply"}], [{"role": "tool", "content": "second reply"}]]
+        for turn, (_, _, new) in enumerate(engine.calls):
+            ids = new[i].tolist()
+            end = next((k + 1 for k, t in enumerate(ids) if t in stops), len(ids))
+            expected += ids[:end]
+            actions += [1] * end
+            if turn < 2:
+                suffix = ([renderer.turn_end] if end == len(ids) and ids[-1] not in stops else []) + \
+                    renderer.suffix(replies[turn])
+                expected += suffix
+                actions += [0] * len(suffix)
+        assert row.response_ids.tolist() == expected
+        assert row.response_action_mask.tolist() == actions
+        assert row.agent["turns"] == 3 and row.agent["env_tokens"] == actions.count(0)
+        assert [m["role"] for m in row.agent["messages"]] == ["assistant", "user", "assistant", "tool", "assistant"]
+        assert row.prompt["origin"] == f"x.jsonl:{i // 2 + 1}"
+    assert env.seen[-1] == rows[-1].agent["messages"][-1]["content"]  # the environment saw the last turn too
+
+
+def test_pack_marks_only_the_policys_tokens_and_the_reward_lands_on_the_last_action(chat_model):
+    from step3_ppo.shaping import compute_rewards
+
+    _, _, _, rows = run(chat_model, Script(["a reply"]))
+    batch = pack(rows, 0)
+    p = batch["prompt_len"]
+    for b, row in enumerate(rows):
+        t = row.response_ids.numel()
+        assert batch["action_mask"][b, p - 1:p - 1 + t].tolist() == row.response_action_mask.tolist()
+        assert batch["action_mask"][b].sum() == row.action_count
+    zeros = torch.zeros_like(batch["action_mask"])
+    rewards, _ = compute_rewards(torch.ones(len(rows)), zeros, zeros, batch["action_mask"], 0.0)
+    for b, row in enumerate(rows):
+        last_action = p - 1 + max(i for i, m in enumerate(row.response_action_mask.tolist()) if m)
+        assert rewards[b].nonzero().flatten().tolist() == [last_action]
+
+
+def test_limits_turns_trajectory_length_and_observation_length(chat_model):
+    long_reply = "word " * 80
+    limits = AgentLimits(max_turns=2, max_answer_seq_len=6, max_trajectory_len=200, max_observation_len=5)
+    tokenizer, engine, _, rows = run(chat_model, Script([long_reply, "again", "and again"]), limits)
+    assert len(engine.calls) == 2 and all(r.agent["turns"] == 2 for r in rows)
+    assert all(r.agent["observations_cut"] == 1 for r in rows)
+    assert rows[0].agent["messages"][1]["content"].endswith(OBSERVATION_CUT_MARK)
+
+    limits = AgentLimits(max_turns=5, max_answer_seq_len=6, max_trajectory_len=20, max_observation_len=50)
+    _, _, _, rows = run(chat_model, Script(["a reply"] * 5), limits)
+    for row in rows:
+        assert row.response_ids.numel() <= 20 and row.agent["truncated"] and not row.ended_with_eos
+        assert row.response_action_mask[-1] == 1  # a trajectory ends on the policy's tokens
+
+
+def test_an_environment_that_raises_stops_the_run_or_drops_the_trajectory(chat_model):
+    with pytest.raises(AgentError, match=r"environment script failed on row x.jsonl:1: step\(\) raised ValueError: boom.*--skip_bad"):
+        run(chat_model, Script(["a", "b"], fail_at=2))
+    _, _, agent, rows = run(chat_model, Script(["a", "b"], fail_at=2), skip_bad=True)
+    assert agent.env_failures == 4 and all(r.agent["failed"] for r in rows)
+    assert all(r.agent["env_reward"] != r.agent["env_reward"] for r in rows)  # NaN: the row's score is skipped
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused(chat_model):
+    tokenizer, _ = chat_model
+    import copy
+
+    other = copy.deepcopy(tokenizer)
+    other.chat_template = (  # an assistant turn that is not the last is shown as "[old]" (as reasoning templates do)
+        "{%- for m in messages -%}<|im_start|>{{ m['role'] }}\n"
+        "{%- if m['role'] == 'assistant' and not loop.last -%}[old]{%- else -%}{{ m['content'] }}{%- endif -%}"
+        "<|im_end|>\n{%- endfor -%}{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}")
+    with pytest.raises(AgentError, match="renders an assistant turn differently"):
+        ReplyRenderer(other).suffix([{"role": "user", "content": "x"}])
+
+
+class ScriptedEngine:
+    """A rollout engine that answers turn k of every row with texts[k] followed by the end-of-turn token."""
+
+    def __init__(self, tokenizer, texts):
+        self.tokenizer, self.texts, self.turn = tokenizer, texts, 0
+
+    def generate(self, input_ids, attention_mask, settings):
+        new = self.tokenizer.encode(self.texts[self.turn], add_special_tokens=False)
+        new += [self.tokenizer.convert_tokens_to_ids("<|im_end|>")]
+        self.turn += 1
+        return torch.cat([input_ids, torch.tensor([new] * input_ids.shape[0])], dim=1)
+
+
+def test_a_tool_call_is_answered_by_the_tool_and_the_reward_reads_the_final_answer(chat_model):
+    from step3_ppo.reward_funcs import completion_text, math_exact
+    from step3_ppo.tools import Toolbox, load_tools
+
+    tokenizer, _ = chat_model
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "123 * 45"}}</tool_call>'
+    engine = ScriptedEngine(tokenizer, [call, "<tool_call>{oops</tool_call>", "The answer is 5535."])
+    limits = AgentLimits(max_turns=4, max_answer_seq_len=60, max_trajectory_len=400, max_observation_len=50)
+    with Toolbox(load_tools(["calculator"]), timeout=10) as toolbox:
+        agent = MultiTurn(tokenizer, limits, toolbox=toolbox)
+        stops = stop_token_ids(tokenizer, chat=True)
+        rows = agent.rollout(engine, prompt_batch(tokenizer, ["What is 123 * 45?"]), GenerationSettings(60), 1,
+                             stops, tokenizer.pad_token_id)
+    (row,) = rows
+    messages = row.agent["messages"]
+    assert [m["role"] for m in messages] == ["assistant", "tool", "assistant", "tool", "assistant"]
+    assert messages[1]["content"] == "5535" and messages[3]["content"].startswith("error: malformed tool call")
+    assert (row.agent["turns"], row.agent["tool_calls"], row.agent["tool_errors"]) == (3, 2, 1)
+    assert completion_text(messages) == "The answer is 5535." and math_exact([messages], answer=[5535]) == [1.0]
+    rendered = tokenizer.decode(row.response_ids)
+    assert "<|im_start|>tool\n5535<|im_end|>\n<|im_start|>assistant\n" in rendered and row.ended_with_eos
+
+
+def test_tools_are_offered_in_the_system_message_of_a_template_without_tools(chat_model):
+    from step3_ppo.agents import prompts_with_tools
+    from step3_ppo.tools import load_tools
+
+    tokenizer, _ = chat_model
+    rows = [{"prompt": [{"role": "user", "content": "hi"}]},
+            {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]}]
+    out, schemas = prompts_with_tools(rows, tokenizer, load_tools(["calculator"]))
+    assert schemas is None  # ChatML here has no `tools` variable: the project's block instead
+    for row in out:
+        system = row["prompt"][0]
+        assert system["role"] == "system" and '"name": "calculator"' in system["content"]
+        assert "<tool_call>" in system["content"]
+    assert out[1]["prompt"][0]["content"].endswith("Be brief.") and len(out[1]["prompt"]) == 2
+
+
+def test_environment_tokens_carry_no_gradient(chat_model):
+    """The policy loss of a multi-turn batch does not change when the environment's log-probs do, and the
+    backward leaves the logits that predict the environment's tokens untouched."""
+    from utils.losses import policy_loss
+    from utils.ops import logprobs_from_logits
+
+    tokenizer, model = chat_model
+    _, _, _, rows = run(chat_model, Script(["a reply", "another one"]))
+    batch = pack(rows, tokenizer.pad_token_id)
+    ids, action_mask = batch["input_ids"], batch["action_mask"]
+    response = torch.zeros_like(action_mask, dtype=torch.bool)
+    p = batch["prompt_len"]
+    for b, row in enumerate(rows):
+        response[b, p - 1:p - 1 + row.response_ids.numel()] = True
+    env_positions = response & (action_mask == 0)
+    assert env_positions.any()
+    from utils.forward import causal_lm_logits
+
+    logits = causal_lm_logits(model, ids, batch["attention_mask"])[:, :-1].detach().requires_grad_(True)
+    logprobs = logprobs_from_logits(logits, ids[:, 1:])
+    old, advantages = logprobs.detach() - 0.05, torch.randn_like(logprobs)
+    loss, _ = policy_loss(logprobs, old, advantages, action_mask)
+    loss.backward()
+    assert logits.grad[env_positions].abs().max() == 0
+    assert logits.grad[action_mask != 0].abs().max() > 0
+    perturbed = torch.where(env_positions, logprobs.detach() + 3.0, logprobs.detach())
+    assert policy_loss(perturbed, old, advantages, action_mask)[0] == loss.detach()
+
+
+AGENT_PROMPTS = ["one plus two", "four", "seven eight nine", "ten", "a b c d e f", "x y"]
+
+
+def agent_setup(model, critic, tmp, *extra):
+    import json
+
+    from step3_ppo.main import parse_args, setup
+
+    with open(tmp / "prompts.jsonl", "w") as f:
+        for i, text in enumerate(AGENT_PROMPTS * 2):
+            f.write(json.dumps({"prompt": [{"role": "user", "content": text}], "answer": str(i)}) + "\n")
+    args = parse_args([
+        "--actor_model_name_or_path", model, "--critic_model_name_or_path", critic,
+        "--data_path", str(tmp / "prompts.jsonl"), "--data_split", "0,0,10", "--output_dir", str(tmp / "out"),
+        "--actor_zero_stage", "0", "--critic_zero_stage", "0", "--actor_learning_rate", "0",
+        "--critic_learning_rate", "0", "--max_prompt_seq_len", "40", "--max_answer_seq_len", "6",
+        "--env", "math_retry", "--reward_funcs", "math_exact", "--max_turns", "3", "--max_observation_len", "24",
+        "--per_device_generation_batch_size", "2", "--per_device_training_batch_size", "2", "--seed", "3", *extra])
+    return setup(args)
+
+
+@pytest.mark.slow
+def test_log_ratio_is_zero_at_lr0_on_multi_turn_rows_for_gae_and_grpo(tiny_chat_llama, tiny_chat_llama_reward,
+                                                                       tmp_path):
+    """Trajectories of up to 3 turns with the environment's replies between them, generation batch !=
+    mini-batch, GAE with its critic and GRPO in groups: the log-ratio stays ~0 on every action."""
+    from step3_ppo.advantages import get_estimator
+    from utils.data import PromptCollator
+
+    run_ = agent_setup(tiny_chat_llama, tiny_chat_llama_reward, tmp_path)
+    trainer, config = run_.trainer, run_.trainer.config
+    examples = list(run_.loader.dataset)
+    collate = PromptCollator(run_.tokenizer.pad_token_id)
+    maxima = {}
+    for estimator, n, minibatch in (("gae", 1, 1), ("gae", 1, 3), ("grpo", 2, 4), ("grpo", 2, 3)):
+        trainer.estimator = get_estimator(estimator)
+        trainer.loss_agg = trainer.estimator.loss_agg
+        trainer.critic = run_.engines.critic if trainer.estimator.needs_critic else None
+        config.n_samples_per_prompt, config.per_device_training_batch_size = n, minibatch
+        torch.manual_seed(len(maxima))
+        batches = [collate(examples[i:i + 3]) for i in (0, 3)]  # two generation batches of 3 prompts
+        metrics, rows = trainer.step(batches, step=0)
+        assert len(rows) == 6 * n
+        assert any(r.agent["turns"] > 1 for r in rows) and metrics["rollout/env_tokens_mean"] > 0
+        assert metrics["rollout/action_tokens_mean"] == sum(r.action_count for r in rows) / len(rows)
+        maxima[estimator, minibatch] = metrics["ppo/log_ratio_max_abs"]
+    print(f"multi-turn lr=0 max |log_ratio|: {maxima}")
+    assert max(maxima.values()) <= 1e-4, maxima
+
+
+@pytest.mark.slow
+def test_two_rank_zero3_hybrid_multi_turn_lr0_log_ratio_and_eval(tiny_chat_llama, tmp_path):
+    """2 ranks, ZeRO-3 + hybrid (the actor gathered across all turns), GRPO with the math_retry environment
+    at lr 0, generation batch != mini-batch: the log-ratio stays ~0 on multi-turn rows, trajectories take
+    several turns (the ranks run the same rounds, however many turns their own rows need), and the held-out
+    evaluation runs the same loop."""
+    import json
+
+    from tests.launch import metrics, run_deepspeed, tail
+
+    with open(tmp_path / "prompts.jsonl", "w") as f:
+        for i in range(16):
+            f.write(json.dumps({"prompt": [{"role": "user", "content": AGENT_PROMPTS[i % 6] + " " * (i % 3)}],
+                                "answer": str(i)}) + "\n")
+    out = tmp_path / "out"
+    args = ["--actor_model_name_or_path", tiny_chat_llama, "--data_path", str(tmp_path / "prompts.jsonl"),
+            "--data_split", "0,0,1", "--output_dir", str(out), "--advantage_estimator", "grpo",
+            "--n_samples_per_prompt", "2", "--actor_zero_stage", "3", "--enable_hybrid_engine",
+            "--actor_learning_rate", "0", "--env", "math_retry", "--reward_funcs", "math_exact", "--max_turns", "3",
+            "--max_prompt_seq_len", "40", "--max_answer_seq_len", "5", "--max_observation_len", "24",
+            "--per_device_generation_batch_size", "3", "--per_device_training_batch_size", "2",
+            "--eval_interval", "1", "--eval_num_prompts", "4", "--max_steps", "1", "--seed", "5"]
+    proc = run_deepspeed("step3_ppo.main", args, log_path=str(tmp_path / "log.txt"))
+    assert proc.returncode == 0, tail(proc)
+    rows = metrics(str(out))
+    trained = [r for r in rows if "ppo/log_ratio_max_abs" in r]
+    assert len(trained) == 1, rows
+    row = trained[0]
+    assert row["ppo/log_ratio_max_abs"] <= 1e-4, row
+    assert row["rollout/turns_mean"] > 1 and row["rollout/env_tokens_mean"] > 0 and "time/env_s" in row
+    evals = [r for r in rows if "eval/turns_mean" in r]
+    assert [r["step"] for r in evals] == [0, 1]
+    assert all(r["eval/prompts"] == 2 for r in evals)  # the eval split: 2 of the 16 rows
