@@ -11,6 +11,10 @@ Templates:
   fine-tuned on the demo data from an instruct model keeps that model's chat template: pass
   `--template human_assistant` to talk to it in the format it was fine-tuned on.
 
+With `--env` and/or `--tools` (step 3's flags) each input line starts an episode of step 3's multi-turn
+loop instead (the chat template is required): the model's turns, the tools' results and the environment's
+replies are printed, up to `--max_turns` turns; no history is kept between lines.
+
 Commands: `clear` resets the history, `quit` / `exit` / end of input (Ctrl-D) ends the chat.
 When stdin is not a terminal (piped), each input line is one user turn and is echoed.
 Greedy decoding by default; `--do_sample` samples.
@@ -41,9 +45,14 @@ def parse_args(argv=None):
                    help="random seed of the sampling (turn t uses this + t)")
     add_device_arg(p)
     p.add_argument("--trust_remote_code", action="store_true", help="allow model code shipped with the model")
+    from step3_ppo.agent_flags import add_agent_args, check_agent_args  # no torch: --help stays fast
+
+    add_agent_args(p)
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         p.error(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}")
+    args.max_answer_seq_len = args.max_new_tokens  # per turn, as step 3's flag
+    check_agent_args(args)
     resolve_generation_args(args)
     return args
 
@@ -120,6 +129,35 @@ class Conversation:
         return text.strip()
 
 
+def run_episode(args, model, tokenizer, text: str, number: int) -> None:
+    """--env/--tools: `text` starts an episode of step 3's multi-turn loop (step3_ppo/agents.py: tool calls
+    answered by the tools, other turns by the environment, up to --max_turns); every message is printed."""
+    from step3_ppo.agent_eval import ModelGenerate
+    from step3_ppo.agents import build_agent, prompts_with_tools
+    from utils.data import PromptCollator, stop_token_ids, tokenize_prompts
+    from utils.forward import GenerationSettings
+
+    prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": text}]
+    rows, schemas = prompts_with_tools([{"prompt": prompt, "origin": f"input:{number}"}], tokenizer, args.tool_list)
+    room = max(1, context_length(model, tokenizer) - args.max_trajectory_len)
+    examples, stats = tokenize_prompts(rows, tokenizer, room, tools=schemas)
+    if not examples:
+        raise SystemExit(f"error: the prompt does not fit the context ({stats['skipped']})")
+    stops = stop_token_ids(tokenizer, chat=True)
+    agent = build_agent(args, tokenizer)
+    settings = GenerationSettings(args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
+                                  top_p=args.top_p, top_k=args.top_k)
+    try:
+        (row,) = agent.rollout(ModelGenerate(model, stops, tokenizer.pad_token_id), PromptCollator(tokenizer.pad_token_id)(
+            examples), settings, 1, stops, tokenizer.pad_token_id)
+    finally:
+        if agent.toolbox is not None:
+            agent.toolbox.close()
+    for message in row.agent["messages"]:
+        role = {"assistant": "Assistant", "tool": "Tool", "user": "Environment"}[message["role"]]
+        print(f"{role}: {message['content'].strip()}", flush=True)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     # lazily, after the flags: torch and transformers (keeps --help and flag errors fast)
@@ -157,6 +195,13 @@ def main(argv=None) -> int:
         if text.lower() == "clear":
             conversation.clear()
             print("[history cleared]", flush=True)
+            continue
+        if args.env or args.tools:  # each line its own episode of the multi-turn loop
+            import torch
+
+            torch.manual_seed(args.seed + turn)
+            run_episode(args, model, tokenizer, text, turn + 1)
+            turn += 1
             continue
         conversation.add("user", text)
         settings = GenerationSettings(args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,

@@ -34,7 +34,7 @@ def parse_args(argv=None):
                    help="step 3 actor output directory (the RLHF row; optional when --policy is given)")
     p.add_argument("--policy", action="append", default=[], metavar="NAME=DIR",
                    help="a further policy to compare with SFT, e.g. dpo=out/dpo (repeatable; rows in this order)")
-    p.add_argument("--reward_model", required=True, help="step 2 output directory")
+    p.add_argument("--reward_model", default=None, help="step 2 output directory (needed without --env/--tools)")
     p.add_argument("--prompts", default=DEFAULT_PROMPTS,
                    help="JSON/JSONL file or folder with a 'prompt' field (default: the demo pairs' eval split)")
     p.add_argument("--num_prompts", type=int, default=128,
@@ -50,10 +50,24 @@ def parse_args(argv=None):
     p.add_argument("--num_samples", type=int, default=3, help="side-by-side samples to print")
     add_device_arg(p)
     p.add_argument("--out", default=None, help="write the full result (with per-prompt rows) as JSON")
-    add_generation_args(p, do_sample=True)  # sampling by default, as in PPO rollouts
+    add_generation_args(p, do_sample=None)  # sampling by default, as in PPO rollouts; greedy with --env/--tools
     add_format_args(p.add_argument_group("prompt format (as in training)"), template_file=False)
+    from step3_ppo.agent_flags import add_agent_args, check_agent_args
+
+    add_agent_args(p)
+    p.add_argument("--reward_funcs", nargs="+", default=None, metavar="SPEC",
+                   help="with --env/--tools: the reward functions whose means are reported (default math_exact; "
+                        "the first accuracy-like one is the accuracy)")
     args = p.parse_args(argv)
+    args.max_answer_seq_len = args.max_new_tokens  # per turn, as step 3's flag
+    check_agent_args(args)
+    if args.do_sample is None:
+        args.do_sample = not (args.env or args.tools)
     resolve_generation_args(args)
+    if args.reward_funcs and not (args.env or args.tools):
+        p.error("--reward_funcs is for the multi-turn evaluation: give --env or --tools")
+    if not (args.env or args.tools) and not args.reward_model:
+        p.error("--reward_model is required (the evaluation of a multi-turn policy, with --env/--tools, needs none)")
     for name in ("num_prompts", "max_new_tokens", "batch_size", "max_prompt_len"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -84,13 +98,46 @@ def other_policies(args) -> list[tuple[str, str]]:
     return others
 
 
+def agent_main(args, policies: list[tuple[str, str]]) -> dict:
+    """--env/--tools: each policy through the training loop's multi-turn rollout (step3_ppo/agent_eval.py)."""
+    from step3_ppo.agent_eval import evaluate_policy, format_agent_table
+    from step3_ppo.reward_funcs import RewardFunctionError, load_reward_function
+    from utils.data import DataError, RowFormat, read_rows
+    from utils.evaluation.loading import default_device
+
+    try:
+        functions = [load_reward_function(spec, **vars(args)) for spec in args.reward_funcs or ["math_exact"]]
+    except RewardFunctionError as e:
+        fail(f"--reward_funcs: {e}")
+    try:
+        rows, _ = read_rows(args.prompts, 3, RowFormat.from_args(args))
+    except (DataError, OSError, ValueError) as e:
+        fail(f"--prompts: {e}")
+    import random
+
+    random.Random(args.prompt_seed).shuffle(rows)
+    rows = rows[:args.num_prompts]
+    results = {}
+    for name, path in policies:
+        results[name] = evaluate_policy(path, rows, args, functions, args.device or default_device())
+        print(f"[eval] {name}: {json.dumps({k: v for k, v in results[name].items() if k != 'sample'})}", flush=True)
+    print(format_agent_table(results), flush=True)
+    if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+        print(f"\n[eval] wrote {args.out}", flush=True)
+    return results
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     others = other_policies(args)
     flags = [("--sft_model", args.sft_model)]
     if args.rlhf_model is not None:
         flags.append(("--rlhf_model", args.rlhf_model))
-    flags += [(f"--policy {name}", path) for name, path in others] + [("--reward_model", args.reward_model)]
+    flags += [(f"--policy {name}", path) for name, path in others]
+    flags += [("--reward_model", args.reward_model)] if args.reward_model else []
     for flag, path in flags:
         if not os.path.isdir(os.path.expanduser(path)):
             fail(f"{flag} directory {path!r} does not exist")
@@ -101,6 +148,9 @@ def main(argv=None) -> dict:
         except ModelLoadError as e:
             fail(str(e))
 
+    if args.env or args.tools:
+        return agent_main(args, [("sft", args.sft_model)] + ([("rlhf", args.rlhf_model)] if args.rlhf_model else [])
+                          + others)
     from utils.data import DataError, RowFormat
     from utils.evaluation import ComparisonSpec, compare_policies, default_judges, format_table, load_prompts
     from utils.forward import GenerationSettings

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 from torch.utils.data import DataLoader, DistributedSampler
 
-from step3_ppo.agents import EnvReward, add_agent_args, build_agent, check_agent_args, prompts_with_tools
+from step3_ppo.agent_flags import add_agent_args, check_agent_args
+from step3_ppo.agents import EnvReward, build_agent, prompts_with_tools
 from step3_ppo.advantages import ALIASES, ESTIMATORS, REWARD_NORMS, estimator_name, get_estimator
 from step3_ppo.engine import build_engines
 from step3_ppo.rollout_engines import ROLLOUT_ENGINES

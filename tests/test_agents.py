@@ -333,3 +333,59 @@ def test_two_rank_zero3_hybrid_multi_turn_lr0_log_ratio_and_eval(tiny_chat_llama
     evals = [r for r in rows if "eval/turns_mean" in r]
     assert [r["step"] for r in evals] == [0, 1]
     assert all(r["eval/prompts"] == 2 for r in evals)  # the eval split: 2 of the 16 rows
+
+
+def test_the_evaluation_runs_the_same_loop_on_plain_models(tiny_chat_llama, tmp_path, capsys):
+    """`step3_ppo.eval --env/--tools`: greedy multi-turn trajectories per policy, the reward functions' means
+    and accuracy, the counters, and how many trajectories re-tokenising the rendered text would change."""
+    import json
+
+    from step3_ppo.eval import main
+
+    with open(tmp_path / "p.jsonl", "w") as f:
+        for i, text in enumerate(AGENT_PROMPTS):
+            f.write(json.dumps({"prompt": [{"role": "user", "content": text}], "answer": i}) + "\n")
+    result = main(["--sft_model", tiny_chat_llama, "--policy", f"again={tiny_chat_llama}", "--prompts",
+                   str(tmp_path / "p.jsonl"), "--num_prompts", "4", "--max_new_tokens", "5", "--env", "math_retry",
+                   "--tools", "calculator", "--max_turns", "2", "--batch_size", "3", "--out", str(tmp_path / "r.json")])
+    assert list(result) == ["sft", "again"]
+    figures = result["sft"]
+    assert figures["prompts"] == 4 and figures["accuracy"] == figures["reward/math_exact"] == 0.0
+    assert figures["turns_mean"] == 2 and figures["env_tokens_mean"] > 0  # math_retry asks again once
+    assert isinstance(figures["retokenisation_changes"], int) and 0 <= figures["retokenisation_changes"] <= 4
+    assert {k: v for k, v in figures.items() if k != "sample"} == \
+        {k: v for k, v in result["again"].items() if k != "sample"}  # greedy: the same model, the same figures
+    assert json.load(open(tmp_path / "r.json"))["sft"]["prompts"] == 4
+    assert "retokenisation_changes" in capsys.readouterr().out
+
+
+def test_retokenising_the_rendered_conversation_is_counted_when_it_changes_the_ids(chat_model):
+    from step3_ppo.agent_eval import retokenisation_changes
+
+    tokenizer, _ = chat_model
+    engine = ScriptedEngine(tokenizer, ["a b", "c"])
+    limits = AgentLimits(max_turns=2, max_answer_seq_len=20, max_trajectory_len=200, max_observation_len=50)
+    agent = MultiTurn(tokenizer, limits, environment=Script(["next"]))
+    stops = stop_token_ids(tokenizer, chat=True)
+    (row,) = agent.rollout(engine, prompt_batch(tokenizer, ["hi"]), GenerationSettings(20), 1, stops,
+                           tokenizer.pad_token_id)
+    assert retokenisation_changes([row], tokenizer) == 0  # the same text, the same ids here
+    merged = tokenizer.encode("a b", add_special_tokens=False)
+    ids = row.response_ids.tolist()
+    start = ids.index(merged[0])
+    row.response_ids = torch.tensor(ids[:start] + tokenizer.encode("a", add_special_tokens=False)
+                                    + tokenizer.encode(" ", add_special_tokens=False)
+                                    + tokenizer.encode("b", add_special_tokens=False) + ids[start + len(merged):])
+    assert retokenisation_changes([row], tokenizer) == 1  # ids generated as "a", " ", "b" decode to the same text
+
+
+def test_chat_runs_an_episode_per_input_line_with_tools(tiny_chat_llama, monkeypatch, capsys):
+    import io
+
+    import chat
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("What is 2 + 2?\n"))
+    assert chat.main(["--model_name_or_path", tiny_chat_llama, "--tools", "calculator", "--max_new_tokens", "4",
+                      "--max_turns", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "User: What is 2 + 2?" in out and out.count("Assistant:") >= 1

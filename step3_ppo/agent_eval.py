@@ -1,0 +1,98 @@
+"""Held-out evaluation of policies with an environment and tools: the training loop's multi-turn rollout
+(step3_ppo/agents.py) on plain models, greedy by default (`python -m step3_ppo.eval ... --env/--tools`).
+
+Per policy: the mean of each reward function (`--reward_funcs`, default `math_exact`; the first accuracy-like
+one is the accuracy), the environment's reward when it has one, turns, tool calls and tool errors per
+trajectory, the environment's tokens, truncated trajectories, and how many trajectories a re-tokenisation
+of their rendered conversation would have changed (token in, token out trains the generated ids; a
+pipeline that re-tokenises the text would train on those other ids).
+"""
+from __future__ import annotations
+
+import torch
+
+from step3_ppo.agents import AgentLimits, EnvReward, MultiTurn, prompts_with_tools
+from utils.data.chat import render
+
+
+class ModelGenerate:
+    """A rollout engine over a plain model (no DeepSpeed): transformers' generate with the KV cache."""
+
+    def __init__(self, model, stop_token_ids, pad_token_id: int):
+        self.model, self.stop_token_ids, self.pad_token_id = model, stop_token_ids, pad_token_id
+
+    def generate(self, input_ids, attention_mask, settings):
+        from utils.forward import generate, generation_kwargs, model_device
+
+        device = model_device(self.model)
+        return generate(self.model, input_ids.to(device), attention_mask.to(device),
+                        **generation_kwargs(settings, self.stop_token_ids, self.pad_token_id)).cpu()
+
+
+def retokenisation_changes(rows, tokenizer) -> int:
+    """The trajectories whose prompt + response ids differ from their rendered conversation tokenised
+    again as a whole (the template's rendering of prompt + messages, the last turn's closing included)."""
+    changed = 0
+    for row in rows:
+        ids = row.prompt_ids.tolist() + row.response_ids.tolist()
+        conversation = list(row.prompt["prompt"]) + row.agent["messages"]
+        rendered = render(tokenizer, conversation)
+        changed += rendered[:len(ids)] != ids
+    return changed
+
+
+def evaluate_policy(model_dir: str, prompt_rows: list[dict], args, reward_functions: list, device: str) -> dict:
+    """One policy's figures (see the module docstring) on `prompt_rows` (read_rows' rows, with their fields)."""
+    from step3_ppo.rewards import FunctionReward
+    from step3_ppo.tools import Toolbox
+    from utils.data import PromptCollator, stop_token_ids, tokenize_prompts
+    from utils.evaluation.loading import load_policy
+    from utils.forward import GenerationSettings
+
+    model, tokenizer = load_policy(model_dir, device)
+    rows, schemas = prompts_with_tools(prompt_rows, tokenizer, args.tool_list)
+    examples, _ = tokenize_prompts(rows, tokenizer, args.max_prompt_len, tools=schemas)
+    stops = stop_token_ids(tokenizer, chat=True)
+    engine = ModelGenerate(model, stops, tokenizer.pad_token_id)
+    limits = AgentLimits(args.max_turns, args.max_new_tokens, args.max_trajectory_len, args.max_observation_len)
+    settings = GenerationSettings(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+                                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    toolbox = Toolbox(args.tool_list, args.tool_timeout, args.tool_parser) if args.tool_list else None
+    agent = MultiTurn(tokenizer, limits, args.environment, toolbox)
+    components = [FunctionReward(f, tokenizer) for f in reward_functions]
+    if args.environment is not None and args.environment.has_reward:
+        components.append(EnvReward())
+    collate, out = PromptCollator(tokenizer.pad_token_id), []
+    torch.manual_seed(args.seed)
+    try:
+        with torch.no_grad():
+            for i in range(0, len(examples), args.batch_size):
+                out += agent.rollout(engine, collate(examples[i:i + args.batch_size]), settings, 1, stops,
+                                     tokenizer.pad_token_id)
+    finally:
+        if toolbox is not None:
+            toolbox.close()
+    n = max(len(out), 1)
+    result = {"prompts": len(out)}
+    for component in components:
+        scores = component(out)
+        result[f"reward/{component.name}"] = float(scores.nanmean()) if len(out) else 0.0
+        if component.is_accuracy and "accuracy" not in result:
+            result["accuracy"] = result[f"reward/{component.name}"]
+    for name in ("turns", "tool_calls", "tool_errors", "env_tokens"):
+        result[f"{name}_mean"] = sum(r.agent[name] for r in out) / n
+    result["tool_call_rate"] = sum(r.agent["tool_calls"] > 0 for r in out) / n
+    result["truncated"] = sum(r.agent["truncated"] for r in out)
+    result["retokenisation_changes"] = retokenisation_changes(out, tokenizer)
+    result["sample"] = out[0].agent["messages"] if out else []
+    return result
+
+
+def format_agent_table(results: dict) -> str:
+    """One line per policy."""
+    keys = [k for k in next(iter(results.values())) if k != "sample"]
+    lines = ["policy  " + "  ".join(keys)]
+    for name, figures in results.items():
+        lines.append(f"{name}  " + "  ".join(f"{figures[k]:.3f}" if isinstance(figures[k], float) else str(figures[k])
+                                             for k in keys))
+    return "\n".join(lines)
