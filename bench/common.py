@@ -14,6 +14,7 @@ import platform
 import resource
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -173,8 +174,43 @@ def worker_argv(argv: list[str], flag: str, *options: str) -> tuple[list[str], d
 
 
 def deepspeed_cmd(module: str, port: int) -> list[str]:
-    """`deepspeed` launching `python -m module` on 2 ranks (the script's own arguments follow)."""
-    return ["deepspeed", "--num_gpus", "2", "--master_port", str(port), "--module", module]
+    """`deepspeed` launching `python -m module` on 2 ranks (the script's own arguments follow): the launcher
+    of this interpreter's venv, so `.venv/bin/python bench/...` works without an activated venv."""
+    own = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    return [own if os.path.exists(own) else "deepspeed", "--num_gpus", "2", "--master_port", str(port),
+            "--module", module]
+
+
+def alternate(rounds: int, first, second) -> tuple[list, list]:
+    """Both sides of a side-by-side benchmark `rounds` times, the order alternating (AB, BA, AB, ...), so a
+    change of the machine's load shows as spread between rounds instead of deciding the ratio. `first` /
+    `second`: callables returning a side's result (None when skipped). Returns each side's results."""
+    a, b = [], []
+    for r in range(rounds):
+        order = ((a, first), (b, second)) if r % 2 == 0 else ((b, second), (a, first))
+        for results, run in order:
+            results.append(run())
+    return a, b
+
+
+def median_result(results: list) -> dict | None:
+    """The result of the round with the median samples/s (the lower middle one for an even count)."""
+    done = sorted((r for r in results if r and "samples_per_s" in r), key=lambda r: r["samples_per_s"])
+    return done[(len(done) - 1) // 2] if done else None
+
+
+def rounds_lines(ours: list, theirs: list, peer: str) -> list[str]:
+    """Each round's s/iteration of both sides and its ratio, then the ratios' median and spread."""
+    out, ratios = [], []
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        if a and b and "samples_per_s" in a and "samples_per_s" in b:
+            ratios.append(a["samples_per_s"] / b["samples_per_s"])
+            out.append(f"round {i + 1} ({'ours first' if i % 2 == 0 else peer + ' first'}): ours "
+                       f"{a['step_s']:.2f} s/iteration, {peer} {b['step_s']:.2f}: ratio {ratios[-1]:.2f}x")
+    if ratios:
+        out.append(f"ratio ours/{peer} samples/s over {len(ratios)} alternating round(s): median "
+                   f"{statistics.median(ratios):.2f}x, spread {min(ratios):.2f}x-{max(ratios):.2f}x")
+    return out
 
 
 def torchrun_cmd(python: str, port: int, script: str) -> list[str]:

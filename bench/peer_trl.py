@@ -46,8 +46,9 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from bench import step3  # noqa: E402
-from bench.common import (RUNS, add_run_args, bench_env, bench_model, end_report, machine_line,  # noqa: E402
-                          main_or_worker, malloc_line, run_logged, start_report, title, torchrun_cmd)
+from bench.common import (RUNS, add_run_args, alternate, bench_env, bench_model, end_report,  # noqa: E402
+                          machine_line, main_or_worker, malloc_line, median_result, rounds_lines, run_logged,
+                          start_report, title, torchrun_cmd)
 
 TRL_VENV = os.path.join(REPO, "bench", ".venv-trl")
 MALLOC_ENV: dict[str, str] = {}  # tune_malloc's settings as MALLOC_* variables, for TRL's processes too
@@ -333,6 +334,9 @@ def parse_args(argv=None):
     p.add_argument("--malloc_trim_threshold", type=int, default=None,
                    help="with --malloc_tuning: MALLOC_TRIM_THRESHOLD_ for both sides instead of tune_malloc's "
                         "2^31-1 (bytes; mallopt takes an int, the variable does not: shared/notes used 17179869184)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="runs of each side, alternating which goes first (ours, TRL, TRL, ours, ...), so a load "
+                        "change shows as spread between rounds; the tables show each side's median round")
     p.add_argument("--skip_ours", action="store_true", help="TRL only (for debugging)")
     add_run_args(p, 29561, 600)
     args = p.parse_args(argv)
@@ -394,11 +398,15 @@ def main(argv=None):
         f"prompt <= {args.prompt_len}, answer exactly {args.answer_len} tokens, sampled T=1, mini-batch "
         f"{args.train_batch_size}, {args.ppo_epochs} PPO epoch(s); prompts {prompts}"])
 
-    ours = None
-    if not args.skip_ours:
-        ours = step3.run_config(args, model_dir, prompts, f"z{args.zero_stage}+hybrid", args.master_port)
     trl_dir = os.path.join(RUNS, "trl", f"{os.path.basename(model_dir.rstrip('/'))}-z{args.zero_stage}")
-    end_report(args.save, header, report(args, ours, run_trl(args, model_dir, prompts, trl_dir)))
+    all_ours, all_theirs = alternate(
+        args.rounds,
+        lambda: None if args.skip_ours else step3.run_config(args, model_dir, prompts, f"z{args.zero_stage}+hybrid",
+                                                              args.master_port),
+        lambda: run_trl(args, model_dir, prompts, trl_dir))
+    lines = report(args, median_result(all_ours), median_result(all_theirs) or all_theirs[-1])
+    end_report(args.save, header, lines + ["", "(the tables: each side's median round)"]
+               + rounds_lines(all_ours, all_theirs, "TRL"))
 
 
 if __name__ == "__main__":

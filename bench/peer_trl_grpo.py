@@ -44,7 +44,8 @@ other = the rest (its log() call after the previous step, the data loader). samp
 both ranks / iteration seconds. Peak RSS per phase: VmHWM reset at each phase's start and read at its
 end (/proc/self/clear_refs), max over all iterations; ours: step 3's mem/<phase>_peak_gb (the same
 measure, max over ranks), TRL: per rank. The two sides run one after the
-other (ours first), each alone on the shared machine.
+other, --rounds times, alternating which goes first (bench.common.alternate), each alone on the machine;
+the report gives each round's ratio and their median and spread.
 """
 from __future__ import annotations
 
@@ -64,8 +65,9 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from bench import step3  # noqa: E402
-from bench.common import (RUNS, add_model_args, add_run_args, bench_model, deepspeed_cmd, end_report,  # noqa: E402
-                          main_or_worker, malloc_line, run_logged, start_report, torchrun_cmd)
+from bench.common import (RUNS, add_model_args, add_run_args, alternate, bench_model, deepspeed_cmd,  # noqa: E402
+                          end_report, main_or_worker, malloc_line, median_result, rounds_lines, run_logged,
+                          start_report, torchrun_cmd)
 from bench.peer_trl import ds_config_file, first_error_line, malloc_env, peer_header, trl_env  # noqa: E402
 
 TRL_VENV = os.path.join(REPO, "bench", ".venv-trl-grpo")
@@ -500,6 +502,9 @@ def parse_args(argv=None):
     p.add_argument("--top_p", type=float, default=1.0, help="sampling top-p of both sides (probability mass)")
     p.add_argument("--as_shipped", action="store_true",
                    help="ours with its own tune_malloc, TRL on glibc's defaults (default: MALLOC_* for both)")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="runs of each side, alternating which goes first (ours, TRL, TRL, ours, ...), so a load "
+                        "change shows as spread between rounds; the tables show each side's median round")
     p.add_argument("--skip_ours", action="store_true", help="TRL only (debugging)")
     p.add_argument("--skip_trl", action="store_true", help="ours only (debugging)")
     add_run_args(p, 29581, 1200, save_help="also write the printed report to this file, and both sides' figures "
@@ -542,9 +547,14 @@ def main(argv=None):
         os.environ.update(malloc_env())  # inherited by our step 3 launch (tune_malloc then steps aside)
     tokenizer_len = len(load_tokenizer(model_dir, chat_template=args.chat_template))
     header = start_report(header_lines(args, model_dir))
-    ours = None if args.skip_ours else run_ours(args, model_dir)
-    theirs = {"error": "skipped (--skip_trl)"} if args.skip_trl else run_trl(args, model_dir, tokenizer_len)
-    end_report(args.save, header, report(args, ours, theirs), data={"ours": ours, "trl": theirs})
+    all_ours, all_theirs = alternate(
+        args.rounds, lambda: None if args.skip_ours else run_ours(args, model_dir),
+        lambda: {"error": "skipped (--skip_trl)"} if args.skip_trl else run_trl(args, model_dir, tokenizer_len))
+    ours = median_result(all_ours)
+    theirs = median_result(all_theirs) or all_theirs[-1]  # an error's dict when TRL could not run
+    lines = report(args, ours, theirs) + ["", "(the tables: each side's median round)"]
+    end_report(args.save, header, lines + rounds_lines(all_ours, all_theirs, "TRL"),
+               data={"ours": all_ours, "trl": all_theirs})
 
 
 if __name__ == "__main__":

@@ -43,3 +43,18 @@ def test_worker_argv_leaves_step3_its_own_arguments():
     rest, values = worker_argv(argv, "--worker", "--memory_out")
     assert rest == ["--actor_model_name_or_path", "m", "--steps", "2"]
     assert values == {"--memory_out": "out.json"}
+
+
+def test_peer_benchmarks_alternate_the_sides_and_report_the_spread():
+    """Issue 32: one side after the other let a load change decide the ratio; the sides now alternate
+    (AB, BA, ...) and the report gives each round's ratio with the median and spread."""
+    from bench.common import alternate, median_result, rounds_lines
+
+    order, speeds = [], iter([2.0, 1.0, 1.0, 3.0, 2.0, 1.0])
+    ours, theirs = alternate(3, lambda: order.append("ours") or {"samples_per_s": next(speeds), "step_s": 1.0},
+                             lambda: order.append("trl") or {"samples_per_s": next(speeds), "step_s": 1.0})
+    assert order == ["ours", "trl", "trl", "ours", "ours", "trl"]
+    assert [r["samples_per_s"] for r in ours] == [2.0, 3.0, 2.0] and [r["samples_per_s"] for r in theirs] == [1.0] * 3
+    assert median_result(ours)["samples_per_s"] == 2.0
+    lines = rounds_lines(ours, theirs, "TRL")
+    assert lines[1].startswith("round 2 (TRL first)") and lines[-1].endswith("median 2.00x, spread 2.00x-3.00x")
