@@ -1,5 +1,6 @@
 """Held-out evaluation of policies with an environment and tools: the training loop's multi-turn rollout
-(step3_ppo/agents.py) on plain models, greedy by default (`python -m step3_ppo.eval ... --env/--tools`).
+(step3_ppo/agents.py) on plain models, greedy by default (`python -m step3_ppo.eval ... --env/--tools`);
+with only `--reward_funcs`, one plain answer per prompt scored by them (a policy without its tools).
 
 Per policy: the mean of each reward function (`--reward_funcs`, default `math_exact`; the first accuracy-like
 one is the accuracy), the environment's reward when it has one, turns, tool calls and tool errors per
@@ -54,7 +55,10 @@ def evaluate_policy(model_dir: str, prompt_rows: list[dict], args, reward_functi
     examples, _ = tokenize_prompts(rows, tokenizer, args.max_prompt_len, tools=schemas)
     stops = stop_token_ids(tokenizer, chat=True)
     engine = ModelGenerate(model, stops, tokenizer.pad_token_id)
-    limits = AgentLimits(args.max_turns, args.max_new_tokens, args.max_trajectory_len, args.max_observation_len)
+    if args.env or args.tools:
+        limits = AgentLimits(args.max_turns, args.max_new_tokens, args.max_trajectory_len, args.max_observation_len)
+    else:  # the policy's plain answers, scored by the reward functions
+        limits = AgentLimits(1, args.max_new_tokens, args.max_new_tokens, 1)
     settings = GenerationSettings(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
                                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
     toolbox = Toolbox(args.tool_list, args.tool_timeout, args.tool_parser) if args.tool_list else None

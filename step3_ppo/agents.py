@@ -129,16 +129,15 @@ class MultiTurn:
     -> rows (the n trajectories of each prompt one after the other, as single-turn generation gives them).
 
     `environment`: a loaded environment (step3_ppo.environments.load_environment) or None; `toolbox`: a
-    step3_ppo.tools.Toolbox or None; `skip_bad`: an environment that raises drops its trajectory (its score
+    step3_ppo.tools.Toolbox or None (neither: every trajectory is one turn, as step3_ppo.eval scores a policy's
+    plain answers with --reward_funcs); `skip_bad`: an environment that raises drops its trajectory (its score
     NaN, `--skip_bad_rewards`) instead of stopping the run. `env_s` adds up the seconds spent in the
     environment and the tools (apart from generation)."""
 
     def __init__(self, tokenizer, limits: AgentLimits, environment=None, toolbox=None, skip_bad: bool = False):
-        if environment is None and toolbox is None:
-            raise AgentError("a multi-turn rollout needs --env or --tools")
         self.tokenizer, self.limits = tokenizer, limits
         self.environment, self.toolbox, self.skip_bad = environment, toolbox, skip_bad
-        self.renderer = ReplyRenderer(tokenizer)
+        self.renderer = ReplyRenderer(tokenizer) if environment is not None or toolbox is not None else None
         self.env_s = 0.0
         self.env_failures = 0
 

@@ -56,18 +56,18 @@ def parse_args(argv=None):
 
     add_agent_args(p)
     p.add_argument("--reward_funcs", nargs="+", default=None, metavar="SPEC",
-                   help="with --env/--tools: the reward functions whose means are reported (default math_exact; "
-                        "the first accuracy-like one is the accuracy)")
+                   help="score the policies with these reward functions instead of a reward model and judges "
+                        "(greedy by default; with --env/--tools through step 3's multi-turn loop; default "
+                        "math_exact there): their means, the first accuracy-like one as the accuracy")
     args = p.parse_args(argv)
     args.max_answer_seq_len = args.max_new_tokens  # per turn, as step 3's flag
     check_agent_args(args)
+    args.scored_by_functions = bool(args.env or args.tools or args.reward_funcs)
     if args.do_sample is None:
-        args.do_sample = not (args.env or args.tools)
+        args.do_sample = not args.scored_by_functions
     resolve_generation_args(args)
-    if args.reward_funcs and not (args.env or args.tools):
-        p.error("--reward_funcs is for the multi-turn evaluation: give --env or --tools")
-    if not (args.env or args.tools) and not args.reward_model:
-        p.error("--reward_model is required (the evaluation of a multi-turn policy, with --env/--tools, needs none)")
+    if not args.scored_by_functions and not args.reward_model:
+        p.error("--reward_model is required (or --reward_funcs, with --env/--tools for multi-turn policies)")
     for name in ("num_prompts", "max_new_tokens", "batch_size", "max_prompt_len"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -89,17 +89,20 @@ def other_policies(args) -> list[tuple[str, str]]:
         if not sep or not path:
             fail(f"--policy {value!r} is not NAME=DIR (e.g. --policy dpo=out/dpo)")
         others.append((name, path))
-    if args.rlhf_model is None and not others:
+    if args.rlhf_model is None and not others and not args.scored_by_functions:  # scored alone by functions: fine
         fail("nothing to compare with SFT: give --rlhf_model DIR and/or --policy NAME=DIR")
+    names = (["rlhf"] if args.rlhf_model is not None else []) + [name for name, _ in others]
     try:
-        check_policy_names((["rlhf"] if args.rlhf_model is not None else []) + [name for name, _ in others])
+        if names or not args.scored_by_functions:
+            check_policy_names(names)
     except ValueError as e:
         fail(f"--policy: {e}")
     return others
 
 
 def agent_main(args, policies: list[tuple[str, str]]) -> dict:
-    """--env/--tools: each policy through the training loop's multi-turn rollout (step3_ppo/agent_eval.py)."""
+    """--env/--tools (or --reward_funcs): each policy through the training loop's multi-turn rollout, scored by
+    reward functions (step3_ppo/agent_eval.py)."""
     from step3_ppo.agent_eval import evaluate_policy, format_agent_table
     from step3_ppo.reward_funcs import RewardFunctionError, load_reward_function
     from utils.data import DataError, RowFormat, read_rows
@@ -148,7 +151,7 @@ def main(argv=None) -> dict:
         except ModelLoadError as e:
             fail(str(e))
 
-    if args.env or args.tools:
+    if args.scored_by_functions:
         return agent_main(args, [("sft", args.sft_model)] + ([("rlhf", args.rlhf_model)] if args.rlhf_model else [])
                           + others)
     from utils.data import DataError, RowFormat

@@ -357,6 +357,9 @@ def test_the_evaluation_runs_the_same_loop_on_plain_models(tiny_chat_llama, tmp_
         {k: v for k, v in result["again"].items() if k != "sample"}  # greedy: the same model, the same figures
     assert json.load(open(tmp_path / "r.json"))["sft"]["prompts"] == 4
     assert "retokenisation_changes" in capsys.readouterr().out
+    plain = main(["--sft_model", tiny_chat_llama, "--prompts", str(tmp_path / "p.jsonl"), "--num_prompts", "4",
+                  "--max_new_tokens", "5", "--reward_funcs", "math_exact"])["sft"]  # the policy without tools
+    assert plain["turns_mean"] == 1 and plain["tool_calls_mean"] == 0 and plain["env_tokens_mean"] == 0
 
 
 def test_retokenising_the_rendered_conversation_is_counted_when_it_changes_the_ids(chat_model):
