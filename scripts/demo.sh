@@ -74,8 +74,9 @@ RL=(--advantage_estimator rloo --n_samples_per_prompt 4 --per_device_generation_
     --per_device_training_batch_size 8 --actor_learning_rate 5e-5 --overlong_buffer_len 6 --overlong_penalty_factor 1.0)
 if [ "$QUICK" = 1 ]; then
   BASE="$(tiny_model llama)"
-  # held-out pairs: two batches per rank (of 300), enough to show the figures
-  S1=(--max_steps 3) S2=(--max_steps 3 --eval_iters 2) SD=(--max_steps 3 --eval_iters 2)
+  # held-out pairs: two batches of 8 per rank (32 of the 64), enough to show the figures
+  S1=(--max_steps 3) S2=(--max_steps 3 --eval_iters 2 --per_device_eval_batch_size 8)
+  SD=(--max_steps 3 --eval_iters 2 --per_device_eval_batch_size 8)
   S3=("${RL[@]}" --max_steps 2 --max_answer_seq_len 8 --overlong_buffer_len 2)
   EVAL=(--num_prompts 8 --max_new_tokens 8)
   # the tiny model has no chat template: give it ChatML (saved with steps 1-2's tokenizers, so step 3 finds it);

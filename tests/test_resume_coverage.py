@@ -19,7 +19,7 @@ import torch
 
 from tests.launch import metrics, run_deepspeed, tail
 from tests.test_resume import comparable, kill_after_row_and_resume, max_relative_difference
-from tests.test_step1_run import common_args, sft_data  # noqa: F401  (fixture)
+from tests.test_step1_run import check_run, common_args, sft_data  # noqa: F401  (fixture)
 from tests.test_step2_run import pair_data  # noqa: F401  (fixture)
 from tests.test_step3_lr0 import write_prompts
 from tests.test_step3_robustness import ppo_args
@@ -46,7 +46,9 @@ def test_step1_two_rank_zero3_with_dropout_resumes_exactly_after_sigkill(tiny_gp
     is SIGKILLed once it has logged step 7: its rows after step 4 are an uninterrupted run's (the process
     that wrote the checkpoint went on from memory). The resumed run (weights, optimizer, scheduler, every
     rank's RNG and the loader's position from the checkpoint) logs the same figures: without the RNG
-    states the dropout masks differ and the losses are ~1e-3 off."""
+    states the dropout masks differ and the losses are ~1e-3 off. The resumed run is also step 1's 2-rank
+    ZeRO-3 full fine-tune check (it was a launch of its own, test_step1_run, until issue 32): it learns, its
+    export reloads with the engine's logits and is not the empty tensors of a naive ZeRO-3 save."""
     out = str(tmp_path / "out")
     args = common_args(tiny_gpt2, sft_data, out, steps=8) + [
         "--zero_stage", 3, "--dropout", 0.1, "--save_interval", 4, "--lr_scheduler_type", "cosine",
@@ -64,6 +66,12 @@ def test_step1_two_rank_zero3_with_dropout_resumes_exactly_after_sigkill(tiny_gp
     difference = max_relative_difference(expected, got)
     print(f"step 1 resumed at step 4: max relative difference {difference:.2e}")
     assert difference <= 1e-5
+
+    check_run(out, proc)  # perplexity before (the killed run's step 0) and after, loss, export, memory
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert all(p.numel() > 0 for p in model.parameters())  # a naive ZeRO-3 save would write empty tensors
 
 
 def restored_weights(monkeypatch) -> dict:

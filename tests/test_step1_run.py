@@ -44,16 +44,8 @@ def check_run(out: str, proc) -> list[dict]:
     return rows
 
 
-@pytest.mark.slow
-def test_two_rank_zero3_full_finetune(tiny_gpt2, sft_data, tmp_path):
-    out = str(tmp_path / "out")
-    proc = run_deepspeed("step1_sft.main", common_args(tiny_gpt2, sft_data, out) + ["--zero_stage", 3],
-                         log_path=str(tmp_path / "log.txt"))
-    check_run(out, proc)
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(out)
-    assert all(p.numel() > 0 for p in model.parameters())  # a naive ZeRO-3 save would write empty tensors
+# step 1's 2-rank ZeRO-3 full fine-tune (learns, exports what it trained, no empty ZeRO-3 tensors) is checked on
+# the resumed run of tests/test_resume_coverage.py's SIGKILL test: one 2-rank launch less (issue 32)
 
 
 @pytest.mark.slow
