@@ -25,8 +25,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
+
+from data.make_arithmetic_data import write  # the same JSONL writer: one file per split
 
 QUESTION = "What is {expr}?"
 ANSWER = "The answer is {answer}."
@@ -117,15 +118,6 @@ def build(seed: int, n_sft: int, n_train: int, n_eval: int) -> dict:
     return {"sft": [sft_row(q, e, a, system) for q, e, a in problems["sft"]],
             "train": [prompt_row(q, a) for q, _, a in problems["train"]],
             "eval": [prompt_row(q, a) for q, _, a in problems["eval"]]}
-
-
-def write(out: str, data: dict) -> dict:
-    os.makedirs(out, exist_ok=True)
-    for split, rows in data.items():
-        with open(os.path.join(out, f"{split}.jsonl"), "w", encoding="utf-8") as f:
-            for row in rows:
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    return {split: len(rows) for split, rows in data.items()}
 
 
 def main(argv=None) -> dict:

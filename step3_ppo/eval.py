@@ -125,11 +125,7 @@ def agent_main(args, policies: list[tuple[str, str]]) -> dict:
         results[name] = evaluate_policy(path, rows, args, functions, args.device or default_device())
         print(f"[eval] {name}: {json.dumps({k: v for k, v in results[name].items() if k != 'sample'})}", flush=True)
     print(format_agent_table(results), flush=True)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=2)
-        print(f"\n[eval] wrote {args.out}", flush=True)
+    write_result(args.out, results)
     return results
 
 
@@ -174,12 +170,17 @@ def main(argv=None) -> dict:
         generation=generation, batch_size=args.batch_size, seed=args.seed, max_prompt_len=args.max_prompt_len,
         num_samples=args.num_samples, judges=judges, device=args.device))
     print(format_table(result), flush=True)
-    if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"\n[eval] wrote {args.out}", flush=True)
+    write_result(args.out, result)
     return result
+
+
+def write_result(path: str | None, result: dict) -> None:
+    """--out FILE.json: the full result (nothing without --out)."""
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"\n[eval] wrote {path}", flush=True)
 
 
 if __name__ == "__main__":
