@@ -8,7 +8,9 @@ In priority order (later runs are skipped, and the report says so, when --budget
                check (fp32, TF32 off: max |log ratio| <= 1e-4, promise 1)
   SmolLM2-135M-shaped (random weights from its config, GPU only): the same four runs, then
                scripts/step{1_sft,2_reward,3_ppo}/run_single_gpu.sh as they are (LoRA, bf16, gradient
-               checkpointing; step 3 with the frozen reference and reward model offloaded), then the
+               checkpointing; step 3 with the frozen reference and reward model offloaded),
+               scripts/step2_dpo/run_single_gpu.sh (LoRA, the reference = adapters off) and
+               scripts/step3_ppo/run_grpo_single_gpu.sh (GRPO on the arithmetic task), then the
                generation benchmark (bench/generation.py's worker on one rank: unsharded limit, plain
                ZeRO-3, hybrid; tokens/s)
 On CPU the same list runs on the tiny model (the run_single_gpu.sh scripts and the generation
@@ -126,6 +128,17 @@ def runs(models: dict, data: str, work: str, mode: str) -> list[dict]:
                                  "--min_answer_seq_len", "128"],
              env={"ACTOR": g("gpu1"), "CRITIC": g("gpu2"), "DATA": os.path.join(data, "pairs"),
                   "RLHF_USE_CURRENT_ENV": "1"}),
+        dict(name=f"{big} run_single_gpu.sh DPO (LoRA, adapters-off reference)", model=big, kind="step2",
+             out=g("gpu_dpo"), cmd=["bash", "scripts/step2_dpo/run_single_gpu.sh", g("gpu_dpo"), "--max_steps", "10",
+                                    "--max_seq_len", "256", "--eval_iters", "4"],
+             env={**script_env, "MODEL": g("gpu1"), "DATA": os.path.join(data, "pairs")}),
+        dict(name=f"{big} run_grpo_single_gpu.sh (GRPO, math_exact, no critic)", model=big, kind="step3",
+             out=g("gpu_grpo"), cmd=["bash", "scripts/step3_ppo/run_grpo_single_gpu.sh", g("gpu_grpo"), "--max_steps",
+                                     "3", "--eval_interval", "0"]
+             + ([] if big != "tiny" else [  # the CPU fallback: its template, and a CPU-sized rollout (2 x 8 rows)
+                 "--chat_template", "utils/chat_templates/chatml.jinja", "--per_device_generation_batch_size", "2",
+                 "--per_device_training_batch_size", "16", "--max_answer_seq_len", "16"]),
+             env={"ACTOR": model, "RLHF_USE_CURRENT_ENV": "1"}),
         dict(name=f"{big} generation (1 rank: unsharded / plain zero3 / hybrid)", model=big, kind="generation",
              out=g("generation"), cmd=[
                  py, "-m", "bench.generation", "--worker", "--model_name_or_path", model, "--zero_stage", "3",
