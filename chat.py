@@ -129,11 +129,11 @@ class Conversation:
         return text.strip()
 
 
-def run_episode(args, model, tokenizer, text: str, number: int) -> None:
-    """--env/--tools: `text` starts an episode of step 3's multi-turn loop (step3_ppo/agents.py: tool calls
-    answered by the tools, other turns by the environment, up to --max_turns); every message is printed."""
+def run_episode(args, agent, model, tokenizer, text: str, number: int) -> None:
+    """--env/--tools: `text` starts an episode of step 3's multi-turn loop (`agent`, step3_ppo/agents.py: tool
+    calls answered by the tools, other turns by the environment, up to --max_turns); every message is printed."""
     from step3_ppo.agent_eval import ModelGenerate
-    from step3_ppo.agents import build_agent, prompts_with_tools
+    from step3_ppo.agents import prompts_with_tools
     from utils.data import PromptCollator, stop_token_ids, tokenize_prompts
     from utils.forward import GenerationSettings
 
@@ -144,15 +144,10 @@ def run_episode(args, model, tokenizer, text: str, number: int) -> None:
     if not examples:
         raise SystemExit(f"error: the prompt does not fit the context ({stats['skipped']})")
     stops = stop_token_ids(tokenizer, chat=True)
-    agent = build_agent(args, tokenizer)
     settings = GenerationSettings(args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
                                   top_p=args.top_p, top_k=args.top_k)
-    try:
-        (row,) = agent.rollout(ModelGenerate(model, stops, tokenizer.pad_token_id), PromptCollator(tokenizer.pad_token_id)(
-            examples), settings, 1, stops, tokenizer.pad_token_id)
-    finally:
-        if agent.toolbox is not None:
-            agent.toolbox.close()
+    (row,) = agent.rollout(ModelGenerate(model, stops, tokenizer.pad_token_id), PromptCollator(tokenizer.pad_token_id)(
+        examples), settings, 1, stops, tokenizer.pad_token_id)
     for message in row.agent["messages"]:
         role = {"assistant": "Assistant", "tool": "Tool", "user": "Environment"}[message["role"]]
         print(f"{role}: {message['content'].strip()}", flush=True)
@@ -177,41 +172,48 @@ def main(argv=None) -> int:
     if interactive:
         print(f"Chatting with {args.model_name_or_path} (template: {template}, "
               f"{'sampling' if args.do_sample else 'greedy'}). 'clear' resets, 'quit' or Ctrl-D ends.", flush=True)
-    turn = 0
-    while True:
-        try:
-            line = input("User: " if interactive else "")
-        except (EOFError, KeyboardInterrupt):
-            if interactive:
-                print()
-            break
-        text = line.strip()
-        if not text:
-            continue
-        if not interactive:
-            print(f"User: {text}", flush=True)
-        if text.lower() in ("quit", "exit"):
-            break
-        if text.lower() == "clear":
-            conversation.clear()
-            print("[history cleared]", flush=True)
-            continue
-        if args.env or args.tools:  # each line its own episode of the multi-turn loop
-            import torch
+    from step3_ppo.agents import build_agent
 
-            torch.manual_seed(args.seed + turn)
-            run_episode(args, model, tokenizer, text, turn + 1)
+    agent = build_agent(args, tokenizer)  # None without --env/--tools; its tools' workers serve the whole chat
+    try:
+        turn = 0
+        while True:
+            try:
+                line = input("User: " if interactive else "")
+            except (EOFError, KeyboardInterrupt):
+                if interactive:
+                    print()
+                break
+            text = line.strip()
+            if not text:
+                continue
+            if not interactive:
+                print(f"User: {text}", flush=True)
+            if text.lower() in ("quit", "exit"):
+                break
+            if text.lower() == "clear":
+                conversation.clear()
+                print("[history cleared]", flush=True)
+                continue
+            if agent is not None:  # each line its own episode of the multi-turn loop
+                import torch
+
+                torch.manual_seed(args.seed + turn)
+                run_episode(args, agent, model, tokenizer, text, turn + 1)
+                turn += 1
+                continue
+            conversation.add("user", text)
+            settings = GenerationSettings(args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
+                                          top_p=args.top_p, top_k=args.top_k)
+            answer = generate_answers_from_ids(model, tokenizer, [conversation.prompt_ids(max_prompt)], settings,
+                                               seed=args.seed + turn, stop_ids=conversation.stop_ids())[0]
+            reply = conversation.clean_reply(answer.text)
+            conversation.add("assistant", reply)
             turn += 1
-            continue
-        conversation.add("user", text)
-        settings = GenerationSettings(args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
-                                      top_p=args.top_p, top_k=args.top_k)
-        answer = generate_answers_from_ids(model, tokenizer, [conversation.prompt_ids(max_prompt)], settings,
-                                           seed=args.seed + turn, stop_ids=conversation.stop_ids())[0]
-        reply = conversation.clean_reply(answer.text)
-        conversation.add("assistant", reply)
-        turn += 1
-        print(f"Assistant: {reply}", flush=True)
+            print(f"Assistant: {reply}", flush=True)
+    finally:
+        if agent is not None and agent.toolbox is not None:
+            agent.toolbox.close()
     return 0
 
 

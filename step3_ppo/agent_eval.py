@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from step3_ppo.agents import AgentLimits, EnvReward, MultiTurn, prompts_with_tools
+from step3_ppo.agents import AgentLimits, EnvReward, MultiTurn, agent_sums, prompts_with_tools
 from utils.data.chat import render
 
 
@@ -83,10 +83,11 @@ def evaluate_policy(model_dir: str, prompt_rows: list[dict], args, reward_functi
         result[f"reward/{component.name}"] = float(scores.nanmean()) if len(out) else 0.0
         if component.is_accuracy and "accuracy" not in result:
             result["accuracy"] = result[f"reward/{component.name}"]
+    sums = agent_sums(out)  # the counters training logs, per trajectory here
     for name in ("turns", "tool_calls", "tool_errors", "env_tokens"):
-        result[f"{name}_mean"] = sum(r.agent[name] for r in out) / n
+        result[f"{name}_mean"] = sums[f"agent/{name}_sum"] / n
     result["tool_call_rate"] = sum(r.agent["tool_calls"] > 0 for r in out) / n
-    result["truncated"] = sum(r.agent["truncated"] for r in out)
+    result["truncated"] = sums["agent/truncated_sum"]
     result["retokenisation_changes"] = retokenisation_changes(out, tokenizer)
     result["sample"] = out[0].agent["messages"] if out else []
     return result
