@@ -272,12 +272,9 @@ def validate_args(args) -> None:
         fail(f"--unsupervised_dataset_name {args.unsupervised_dataset_name!r} does not exist")
     for path in dict.fromkeys([args.actor_model_name_or_path, args.critic_model_name_or_path, *args.reward_model_paths]):
         if path:
-            if args.env or args.tools:
-                check_sequence_fits(path, args.max_prompt_seq_len + args.max_trajectory_len,
-                                    "--max_prompt_seq_len + --max_trajectory_len")
-            else:
-                check_sequence_fits(path, args.max_prompt_seq_len + args.max_answer_seq_len,
-                                    "--max_prompt_seq_len + --max_answer_seq_len")
+            response = "max_trajectory_len" if args.env or args.tools else "max_answer_seq_len"  # a row's response
+            check_sequence_fits(path, args.max_prompt_seq_len + getattr(args, response),
+                                f"--max_prompt_seq_len + --{response}")
     validate_training_args(args, MODELS, positive=("per_device_generation_batch_size", "per_device_training_batch_size",
                                                    "generation_batches", "ppo_epochs", "max_prompt_seq_len",
                                                    "max_answer_seq_len"))  # last: it checks OUTPUT_DIR
@@ -339,9 +336,8 @@ def validate_rl_args(args) -> None:
     if args.reward_timeout is not None and args.reward_timeout <= 0:
         fail(f"--reward_timeout must be > 0, got {args.reward_timeout}")
     env_reward = args.environment is not None and args.environment.has_reward  # the component `env`, last
-    default = [] if env_reward else [args.reward_model_name_or_path or args.critic_model_name_or_path]
-    specs = args.reward_specs = args.reward_funcs or ([args.reward_model_name_or_path] if args.reward_model_name_or_path
-                                                      else default)
+    given = args.reward_funcs or ([args.reward_model_name_or_path] if args.reward_model_name_or_path else [])
+    specs = args.reward_specs = given or ([] if env_reward else [args.critic_model_name_or_path])
     if specs == [None]:
         fail("no reward: give --reward_funcs, --reward_model_name_or_path or --critic_model_name_or_path")
     names = specs + (["env"] if env_reward else [])
