@@ -1,21 +1,25 @@
 """Generate the tool-use demo's data offline (issue 28: SFT on calculator traces, then GRPO with --tools calculator).
 
-The task is multi-digit arithmetic that SmolLM2-135M-Instruct gets mostly wrong alone: half the problems are
-3-digit x 2-digit products ("What is 347 * 28?"), half 4-term sums of 2-digit terms ("What is 47 + 83 + 12 +
-65?"); every answer is a non-negative integer, checked by `math_exact` against the last number of the final
-answer. Files written to --out:
+The task is multi-digit arithmetic that SmolLM2-135M-Instruct gets wrong alone: half the problems are 3-digit
+x 2-digit products, half sums of four 2-digit terms; every answer is a non-negative integer, checked by
+`math_exact` against the last number of the final answer. The RL and held-out problems are word problems ("A
+box holds 28 pencils. How many pencils are in 347 boxes?", four wordings per kind); the SFT traces ask half
+"What is 347 * 28?", half in two other wordings per kind, so after SFT the model calls the calculator but has
+still to learn to do it from the RL wordings' stories. Files written to --out:
 
-* sft.jsonl (step 1, `messages` rows, assistant-only loss): one tool-use trace per problem, [system, user,
-  assistant, tool, assistant]. The system turn is exactly step3_ppo.tools.tool_system_prompt of the calculator's
-  schema, the block step 3 puts in front of its prompts for a chat template without a `tools` variable
-  (step3_ppo/agents.py prompts_with_tools), so SFT and RL see one prompt format; the first assistant turn is a
-  Hermes call `<tool_call>\\n{"name": "calculator", "arguments": {"expression": "347 * 28"}}\\n</tool_call>`,
-  the tool turn the calculator's own output ("9716"), the last turn "The answer is 9716.".
-* train.jsonl, eval.jsonl (step 3 and step3_ppo.eval, prompt rows): {"prompt": [{"role": "user", "content":
-  "What is 347 * 28?"}], "answer": "9716"}, without a system turn (step 3 adds the tool block).
+* sft/train.jsonl (step 1, `messages` rows, assistant-only loss): one tool-use trace per problem, [system,
+  user, assistant, tool, assistant]. The system turn is exactly step3_ppo.tools.tool_system_prompt of the
+  calculator's schema, the block step 3 puts in front of its prompts for a chat template without a `tools`
+  variable (step3_ppo/agents.py prompts_with_tools), so SFT and RL see one prompt format; the first assistant
+  turn is a Hermes call `<tool_call>\n{"name": "calculator", "arguments": {"expression": "347 * 28"}}\n
+  </tool_call>`, the tool turn the calculator's own output ("9716"), the last turn "The answer is 9716.".
+* rl/train.jsonl, rl/eval.jsonl (step 3 and step3_ppo.eval, prompt rows): {"prompt": [{"role": "user",
+  "content": "A box holds 28 pencils. How many pencils are in 347 boxes?"}], "answer": "9716"}, without a
+  system turn (step 3 adds the tool block).
 
-Rows are deterministic for a seed; every question is distinct and no question is in two files (eval is drawn
-first, then sft, then train, so changing --train or --sft leaves eval as it is).
+Rows are deterministic for a seed; every problem is distinct and no problem (its numbers, whatever the
+wording) is in two files (eval is drawn first, then sft, then train, so changing --train or --sft leaves eval
+as it is).
 
     python -m data.make_tool_data --out DIR [--sft 400] [--train 2000] [--eval 200] [--seed 0]
 """
@@ -25,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import random
 
 from data.make_arithmetic_data import write  # the same JSONL writer: one file per split
@@ -37,16 +42,49 @@ KINDS = {
     "mul": ("a 3-digit by 2-digit product", [(100, 999), (10, 99)], "*"),
     "sum4": ("a sum of four 2-digit terms", [(10, 99)] * 4, "+"),
 }
+# Word problems (terms a, b, ... in the kind's order). The RL and held-out problems are worded in the RL
+# wordings; half the SFT traces ask "What is 347 * 28?", half are in other wordings (SFT_WORDED): SFT teaches
+# the call, RL to call it from stories it has not seen.
+SFT_WORDED = {
+    "mul": ("There are {a} rows of {b} chairs in a hall. How many chairs are there?",
+            "A printer prints {b} pages a minute. How many pages does it print in {a} minutes?"),
+    "sum4": ("Four trucks carry {a}, {b}, {c} and {d} boxes. How many boxes do they carry in all?",
+             "Ann read {a}, {b}, {c} and {d} pages on four days. How many pages did she read?"),
+}
+WORDED = {
+    "mul": ("A box holds {b} pencils. How many pencils are in {a} boxes?",
+            "Each of the {a} pages of a book has {b} lines. How many lines does the book have?",
+            "A farm packs {a} crates with {b} eggs in each. How many eggs is that?",
+            "A bus ticket costs {b} cents. How many cents do {a} tickets cost?"),
+    "sum4": ("Four classes have {a}, {b}, {c} and {d} students. How many students are there in all?",
+             "A shop sold {a} cups on Monday, {b} on Tuesday, {c} on Wednesday and {d} on Thursday. "
+             "How many cups did it sell?",
+             "Tom scored {a}, {b}, {c} and {d} points in four games. How many points did he score?",
+             "A bus picked up {a}, {b}, {c} and {d} people at four stops. How many people got on?"),
+}
 SPLITS = ("eval", "sft", "train")  # the order they are drawn in: eval never depends on the other counts
 
 
-def make_problem(rng: random.Random, kind: str) -> tuple[str, str, str]:
-    """(question, expression, answer) of one problem of `kind` drawn from `rng`."""
+def make_problem(rng: random.Random, kind: str, wordings: dict | None = None) -> tuple[str, str, str]:
+    """(question, expression, answer) of one problem of `kind` drawn from `rng`: "What is 347 * 28?", or one of
+    the kind's `wordings` (SFT_WORDED or WORDED)."""
     _, ranges, op = KINDS[kind]
     terms = [rng.randint(lo, hi) for lo, hi in ranges]
     expression = f" {op} ".join(str(t) for t in terms)
     answer = math.prod(terms) if op == "*" else sum(terms)
-    return QUESTION.format(expr=expression), expression, str(answer)
+    if wordings:
+        question = rng.choice(wordings[kind]).format(**dict(zip("abcd", terms)))
+    else:
+        question = QUESTION.format(expr=expression)
+    return question, expression, str(answer)
+
+
+def wordings_of(split: str, i: int) -> dict | None:
+    """The wordings of a split's i-th row: RL and eval rows all WORDED; SFT rows in pairs (one per kind),
+    alternately plain and SFT_WORDED."""
+    if split != "sft":
+        return WORDED
+    return SFT_WORDED if (i // len(KINDS)) % 2 else None
 
 
 def problem_space(kind: str) -> int:
@@ -90,7 +128,8 @@ def prompt_row(question: str, answer: str) -> dict:
 
 
 def draw(seed: int, counts: dict) -> dict:
-    """{split: [(question, expression, answer)]}: distinct questions, none in two splits, kinds alternating."""
+    """{split: [(question, expression, answer)]}: distinct problems (expressions), none in two splits, kinds
+    alternating; eval and train worded, sft plain."""
     for kind in KINDS:
         need = sum(sum(1 for i in range(n) if kind_of(i) == kind) for n in counts.values())
         if need > problem_space(kind) // 2:  # past that, drawing without repeats would crawl
@@ -102,10 +141,10 @@ def draw(seed: int, counts: dict) -> dict:
         rng = random.Random(f"tools-{split}-{seed}")
         rows = []
         while len(rows) < counts.get(split, 0):
-            problem = make_problem(rng, kind_of(len(rows)))
-            if problem[0] in seen:
+            problem = make_problem(rng, kind_of(len(rows)), wordings_of(split, len(rows)))
+            if problem[1] in seen:  # the same numbers in other words are the same problem
                 continue
-            seen.add(problem[0])
+            seen.add(problem[1])
             rows.append(problem)
         out[split] = rows
     return out
@@ -122,17 +161,20 @@ def build(seed: int, n_sft: int, n_train: int, n_eval: int) -> dict:
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True, help="output folder (sft.jsonl, train.jsonl, eval.jsonl)")
+    ap.add_argument("--out", required=True, help="output folder (sft/train.jsonl, rl/train.jsonl, rl/eval.jsonl)")
     ap.add_argument("--sft", type=int, default=400,
-                    help="tool-use traces (messages rows) in sft.jsonl, for step 1 (default %(default)s)")
+                    help="tool-use traces (messages rows) in sft/train.jsonl, for step 1 (default %(default)s)")
     ap.add_argument("--train", type=int, default=2000,
-                    help="prompt rows in train.jsonl, for step 3 with --tools calculator (default %(default)s)")
+                    help="prompt rows in rl/train.jsonl, for step 3 with --tools calculator (default %(default)s)")
     ap.add_argument("--eval", type=int, default=200,
-                    help="held-out prompt rows in eval.jsonl; no eval question is in sft or train "
+                    help="held-out prompt rows in rl/eval.jsonl; no eval problem is in sft or train "
                          "(default %(default)s)")
     ap.add_argument("--seed", type=int, default=0, help="random seed; the same seed gives the same rows")
     args = ap.parse_args(argv)
-    counts = write(args.out, build(args.seed, args.sft, args.train, args.eval))
+    data = build(args.seed, args.sft, args.train, args.eval)
+    # one folder per step, in the data layer's naming (train.* / eval.*): step 1 reads sft/, step 3 rl/
+    counts = {"sft": write(os.path.join(args.out, "sft"), {"train": data["sft"]})["train"],
+              **write(os.path.join(args.out, "rl"), {"train": data["train"], "eval": data["eval"]})}
     print(f"tool-use data (seed {args.seed}) in {args.out}: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
     return counts
 

@@ -5,7 +5,7 @@
 # lengths) and
 # draws OUTPUT_ROOT/step3/curves.png.
 # usage: bash scripts/demo.sh [--step 1 2 3] [--with_dpo] [--output_root DIR] [--quick] [--format chat|raw]
-#                             [--task arithmetic]
+#                             [--task arithmetic|tools]
 #   --with_dpo: also DPO from the step-1 model on the step-2 pairs (scripts/step2_dpo/run_cpu.sh, after
 #             step 2), and a DPO row in the evaluation next to SFT and RLHF
 #   --quick: tiny random models, a few steps, a small copy of the demo data (a smoke test of the whole
@@ -15,6 +15,10 @@
 #   --task arithmetic: the verifiable demo instead: GRPO of SmolLM2-135M-Instruct on arithmetic problems
 #             scored by the math_exact reward (no step 1, no step 2, no critic); held-out greedy accuracy
 #             before -> after, curves in OUTPUT_ROOT/grpo/curves.png
+#   --task tools: the tool-use demo: SFT of SmolLM2-135M-Instruct on calculator traces, then multi-turn GRPO
+#             with --tools calculator on arithmetic word problems scored by math_exact (no step 2, no critic);
+#             held-out greedy accuracy without tools, after SFT and after RL, tool-call and tool-error rates;
+#             outputs and curves under OUTPUT_ROOT/tools
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 STEPS=(1 2 3)
@@ -31,7 +35,7 @@ while [ $# -gt 0 ]; do
     --format) export DEMO_FORMAT="$2"; shift 2 ;;
     --task) TASK="$2"; shift 2 ;;
     *) echo "unknown argument: $1 (use --step 1 2 3, --with_dpo, --output_root DIR, --quick, --format chat|raw," \
-            "--task arithmetic)" >&2
+            "--task arithmetic|tools)" >&2
        exit 2 ;;
   esac
 done
@@ -53,7 +57,41 @@ if [ "$TASK" = arithmetic ]; then
   echo "[demo] finished in $(( $(date +%s) - start )) s; outputs under $OUTPUT_ROOT/grpo"
   exit 0
 fi
-[ "$TASK" = reviews ] || { echo "--task must be arithmetic (or left out), got $TASK" >&2; exit 2; }
+if [ "$TASK" = tools ]; then
+  start=$(date +%s)
+  T="$OUTPUT_ROOT/tools" TOOLS_DATA="$ROOT/data/tools"
+  BASE_EVAL=(--num_prompts 128 --max_new_tokens 48 --batch_size 32)
+  S1=(--max_seq_len 224 --max_steps 10 --learning_rate 2e-5 --lr_scheduler_type constant --num_warmup_steps 0
+      --overwrite_output_dir) S3=(--overwrite_output_dir)
+  if [ "$QUICK" = 1 ]; then  # a tiny random model with ChatML and a small copy of the data: a smoke test
+    BASE="$(python -m utils.tiny_model --arch llama --chat --out "$OUTPUT_ROOT/tiny_chat_llama" --print_path)"
+    TOOLS_DATA="$OUTPUT_ROOT/tools_data"
+    python -m data.make_tool_data --out "$TOOLS_DATA" --sft 64 --train 64 --eval 16 >/dev/null
+    BASE_EVAL=(--num_prompts 8 --max_new_tokens 8 --batch_size 8)
+    S1+=(--max_steps 2)
+    S3+=(--max_steps 2 --eval_num_prompts 8 --max_answer_seq_len 8 --max_trajectory_len 40 --max_prompt_seq_len 256)
+  else
+    BASE="$(default_model)"
+    [ -f "$TOOLS_DATA/rl/eval.jsonl" ] || python -m data.make_tool_data --out "$TOOLS_DATA" >/dev/null
+  fi
+  mkdir -p "$T"
+  t0=$(date +%s)
+  echo "[demo] $BASE without tools on ${BASE_EVAL[1]} held-out word problems (greedy, math_exact)"
+  OMP_NUM_THREADS="${USER_OMP_NUM_THREADS:-2}" python -m step3_ppo.eval --sft_model "$BASE" --reward_funcs math_exact \
+    --prompts "$TOOLS_DATA/rl/eval.jsonl" --out "$T/without_tools.json" "${BASE_EVAL[@]}" > "$T/without_tools.txt"
+  echo "[demo] evaluation without tools took $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
+  echo "[demo] step 1: SFT of $BASE on calculator traces -> $T/step1"
+  MODEL="$BASE" DATA="$TOOLS_DATA/sft" bash scripts/step1_sft/run_cpu.sh "$T/step1" "${S1[@]}"
+  echo "[demo] step 1 took $(( $(date +%s) - t0 )) s"; t0=$(date +%s)
+  echo "[demo] step 3: GRPO with --tools calculator, actor $T/step1 -> $T/grpo"
+  ACTOR="$T/step1" DATA="$TOOLS_DATA/rl" bash scripts/step3_ppo/run_tools_cpu.sh "$T/grpo" "${S3[@]}"
+  echo "[demo] step 3 took $(( $(date +%s) - t0 )) s"
+  python -m step3_ppo.plot "$T/grpo" >/dev/null
+  python -m step3_ppo.agent_eval --without_tools "$T/without_tools.json" --run "$T/grpo" | tee "$T/eval.txt"
+  echo "[demo] finished in $(( $(date +%s) - start )) s; outputs under $T (curves: $T/grpo/curves.png)"
+  exit 0
+fi
+[ "$TASK" = reviews ] || { echo "--task must be arithmetic or tools (or left out), got $TASK" >&2; exit 2; }
 if [ "$WITH_DPO" = 1 ]; then  # DPO runs after steps 1-2 (it needs step 1's model), before step 3
   ORDERED=(); for step in "${STEPS[@]}"; do ORDERED+=("$step"); [ "$step" = 2 ] && ORDERED+=(dpo); done
   [[ " ${ORDERED[*]} " == *" dpo "* ]] || ORDERED=(dpo "${ORDERED[@]}")

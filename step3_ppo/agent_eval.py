@@ -1,6 +1,7 @@
 """Held-out evaluation of policies with an environment and tools: the training loop's multi-turn rollout
 (step3_ppo/agents.py) on plain models, greedy by default (`python -m step3_ppo.eval ... --env/--tools`);
 with only `--reward_funcs`, one plain answer per prompt scored by them (a policy without its tools).
+`python -m step3_ppo.agent_eval --without_tools EVAL.json --run STEP3_DIR` prints the tool-use demo's table.
 
 Per policy: the mean of each reward function (`--reward_funcs`, default `math_exact`; the first accuracy-like
 one is the accuracy), the environment's reward when it has one, turns, tool calls and tool errors per
@@ -10,9 +11,13 @@ pipeline that re-tokenises the text would train on those other ids).
 """
 from __future__ import annotations
 
+import argparse
+import json
+import os
+
 import torch
 
-from step3_ppo.agents import AgentLimits, EnvReward, MultiTurn, agent_sums, prompts_with_tools
+from step3_ppo.agents import AgentLimits, EnvReward, MultiTurn, agent_rates, agent_sums, prompts_with_tools
 from utils.data.chat import render
 
 
@@ -86,7 +91,7 @@ def evaluate_policy(model_dir: str, prompt_rows: list[dict], args, reward_functi
     sums = agent_sums(out)  # the counters training logs, per trajectory here
     for name in ("turns", "tool_calls", "tool_errors", "env_tokens"):
         result[f"{name}_mean"] = sums[f"agent/{name}_sum"] / n
-    result["tool_call_rate"] = sum(r.agent["tool_calls"] > 0 for r in out) / n
+    result.update(agent_rates(sums, ""))
     result["truncated"] = sums["agent/truncated_sum"]
     result["retokenisation_changes"] = retokenisation_changes(out, tokenizer)
     result["sample"] = out[0].agent["messages"] if out else []
@@ -101,3 +106,51 @@ def format_agent_table(results: dict) -> str:
         lines.append(f"{name}  " + "  ".join(f"{figures[k]:.3f}" if isinstance(figures[k], float) else str(figures[k])
                                              for k in keys))
     return "\n".join(lines)
+
+
+# (column, key in step3_ppo.eval's result, key in a step-3 run's eval/... metrics)
+DEMO_COLUMNS = (("accuracy", "accuracy", "eval/accuracy"), ("tool-call rate", "tool_call_rate", "eval/tool_call_rate"),
+                ("tool calls", "tool_calls_mean", "eval/tool_calls_mean"),
+                ("failed calls", "tool_error_rate", "eval/tool_error_rate"), ("turns", "turns_mean", "eval/turns_mean"))
+
+
+def format_tools_demo_table(without_tools: dict, evaluations: list[dict]) -> str:
+    """The tool-use demo's table: the base model without tools (step3_ppo.eval's result of one policy), then
+    a run's first and last held-out evaluations (its eval/... metrics rows: after SFT, after RL)."""
+    prompts = without_tools["prompts"]
+    first, last = evaluations[0], evaluations[-1]
+    rows = [("base model, no tools", [without_tools.get(key, 0.0) for _, key, _ in DEMO_COLUMNS]),
+            (f"after SFT, calculator (step {first['step']})", [first[key] for *_, key in DEMO_COLUMNS]),
+            (f"after GRPO, calculator (step {last['step']})", [last[key] for *_, key in DEMO_COLUMNS])]
+    width = max(len(name) for name, _ in rows)
+    lines = [f"held-out greedy evaluation on {prompts} word problems (math_exact on the final answer; tool calls and "
+             f"turns per problem, failed calls per call)",
+             f"{'':{width}}  " + "  ".join(f"{title:>14}" for title, *_ in DEMO_COLUMNS)]
+    lines += [f"{name:{width}}  " + "  ".join(f"{value:14.3f}" for value in values) for name, values in rows]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> str:
+    p = argparse.ArgumentParser(description="The tool-use demo's table: a model without tools against a step-3 "
+                                            "run's held-out evaluations with them (first and last)")
+    p.add_argument("--without_tools", required=True, metavar="EVAL_JSON",
+                   help="step3_ppo.eval --reward_funcs ... --out FILE of the model without its tools (one policy)")
+    p.add_argument("--run", required=True, metavar="STEP3_DIR", help="a step-3 output directory (metrics.jsonl) "
+                                                                    "run with --tools and --eval_interval")
+    args = p.parse_args(argv)
+    from step3_ppo.plot import read_rows
+
+    with open(args.without_tools) as f:
+        without_tools = next(iter(json.load(f).values()))
+    metrics = os.path.join(args.run, "metrics.jsonl")
+    evaluations = [row for row in read_rows(metrics) if "eval/tool_call_rate" in row]
+    if not evaluations:
+        raise SystemExit(f"error: {metrics} holds no evaluation with tools (was the run made with --tools and "
+                         f"--eval_interval?)")
+    table = format_tools_demo_table(without_tools, evaluations)
+    print(table)
+    return table
+
+
+if __name__ == "__main__":
+    main()

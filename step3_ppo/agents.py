@@ -298,13 +298,23 @@ class EnvReward:
 def agent_sums(rows: list[Row]) -> dict:
     """Per-rank sums of the multi-turn counters (the trainer averages them over all ranks' rows)."""
     agents = [r.agent for r in rows if r.agent is not None]
-    return {"agent/turns_sum": sum(a["turns"] for a in agents),
+    return {"agent/rows_sum": len(rows),
+            "agent/turns_sum": sum(a["turns"] for a in agents),
             "agent/tool_calls_sum": sum(a["tool_calls"] for a in agents),
+            "agent/calling_sum": sum(a["tool_calls"] > 0 for a in agents),  # trajectories with a tool call
             "agent/tool_errors_sum": sum(a["tool_errors"] for a in agents),
             "agent/env_tokens_sum": sum(a["env_tokens"] for a in agents),
             "agent/action_tokens_sum": sum(r.action_count for r in rows),
             "agent/truncated_sum": sum(a["truncated"] for a in agents),
             "agent/env_failures_sum": sum(a["failed"] is not None for a in agents)}
+
+
+def agent_rates(sums: dict, prefix: str) -> dict:
+    """From agent_sums' totals: the fraction of trajectories that called a tool, and of tool calls that failed
+    (an error text went back to the model; 0 with no call)."""
+    calls = sums["agent/tool_calls_sum"]
+    return {f"{prefix}tool_call_rate": sums["agent/calling_sum"] / max(sums["agent/rows_sum"], 1),
+            f"{prefix}tool_error_rate": sums["agent/tool_errors_sum"] / calls if calls else 0.0}
 
 
 # ---------------------------------------------------------------------------- set-up (flags: agent_flags.py)

@@ -211,6 +211,9 @@ def parse_args(argv=None):
                    help="held-out prompt rows (default: step 3's eval split of --data_path)")
     g.add_argument("--eval_num_prompts", type=int, default=64, help="prompts evaluated (a multiple of the ranks)")
     g.add_argument("--eval_do_sample", action="store_true", help="sample the answers (default: greedy)")
+    g.add_argument("--per_device_eval_batch_size", type=int, default=None,
+                   help="held-out prompts per generate call and rank (default: a rollout's rows, "
+                        "--per_device_generation_batch_size x --n_samples_per_prompt: the same memory)")
     g = p.add_argument_group("frozen models")
     add_offload_reference_arg(g)
     g.add_argument("--offload_reward_model", action="store_true",
@@ -319,7 +322,7 @@ def validate_rl_args(args) -> None:
     resolves an OpenRLHF alias to its estimator."""
     args.advantage_estimator = estimator_name(args.advantage_estimator)
     estimator = get_estimator(args.advantage_estimator)
-    check_range(args, 1, ("n_samples_per_prompt", "eval_num_prompts"))
+    check_range(args, 1, ("n_samples_per_prompt", "eval_num_prompts", "per_device_eval_batch_size"))
     check_range(args, 0, ("eval_interval",))
     for path in args.eval_data_path or []:
         if not os.path.exists(path):
@@ -481,8 +484,8 @@ def eval_batches(args, examples: list, tokenizer) -> list:
         raise SystemExit(f"error: --eval_interval: {len(examples)} held-out prompts are too few for {ranks} ranks "
                          f"(give --eval_data_path, or raise --eval_fraction)")
     mine = examples[:count][rank()::ranks]
-    # as many rows per generate call as a rollout's (its prompts x samples): the same memory, fewer calls
-    size = args.per_device_generation_batch_size * args.n_samples_per_prompt
+    # by default as many rows per generate call as a rollout's (its prompts x samples): the same memory
+    size = args.per_device_eval_batch_size or args.per_device_generation_batch_size * args.n_samples_per_prompt
     collate = PromptCollator(tokenizer.pad_token_id)
     print_rank0(f"[step3] evaluation: {count} held-out prompts every {args.eval_interval} iterations"
                 f" ({'sampled' if args.eval_do_sample else 'greedy'})")

@@ -20,6 +20,10 @@ PANELS = (
     ("KL to SFT reference", "KL (nats / sequence)", [("kl/ref_mean", "KL(actor || reference)")]),
     ("Response length", "tokens", [("gen/response_len_mean", "mean response length")]),
 )
+# drawn for multi-turn runs (--env / --tools) only: per trajectory, every iteration
+AGENT_PANEL = ("Turns and tool calls", "per trajectory", [("rollout/turns_mean", "policy turns"),
+                                                          ("rollout/tool_calls_mean", "tool calls"),
+                                                          ("rollout/tool_errors_mean", "tool calls that failed")])
 
 
 def read_rows(metrics_jsonl_path: str) -> list[dict]:
@@ -78,8 +82,8 @@ def interval_series(rows: list[dict], key: str) -> tuple[list, list, list]:
 
 
 def plot_curves(metrics_jsonl_path: str, out_png: str) -> str:
-    """Write a PNG of the 3 training panels (reward, KL, response length over `step`), then one panel
-    per `eval/...` key (rows without it skipped; its interval shaded when logged); returns `out_png`.
+    """Write a PNG of the 3 training panels (reward, KL, response length over `step`; a multi-turn run's turns
+    and tool calls a 4th), then one panel per `eval/...` key (rows without it skipped; its interval shaded when logged); returns `out_png`.
 
     Missing metrics leave their panel with a "no data" note instead of failing.
     """
@@ -89,7 +93,8 @@ def plot_curves(metrics_jsonl_path: str, out_png: str) -> str:
     import matplotlib.pyplot as plt
 
     rows = read_rows(metrics_jsonl_path)
-    panels = list(PANELS) + [(key[len(EVAL_PREFIX):], key, [(key, "evaluation")]) for key in eval_keys(rows)]
+    agent = [AGENT_PANEL] if any(AGENT_PANEL[2][0][0] in row for row in rows) else []
+    panels = list(PANELS) + agent + [(key[len(EVAL_PREFIX):], key, [(key, "evaluation")]) for key in eval_keys(rows)]
     cols = min(len(panels), len(PANELS))
     n_rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(n_rows, cols, figsize=(5 * cols, 4 * n_rows), squeeze=False)

@@ -126,10 +126,10 @@ def _number_text(value) -> str:
 
 
 def calculator(expression: str) -> str:
-    """Evaluates an arithmetic expression: numbers, + - * / // % ** and parentheses.
+    """Evaluates arithmetic: numbers, + - * / // % ** and parentheses.
 
     Args:
-        expression: The expression to evaluate, for example "(123 * 45 + 6789) / 2".
+        expression: The expression, e.g. "(12 + 3) * 4".
     """
     expression = str(expression)
     if len(expression) > _MAX_EXPRESSION:
@@ -452,14 +452,14 @@ TOOL_CALL_PARSERS: dict[str, ToolCallParser] = {
 
 
 def tool_system_prompt(schemas: list[dict]) -> str:
-    """The tools as a system block, Hermes/Qwen 2.5's wording, for a chat template that has no `tools`."""
-    listed = "\n".join(json.dumps(schema, ensure_ascii=False) for schema in schemas)
-    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-            "You are provided with function signatures within <tools></tools> XML tags:\n"
-            f"<tools>\n{listed}\n</tools>\n\n"
-            "For each function call, return a json object with function name and arguments within "
-            "<tool_call></tool_call> XML tags:\n<tool_call>\n"
-            '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>')
+    """The tools as a system block, for a chat template that has no `tools` variable: each tool's function
+    schema as one line of compact JSON (its return type left out), then the Hermes call form parse_hermes reads. Kept short (106 SmolLM2
+    tokens for the calculator, against 216 in Qwen 2.5's wording): the block is in every prompt of every
+    rollout, and the models that need it were never trained on a tool format anyway."""
+    functions = [{k: v for k, v in schema.get("function", schema).items() if k != "return"} for schema in schemas]
+    listed = "\n".join(json.dumps(function, ensure_ascii=False, separators=(",", ":")) for function in functions)
+    return (f"Tools you can call (JSON schemas):\n{listed}\n"
+            'Call one with <tool_call>{"name": ..., "arguments": {...}}</tool_call>.')
 
 
 def template_supports_tools(tokenizer) -> bool:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from step3_ppo.agents import agent_sums
+from step3_ppo.agents import agent_rates, agent_sums
 from step3_ppo.advantages import advantages_and_returns, combine, get_estimator, zero_variance_groups
 from step3_ppo.hybrid import gathered
 from step3_ppo.rollout_engines import ROLLOUT_ENGINES
@@ -528,9 +528,10 @@ class PPOTrainer:
         metrics = {"eval/score_mean": totals["score_sum"] / max(totals["score_count"], 1),
                    "eval/response_len_mean": totals["response_len_sum"] / n, "eval/eos_fraction": totals["eos_sum"] / n,
                    "eval/prompts": totals["rows"]}
-        if self.agent is not None:  # per trajectory
+        if self.agent is not None:  # per trajectory; the rates of calling a tool and of a call failing
             metrics.update({f"eval/{name}_mean": totals[f"agent/{name}_sum"] / n
                             for name in ("turns", "tool_calls", "tool_errors", "env_tokens")})
+            metrics.update(agent_rates(totals, "eval/"))
         for c in self.rewards:
             mean = totals[f"part/{c.name}_sum"] / max(totals[f"part/{c.name}_count"], 1)
             metrics[f"eval/reward/{c.name}_mean"] = mean
@@ -679,7 +680,8 @@ class PPOTrainer:
         if self.agent is not None:  # per trajectory; the environment's and tools' time apart from generation's
             env_s = self.agent.env_s - env_s0
             metrics.update({f"rollout/{name}_mean": totals[f"agent/{name}_sum"] / rows_total
-                            for name in ("turns", "tool_calls", "env_tokens", "action_tokens")})
+                            for name in ("turns", "tool_calls", "tool_errors", "env_tokens", "action_tokens")})
+            metrics.update(agent_rates(totals, "rollout/"))
             metrics.update({f"rollout/{name}": totals[f"agent/{name}_sum"]
                             for name in ("tool_errors", "truncated", "env_failures")})
             metrics.update({"time/env_s": env_s, "time/generation_s": generation_s - env_s})

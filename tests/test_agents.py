@@ -216,7 +216,7 @@ def test_tools_are_offered_in_the_system_message_of_a_template_without_tools(cha
     assert schemas is None  # ChatML here has no `tools` variable: the project's block instead
     for row in out:
         system = row["prompt"][0]
-        assert system["role"] == "system" and '"name": "calculator"' in system["content"]
+        assert system["role"] == "system" and '"name":"calculator"' in system["content"]
         assert "<tool_call>" in system["content"]
     assert out[1]["prompt"][0]["content"].endswith("Be brief.") and len(out[1]["prompt"]) == 2
 
@@ -360,6 +360,63 @@ def test_the_evaluation_runs_the_same_loop_on_plain_models(tiny_chat_llama, tmp_
     plain = main(["--sft_model", tiny_chat_llama, "--prompts", str(tmp_path / "p.jsonl"), "--num_prompts", "4",
                   "--max_new_tokens", "5", "--reward_funcs", "math_exact"])["sft"]  # the policy without tools
     assert plain["turns_mean"] == 1 and plain["tool_calls_mean"] == 0 and plain["env_tokens_mean"] == 0
+
+
+def test_tool_call_and_error_rates_from_the_sums():
+    """Rates over trajectories and over calls, from agent_sums' counters: 3 rows, 2 of which call tools (1 and 3
+    calls, 2 of them failing); no call at all is a 0 error rate, not a division by zero."""
+    from types import SimpleNamespace
+
+    from step3_ppo.agents import agent_rates, agent_sums
+
+    def row(calls, errors):
+        return SimpleNamespace(action_count=4, agent={"turns": calls + 1, "tool_calls": calls, "tool_errors": errors,
+                                                      "env_tokens": 3 * calls, "truncated": False, "failed": None})
+
+    sums = agent_sums([row(1, 0), row(0, 0), row(3, 2)])
+    assert sums["agent/rows_sum"] == 3 and sums["agent/calling_sum"] == 2 and sums["agent/tool_calls_sum"] == 4
+    assert agent_rates(sums, "eval/") == {"eval/tool_call_rate": pytest.approx(2 / 3), "eval/tool_error_rate": 0.5}
+    assert agent_rates(agent_sums([row(0, 0)]), "") == {"tool_call_rate": 0.0, "tool_error_rate": 0.0}
+
+
+def test_tools_demo_table_and_curves(tmp_path, capsys):
+    """The demo's table reads the evaluation without tools and the run's first and last evaluations; the curves
+    get a turns and tool-calls panel for a multi-turn run."""
+    import json
+
+    from step3_ppo.agent_eval import main
+    from step3_ppo.plot import plot_curves
+
+    (tmp_path / "base.json").write_text(json.dumps({"sft": {"prompts": 128, "accuracy": 0.0078, "turns_mean": 1.0,
+                                                            "tool_calls_mean": 0.0, "tool_call_rate": 0.0,
+                                                            "tool_error_rate": 0.0, "sample": []}}))
+    rows = [{"step": s, "reward/score_mean": 0.5, "kl/ref_mean": 0.1, "gen/response_len_mean": 60,
+             "rollout/turns_mean": 2.0, "rollout/tool_calls_mean": 1.0, "rollout/tool_errors_mean": 0.1}
+            for s in range(1, 5)]
+    for step, accuracy in ((0, 0.75), (4, 0.875)):
+        rows.append({"step": step, "eval/accuracy": accuracy, "eval/tool_call_rate": 1.0, "eval/tool_calls_mean": 1.25,
+                     "eval/tool_error_rate": 0.2, "eval/turns_mean": 2.25})
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    table = main(["--without_tools", str(tmp_path / "base.json"), "--run", str(run)]).splitlines()
+    assert "128 word problems" in table[0]
+    assert table[2].split() == ["base", "model,", "no", "tools", "0.008", "0.000", "0.000", "0.000", "1.000"]
+    assert table[3].split()[-5:] == ["0.750", "1.000", "1.250", "0.200", "2.250"] and "(step 0)" in table[3]
+    assert table[4].split()[-5:] == ["0.875", "1.000", "1.250", "0.200", "2.250"] and "(step 4)" in table[4]
+    (run / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    with pytest.raises(SystemExit, match="no evaluation with tools"):
+        main(["--without_tools", str(tmp_path / "base.json"), "--run", str(run)])
+
+    single = tmp_path / "single.jsonl"
+    single.write_text("".join(json.dumps({k: v for k, v in r.items() if not k.startswith(("eval/", "rollout/"))})
+                              + "\n" for r in rows))
+    plot_curves(str(single), str(tmp_path / "single.png"))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if not k.startswith("eval/")})
+                                               + "\n" for r in rows))
+    plot_curves(str(run / "metrics.jsonl"), str(tmp_path / "multi.png"))
+    height = lambda png: int.from_bytes(png.read_bytes()[20:24], "big")  # noqa: E731 (IHDR height)
+    assert height(tmp_path / "multi.png") == 2 * height(tmp_path / "single.png")  # a 4th panel: a second row
 
 
 def test_retokenising_the_rendered_conversation_is_counted_when_it_changes_the_ids(chat_model):

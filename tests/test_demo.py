@@ -43,3 +43,23 @@ def test_quick_arithmetic_demo_prints_accuracy_before_and_after(tmp_path):
     assert "eval/reward/format_mean" in proc.stdout
     assert (out / "grpo" / "curves.png").exists() and (out / "grpo" / "actor" / "model.safetensors").exists()
     assert not (out / "grpo" / "critic").exists()
+
+
+@pytest.mark.slow
+def test_quick_tools_demo_prints_the_three_models_table(tmp_path):
+    """--task tools: the tool-use demo's chain (data generated, the base model evaluated without tools, SFT on
+    calculator traces, multi-turn GRPO with the calculator, the table and the curves) on a tiny ChatML model."""
+    out = tmp_path / "demo"
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "demo.sh"), "--task", "tools", "--quick",
+                           "--output_root", str(out)], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=900)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    table = (out / "tools" / "eval.txt").read_text().splitlines()
+    assert "held-out greedy evaluation on 8 word problems" in table[0], table
+    assert [line.split("  ")[0].split(",")[0] for line in table[2:]] == ["base model", "after SFT", "after GRPO"]
+    assert "(step 0)" in table[3] and "(step 2)" in table[4]
+    assert (out / "tools" / "grpo" / "curves.png").exists()
+    assert (out / "tools" / "step1" / "model.safetensors").exists()
+    assert (out / "tools" / "grpo" / "actor" / "model.safetensors").exists()
+    assert not (out / "tools" / "grpo" / "critic").exists()

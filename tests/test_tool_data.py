@@ -12,18 +12,34 @@ from data import make_tool_data as T
 from step3_ppo.tools import calculator, load_tools, parse_hermes, tool_system_prompt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PRODUCT = re.compile(r"^What is (\d{3}) \* (\d{2})\?$")
-SUM4 = re.compile(r"^What is (\d{2}) \+ (\d{2}) \+ (\d{2}) \+ (\d{2})\?$")
+PLAIN = re.compile(r"^What is \d+ [*+] \d+( \+ \d+ \+ \d+)?\?$")
+
+
+def numbers_of(question: str) -> list[int]:
+    return [int(n) for n in re.findall(r"\d+", question)]
 
 
 def value_of(question: str) -> int:
-    """The question's answer, computed apart from the generator; the question must be one of the two kinds."""
-    m = PRODUCT.match(question)
-    if m:
-        return int(m.group(1)) * int(m.group(2))
-    m = SUM4.match(question)
-    assert m, question
-    return sum(int(g) for g in m.groups())
+    """The question's answer, computed apart from the generator: two numbers (a 3-digit and a 2-digit one)
+    are a product, four 2-digit ones a sum, whatever the wording."""
+    numbers = numbers_of(question)
+    if len(numbers) == 2:
+        assert sorted(len(str(n)) for n in numbers) == [2, 3], question
+        return numbers[0] * numbers[1]
+    assert len(numbers) == 4 and all(10 <= n <= 99 for n in numbers), question
+    return sum(numbers)
+
+
+def wording_of(question: str, wordings: dict) -> str | None:
+    """The template of `wordings` the question was written from (None: none of them)."""
+    for templates in wordings.values():
+        for template in templates:
+            pattern = re.escape(template)
+            for name in "abcd":
+                pattern = pattern.replace(re.escape("{" + name + "}"), r"\d+")
+            if re.fullmatch(pattern, question):
+                return template
+    return None
 
 
 def question_of(row: dict) -> str:
@@ -46,8 +62,8 @@ def test_deterministic_for_a_seed(data):
 def test_counts_and_kinds(data):
     assert {k: len(v) for k, v in data.items()} == {"sft": 120, "train": 300, "eval": 60}
     for rows in data.values():
-        products = sum(1 for r in rows if PRODUCT.match(question_of(r)))
-        sums = sum(1 for r in rows if SUM4.match(question_of(r)))
+        products = sum(1 for r in rows if len(numbers_of(question_of(r))) == 2)
+        sums = sum(1 for r in rows if len(numbers_of(question_of(r))) == 4)
         assert products == sums == len(rows) // 2
 
 
@@ -62,11 +78,12 @@ def test_answers_are_correct(data):
 
 
 def test_eval_disjoint_and_distinct(data):
-    questions = {split: [question_of(r) for r in rows] for split, rows in data.items()}
-    for split, qs in questions.items():
-        assert len(set(qs)) == len(qs), split
-    assert not set(questions["eval"]) & (set(questions["train"]) | set(questions["sft"]))
-    assert not set(questions["sft"]) & set(questions["train"])
+    """No problem twice, and no held-out problem in sft or train, whatever its wording (compared by numbers)."""
+    problems = {split: [tuple(sorted(numbers_of(question_of(r)))) for r in rows] for split, rows in data.items()}
+    for split, keys in problems.items():
+        assert len(set(keys)) == len(keys), split
+    assert not set(problems["eval"]) & (set(problems["train"]) | set(problems["sft"]))
+    assert not set(problems["sft"]) & set(problems["train"])
 
 
 def test_sft_rows_are_calculator_traces(data):
@@ -77,20 +94,31 @@ def test_sft_rows_are_calculator_traces(data):
         assert all(set(m) == {"role", "content"} and isinstance(m["content"], str) for m in messages)
         assert messages[0]["content"] == system
         question = messages[1]["content"]
-        expression = question[len("What is "):-1]
         calls = parse_hermes(messages[2]["content"])
         assert len(calls) == 1 and calls[0].error is None
-        assert calls[0].name == "calculator" and calls[0].arguments == {"expression": expression}
+        assert calls[0].name == "calculator" and set(calls[0].arguments) == {"expression"}
+        expression = calls[0].arguments["expression"]
+        assert sorted(numbers_of(expression)) == sorted(numbers_of(question))  # the story's numbers, no others
+        if PLAIN.match(question):
+            assert question == f"What is {expression}?"
         assert messages[2]["content"] == ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "'
                                           + expression + '"}}\n</tool_call>')
         assert messages[3]["content"] == calculator(expression) == str(value_of(question))
         assert messages[4]["content"] == f"The answer is {messages[3]['content']}."
 
 
-def test_same_question_wording_in_sft_and_rl(data):
-    rl = question_of(data["train"][0])
-    assert rl.startswith("What is ") and rl.endswith("?")
-    assert all(PRODUCT.match(question_of(r)) or SUM4.match(question_of(r)) for r in data["sft"])
+def test_wordings(data):
+    """RL and eval rows are word problems in the RL wordings; SFT rows half plain questions, half word problems
+    in other wordings, so the RL wordings are new to the SFT model."""
+    for split in ("train", "eval"):
+        assert all(wording_of(question_of(r), T.WORDED) for r in data[split]), split
+    sft = [question_of(r) for r in data["sft"]]
+    plain = [q for q in sft if PLAIN.match(q)]
+    worded = [q for q in sft if wording_of(q, T.SFT_WORDED)]
+    assert len(plain) == len(worded) == len(sft) // 2
+    assert not any(wording_of(q, T.WORDED) for q in sft)
+    used = {wording_of(question_of(r), T.WORDED) for r in data["train"]}
+    assert used == {t for templates in T.WORDED.values() for t in templates}  # every wording is drawn
 
 
 def test_too_many_problems_is_an_error():
@@ -124,7 +152,8 @@ def test_cli_writes_three_files(tmp_path, capsys):
     assert "sft=6" in capsys.readouterr().out
     files = {}
     for split, n in counts.items():
-        lines = (out / f"{split}.jsonl").read_text(encoding="utf-8").splitlines()
+        path = out / "sft" / "train.jsonl" if split == "sft" else out / "rl" / f"{split}.jsonl"
+        lines = path.read_text(encoding="utf-8").splitlines()
         assert len(lines) == n
         files[split] = [json.loads(line) for line in lines]
     assert files == T.build(5, 6, 10, 4)

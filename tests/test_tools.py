@@ -159,7 +159,9 @@ def test_duplicate_names_are_refused(tool_file):
 def test_system_prompt_and_template_check():
     schemas = [tool.schema for tool in load_tools(["calculator"])]
     prompt = tool_system_prompt(schemas)
-    assert "<tools>\n" + json.dumps(schemas[0]) + "\n</tools>" in prompt and "<tool_call>" in prompt
+    function = json.loads(prompt.splitlines()[1])  # one compact JSON line per tool: the function's schema
+    assert function == {k: v for k, v in schemas[0]["function"].items() if k != "return"}
+    assert '<tool_call>{"name": ..., "arguments": {...}}</tool_call>' in prompt
     assert template_supports_tools(SimpleNamespace(chat_template="{% if tools %}{{ tools }}{% endif %}"))
     assert template_supports_tools(SimpleNamespace(chat_template={"default": "x", "tool_use": "{{ tools }}"}))
     assert not template_supports_tools(SimpleNamespace(chat_template="{{ messages }} tool_calls_x"))

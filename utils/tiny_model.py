@@ -207,13 +207,18 @@ def main(argv=None) -> None:
     parser.add_argument("--max_positions", type=int, default=512,
                         help="longest sequence in tokens (position table, tokenizer's model_max_length), "
                              "with --out (default %(default)s)")
+    parser.add_argument("--chat", action="store_true",
+                        help="with --out: the tokenizer also has ChatML's tokens and template")
     args = parser.parse_args(argv)
+    if args.chat and args.out is None:
+        parser.error("--chat needs --out (the shared cache entries have no chat template)")
 
     def make() -> str:
         if args.out is None:
             return make_tiny_model_cached(args.arch)
         return make_tiny_model(args.arch, args.out, seed=args.seed, hidden_size=args.hidden,
-                               num_layers=args.layers, num_heads=args.heads, max_positions=args.max_positions)
+                               num_layers=args.layers, num_heads=args.heads, max_positions=args.max_positions,
+                               chat=args.chat)
 
     if args.print_path:
         print_path_for_scripts(make)
