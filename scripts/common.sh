@@ -67,6 +67,14 @@ grpo_inputs() {
     [ -f "$DATA/eval.jsonl" ] || python -m data.make_arithmetic_data --out "$DATA" >/dev/null || return
   fi
 }
+tools_inputs() {  # the tool-use demo's step 3 (run_tools_cpu.sh): a step-1 actor, no critic, data/tools/rl
+  ACTOR="${ACTOR:-${STEP1_DIR:-$ROOT/out/step1}}"
+  CRITIC=none
+  if [ -z "${DATA:-}" ]; then
+    DATA="$ROOT/data/tools/rl"
+    [ -f "$DATA/eval.jsonl" ] || python -m data.make_tool_data --out "$ROOT/data/tools" >/dev/null || return
+  fi
+}
 # The GPU GRPO scripts' settings (run_grpo_single_gpu.sh, run_grpo_single_node.sh; one preset, two launchers):
 # GPU-sized batches, bf16, ZeRO-3 + hybrid generation, 8 answers per prompt, math_exact (format logged at weight 0).
 GRPO_GPU_FLAGS=(--advantage_estimator grpo --n_samples_per_prompt 8

@@ -39,9 +39,10 @@ GRPO_KINDS = ("cpu", "single_gpu", "single_node")
 
 
 def test_the_run_scripts_are_there():
-    """Four per step, plus step 3's critic-free GRPO variants."""
+    """Four per step, plus step 3's critic-free GRPO variants and the tool-use demo's step 3."""
     assert SCRIPTS == sorted([f"scripts/{d}/run_{k}.sh" for d in STEP_DIRS for k in KINDS]
-                             + [f"scripts/step3_ppo/run_grpo_{k}.sh" for k in GRPO_KINDS])
+                             + [f"scripts/step3_ppo/run_grpo_{k}.sh" for k in GRPO_KINDS]
+                             + ["scripts/step3_ppo/run_tools_cpu.sh"])
 
 
 @pytest.mark.parametrize("script", SCRIPTS + ["scripts/common.sh", "scripts/demo.sh"])
@@ -55,15 +56,16 @@ def test_run_script_is_one_launch_step_call(script):
     text = read(script)
     code = code_lines(text)
     step_dir, name = script.split("/")[1:]
-    grpo = name.startswith("run_grpo_")
-    kind = name[len("run_grpo_" if grpo else "run_"):-len(".sh")]
+    grpo, tools = name.startswith("run_grpo_"), name.startswith("run_tools_")
+    kind = name[len("run_grpo_" if grpo else "run_tools_" if tools else "run_"):-len(".sh")]
     assert text.startswith("#!/usr/bin/env bash\n# Step ")
     assert "# usage: " in text and "# env: " in text
     assert 'source "$(dirname "$0")/../common.sh"' in code
     calls = re.findall(r"^launch_step (\S+) (\S+) (\S+) ", code, re.M)
-    source = "arithmetic" if grpo else "sft" if step_dir == "step1_sft" else "pairs"
+    source = "arithmetic" if grpo else "tools" if tools else "sft" if step_dir == "step1_sft" else "pairs"
     assert calls == [(kind, f"{step_dir}.main", source)]
     assert ("grpo_inputs || exit" in code) == grpo
+    assert ("tools_inputs || exit" in code) == tools
     assert code.rstrip().endswith('-- "$@"'), "the script's arguments go last, after --"
     for bare in ("| tee", "PIPESTATUS", "deepspeed ", "mkdir", "ensure_demo_data", "shift"):
         assert bare not in code, f"{script} repeats the preamble/launch itself ({bare!r})"
@@ -79,10 +81,11 @@ def test_launch_step_launches_through_run_logged():
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_data_split_convention(script):
-    """data/demo/sft feeds step 1 only (10,0,0); steps 2 and 3 share data/demo/pairs (0,5,5); the GRPO
-    scripts' prompt rows are all step 3's (0,0,1)."""
+    """data/demo/sft feeds step 1 only (10,0,0); steps 2 and 3 share data/demo/pairs (0,5,5); the GRPO and
+    tools scripts' prompt rows are all step 3's (0,0,1)."""
     splits = re.findall(r"--data_split\s+(\S+)", code_lines(read(script)))
-    expected = "0,0,1" if "/run_grpo_" in script else "10,0,0" if "/step1_sft/" in script else "0,5,5"
+    step3_only = "/run_grpo_" in script or "/run_tools_" in script
+    expected = "0,0,1" if step3_only else "10,0,0" if "/step1_sft/" in script else "0,5,5"
     assert splits == [expected]
 
 
