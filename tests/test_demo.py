@@ -7,15 +7,19 @@ import pytest
 from tests.launch import ROOT, subprocess_env
 
 
+def run_demo(out, *args) -> subprocess.CompletedProcess:
+    """scripts/demo.sh --quick ARGS --output_root OUT, asserted to succeed (the log's tail when not)."""
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "demo.sh"), *args, "--quick", "--output_root", str(out)],
+                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    return proc
+
+
 @pytest.mark.slow
 def test_quick_demo_writes_table_and_curves(tmp_path):
     """With --with_dpo: DPO after step 2, and its row in the evaluation beside SFT and RLHF."""
     out = tmp_path / "demo"
-    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "demo.sh"), "--quick", "--with_dpo",
-                           "--output_root", str(out)],
-                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=900)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
+    proc = run_demo(out, "--with_dpo")
     table = (out / "eval.txt").read_text()
     for column in ("reward (RM)", "judge (VADER)", "KL to SFT", "response len"):
         assert column in table, table
@@ -34,11 +38,7 @@ def test_quick_arithmetic_demo_prints_accuracy_before_and_after(tmp_path):
     """--task arithmetic: the verifiable demo's chain (problems generated, GRPO without critic or reward
     model, the held-out evaluation before and after, the curves) on a tiny model with ChatML."""
     out = tmp_path / "demo"
-    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "demo.sh"), "--task", "arithmetic", "--quick",
-                           "--output_root", str(out)], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=900)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
+    proc = run_demo(out, "--task", "arithmetic")
     assert "eval/accuracy: 0.0000 (step 0) -> " in proc.stdout and "(step 2)" in proc.stdout, proc.stdout[-2000:]
     assert "eval/reward/format_mean" in proc.stdout
     assert (out / "grpo" / "curves.png").exists() and (out / "grpo" / "actor" / "model.safetensors").exists()
@@ -50,11 +50,7 @@ def test_quick_tools_demo_prints_the_three_models_table(tmp_path):
     """--task tools: the tool-use demo's chain (data generated, the base model evaluated without tools, SFT on
     calculator traces, multi-turn GRPO with the calculator, the table and the curves) on a tiny ChatML model."""
     out = tmp_path / "demo"
-    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "demo.sh"), "--task", "tools", "--quick",
-                           "--output_root", str(out)], cwd=ROOT, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=900)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, log[-4000:]
+    run_demo(out, "--task", "tools")
     table = (out / "tools" / "eval.txt").read_text().splitlines()
     assert "held-out greedy evaluation on 8 word problems" in table[0], table
     assert [line.split("  ")[0].split(",")[0] for line in table[2:]] == ["base model", "after SFT", "after GRPO"]
