@@ -13,12 +13,14 @@ keyword arguments in one place too, for step 3's rollout, its evaluation, prompt
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from utils.losses import sft_nll
+from utils.losses import IGNORE_INDEX, sft_nll
 from utils.ops import (entropy_from_logits, logprobs_from_logits, masked_sum, position_ids_from_attention_mask,
                        sequence_score)
 
@@ -57,34 +59,61 @@ def eval_mode(*models):
 # --------------------------------------------------------------------------- #
 # Forwards
 # --------------------------------------------------------------------------- #
-def causal_lm_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
-    """Logits [B, L, V] of a causal LM: mask-derived position ids, no KV cache, inputs on its device."""
+def causal_lm_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int = 0) -> Tensor:
+    """Logits [B, L, V] of a causal LM: mask-derived position ids, no KV cache, inputs on its device.
+
+    With `logits_to_keep` K (0 < K < L) only the last K positions' logits [B, K, V]: transformers' own
+    argument, so the LM head and the softmaxes after it skip the prompt (the head is ~20% of a small
+    model's FLOPs and its [B, L, V] logits most of a step's memory). A model class without the argument
+    computes them all and is sliced."""
     device = model_device(model)
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    keep = logits_to_keep if 0 < logits_to_keep < input_ids.shape[1] else 0
+    extra = {"logits_to_keep": keep} if keep and _takes_logits_to_keep(type(_hf_model(model))) else {}
     out = model(input_ids=input_ids, attention_mask=attention_mask,
-                position_ids=position_ids_from_attention_mask(attention_mask), use_cache=False)
-    return out.logits
+                position_ids=position_ids_from_attention_mask(attention_mask), use_cache=False, **extra)
+    return out.logits[:, -keep:] if keep and not extra else out.logits
+
+
+def _hf_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside a DeepSpeed engine and/or a peft wrapper."""
+    model = getattr(model, "module", model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_logits_to_keep(model_class: type) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
 def token_logprobs(model: nn.Module, batch: dict, temperature: float = 1.0, return_entropy: bool = False,
                    entropy_grad: bool = False):
     """log p(token i+1 | prefix) [B, L-1] fp32 of a packed batch (utils.rollout.pack: input_ids,
-    attention_mask, ...), in the layout of utils/ops.py; optionally with the per-token entropy,
+    attention_mask, prompt_len, ...), in the layout of utils/ops.py; optionally with the per-token entropy,
     detached (a monitor) unless `entropy_grad` (an entropy bonus in the loss: its softmax is kept for
     the backward, one more [B, L-1, V] fp32 tensor).
+
+    Only the response positions (from `prompt_len` - 1 on, the first that predicts a response token) go
+    through the LM head; the prompt positions before them hold 0, which every reader masks out.
 
     `temperature` divides the logits first: sampling draws from softmax(logits / T), so the policy
     whose ratio PPO clips is that one, and the reference is scored the same way so that the KL
     compares like with like.
     """
     input_ids = batch["input_ids"]
-    logits = causal_lm_logits(model, input_ids, batch["attention_mask"])[:, :-1]
+    skipped = max(int(batch.get("prompt_len", 1)) - 1, 0)  # positions before the first prediction of a response token
+    logits = causal_lm_logits(model, input_ids, batch["attention_mask"], input_ids.shape[1] - skipped)[:, :-1]
     if temperature != 1.0:
         logits = logits / temperature
-    logprobs = logprobs_from_logits(logits, input_ids[:, 1:])
+    logprobs = _front_pad(logprobs_from_logits(logits, input_ids[:, 1 + skipped:]), skipped)
     if return_entropy:
-        return logprobs, entropy_from_logits(logits if entropy_grad else logits.detach())
+        return logprobs, _front_pad(entropy_from_logits(logits if entropy_grad else logits.detach()), skipped)
     return logprobs
+
+
+def _front_pad(per_token: Tensor, n: int) -> Tensor:
+    """[B, T] -> [B, n + T] with zeros in front (the prompt positions token_logprobs leaves out)."""
+    return torch.nn.functional.pad(per_token, (n, 0)) if n else per_token
 
 
 def sequence_logprobs(model: nn.Module, batch: dict) -> tuple[Tensor, Tensor]:
@@ -97,9 +126,13 @@ def sequence_logprobs(model: nn.Module, batch: dict) -> tuple[Tensor, Tensor]:
 
 
 def lm_nll(model: nn.Module, batch: dict) -> tuple[Tensor, Tensor]:
-    """(sum of next-token NLL over the trained labels of `batch`, their count): step 1, PPO-ptx, perplexity."""
-    logits = causal_lm_logits(model, batch["input_ids"], batch["attention_mask"])
-    return sft_nll(logits, batch["labels"])
+    """(sum of next-token NLL over the trained labels of `batch`, their count): step 1, PPO-ptx, perplexity.
+    The LM head runs from the batch's first trained prediction on (prompts before it are skipped)."""
+    labels = batch["labels"]
+    trained = (labels[:, 1:] != IGNORE_INDEX).any(dim=0).nonzero()
+    start = int(trained[0]) if len(trained) else 0  # the first position whose prediction is trained
+    logits = causal_lm_logits(model, batch["input_ids"], batch["attention_mask"], labels.shape[1] - start)
+    return sft_nll(logits, labels[:, start:])
 
 
 def token_values(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
