@@ -83,9 +83,15 @@ def tiny_chat_llama_reward(tiny_chat_llama, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
-def smollm2_tokenizer():
-    """The real SmolLM2-135M-Instruct tokenizer (ChatML, EOS = `<|im_end|>`), from the embedded default model."""
-    from utils.default_model import ensure_default_model
+def smollm2_tokenizer(tmp_path_factory):
+    """The real SmolLM2-135M-Instruct tokenizer (ChatML, EOS = `<|im_end|>`), from the embedded default model:
+    its converted directory when there is one, else the GGUF's tokenizer alone (4 s instead of the weights'
+    ~25 s conversion, which no test needs)."""
+    from utils.default_model import convert_tokenizer, default_model_dir, is_complete
     from utils.model import load_tokenizer
 
-    return load_tokenizer(ensure_default_model())
+    path = default_model_dir()
+    if not is_complete(path):
+        path = str(tmp_path_factory.mktemp("smollm2_tokenizer"))
+        convert_tokenizer(path, with_config=True)
+    return load_tokenizer(path)

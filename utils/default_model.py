@@ -71,22 +71,33 @@ def _strip_quantization(model) -> None:
 def convert(out_dir: str) -> None:
     """Convert the GGUF into `out_dir` (which must not exist yet, or be empty). No marker written."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    pkg_dir = gguf_package_dir()
-    tokenizer = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=GGUF_FILE)
-    tokenizer.model_max_length = MAX_POSITIONS
-    model = AutoModelForCausalLM.from_pretrained(pkg_dir, gguf_file=GGUF_FILE, dtype=torch.float32)
+    tokenizer = convert_tokenizer(out_dir)
+    model = AutoModelForCausalLM.from_pretrained(gguf_package_dir(), gguf_file=GGUF_FILE, dtype=torch.float32)
     _strip_quantization(model)
     model.config.name_or_path = MODEL_NAME
     gen = model.generation_config
     gen.bos_token_id, gen.eos_token_id, gen.pad_token_id = (
         tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
     model.save_pretrained(out_dir)
-    tokenizer.save_pretrained(out_dir)
     with open(os.path.join(out_dir, "config.json")) as f:
         if "quantization_config" in json.load(f):
             raise RuntimeError("converted config.json still has a quantization_config")
+
+
+def convert_tokenizer(out_dir: str, with_config: bool = False):
+    """The GGUF's tokenizer, saved into `out_dir` as `convert` saves it beside the weights (with `with_config`,
+    the model's config.json too: a directory load_tokenizer takes, without weights); returned. Seconds
+    instead of the weights' conversion, for what needs only the tokenizer (the tests)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_package_dir(), gguf_file=GGUF_FILE)
+    tokenizer.model_max_length = MAX_POSITIONS
+    tokenizer.save_pretrained(out_dir)
+    if with_config:
+        AutoConfig.from_pretrained(gguf_package_dir(), gguf_file=GGUF_FILE).save_pretrained(out_dir)
+    return tokenizer
 
 
 def ensure_default_model(out_dir: str | None = None) -> str:
