@@ -21,6 +21,7 @@ so `run_main` needs no list of them (and no import of the modules that define th
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -69,9 +70,10 @@ def report(message: str) -> None:
 
 def run_main(main, argv=None):
     """`main(argv)`, with the project's own errors turned into one readable line and exit status 1; in a
-    job of several ranks any error ends this rank at once, shown by one rank only (`_fail`)."""
+    job of several ranks any error ends this rank at once, shown by one rank only (`_fail`), and a rank that
+    finished leaves at once too (`_finish_now`)."""
     try:
-        return main(argv)
+        result = main(argv)
     except SystemExit as exc:
         if isinstance(exc.code, str):  # SystemExit("error: ..."): a flag or input check
             _fail(lambda: report(exc.code))
@@ -84,6 +86,9 @@ def run_main(main, argv=None):
         if _world_size() == 1:
             raise
         _fail(lambda: sys.excepthook(type(exc), exc, exc.__traceback__))
+    if _world_size() > 1:
+        _finish_now(result if isinstance(result, int) else 0)
+    return result
 
 
 def _fail(show) -> None:
@@ -104,6 +109,14 @@ def _exit_now(code: int) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def _finish_now(code: int) -> None:
+    """A rank of a multi-rank job that finished leaves without the rest of Python's shutdown, which only tears
+    down torch's, DeepSpeed's and gloo's objects (1.3 s of each 2-rank launch, measured): the atexit hooks run
+    (workers ended, logging flushed), the streams are flushed; the run's files are closed by then (utils.run)."""
+    atexit._run_exitfuncs()
+    _exit_now(code)
 
 
 def _show_once(show) -> None:
