@@ -64,8 +64,8 @@ def causal_lm_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor
 
     With `logits_to_keep` K (0 < K < L) only the last K positions' logits [B, K, V]: transformers' own
     argument, so the LM head and the softmaxes after it skip the prompt (the head is ~20% of a small
-    model's FLOPs and its [B, L, V] logits most of a step's memory). A model class without the argument
-    computes them all and is sliced."""
+    model's FLOPs; its fp32 [B, L, V] logits, their softmax and gradient ~1 GB of a tool-demo rank's step).
+    A model class without the argument computes them all and is sliced."""
     device = model_device(model)
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     keep = logits_to_keep if 0 < logits_to_keep < input_ids.shape[1] else 0
