@@ -55,11 +55,13 @@ class DeadStore:
 @pytest.fixture
 def rank_of_two(monkeypatch):
     """`as_rank(r, store)`: this process as rank r of 2 with `store` (None: no process group yet); os._exit
-    raises Exited."""
+    raises Exited. Python's own excepthook: torch's, which an earlier test in this process may have installed,
+    prefixes each line with "[rankN]: " (tests/test_errors.py before this file failed the traceback test)."""
     def exit_now(code):
         raise Exited(code)
 
     monkeypatch.setattr(errors.os, "_exit", exit_now)
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)
     monkeypatch.setenv("WORLD_SIZE", "2")
 
     def as_rank(rank: int, store):
