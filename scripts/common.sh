@@ -57,23 +57,25 @@ ensure_demo_data() {
   [ -f "$DEMO_DATA/pairs/eval.jsonl" ] || python -m data.make_demo_data --out "$DEMO_DATA" --format "$DEMO_FORMAT"
 }
 
+# default_data DIR MODULE [OUT]: DATA as given, else DIR, whose rows `python -m MODULE --out OUT` (OUT: DIR)
+# generates offline the first time (DIR/eval.jsonl missing)
+default_data() {
+  if [ -z "${DATA:-}" ]; then
+    DATA="$1"
+    [ -f "$DATA/eval.jsonl" ] || python -m "$2" --out "${3:-$1}" >/dev/null || return
+  fi
+}
 # The GRPO scripts' inputs: the base model as actor (no step 1 needed), no critic, no reward model (function
 # rewards), the arithmetic task generated offline into data/arithmetic unless DATA names other prompt rows.
 grpo_inputs() {
   ACTOR="${ACTOR:-$(default_model)}" || return
   CRITIC="${CRITIC:-none}"
-  if [ -z "${DATA:-}" ]; then
-    DATA="$ROOT/data/arithmetic"
-    [ -f "$DATA/eval.jsonl" ] || python -m data.make_arithmetic_data --out "$DATA" >/dev/null || return
-  fi
+  default_data "$ROOT/data/arithmetic" data.make_arithmetic_data
 }
 tools_inputs() {  # the tool-use demo's step 3 (run_tools_cpu.sh): a step-1 actor, no critic, data/tools/rl
   ACTOR="${ACTOR:-${STEP1_DIR:-$ROOT/out/step1}}"
   CRITIC=none
-  if [ -z "${DATA:-}" ]; then
-    DATA="$ROOT/data/tools/rl"
-    [ -f "$DATA/eval.jsonl" ] || python -m data.make_tool_data --out "$ROOT/data/tools" >/dev/null || return
-  fi
+  default_data "$ROOT/data/tools/rl" data.make_tool_data "$ROOT/data/tools"
 }
 # The GPU GRPO scripts' settings (run_grpo_single_gpu.sh, run_grpo_single_node.sh; one preset, two launchers):
 # GPU-sized batches, bf16, ZeRO-3 + hybrid generation, 8 answers per prompt, math_exact (format logged at weight 0).
