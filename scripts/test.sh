@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Sets up (idempotent), then runs the whole test suite on CPU. Extra arguments go to pytest.
+# Sets up (idempotent, with vLLM for the rollout-engine tests), then runs the whole test suite on CPU.
+# Extra arguments go to pytest.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bash "$ROOT/scripts/setup.sh"
+bash "$ROOT/scripts/setup.sh" --with-vllm
 cd "$ROOT"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export RLHF_TESTS_NEED_VLLM=1  # installed just above: a missing vLLM fails its tests instead of skipping them
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.cache/torch_extensions}"  # as scripts/common.sh
 exec .venv/bin/python -m pytest tests -q -p no:cacheprovider "$@"

@@ -24,6 +24,7 @@ from step3_ppo.agents import EnvReward, build_agent, prompts_with_tools
 from step3_ppo.advantages import ALIASES, ESTIMATORS, REWARD_NORMS, estimator_name, get_estimator
 from step3_ppo.engine import build_engines
 from step3_ppo.rollout_engines import ROLLOUT_ENGINES
+from step3_ppo.vllm_engine import VLLMSettings
 from step3_ppo.reward_funcs import (BUILTINS, RewardFunctionError, builtins_help, is_function_spec,
                                     load_reward_function)
 from step3_ppo.rewards import FunctionReward, RewardModelReward, reward_model_name, unique_names
@@ -71,6 +72,9 @@ def parse_args(argv=None):
     g.add_argument("--rollout_engine", choices=list(ROLLOUT_ENGINES), default="hf",
                    help="what generates the rollout: " + "; ".join(f"{name}: {e.help}"
                                                                   for name, e in ROLLOUT_ENGINES.items()))
+    for entry in ROLLOUT_ENGINES.values():
+        if entry.add_args is not None:
+            entry.add_args(p)
     g.add_argument("--no_rollout_logprobs", dest="rollout_logprobs", action="store_false",
                    help="keep no log-probs of the rollout engine for its own tokens: no rollout/logprob_diff_* "
                         "metrics and no --rollout_correction, and generate holds no per-step logits (rows x tokens "
@@ -465,7 +469,8 @@ def setup(args) -> Setup:
     stop_ids = stop_token_ids(tokenizer, chat=stats["chat"])
     print_rank0(f"[step3] responses end at {tokenizer.convert_ids_to_tokens(stop_ids)}")
     config = PPOConfig.from_args(args, stop_token_ids=tuple(stop_ids), pad_token_id=tokenizer.pad_token_id,
-                                 reward_weights=tuple(args.reward_weights) if args.reward_weights else None)
+                                 reward_weights=tuple(args.reward_weights) if args.reward_weights else None,
+                                 vllm=VLLMSettings.from_args(args))
     trainer = PPOTrainer(engines, config, kl_controller(args), build_rewards(args, tokenizer, engines, functions),
                          unsupervised_batches(args, tokenizer), agent=build_agent(args, tokenizer))
     if not ROLLOUT_ENGINES[args.rollout_engine].logprobs:
@@ -547,7 +552,10 @@ def export(prepared: Setup) -> None:
 def main(argv=None):
     args = parse_args(argv)
     prepared = setup(args)
-    run = train(prepared)  # a RewardFunctionError on any rank is shown once, by run_main (utils/errors.py)
+    try:
+        run = train(prepared)  # a RewardFunctionError on any rank is shown once, by run_main (utils/errors.py)
+    finally:
+        prepared.trainer.rollout.close()
     print_rank0(f"[step3] {run.loop.step} PPO iterations in {run.train_s:.1f} s (evaluations {run.eval_s:.1f} s)")
     engines = prepared.engines
     saved = ["actor/"] + ["critic/"] * (engines.critic is not None) + ["actor_ema/"] * (engines.ema is not None)

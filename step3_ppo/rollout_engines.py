@@ -1,7 +1,7 @@
 """Rollout engines: what generates a rollout's answers from the actor's current weights (`--rollout_engine`).
 
 An engine is built once per run, `ROLLOUT_ENGINES[name].build(actor, config)` (the actor's DeepSpeed
-engine, the run's PPOConfig), and offers `generate(input_ids, attention_mask, settings) -> sequences
+engine, the run's PPOConfig) on every rank, and offers `generate(input_ids, attention_mask, settings) -> sequences
 [B, P + T]`: left-padded prompts [B, P] with their answers after them (padded with the pad id after a
 stop token), decoded with `settings` (utils.forward.GenerationSettings) and stopping at the config's
 stop tokens. The trainer computes the old log-probs with its own forward whatever the engine (an
@@ -13,6 +13,11 @@ settings) -> (sequences, log-probs [B, T])`: its own log-probs of the tokens it 
 distribution at the rollout temperature (`settings.logprob_temperature`). The trainer logs their distance
 to its old log-probs (`rollout/logprob_diff_*`) and `--rollout_correction` weights the loss by their ratio;
 an engine that cannot give them says `logprobs=False`, and then neither is available.
+
+`metrics()` are logged with each iteration's (an engine's own costs), `close()` ends what the engine started
+(step 3 calls it when the run ends). Entries: "hf" (the actor's own `generate`, the default) and "vllm" (a
+worker process per node, step3_ppo/vllm_engine.py); a multi-turn rollout (step3_ppo/agents.py) calls the
+engine once per turn, so both serve both.
 """
 from __future__ import annotations
 
@@ -22,12 +27,17 @@ from typing import Callable, Protocol
 import torch
 
 from step3_ppo.hybrid import generate
+from step3_ppo.vllm_engine import add_vllm_args
 from utils.forward import GenerationSettings, generation_kwargs
 
 
 class RolloutEngine(Protocol):
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  settings: GenerationSettings) -> torch.Tensor: ...
+
+    def metrics(self) -> dict: ...  # logged with each iteration's (the engine's own costs: weight sync)
+
+    def close(self) -> None: ...
 
 
 class ActorGenerate:
@@ -37,6 +47,12 @@ class ActorGenerate:
 
     def __init__(self, actor, config):
         self.actor, self.config = actor, config
+
+    def metrics(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
 
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                  settings: GenerationSettings) -> torch.Tensor:
@@ -57,14 +73,25 @@ class ActorGenerate:
 @dataclass(frozen=True)
 class RolloutEngineEntry:
     """`build(actor, config) -> RolloutEngine`; `help`: the flag's one line; `logprobs`: whether its engine
-    offers `generate_with_logprobs` (the generator's own log-probs of the sampled tokens)."""
+    offers `generate_with_logprobs` (the generator's own log-probs of the sampled tokens); `add_args(parser)`:
+    the engine's own flags."""
     build: Callable[..., RolloutEngine]
     help: str
     logprobs: bool = False
+    add_args: Callable | None = None
+
+
+def _vllm(actor, config):
+    from step3_ppo.vllm_engine import VLLMRollout
+
+    return VLLMRollout(actor, config, config.vllm)
 
 
 # A new engine (vLLM, ...) is one entry here and its class (with a test that its tokens train at lr=0).
 ROLLOUT_ENGINES: dict[str, RolloutEngineEntry] = {
     "hf": RolloutEngineEntry(ActorGenerate, "transformers' generate on the actor (with --enable_hybrid_engine: "
                                             "ZeRO-3 parameters gathered once, KV cache, LoRA merged)", logprobs=True),
+    "vllm": RolloutEngineEntry(_vllm, "a vLLM worker process per node (its own cores; token ids in and out), the "
+                                      "actor's weights synced to it after each optimizer step through shared memory",
+                               logprobs=True, add_args=add_vllm_args),
 }

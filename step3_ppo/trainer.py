@@ -74,6 +74,7 @@ class PPOConfig:
     dual_clip: float | None = None
     entropy_coef: float = 0.0
     rollout_engine: str = "hf"  # an entry of step3_ppo.rollout_engines.ROLLOUT_ENGINES
+    vllm: object = None  # step3_ppo.vllm_engine.VLLMSettings of --rollout_engine vllm (None: its defaults)
     loss_agg: str | None = None  # None: the policy loss's default, else the estimator's
     reward_weights: tuple | None = None  # one per reward component; None: 1 each
     reward_norm: str = "sum_then_normalize"  # step3_ppo.advantages.REWARD_NORMS
@@ -688,5 +689,6 @@ class PPOTrainer:
         for key in train_stats[0]:
             if key != "ppo/log_ratio_max_abs":
                 metrics[key] = totals[key + "_sum"] / (1 if key in STEP_LOSSES else ranks)
+        metrics.update(self.rollout.metrics())
         self.kl_ctl.update(kl_mean, rows_total)
         return metrics, rows
