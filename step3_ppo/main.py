@@ -24,7 +24,7 @@ from step3_ppo.agents import EnvReward, build_agent, prompts_with_tools
 from step3_ppo.advantages import ALIASES, ESTIMATORS, REWARD_NORMS, estimator_name, get_estimator
 from step3_ppo.engine import build_engines
 from step3_ppo.rollout_engines import ROLLOUT_ENGINES
-from step3_ppo.vllm_engine import VLLMSettings
+from step3_ppo.vllm_engine import VLLMSettings, vllm_missing
 from step3_ppo.reward_funcs import (BUILTINS, RewardFunctionError, builtins_help, is_function_spec,
                                     load_reward_function)
 from step3_ppo.rewards import FunctionReward, RewardModelReward, reward_model_name, unique_names
@@ -289,7 +289,9 @@ def validate_args(args) -> None:
 
 def check_rollout_args(args) -> None:
     """--dynamic_sampling compares the answers to a prompt; --rollout_correction needs the generator's own
-    log-probs (an engine that gives them, not turned off) and C > 1."""
+    log-probs (an engine that gives them, not turned off) and C > 1; --rollout_engine vllm needs vLLM."""
+    if args.rollout_engine == "vllm" and (missing := vllm_missing(args.vllm_python)):
+        fail(f"--rollout_engine vllm: {missing}")
     if args.dynamic_sampling and args.n_samples_per_prompt < 2:
         fail(f"--dynamic_sampling keeps the prompts whose answers' rewards differ: it needs --n_samples_per_prompt "
              f">= 2, got {args.n_samples_per_prompt}")

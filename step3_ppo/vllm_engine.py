@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import re
 import os
 import secrets
 import shutil
@@ -63,6 +64,22 @@ class VLLMSettings:
         return cls(**{f.name: getattr(args, "vllm_" + f.name) for f in fields(cls) if hasattr(args, "vllm_" + f.name)})
 
 
+def vllm_missing(python: str | None) -> str | None:
+    """Why `python` (None: this interpreter) cannot run the worker, or None: checked before any model is built."""
+    exe = python or sys.executable
+    if not (os.path.isfile(exe) and os.access(exe, os.X_OK)):
+        return f"--vllm_python {exe}: no such executable"
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"
+    try:
+        found = subprocess.run([exe, "-c", probe], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"--vllm_python {exe} does not run: {e}"
+    if not found:
+        return (f"vLLM is not installed for {exe} (bash scripts/setup.sh --with-vllm installs it; on GPU into "
+                f".venv-vllm, then --vllm_python .venv-vllm/bin/python)")
+    return None
+
+
 def add_vllm_args(parser) -> None:
     """Step 3's `--vllm_*` flags (used with --rollout_engine vllm)."""
     g = parser.add_argument_group("vLLM rollout engine (--rollout_engine vllm; set up by scripts/setup.sh --with-vllm)")
@@ -82,12 +99,17 @@ def add_vllm_args(parser) -> None:
                    help="longest prompt + answer the worker serves (default: the model's, at most 8192)")
 
 
-def _tail(path: str, lines: int = 15) -> str:
+def _last_error(path: str, limit: int = 400) -> str:
+    """The worker log's last exception with its message lines (else its last line), as one line of at most
+    `limit` characters: what an error line can say of it."""
     try:
         with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-lines:]).rstrip()
+            lines = [line.strip() for line in f if line.strip()]
     except OSError:
         return "(no log)"
+    starts = [i for i, line in enumerate(lines) if re.match(r"^[\w.]*(Error|Exception)\b", line)]
+    text = " ".join(lines[starts[-1]:]) if starts else (lines or ["(empty log)"])[-1]
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def _set_parent_death_signal() -> None:
@@ -117,6 +139,7 @@ class VLLMRollout:
         self.synced_step, self.unlinked = None, False
         self.sync_s, self.sync_bytes = 0.0, 0  # of the last sync (logged per iteration)
         self.proc, self.conn, self.shm, self.hello, self.start_s = None, None, None, {}, 0.0
+        self.failed = False
         dist = torch.distributed.is_initialized()
         self.rank = torch.distributed.get_rank() if dist else 0
         local_size = int(os.environ.get("LOCAL_WORLD_SIZE", torch.distributed.get_world_size() if dist else 1))
@@ -160,15 +183,16 @@ class VLLMRollout:
         log.close()
         self.started = time.time()
 
-    def _failure(self, what: str) -> RolloutEngineError:
+    def _failure(self, what: str, detail: str | None = None) -> RolloutEngineError:
         code = None
         if self.proc is not None:
             try:
                 code = self.proc.wait(timeout=5)  # a hang-up is the socket closing as the process ends
             except subprocess.TimeoutExpired:
                 pass
+        self.failed = True  # close() keeps the log
         status = f" (exit code {code})" if code is not None else ""
-        return RolloutEngineError(f"vLLM worker {what}{status}; its last lines ({self.log}):\n{_tail(self.log)}")
+        return RolloutEngineError(f"vLLM worker {what}{status}: {detail or _last_error(self.log)} (its log: {self.log})")
 
     def _connect(self) -> None:
         """Wait for the worker's socket (it appears once the model is built), then connect and read hello."""
@@ -193,7 +217,7 @@ class VLLMRollout:
         except (EOFError, OSError):
             raise self._failure(f"hung up while {what}") from None
         if "error" in reply:
-            raise self._failure(f"failed while {what}: {reply['error']}")
+            raise self._failure(f"failed while {what}", reply["error"])
         return reply
 
     def _call(self, request: dict, what: str) -> dict:
@@ -222,7 +246,8 @@ class VLLMRollout:
                 self.proc.kill()
                 self.proc.wait()
             self.proc = None
-            shutil.rmtree(self.dir, ignore_errors=True)
+            if not self.failed:
+                shutil.rmtree(self.dir, ignore_errors=True)
 
     # ------------------------------------------------------------------ weight sync
     def _weights_to_send(self) -> list[tuple[str, torch.nn.Parameter, object]]:

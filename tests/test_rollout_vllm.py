@@ -36,6 +36,14 @@ def tiny_llama_32(tmp_path_factory) -> str:
     return make_tiny_model("llama", str(tmp_path_factory.mktemp("tiny_vllm") / "llama"), num_heads=2)
 
 
+@pytest.fixture(scope="session")
+def tiny_chat_llama_32(tmp_path_factory) -> str:
+    """tiny_chat_llama (ChatML, end-of-turn != EOS) with head size 32."""
+    from utils.tiny_model import make_tiny_model
+
+    return make_tiny_model("llama", str(tmp_path_factory.mktemp("tiny_vllm_chat") / "llama"), num_heads=2, chat=True)
+
+
 def vllm_setup(model, tmp, *extra):
     write_rows(tmp)
     return setup(parse_args(grpo_args(model, tmp, "--actor_zero_stage", 0, "--actor_learning_rate", 0,
@@ -116,10 +124,11 @@ def test_lr0_log_ratio_and_a_flat_mismatch_over_five_iterations(vllm_run):
 def test_a_worker_that_dies_stops_the_next_rollout_with_its_last_lines(vllm_run):
     """Last in the module: it ends the module's worker."""
     engine = vllm_run.trainer.rollout
-    os.kill(engine.proc.pid, signal.SIGKILL)
     batch = prompt_batches(vllm_run, 2, n_rows=2)[0]
+    engine.generate(batch["input_ids"], batch["attention_mask"], GREEDY)  # started and synced
+    os.kill(engine.proc.pid, signal.SIGKILL)
     t0 = time.time()
-    with pytest.raises(RolloutEngineError, match=r"vLLM worker (exited|hung up) while (generating|loading weights) .exit code -9"):
+    with pytest.raises(RolloutEngineError, match=r"vLLM worker (exited|hung up) while generating .exit code -9"):
         engine.generate(batch["input_ids"], batch["attention_mask"], GREEDY)
     assert time.time() - t0 < 5
 
@@ -145,6 +154,28 @@ def test_lora_sync_sends_the_adapters_merged(tiny_llama_32, tmp_path):
         run.trainer.rollout.close()
 
 
+def test_multi_turn_rows_at_lr0_with_the_vllm_worker(tiny_chat_llama_32, tmp_path):
+    """Trajectories of up to 3 turns, the engine called turn by turn: the worker's tokens train at lr 0 (the
+    environment's tokens are not actions) and its log-probs of its own tokens are the trainer's."""
+    from tests.test_agents import agent_setup
+    from utils.data import PromptCollator
+    from utils.reward_model import make_reward_model_dir
+
+    critic = make_reward_model_dir(tiny_chat_llama_32, str(tmp_path / "critic"))
+    run = agent_setup(tiny_chat_llama_32, critic, tmp_path, "--rollout_engine", "vllm", "--vllm_enforce_eager",
+                      "--advantage_estimator", "grpo", "--n_samples_per_prompt", "2")
+    try:
+        examples = list(run.loader.dataset)
+        collate = PromptCollator(run.tokenizer.pad_token_id)
+        torch.manual_seed(0)
+        metrics_, rows = run.trainer.step([collate(examples[i:i + 3]) for i in (0, 3)], step=0)
+        assert any(r.agent["turns"] > 1 for r in rows) and metrics_["rollout/env_tokens_mean"] > 0
+        assert metrics_["ppo/log_ratio_max_abs"] <= 1e-4, metrics_
+        assert metrics_["rollout/logprob_diff_max"] <= 1e-4, metrics_
+    finally:
+        run.trainer.rollout.close()
+
+
 class _Actor(torch.nn.Module):
     def __init__(self, model):
         super().__init__()
@@ -157,6 +188,20 @@ def _config(seed=0):
     return SimpleNamespace(stop_token_ids=(0,), pad_token_id=0, seed=seed, generation=GenerationSettings(8))
 
 
+def test_a_missing_vllm_is_one_line_before_any_model_is_built(tiny_llama_32, tmp_path):
+    import re
+    import sys
+
+    from step3_ppo.main import main
+
+    write_rows(tmp_path)
+    bare = os.path.join(sys.base_prefix, "bin", "python3")  # the interpreter under the venv: no vLLM there
+    for python, message in (("/no/such/python", "--vllm_python /no/such/python: no such executable"),
+                            (bare, f"vLLM is not installed for {bare}")):
+        with pytest.raises(SystemExit, match=re.escape(f"error: --rollout_engine vllm: {message}")):
+            main(grpo_args(tiny_llama_32, tmp_path, "--rollout_engine", "vllm", "--vllm_python", python))
+
+
 def test_a_worker_that_never_starts_is_one_error_in_seconds(tiny_llama_32, tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -164,7 +209,7 @@ def test_a_worker_that_never_starts_is_one_error_in_seconds(tiny_llama_32, tmp_p
     ids, mask = torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long)
     engine = VLLMRollout(_Actor(model), _config(), VLLMSettings(python="/bin/false"))
     t0 = time.time()
-    with pytest.raises(RolloutEngineError, match="vLLM worker exited before it was ready .exit code 1."):
+    with pytest.raises(RolloutEngineError, match=r"vLLM worker exited before it was ready .exit code 1.: \(empty log\)"):
         engine.generate(ids, mask, GREEDY)
     assert time.time() - t0 < 5
     engine.close()
@@ -172,7 +217,8 @@ def test_a_worker_that_never_starts_is_one_error_in_seconds(tiny_llama_32, tmp_p
     engine = VLLMRollout(_Actor(model), _config(), VLLMSettings(enforce_eager=True))
     with pytest.raises(RolloutEngineError, match="exited before it was ready") as failure:
         engine.generate(ids, mask, GREEDY)
-    assert "NoSuchModelForCausalLM" in str(failure.value)
+    assert "Error" in str(failure.value) and "NoSuchModelForCausalLM" in str(failure.value), failure.value
+    assert "\n" not in str(failure.value) and os.path.exists(engine.log)  # one line; the log kept
     engine.close()
 
 
