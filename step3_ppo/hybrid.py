@@ -53,11 +53,14 @@ def _hooks_lifted(offload):
             hooks.update(saved[key])
 
 
-def partitioned_params(module) -> list:
-    """The ZeRO-3 parameters of `module` whose data lives split across ranks (not gathered, not persistent)."""
+def partitioned_params(module_or_params) -> list:
+    """The ZeRO-3 parameters of a module (or among a list of parameters, each once) whose data lives split
+    across ranks now (not gathered, not persistent)."""
     from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    return [p for p in module.parameters() if getattr(p, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE]
+    params = module_or_params.parameters() if hasattr(module_or_params, "parameters") else module_or_params
+    unique = {id(p): p for p in params}.values()
+    return [p for p in unique if getattr(p, "ds_status", None) == ZeroParamStatus.NOT_AVAILABLE]
 
 
 @contextlib.contextmanager

@@ -35,7 +35,8 @@ def parse_args(argv=None):
     p.add_argument("--logprobs_mode", default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"],
                    help="vLLM's: raw (before temperature) when the rollout samples at temperature 1, else processed")
     p.add_argument("--kv_cache_gib", type=float, default=1.0, help="KV cache size in GiB")
-    p.add_argument("--enforce_eager", action="store_true", help="no compilation / CUDA graphs (fast start)")
+    p.add_argument("--mode", choices=["auto", "eager", "compiled"], default="auto",
+                   help="eager: no compilation / CUDA graphs (fast start); auto: eager on CPU, compiled on GPU")
     p.add_argument("--tensor_parallel_size", type=int, default=1, help="devices of this worker (GPU)")
     p.add_argument("--gpu_memory_utilization", type=float, default=0.5, help="share of the GPU it may take (GPU)")
     p.add_argument("--seed", type=int, default=0, help="vLLM's seed (each sampled request also gets its own)")
@@ -57,11 +58,12 @@ def build_llm(args):
         lambda record: "Failed to load weights" not in record.getMessage())
 
     kwargs = {}
+    eager = args.mode == "eager" or (args.mode == "auto" and current_platform.is_cpu())
     if not current_platform.is_cpu():
         kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_gib * 2**30)
         kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
     return LLM(model=args.model, dtype=args.dtype, load_format="dummy", skip_tokenizer_init=True,
-               generation_config="vllm", max_model_len=args.max_model_len, enforce_eager=args.enforce_eager,
+               generation_config="vllm", max_model_len=args.max_model_len, enforce_eager=eager,
                tensor_parallel_size=args.tensor_parallel_size, logprobs_mode=args.logprobs_mode, seed=args.seed,
                enable_prefix_caching=True, **kwargs)
 
@@ -185,7 +187,10 @@ def main(argv=None) -> None:
     llm = build_llm(args)
     import vllm
 
-    hello = {"vllm": vllm.__version__, "start_s": round(time.perf_counter() - t0, 2)}
+    import torch
+
+    hello = {"vllm": vllm.__version__, "start_s": round(time.perf_counter() - t0, 2), "threads": torch.get_num_threads(),
+             "affinity": sorted(os.sched_getaffinity(0))}
     # the socket appears once the model is built: the trainer ranks wait for it, connect and read `hello`
     listener = Listener(args.socket, family="AF_UNIX", authkey=key)
     serve(llm, listener, args.ranks, hello)

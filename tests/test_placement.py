@@ -108,11 +108,13 @@ MODEL_METHODS = {"generate", "forward"}
 # utils.forward.model_device. The trainer's generate_rows calls a rollout engine's `generate`, not a model's:
 # the engine places its inputs itself (ActorGenerate through step3_ppo.hybrid.generate -> utils.forward, whose
 # own call is checked here); so does the multi-turn rollout's generate_turn (step3_ppo/agents.py), the same
-# engine turn by turn. The vLLM worker's generate is vLLM's own `LLM.generate` on token-id lists (vLLM places
-# them on its device). Each exception is one named function, never a whole file or folder.
+# engine turn by turn, and bench/vllm_engine.py's worker, which times both engines. The vLLM worker's generate
+# is vLLM's own `LLM.generate` on token-id lists (vLLM places them on its device). Each exception is one named
+# function, never a whole file or folder.
 ALLOWED = {("utils/forward.py", "*"), ("utils/reward_model.py", "forward"),
            ("bench/step3.py", "logits_to_keep_logprobs"), ("step3_ppo/trainer.py", "generate_rows"),
-           ("step3_ppo/agents.py", "generate_turn"), ("step3_ppo/vllm_worker.py", "generate")}
+           ("step3_ppo/agents.py", "generate_turn"), ("step3_ppo/vllm_worker.py", "generate"),
+           ("bench/vllm_engine.py", "worker")}
 
 
 def project_files():

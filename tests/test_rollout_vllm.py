@@ -47,7 +47,7 @@ def tiny_chat_llama_32(tmp_path_factory) -> str:
 def vllm_setup(model, tmp, *extra):
     write_rows(tmp)
     return setup(parse_args(grpo_args(model, tmp, "--actor_zero_stage", 0, "--actor_learning_rate", 0,
-                                      "--kl_ctl", 0.1, "--rollout_engine", "vllm", "--vllm_enforce_eager", *extra)))
+                                      "--kl_ctl", 0.1, "--rollout_engine", "vllm", "--vllm_mode", "eager", *extra)))
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +162,7 @@ def test_multi_turn_rows_at_lr0_with_the_vllm_worker(tiny_chat_llama_32, tmp_pat
     from utils.reward_model import make_reward_model_dir
 
     critic = make_reward_model_dir(tiny_chat_llama_32, str(tmp_path / "critic"))
-    run = agent_setup(tiny_chat_llama_32, critic, tmp_path, "--rollout_engine", "vllm", "--vllm_enforce_eager",
+    run = agent_setup(tiny_chat_llama_32, critic, tmp_path, "--rollout_engine", "vllm", "--vllm_mode", "eager",
                       "--advantage_estimator", "grpo", "--n_samples_per_prompt", "2")
     try:
         examples = list(run.loader.dataset)
@@ -214,7 +214,7 @@ def test_a_worker_that_never_starts_is_one_error_in_seconds(tiny_llama_32, tmp_p
     assert time.time() - t0 < 5
     engine.close()
     model.config.architectures = ["NoSuchModelForCausalLM"]  # an architecture vLLM cannot build
-    engine = VLLMRollout(_Actor(model), _config(), VLLMSettings(enforce_eager=True))
+    engine = VLLMRollout(_Actor(model), _config(), VLLMSettings(mode="eager"))
     with pytest.raises(RolloutEngineError, match="exited before it was ready") as failure:
         engine.generate(ids, mask, GREEDY)
     assert "Error" in str(failure.value) and "NoSuchModelForCausalLM" in str(failure.value), failure.value
@@ -229,8 +229,8 @@ def even_first_token(completions, completion_ids, **kwargs):
 
 
 def test_two_ranks_zero3_grpo_learns_with_the_vllm_worker(tiny_llama_32, tmp_path):
-    """Two ranks under ZeRO-3 share one worker (their requests batched together), the weights are gathered
-    for each sync, and GRPO learns a reward it can learn (the first answer token even, among the top 8),
+    """Two ranks under ZeRO-3 (+ the hybrid engine's gathered scoring) share one worker (their requests batched
+    together), the weights are gathered for each sync, and GRPO learns a reward it can learn (the first answer token even, among the top 8),
     with the generator-trainer mismatch ~0 on every iteration (the worker always has the latest weights)."""
     write_rows(tmp_path, 64)
     (tmp_path / "even.py").write_text(EVEN)
@@ -239,9 +239,10 @@ def test_two_ranks_zero3_grpo_learns_with_the_vllm_worker(tiny_llama_32, tmp_pat
             "--data_split", "0,0,10", "--output_dir", out, "--advantage_estimator", "grpo", "--n_samples_per_prompt", 4,
             "--reward_funcs", f"{tmp_path / 'even.py'}:even_first_token", "--max_prompt_seq_len", 32,
             "--max_answer_seq_len", 1, "--top_k", 8, "--per_device_generation_batch_size", 4,
-            "--per_device_training_batch_size", 8, "--actor_zero_stage", 3, "--actor_learning_rate", "1e-2",
+            "--per_device_training_batch_size", 8, "--actor_zero_stage", 3, "--enable_hybrid_engine",
+            "--actor_learning_rate", "1e-2",
             "--lr_scheduler_type", "constant", "--num_train_epochs", 2, "--max_steps", 10, "--seed", 1,
-            "--rollout_engine", "vllm", "--vllm_enforce_eager"]
+            "--rollout_engine", "vllm", "--vllm_mode", "eager"]
     proc = run_deepspeed("step3_ppo.main", args, log_path=str(tmp_path / "log.txt"))
     assert proc.returncode == 0, tail(proc)
     rows = metrics(out)
