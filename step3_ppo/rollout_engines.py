@@ -79,6 +79,7 @@ class RolloutEngineEntry:
     help: str
     logprobs: bool = False
     add_args: Callable | None = None
+    prefetch: bool = False  # offers prefetch(ids, mask, settings, logprobs): --async_rollout
 
 
 def _vllm(actor, config):
@@ -93,5 +94,5 @@ ROLLOUT_ENGINES: dict[str, RolloutEngineEntry] = {
                                             "ZeRO-3 parameters gathered once, KV cache, LoRA merged)", logprobs=True),
     "vllm": RolloutEngineEntry(_vllm, "a vLLM worker process per node (its own cores; token ids in and out), the "
                                       "actor's weights synced to it after each optimizer step through shared memory",
-                               logprobs=True, add_args=add_vllm_args),
+                               logprobs=True, add_args=add_vllm_args, prefetch=True),
 }

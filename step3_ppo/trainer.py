@@ -75,6 +75,7 @@ class PPOConfig:
     entropy_coef: float = 0.0
     rollout_engine: str = "hf"  # an entry of step3_ppo.rollout_engines.ROLLOUT_ENGINES
     vllm: object = None  # step3_ppo.vllm_engine.VLLMSettings of --rollout_engine vllm (None: its defaults)
+    async_rollout: bool = False  # the engine generates iteration k+1 while iteration k trains (one step stale)
     loss_agg: str | None = None  # None: the policy loss's default, else the estimator's
     reward_weights: tuple | None = None  # one per reward component; None: 1 each
     reward_norm: str = "sum_then_normalize"  # step3_ppo.advantages.REWARD_NORMS
@@ -174,7 +175,7 @@ class PPOTrainer:
                 row.group = first_group + i // n
             return rows
         ids, mask = prompt_batch["input_ids"], prompt_batch["attention_mask"]
-        inputs = (ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0), settings or c.generation)
+        inputs = self.rollout_inputs(prompt_batch, n, settings or c.generation)
         if logprobs:
             sequences, generated = self.rollout.generate_with_logprobs(*inputs)
         else:
@@ -186,6 +187,20 @@ class PPOTrainer:
             if logprobs:
                 row.per_action["rollout_logprobs"] = generated[i, :row.response_ids.numel()].float().cpu().clone()
         return rows
+
+    @staticmethod
+    def rollout_inputs(prompt_batch: dict, n: int, settings: GenerationSettings) -> tuple:
+        """What the rollout engine is given for a prompt batch: each prompt `n` times, and the settings."""
+        ids, mask = prompt_batch["input_ids"], prompt_batch["attention_mask"]
+        return ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0), settings
+
+    def prefetch(self, prompt_batches: list[dict]) -> None:
+        """`--async_rollout`: the next iteration's prompt batches handed to the engine now, generated while
+        this iteration trains (with the weights before its update: one step stale)."""
+        c = self.config
+        for batch in prompt_batches:
+            self.rollout.prefetch(*self.rollout_inputs(batch, c.n_samples_per_prompt, c.generation),
+                                  logprobs=self.rollout_logprobs)
 
     def inference_weights(self, engine):
         """With the hybrid engine, a no-grad phase holds the whole model gathered once (hybrid.gathered).
@@ -583,9 +598,11 @@ class PPOTrainer:
                                  f"their groups were dropped; the first error of each function is printed above")
 
     # ------------------------------------------------------------------ one iteration
-    def step(self, prompt_batches: list[dict], step: int, more_prompts=None) -> tuple[dict, list[Row]]:
+    def step(self, prompt_batches: list[dict], step: int, more_prompts=None,
+             next_prompts=None) -> tuple[dict, list[Row]]:
         """Rollout over the prompt batches (with dynamic sampling, more from `more_prompts`), then PPO epochs;
-        returns metrics averaged over ranks."""
+        returns metrics averaged over ranks. With `--async_rollout`, `next_prompts()` (the next iteration's
+        prompt batches, or None) are handed to the engine before training starts."""
         c = self.config
         env_s0 = self.agent.env_s if self.agent is not None else 0.0
         rows, generation_s, experience_s = self.make_experience(prompt_batches)
@@ -607,6 +624,8 @@ class PPOTrainer:
         t2 = time.time()
         experience_s += t2 - t0
 
+        if c.async_rollout and next_prompts is not None and (upcoming := next_prompts()):
+            self.prefetch(upcoming)
         self.overflow_skipped = 0
         with self.memory.phase("training"):
             train_stats, optimizer_steps = self.train_epochs(rows, step)

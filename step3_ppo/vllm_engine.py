@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import atexit
 import json
-import re
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -144,8 +144,12 @@ class VLLMRollout:
         self.sync_s, self.sync_bytes = 0.0, 0  # of the last sync (logged per iteration)
         self.proc, self.conn, self.shm, self.hello, self.start_s = None, None, None, {}, 0.0
         self.failed = False
+        self.pending = []  # prefetched requests: {"key", "reply" (None until read), "step" (weights), "prompts"}
+        self.staleness = 0  # the actor's optimizer steps between the last rollout's weights and the current ones
         dist = torch.distributed.is_initialized()
         self.rank = torch.distributed.get_rank() if dist else 0
+        # each sampled row's vLLM seed, drawn in rollout order (the same with and without --async_rollout)
+        self.seeds = torch.Generator().manual_seed(config.seed * 1000 + self.rank)
         local_size = int(os.environ.get("LOCAL_WORLD_SIZE", torch.distributed.get_world_size() if dist else 1))
         self.owner = int(os.environ.get("LOCAL_RANK", "0")) == 0
         node = self.rank // local_size
@@ -224,10 +228,21 @@ class VLLMRollout:
             raise self._failure(f"failed while {what}", reply["error"])
         return reply
 
-    def _call(self, request: dict, what: str) -> dict:
+    def _send(self, request: dict) -> None:
         if self.conn is None:
             self._connect()
         self.conn.send_bytes(json.dumps(request).encode())
+
+    def _drain(self) -> None:
+        """The replies to prefetched requests, read (in order: the worker answers a connection in order) before
+        any other call's reply; kept for the `generate` that asks for them."""
+        for entry in self.pending:
+            if entry["reply"] is None:
+                entry["reply"] = self._receive("generating ahead")
+
+    def _call(self, request: dict, what: str) -> dict:
+        self._drain()
+        self._send(request)
         return self._receive(what)
 
     def close(self) -> None:
@@ -241,6 +256,7 @@ class VLLMRollout:
                 pass
             self.conn = None
         if self.shm is not None:
+            self.flat = None  # the tensor over the block's buffer first: a mapped buffer cannot close
             self.shm.close()
             self.shm = None
         if self.proc is not None:
@@ -298,7 +314,7 @@ class VLLMRollout:
                 self.shm = shared_memory.SharedMemory(create=True, size=max(offset, 1))
                 self.flat = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
         group, size = [], 0
-        for i, (name, param, lora) in enumerate(weights):
+        for i, (_, param, _) in enumerate(weights):
             group.append(i)
             size += param.element_size() * torch.Size(shapes[i]).numel()
             if size < GATHER_BYTES and i + 1 < len(weights):
@@ -329,23 +345,53 @@ class VLLMRollout:
 
     def metrics(self) -> dict:
         """Logged per iteration: the last weight sync's seconds and megabytes (this node's worker)."""
-        return {"time/weight_sync_s": self.sync_s, "rollout/weight_sync_mb": self.sync_bytes / 2**20}
+        return {"time/weight_sync_s": self.sync_s, "rollout/weight_sync_mb": self.sync_bytes / 2**20,
+                "rollout/staleness": float(self.staleness)}
 
     # ------------------------------------------------------------------ generation
-    def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, settings: GenerationSettings,
-                  logprobs: bool):
-        self.sync_weights()
+    def _request(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, settings: GenerationSettings,
+                 logprobs: bool) -> dict:
         c = self.config
         prompts = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask)]
-        seeds = torch.randint(2**31 - 1, (len(prompts),)).tolist() if settings.do_sample else [None] * len(prompts)
+        seeds = (torch.randint(2**31 - 1, (len(prompts),), generator=self.seeds).tolist() if settings.do_sample
+                 else [None] * len(prompts))
         params = {"max_new_tokens": settings.max_new_tokens, "min_new_tokens": settings.min_new_tokens,
                   "do_sample": settings.do_sample, "temperature": settings.temperature, "top_p": settings.top_p,
                   "top_k": settings.top_k, "stop_token_ids": list(c.stop_token_ids), "logprobs": logprobs}
-        outputs = self._call({"op": "generate", "prompts": prompts, "params": params, "seeds": seeds},
-                             "generating")["outputs"]
+        return {"op": "generate", "prompts": prompts, "params": params, "seeds": seeds}
+
+    @staticmethod
+    def _key(input_ids, attention_mask, settings, logprobs):
+        return input_ids.tolist(), attention_mask.tolist(), settings, logprobs
+
+    def prefetch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, settings: GenerationSettings,
+                 logprobs: bool = False) -> None:
+        """Start generating these rows now (`--async_rollout`: while the trainer trains on the current rollout),
+        with the weights of the last optimizer step; the `generate` call with the same inputs takes the answers.
+        Under ZeRO-3 collective like `generate` (the weight sync)."""
+        self.sync_weights()
+        request = self._request(input_ids, attention_mask, settings, logprobs)
+        self._send(request)
+        self.pending.append({"key": self._key(input_ids, attention_mask, settings, logprobs), "reply": None,
+                             "step": self.synced_step, "prompts": len(request["prompts"])})
+
+    def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, settings: GenerationSettings,
+                  logprobs: bool):
+        key = self._key(input_ids, attention_mask, settings, logprobs)
+        entry = next((e for e in self.pending if e["key"] == key), None)
+        if entry is not None:  # generated ahead, with the weights of an earlier step
+            self._drain()
+            self.pending.remove(entry)
+            outputs = entry["reply"]["outputs"]
+            self.staleness = self.actor.global_steps - entry["step"]
+        else:
+            self.sync_weights()
+            outputs = self._call(self._request(input_ids, attention_mask, settings, logprobs), "generating")["outputs"]
+            self.staleness = 0
+        c = self.config
         width = max(1, max(len(o["ids"]) for o in outputs))
-        answers = torch.full((len(prompts), width), c.pad_token_id, dtype=torch.long)
-        generated = torch.zeros((len(prompts), width), dtype=torch.float32)
+        answers = torch.full((len(outputs), width), c.pad_token_id, dtype=torch.long)
+        generated = torch.zeros((len(outputs), width), dtype=torch.float32)
         for b, out in enumerate(outputs):
             answers[b, :len(out["ids"])] = torch.tensor(out["ids"], dtype=torch.long)
             if logprobs:

@@ -28,6 +28,16 @@ pytestmark = pytest.mark.slow
 GREEDY = GenerationSettings(max_new_tokens=8, do_sample=False)
 
 
+def test_vllms_packages_leave_gguf_importable():
+    """vLLM's mistral_common is imported by gguf when present; without pycountry that import raised, and with it
+    the conversion of the embedded default model (a fresh clone's first run) failed."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", "import gguf, mistral_common"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_32(tmp_path_factory) -> str:
     """tiny_llama with head size 32 (2 heads of 64): vLLM's CPU attention takes multiples of 32 only."""
@@ -119,6 +129,33 @@ def test_lr0_log_ratio_and_a_flat_mismatch_over_five_iterations(vllm_run):
         assert metrics_["time/weight_sync_s"] > 0 and metrics_["rollout/weight_sync_mb"] > 0
         diffs.append(metrics_["rollout/logprob_diff_max"])
     assert max(diffs) <= 1e-4, diffs
+
+
+def test_async_rollout_at_lr0_gives_the_synchronous_run(vllm_run):
+    """--async_rollout: iteration k+1 is generated while k trains, with the weights before k's update
+    (one iteration stale); at lr 0 those are the same weights, so the same tokens and rewards as without it."""
+    trainer = vllm_run.trainer
+    batches = [prompt_batches(vllm_run, 2, n_rows=2, offset=2 * k) for k in range(3)]
+
+    def three_steps(overlap: bool):
+        trainer.config.async_rollout = overlap
+        trainer.rollout.seeds.manual_seed(77)
+        out = []
+        for k in range(3):
+            upcoming = (lambda k=k: batches[k + 1] if k + 1 < 3 else None)
+            metrics_, rows = trainer.step(batches[k], step=k, next_prompts=upcoming)
+            out.append((metrics_["reward/score_mean"], [r.response_ids.tolist() for r in rows],
+                        metrics_["rollout/staleness"], metrics_["ppo/log_ratio_max_abs"]))
+        return out
+
+    try:
+        plain, overlapped = three_steps(False), three_steps(True)
+    finally:
+        trainer.config.async_rollout = False
+    # staleness counts the actor's optimizer steps: one iteration's (2 mini-batches here)
+    assert [o[2] for o in plain] == [0, 0, 0] and [o[2] for o in overlapped] == [0, 2, 2]
+    assert [o[:2] for o in overlapped] == [o[:2] for o in plain]
+    assert max(o[3] for o in overlapped) <= 1e-4 and not trainer.rollout.pending
 
 
 def test_a_worker_that_dies_stops_the_next_rollout_with_its_last_lines(vllm_run):

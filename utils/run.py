@@ -86,6 +86,7 @@ class Run:
         self.train_s = self.eval_s = 0.0
         self.restored_from: str | None = None
         self._epoch = None  # (the batch iterator, its length) of the epoch `steps` is in, for `next_batch`
+        self._peeked = []  # batches `peek` drew from that iterator ahead of the loop's position
 
     @property
     def resumed(self) -> bool:
@@ -139,9 +140,9 @@ class Run:
             # consumed before the checkpoint this run resumed from (fewer rows since: --resume_ignore_data_change)
             for _ in range(min(loop.batches_in_epoch, len(loader))):
                 next(batches)
-            self._epoch = batches, len(loader)
+            self._epoch, self._peeked = (batches, len(loader)), []
             while loop.batches_in_epoch + batches_per_step <= len(loader) and loop.step < self.total_steps:
-                unit = [next(batches) for _ in range(batches_per_step)]
+                unit = [self._next() for _ in range(batches_per_step)]
                 loop.batches_in_epoch += batches_per_step
                 yield unit
             if loop.step < self.total_steps:
@@ -158,7 +159,22 @@ class Run:
         if self._epoch is None or self.loop.batches_in_epoch >= self._epoch[1]:
             return None
         self.loop.batches_in_epoch += 1
-        return next(self._epoch[0])
+        return self._next()
+
+    def _next(self):
+        return self._peeked.pop(0) if self._peeked else next(self._epoch[0])
+
+    def peek(self, count: int) -> list | None:
+        """The `count` batches the next step will get, without moving the loop's position (a checkpoint
+        saved before that step still resumes at them): step 3's `--async_rollout` generates them while the
+        current step trains. None when the next step starts a new epoch or there is none."""
+        loop = self.loop
+        if (self._epoch is None or loop.step + 1 >= self.total_steps
+                or loop.batches_in_epoch + count > self._epoch[1]):
+            return None
+        while len(self._peeked) < count:
+            self._peeked.append(next(self._epoch[0]))
+        return list(self._peeked[:count])
 
     def after_step(self, metrics: dict, postfix: dict | Callable[[dict], dict] | None = None, line: str | None = None,
                    state: dict | None = None, rank_state: dict | None = None) -> dict:
