@@ -24,12 +24,12 @@ from step3_ppo.agents import EnvReward, build_agent, prompts_with_tools
 from step3_ppo.advantages import ALIASES, ESTIMATORS, REWARD_NORMS, estimator_name, get_estimator
 from step3_ppo.engine import build_engines
 from step3_ppo.rollout_engines import ROLLOUT_ENGINES
-from step3_ppo.vllm_engine import VLLMSettings, vllm_missing
 from step3_ppo.reward_funcs import (BUILTINS, RewardFunctionError, builtins_help, is_function_spec,
                                     load_reward_function)
 from step3_ppo.rewards import FunctionReward, RewardModelReward, reward_model_name, unique_names
 from step3_ppo.shaping import AdaptiveKLController, FixedKLController
 from step3_ppo.trainer import PPOConfig, PPOTrainer
+from step3_ppo.vllm_engine import VLLMSettings, vllm_missing
 from utils.checkpoint import data_layout
 from utils.export import export_hf_model
 from utils.data import (PromptCollator, SFTCollator, describe_skips, distributed_loader, read_texts, stop_token_ids,

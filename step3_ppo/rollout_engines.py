@@ -27,7 +27,7 @@ from typing import Callable, Protocol
 import torch
 
 from step3_ppo.hybrid import generate
-from step3_ppo.vllm_engine import add_vllm_args
+from step3_ppo.vllm_engine import VLLMRollout, add_vllm_args
 from utils.forward import GenerationSettings, generation_kwargs
 
 
@@ -83,8 +83,6 @@ class RolloutEngineEntry:
 
 
 def _vllm(actor, config):
-    from step3_ppo.vllm_engine import VLLMRollout
-
     return VLLMRollout(actor, config, config.vllm)
 
 
