@@ -300,6 +300,8 @@ def check_rollout_args(args) -> None:
     if args.async_rollout:
         if not ROLLOUT_ENGINES[args.rollout_engine].prefetch:
             fail(f"--async_rollout: --rollout_engine {args.rollout_engine} cannot generate ahead (use vllm)")
+        if args.vllm_sleep:
+            fail("--async_rollout generates while the ranks train: the worker cannot sleep then (--vllm_sleep)")
         if args.dynamic_sampling or args.env or args.tools:
             fail("--async_rollout generates the next iteration's prompts ahead in one round; it does not combine "
                  "with --dynamic_sampling or multi-turn rollouts (--env/--tools)")

@@ -14,7 +14,8 @@ distribution at the rollout temperature (`settings.logprob_temperature`). The tr
 to its old log-probs (`rollout/logprob_diff_*`) and `--rollout_correction` weights the loss by their ratio;
 an engine that cannot give them says `logprobs=False`, and then neither is available.
 
-`metrics()` are logged with each iteration's (an engine's own costs), `close()` ends what the engine started
+`metrics()` are logged with each iteration's (an engine's own costs), `sleep()` comes before training (an engine
+may free memory then and wake itself at its next call), `close()` ends what the engine started
 (step 3 calls it when the run ends). Entries: "hf" (the actor's own `generate`, the default) and "vllm" (a
 worker process per node, step3_ppo/vllm_engine.py); a multi-turn rollout (step3_ppo/agents.py) calls the
 engine once per turn, so both serve both.
@@ -37,6 +38,8 @@ class RolloutEngine(Protocol):
 
     def metrics(self) -> dict: ...  # logged with each iteration's (the engine's own costs: weight sync)
 
+    def sleep(self) -> None: ...  # before training: free what generation holds (the engine wakes itself)
+
     def close(self) -> None: ...
 
 
@@ -50,6 +53,9 @@ class ActorGenerate:
 
     def metrics(self) -> dict:
         return {}
+
+    def sleep(self) -> None:
+        pass
 
     def close(self) -> None:
         pass

@@ -626,6 +626,8 @@ class PPOTrainer:
 
         if c.async_rollout and next_prompts is not None and (upcoming := next_prompts()):
             self.prefetch(upcoming)
+        else:
+            self.rollout.sleep()
         self.overflow_skipped = 0
         with self.memory.phase("training"):
             train_stats, optimizer_steps = self.train_epochs(rows, step)

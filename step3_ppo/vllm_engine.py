@@ -60,6 +60,7 @@ class VLLMSettings:
     start_timeout_s: float = 900.0
     max_model_len: int | None = None  # None: the model's max_position_embeddings, at most 8192
     threads: int | None = None  # CPU: the worker's threads; None: every core of the machine
+    sleep: bool = False  # the worker sleeps (weights offloaded, KV cache freed) while the ranks train
 
     @classmethod
     def from_args(cls, args) -> "VLLMSettings":
@@ -99,6 +100,9 @@ def add_vllm_args(parser) -> None:
                    help="how long to wait for the worker to build its model before stopping the run")
     g.add_argument("--vllm_threads", type=int, default=None,
                    help="CPU: the worker's threads (default: every core; the ranks wait while it generates)")
+    g.add_argument("--vllm_sleep", action="store_true",
+                   help="the worker sleeps while the ranks train (vLLM's sleep mode, level 1: weights to CPU memory, "
+                        "KV cache freed) and wakes for the next rollout; GPU only (vLLM refuses it on CPU)")
     g.add_argument("--vllm_max_model_len", type=int, default=None,
                    help="longest prompt + answer the worker serves (default: the model's, at most 8192)")
 
@@ -143,7 +147,7 @@ class VLLMRollout:
         self.synced_step, self.unlinked = None, False
         self.sync_s, self.sync_bytes = 0.0, 0  # of the last sync (logged per iteration)
         self.proc, self.conn, self.shm, self.hello, self.start_s = None, None, None, {}, 0.0
-        self.failed = False
+        self.failed, self.asleep = False, False
         self.pending = []  # prefetched requests: {"key", "reply" (None until read), "step" (weights), "prompts"}
         self.staleness = 0  # the actor's optimizer steps between the last rollout's weights and the current ones
         dist = torch.distributed.is_initialized()
@@ -179,7 +183,7 @@ class VLLMRollout:
                "--gpu_memory_utilization", str(s.gpu_memory_utilization), "--seed", str(self.config.seed),
                # the trainer's log-probs are at the rollout temperature: vLLM's raw ones are before it
                "--logprobs_mode", "raw_logprobs" if temperature == 1.0 else "processed_logprobs"]
-        cmd += ["--mode", s.mode]
+        cmd += ["--mode", s.mode] + (["--sleep"] if s.sleep else [])
         # on CPU the ranks wait while the worker generates: it takes every core, not a rank's share (OMP_NUM_THREADS)
         env = {**os.environ, "VLLM_WORKER_AUTHKEY": self.key, "OMP_NUM_THREADS": str(s.threads or os.cpu_count())}
         for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -301,6 +305,10 @@ class VLLMRollout:
             self._connect()  # every rank of the node; the first time waits for the worker to build its model
             self.start_s = time.time() - t0
         t0 = time.time()
+        if self.asleep:
+            if self.owner:
+                self._call({"op": "wake"}, "waking up")
+            self.asleep = False
         weights = self._weights_to_send()
         shapes = [tuple(getattr(p, "ds_shape", p.shape)) for _, p, _ in weights]
         layout, offset = [], 0
@@ -342,6 +350,15 @@ class VLLMRollout:
         if torch.distributed.is_initialized():
             torch.distributed.barrier()  # no rank generates before its node's worker has the new weights
         self.synced_step, self.sync_s, self.sync_bytes = step, time.time() - t0, offset
+
+    def sleep(self) -> None:
+        """With --vllm_sleep, before training: the worker frees its accelerator memory; the next sync (forced)
+        wakes it first, and a barrier there keeps every rank from generating before."""
+        if not self.settings.sleep or self.asleep or self.conn is None:
+            return
+        if self.owner:
+            self._call({"op": "sleep"}, "going to sleep")
+        self.asleep, self.synced_step = True, None
 
     def metrics(self) -> dict:
         """Logged per iteration: the last weight sync's seconds and megabytes (this node's worker)."""

@@ -9,6 +9,7 @@ multiprocessing.connection, never pickles):
   {"op": "load", "shm": name, "tensors": [[name, dtype, shape, offset], ...]}
       -> {"seconds": s}: checkpoint-format weights read from shared memory into the model in place
          (vLLM's reload_weights), then the prefix cache reset
+  {"op": "sleep"} / {"op": "wake"} -> {}: vLLM's sleep mode, level 1 (started with --sleep)
   {"op": "close"} -> {} and the worker exits.
 Requests that arrive together from several ranks are generated in one batch. A failure is answered
 {"error": "..."} and the worker keeps serving; the worker's own output goes to the log file the trainer
@@ -39,6 +40,7 @@ def parse_args(argv=None):
                    help="eager: no compilation / CUDA graphs (fast start); auto: eager on CPU, compiled on GPU")
     p.add_argument("--tensor_parallel_size", type=int, default=1, help="devices of this worker (GPU)")
     p.add_argument("--gpu_memory_utilization", type=float, default=0.5, help="share of the GPU it may take (GPU)")
+    p.add_argument("--sleep", action="store_true", help="vLLM's sleep mode (GPU; vLLM refuses it on CPU)")
     p.add_argument("--seed", type=int, default=0, help="vLLM's seed (each sampled request also gets its own)")
     return p.parse_args(argv)
 
@@ -65,7 +67,7 @@ def build_llm(args):
     return LLM(model=args.model, dtype=args.dtype, load_format="dummy", skip_tokenizer_init=True,
                generation_config="vllm", max_model_len=args.max_model_len, enforce_eager=eager,
                tensor_parallel_size=args.tensor_parallel_size, logprobs_mode=args.logprobs_mode, seed=args.seed,
-               enable_prefix_caching=True, **kwargs)
+               enable_prefix_caching=True, enable_sleep_mode=args.sleep, **kwargs)
 
 
 def sampling_params(params: dict, seed: int | None):
@@ -165,6 +167,14 @@ def serve(llm, listener, ranks: int, hello: dict) -> None:
             if request["op"] == "load":
                 try:
                     reply = load(llm, request)
+                except Exception as e:
+                    traceback.print_exc()
+                    reply = {"error": f"{type(e).__name__}: {e}"}
+                conn.send_bytes(json.dumps(reply).encode())
+            elif request["op"] in ("sleep", "wake"):  # level 1: weights to CPU memory, KV cache dropped
+                try:
+                    llm.sleep(level=1) if request["op"] == "sleep" else llm.wake_up()
+                    reply = {}
                 except Exception as e:
                     traceback.print_exc()
                     reply = {"error": f"{type(e).__name__}: {e}"}

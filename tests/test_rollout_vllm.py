@@ -257,6 +257,11 @@ def test_a_worker_that_never_starts_is_one_error_in_seconds(tiny_llama_32, tmp_p
     assert "Error" in str(failure.value) and "NoSuchModelForCausalLM" in str(failure.value), failure.value
     assert "\n" not in str(failure.value) and os.path.exists(engine.log)  # one line; the log kept
     engine.close()
+    model.config.architectures = ["LlamaForCausalLM"]
+    engine = VLLMRollout(_Actor(model), _config(), VLLMSettings(mode="eager", sleep=True))  # --vllm_sleep
+    with pytest.raises(RolloutEngineError, match="Sleep mode is not supported on current platform"):
+        engine.generate(ids, mask, GREEDY)  # on CPU vLLM refuses it; on GPU it frees memory during training
+    engine.close()
 
 
 EVEN = '''
