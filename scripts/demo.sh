@@ -4,10 +4,11 @@
 # RLHF policies side by side (reward model, two independent judges with 95% intervals, KL to SFT,
 # lengths) and
 # draws OUTPUT_ROOT/step3/curves.png.
-# usage: bash scripts/demo.sh [--step 1 2 3] [--with_dpo] [--output_root DIR] [--quick] [--format chat|raw]
+# usage: bash scripts/demo.sh [--step 1 2 3] [--with_dpo [LOSS]] [--output_root DIR] [--quick] [--format chat|raw]
 #                             [--task arithmetic|tools]
-#   --with_dpo: also DPO from the step-1 model on the step-2 pairs (scripts/step2_dpo/run_cpu.sh, after
-#             step 2), and a DPO row in the evaluation next to SFT and RLHF
+#   --with_dpo [LOSS]: also DPO from the step-1 model on the step-2 pairs (scripts/step2_dpo/run_cpu.sh, after
+#             step 2), and its row in the evaluation next to SFT and RLHF; LOSS: the DPO step's --loss_type
+#             (sigmoid, the default: a "DPO" row; ipo, simpo, orpo: a row named after it)
 #   --quick: tiny random models, a few steps, a small copy of the demo data (a smoke test of the whole
 #             chain, about 80 s on 2 cores)
 #   --format: chat (default): the demo rows are conversations rendered with SmolLM2's chat template;
@@ -26,15 +27,20 @@ OUTPUT_ROOT="$ROOT/out"
 QUICK="${QUICK:-0}"
 TASK=reviews
 WITH_DPO=0
+DPO_LOSS=sigmoid
 while [ $# -gt 0 ]; do
   case "$1" in
     --step) shift; STEPS=(); while [ $# -gt 0 ] && [[ "$1" =~ ^[123]$ ]]; do STEPS+=("$1"); shift; done ;;
-    --with_dpo) WITH_DPO=1; shift ;;
+    --with_dpo) WITH_DPO=1; shift
+      if [ $# -gt 0 ] && [[ "$1" != --* ]]; then
+        case "$1" in sigmoid|ipo|simpo|orpo) DPO_LOSS="$1"; shift ;;
+          *) echo "--with_dpo: the loss must be sigmoid, ipo, simpo or orpo, got $1" >&2; exit 2 ;; esac
+      fi ;;
     --output_root) OUTPUT_ROOT="$(mkdir -p "$2" && cd "$2" && pwd)"; shift 2 ;;
     --quick) QUICK=1; shift ;;
     --format) export DEMO_FORMAT="$2"; shift 2 ;;
     --task) TASK="$2"; shift 2 ;;
-    *) echo "unknown argument: $1 (use --step 1 2 3, --with_dpo, --output_root DIR, --quick, --format chat|raw," \
+    *) echo "unknown argument: $1 (use --step 1 2 3, --with_dpo [LOSS], --output_root DIR, --quick, --format chat|raw," \
             "--task arithmetic|tools)" >&2
        exit 2 ;;
   esac
@@ -135,8 +141,8 @@ for step in "${STEPS[@]}"; do
        MODEL="$BASE" bash scripts/step1_sft/run_cpu.sh "$STEP1" "${S1[@]}" ;;
     2) echo "[demo] step 2: reward model from $BASE -> $STEP2"
        MODEL="$BASE" bash scripts/step2_reward/run_cpu.sh "$STEP2" "${S2[@]}" ;;
-    dpo) echo "[demo] step 2 alternative: DPO of $STEP1 -> $DPO"
-       MODEL="$STEP1" bash scripts/step2_dpo/run_cpu.sh "$DPO" "${SD[@]}" ;;
+    dpo) echo "[demo] step 2 alternative: DPO ($DPO_LOSS) of $STEP1 -> $DPO"
+       LOSS_TYPE="$DPO_LOSS" MODEL="$STEP1" bash scripts/step2_dpo/run_cpu.sh "$DPO" "${SD[@]}" ;;
     3) echo "[demo] step 3: PPO, actor $STEP1, critic $STEP2 -> $STEP3"
        ACTOR="$STEP1" CRITIC="$STEP2" bash scripts/step3_ppo/run_cpu.sh "$STEP3" "${S3[@]}"
        python -m step3_ppo.plot "$STEP3" ;;
@@ -144,7 +150,8 @@ for step in "${STEPS[@]}"; do
   echo "[demo] step $step took $(( $(date +%s) - t0 )) s"
 done
 POLICIES=()
-[ "$WITH_DPO" = 1 ] && [ -f "$DPO/model.safetensors" ] && POLICIES+=(--policy "dpo=$DPO")
+DPO_ROW=dpo; [ "$DPO_LOSS" = sigmoid ] || DPO_ROW="$DPO_LOSS"
+[ "$WITH_DPO" = 1 ] && [ -f "$DPO/model.safetensors" ] && POLICIES+=(--policy "$DPO_ROW=$DPO")
 if [ -f "$STEP3/actor/model.safetensors" ]; then
   t0=$(date +%s)
   echo "[demo] evaluating SFT vs RLHF${POLICIES:+ and DPO} on held-out prompts"

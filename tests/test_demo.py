@@ -17,20 +17,28 @@ def run_demo(out, *args) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_quick_demo_writes_table_and_curves(tmp_path):
-    """With --with_dpo: DPO after step 2, and its row in the evaluation beside SFT and RLHF."""
+    """With --with_dpo orpo: the step-2 alternative (here the reference-free ORPO, whose flags differ most
+    from DPO's) after step 2, and its row in the evaluation beside SFT and RLHF."""
     out = tmp_path / "demo"
-    proc = run_demo(out, "--with_dpo")
+    proc = run_demo(out, "--with_dpo", "orpo")
     table = (out / "eval.txt").read_text()
     for column in ("reward (RM)", "judge (VADER)", "KL to SFT", "response len"):
         assert column in table, table
     rows = [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ") and "CI" not in line]
-    assert rows == ["policy", "SFT", "RLHF", "DPO"], table
-    assert "RLHF vs SFT win rate" in table and "DPO vs SFT win rate" in table
-    assert proc.stdout.index("step 2 alternative: DPO") < proc.stdout.index("step 3: PPO")
+    assert rows == ["policy", "SFT", "RLHF", "ORPO"], table
+    assert "RLHF vs SFT win rate" in table and "ORPO vs SFT win rate" in table
+    assert proc.stdout.index("step 2 alternative: DPO (orpo)") < proc.stdout.index("step 3: PPO")
+    assert "--loss_type orpo" in (out / "step2_dpo" / "train.log").read_text()
     assert (out / "step2_dpo" / "model.safetensors").exists()
     png = out / "step3" / "curves.png"
     assert png.exists() and png.stat().st_size > 10_000
     assert (out / "step3" / "actor" / "model.safetensors").exists()
+
+
+def test_demo_refuses_an_unknown_preference_loss(tmp_path):
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "demo.sh"), "--with_dpo", "dop", "--quick"],
+                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--with_dpo: the loss must be sigmoid, ipo, simpo or orpo, got dop" in proc.stderr
 
 
 @pytest.mark.slow

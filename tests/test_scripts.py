@@ -22,7 +22,7 @@ KINDS = ("cpu", "single_gpu", "single_node", "multi_node")
 STEP_DIRS = ("step1_sft", "step2_reward", "step2_dpo", "step3_ppo")
 # every variable a run script reads, so the caller's environment cannot leak into a check
 SCRIPT_ENV = ("MODEL", "ACTOR", "CRITIC", "DATA", "NUM_RANKS", "MAX_STEPS", "DTYPE", "HOSTFILE", "MULTI_NODE_MODE",
-              "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "STEP1_DIR", "STEP2_DIR", "DEMO_DATA")
+              "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "STEP1_DIR", "STEP2_DIR", "DEMO_DATA", "LOSS_TYPE")
 
 
 def read(rel: str) -> str:
@@ -200,3 +200,24 @@ def test_dpo_scripts_launch_flags_step2_dpo_accepts(kind, tmp_path, tiny_gpt2):
     assert argv[argv.index("--module") + 1] == "step2_dpo.main"
     args = parse_args(argv[argv.index("--module") + 2:])
     assert args.output_dir == str(out) and args.beta == 0.1
+
+
+@pytest.mark.parametrize("loss,beta,nll", [("sigmoid", 0.1, 1.0), ("ipo", 0.1, 1.0), ("simpo", 2.0, 1.0),
+                                            ("orpo", None, 0.0)])
+def test_dpo_cpu_script_gives_each_loss_its_flags(loss, beta, nll, tmp_path, tiny_gpt2):
+    """LOSS_TYPE (demo.sh --with_dpo LOSS) picks the loss and the flags it takes: ORPO refuses --beta and
+    --nll_loss_coef (its own NLL term), SimPO gets its paper's beta; each launch parses with step2_dpo's flags."""
+    from step2_dpo.main import parse_args
+
+    proc, _ = run_with_stub(tmp_path, "scripts/step2_dpo/run_cpu.sh", [str(tmp_path / "out")], MODEL=tiny_gpt2,
+                            MASTER_PORT="12345", LOSS_TYPE=loss)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    argv = launched(proc.stdout)
+    args = parse_args(argv[argv.index("--module") + 2:])
+    assert (args.loss_type, args.nll_loss_coef) == (loss, nll)
+    assert args.beta == beta or (beta is None and "--beta" not in argv)
+
+
+def test_dpo_cpu_script_refuses_an_unknown_loss(tmp_path):
+    proc, _ = run_with_stub(tmp_path, "scripts/step2_dpo/run_cpu.sh", [str(tmp_path / "out")], LOSS_TYPE="dop")
+    assert proc.returncode == 2 and "LOSS_TYPE must be sigmoid, ipo, simpo or orpo, got dop" in proc.stderr

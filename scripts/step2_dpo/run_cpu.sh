@@ -11,16 +11,23 @@
 # 0.00, KL to SFT 15.6 nats, garbled text) although both judges preferred it.
 # usage: bash scripts/step2_dpo/run_cpu.sh [OUTPUT_DIR (out/step2_dpo)] [extra step2_dpo/main.py arguments]
 # env: MODEL (default: out/step1 if it holds a model, else SmolLM2-135M-Instruct), DATA (sources;
-#      default data/demo/pairs), NUM_RANKS (2), MAX_STEPS (40), MASTER_PORT (a free one).
+#      default data/demo/pairs), NUM_RANKS (2), MAX_STEPS (40), MASTER_PORT (a free one), LOSS_TYPE (sigmoid;
+#      ipo as sigmoid; simpo: beta 2.0 (its paper's), the NLL term kept; orpo: its own NLL term, no beta).
 #      Log: OUTPUT_DIR/train.log.
 source "$(dirname "$0")/../common.sh"
+case "${LOSS_TYPE:-sigmoid}" in
+  sigmoid|ipo) LOSS=(--loss_type "${LOSS_TYPE:-sigmoid}" --beta 0.1 --nll_loss_coef 1.0) ;;
+  simpo) LOSS=(--loss_type simpo --beta 2.0 --nll_loss_coef 1.0) ;;
+  orpo) LOSS=(--loss_type orpo) ;;
+  *) echo "LOSS_TYPE must be sigmoid, ipo, simpo or orpo, got $LOSS_TYPE" >&2; exit 2 ;;
+esac
 launch_step cpu step2_dpo.main pairs \
   --data_split 0,5,5 \
   --zero_stage 2 --dtype fp32 --max_seq_len 80 \
   --per_device_train_batch_size 4 --per_device_eval_batch_size 32 --gradient_accumulation_steps 2 \
   --lora_dim 16 --only_optimize_lora --lora_learning_rate 2e-3 \
   --learning_rate 2e-3 --lr_scheduler_type cosine --num_warmup_steps 2 --weight_decay 0.0 \
-  --beta 0.1 --loss_type sigmoid --nll_loss_coef 1.0 \
+  "${LOSS[@]}" \
   --num_train_epochs 1 --max_steps "${MAX_STEPS:-40}" --seed 1234 --dropout 0.0 \
   --eval_interval 0 --eval_iters 0 \
   -- "$@"
