@@ -4,7 +4,9 @@ Direct preference optimisation (Rafailov et al. 2023) needs no reward model and 
 pair is a function of the policy's and a frozen reference's sequence log-probs of both responses
 (utils.losses.dpo_loss: sigmoid DPO, conservative DPO with --label_smoothing, IPO; plus
 --nll_loss_coef times the chosen responses' NLL, RPO), or of the policy's alone for the reference-free
-losses (SimPO, ORPO: --loss_type simpo|orpo; no reference model is built, loaded or precomputed).
+losses (SimPO, ORPO: --loss_type simpo|orpo; no reference model is built, loaded or precomputed), or
+of single labelled examples (KTO, --loss_type kto: unpaired rows {prompt, completion, label} or pairs,
+each a desirable and an undesirable example; its reference point from mismatched rows of the batch).
 Data: the same pairs as step 2 (its share of --data_split, every format the data layer reads). A
 sequence log-prob sums the response tokens only (and the EOS that ends them), positions from the
 attention mask, so a pair scores the same under any padding (utils.forward.sequence_logprobs).
@@ -22,7 +24,8 @@ differ at step 0 and the loss does not start at ln 2.
 Held-out pairs are measured exactly over all ranks every --eval_interval steps and at the end (before
 training the policy is the reference, so its figures are the reference log-probs'): DPO loss,
 implicit rewards beta * (logp - ref_logp) of chosen and rejected, the fraction of pairs whose chosen
-reward is higher (accuracy), their margin, and the mean sequence log-probs.
+reward is higher (accuracy; undefined before training, when every implicit reward is 0), their margin,
+and the mean sequence log-probs; KTO: each kind's mean implicit reward, their margin and z0, no accuracy.
 The output directory is a plain from_pretrained policy (LoRA merged) that step 3 takes as its actor.
 """
 from __future__ import annotations
@@ -33,14 +36,16 @@ import torch
 
 from utils.checkpoint import data_layout
 from utils.export import export_hf_model
-from utils.data import PreferenceCollator, split_pair_batch, tokenize_preference_pairs
+from utils.data import (PreferenceCollator, UnpairedCollator, split_pair_batch, tokenize_preference_pairs,
+                        tokenize_unpaired)
 from utils.distributed import all_reduce_sum, rank_batches, world_size
 from utils.ds_config import eval_ds_config
 from utils.flags import (BATCH_FLAGS, add_offload_reference_arg, add_pair_eval_args, check_range, fail,
                          single_model_parser, validate_training_args)
 from utils.forward import eval_mode, sequence_logprobs
 from utils.logging import print_rank0
-from utils.losses import PAIR_LOSSES, PairLogps, pair_loss, response_nll
+from utils.losses import (PAIR_LOSSES, PairLogps, UnpairedLogps, kto_reference_point, pair_loss, response_nll,
+                          unpaired_loss)
 from utils.model import load_causal_lm
 from utils.run import ReloadCheck, Run
 from utils.training import (build_frozen_engine, build_trained_engine, check_pair_splits, micro_batch_schedule,
@@ -64,6 +69,9 @@ def parse_args(argv=None):
                        help=f"{option.help} (--loss_type {' or '.join(owners)} only)")
     g.add_argument("--nll_loss_coef", type=float, default=0.0,
                    help="add this times the chosen responses' NLL per token (RPO; 0: off; orpo has its own, weight 1)")
+    g.add_argument("--label_key", default="label",
+                   help="field of an unpaired row's label, true (desirable) or false (--loss_type kto; default "
+                        "'%(default)s')")
     g.add_argument("--precompute_ref_log_probs", action="store_true",
                    help="score every pair with the starting policy once before training and hold no reference model")
     add_offload_reference_arg(g)
@@ -88,6 +96,16 @@ def parse_args(argv=None):
         if getattr(args, name) != option.default and args.loss_type not in owners:
             fail(f"--{name} is a setting of --loss_type {' or '.join(owners)}; --loss_type {args.loss_type} does not "
                  f"take it")
+    args.unpaired = entry.unpaired  # the data layer reads unpaired rows too (utils.data.RowFormat)
+    if entry.unpaired:
+        if args.nll_loss_coef:
+            fail(f"--nll_loss_coef: --loss_type {args.loss_type} reads unpaired examples, there is no chosen side")
+        if args.precompute_ref_log_probs:
+            fail(f"--precompute_ref_log_probs: --loss_type {args.loss_type} scores mismatched (prompt, completion) "
+                 f"rows drawn per batch with the reference; it keeps a reference model")
+        if args.per_device_train_batch_size < 2:
+            fail(f"--per_device_train_batch_size must be >= 2 with --loss_type {args.loss_type}: its reference "
+                 f"point pairs each prompt with another example's completion of the same micro-batch")
     if args.precompute_ref_log_probs and not PAIR_LOSSES[args.loss_type].needs_reference:
         fail(f"--precompute_ref_log_probs: --loss_type {args.loss_type} is reference-free, there is nothing to precompute")
     if args.offload_reference_model and reference_kind(args) != "engine":
@@ -211,11 +229,78 @@ class PreferenceLoss:
         return units
 
 
+class UnpairedLoss:
+    """The run's loss of an UnpairedCollator batch [2B] (KTO): the PAIR_LOSSES entry of --loss_type (one
+    with `unpaired`) over the B labelled examples, its reference point z0 from the B mismatched rows,
+    averaged over the ranks (`reduce`: every rank's micro-step is collective, as DeepSpeed's are)."""
+
+    def __init__(self, args):
+        self.beta, self.loss_type = args.beta, args.loss_type
+        self.options = {name: getattr(args, name) for name in PAIR_LOSSES[args.loss_type].options}
+        self.nll_loss_coef = 0.0
+
+    def terms(self, logps: torch.Tensor, ref_logps: torch.Tensor, desirable: torch.Tensor,
+              reduce=None) -> tuple[dict, dict]:
+        """({"examples": the mean loss over the B examples}, stats) from the [2B] log-probs of the batch."""
+        n = desirable.shape[0]
+        ref_logps = ref_logps.to(logps.device)
+        z0 = kto_reference_point(logps[n:], ref_logps[n:], reduce)
+        loss, stats = unpaired_loss(UnpairedLogps(logps[:n], ref_logps[:n], desirable.to(logps.device), z0),
+                                    self.beta, self.loss_type, **self.options)
+        stats["logp"] = logps[:n].detach().float().mean()
+        return {"examples": loss}, stats
+
+    def units(self, batch: dict) -> dict:
+        return {"examples": batch["desirable"].shape[0]}
+
+
+UNPAIRED_SUMS = ("desirable_reward_sum", "desirable_count", "undesirable_reward_sum", "undesirable_count")
+
+
+def unpaired_means(sums: dict) -> dict:
+    """{desirable_reward, undesirable_reward, margin} from summed rewards and counts (a kind absent: its
+    reward and the margin are left out)."""
+    out = {}
+    for kind in ("desirable", "undesirable"):
+        if sums[f"{kind}_count"] > 0:
+            out[f"{kind}_reward"] = sums[f"{kind}_reward_sum"] / sums[f"{kind}_count"]
+    if len(out) == 2:
+        out["margin"] = out["desirable_reward"] - out["undesirable_reward"]
+    return out
+
+
+@torch.no_grad()
+def evaluate_unpaired(engine, examples: list, collator, batch_size: int, loss_of: UnpairedLoss,
+                      reference: "Reference") -> dict:
+    """Exact held-out metrics of KTO over all ranks: the loss, each kind's mean implicit reward
+    beta * (logp - ref_logp), their margin, the reference point z0 (each batch's own) and the examples'
+    mean log-prob; no accuracy (there are no pairs to rank)."""
+    keys = ("loss", "z0", "logp") + UNPAIRED_SUMS
+    sums, count = dict.fromkeys(keys, 0.0), 0.0
+    with eval_mode(engine):
+        for batch_examples, weight in rank_batches(examples, batch_size):
+            batch = collator(batch_examples)
+            logps, _ = sequence_logprobs(engine, batch)
+            terms, stats = loss_of.terms(logps, reference(batch), batch["desirable"])
+            stats["loss"] = terms["examples"]
+            n = weight * len(batch_examples)
+            for key in keys:
+                sums[key] += (weight if key in UNPAIRED_SUMS else n) * stats[key].item()
+            count += n
+    *totals, count = all_reduce_sum([sums[key] for key in keys] + [count])
+    totals = dict(zip(keys, totals))
+    n = max(count, 1.0)
+    means = {key: totals[key] / n for key in ("loss", "z0", "logp")}
+    return {**{f"eval/{key}": value for key, value in {**means, **unpaired_means(totals)}.items()},
+            "eval/examples": int(count)}
+
+
 EVAL_STATS = ("loss", "accuracy", "chosen_reward", "rejected_reward", "margin", "chosen_logp", "rejected_logp")
 
 
 def pair_length(pair: dict) -> int:
-    return len(pair["prompt_input_ids"]) + max(len(pair[f"{side}_response_ids"]) for side in SIDES)
+    """Prompt + longest response of a pair (or of an unpaired example: its completion)."""
+    return len(pair["prompt_input_ids"]) + max(len(ids) for key, ids in pair.items() if key.endswith("_response_ids"))
 
 
 def held_out_pairs(pairs: list, batch_size: int, max_batches: int) -> list:
@@ -248,19 +333,30 @@ def evaluate_preferences(engine, pairs: list, collator, batch_size: int, loss_of
 
 def reference_metrics(pairs: list, loss_of: PreferenceLoss) -> dict:
     """The held-out metrics before the first update, when the policy IS the reference: its reference
-    log-probs against themselves (sigmoid loss ln 2, implicit rewards and margins 0), with no second
+    log-probs against themselves (sigmoid loss ln 2, implicit rewards and margins 0, no accuracy), with no second
     pass over the pairs (on the demo that pass is a quarter of the step's time)."""
     ref = torch.tensor([p[f"ref_{side}_logp"] for side in SIDES for p in pairs], dtype=torch.float32)
     loss, stats = loss_of(ref, None, ref, with_nll=False)
     stats["loss"] = loss
-    return {**{f"eval/{key}": stats[key].item() for key in EVAL_STATS}, "eval/pairs": len(pairs)}
+    # every implicit reward is 0: no pair is ranked either way, so the accuracy is undefined (not 0)
+    return {**{f"eval/{key}": stats[key].item() for key in EVAL_STATS if key != "accuracy"}, "eval/pairs": len(pairs)}
 
 
 def _format_eval(m: dict) -> str:
-    return (f"loss {m['eval/loss']:.4f}, accuracy {m['eval/accuracy']:.4f}, margin {m['eval/margin']:.4f} "
+    if "eval/examples" in m:  # unpaired (KTO)
+        rewards = ", ".join(f"{kind} reward {m[f'eval/{kind}_reward']:.4f}" for kind in ("desirable", "undesirable")
+                            if f"eval/{kind}_reward" in m)
+        return (f"loss {m['eval/loss']:.4f}, margin {_fmt(m.get('eval/margin'))} ({rewards}; z0 {m['eval/z0']:.4f}; "
+                f"logp {m['eval/logp']:.2f}; {m['eval/examples']} examples)")
+    return (f"loss {m['eval/loss']:.4f}, accuracy {_fmt(m.get('eval/accuracy'))}, margin {m['eval/margin']:.4f} "
             f"(chosen reward {m['eval/chosen_reward']:.4f}, rejected {m['eval/rejected_reward']:.4f}; "
             f"logp chosen {m['eval/chosen_logp']:.2f}, rejected {m['eval/rejected_logp']:.2f}; "
             f"{m['eval/pairs']} pairs)")
+
+
+def _fmt(value) -> str:
+    """A metric, or "undefined" where it is not (an accuracy while the policy is the reference)."""
+    return "undefined" if value is None else f"{value:.4f}"
 
 
 def build_reference(args, tokenizer, policy) -> Reference:
@@ -278,13 +374,19 @@ def build_reference(args, tokenizer, policy) -> Reference:
 
 def main(argv=None):
     args = parse_args(argv)
+    unpaired = PAIR_LOSSES[args.loss_type].unpaired
+    tokenize = tokenize_unpaired if unpaired else tokenize_preference_pairs
     tokenizer, train_pairs, train_stats, eval_pairs, eval_stats = start_single_model_run(
-        args, 2, lambda rows, tok: tokenize_preference_pairs(rows, tok, args.max_seq_len),
-        {"max_seq_len": args.max_seq_len, "pairs": "preference"})
-    print_rank0(f"[dpo] train pairs {len(train_pairs)} {train_stats}; eval pairs {len(eval_pairs)} {eval_stats}")
+        args, 2, lambda rows, tok: tokenize(rows, tok, args.max_seq_len),
+        {"max_seq_len": args.max_seq_len, "pairs": "unpaired" if unpaired else "preference"})
+    kind = "examples" if unpaired else "pairs"
+    print_rank0(f"[dpo] train {kind} {len(train_pairs)} {train_stats}; eval {kind} {len(eval_pairs)} {eval_stats}")
     check_pair_splits(train_pairs, train_stats, eval_pairs)
+    if unpaired:
+        check_both_labels(args, train_stats)
     eval_pairs = held_out_pairs(eval_pairs, args.per_device_eval_batch_size, args.eval_iters)
-    collator = PreferenceCollator(tokenizer.pad_token_id)
+    collator = (UnpairedCollator(tokenizer.pad_token_id, args.max_seq_len) if unpaired
+                else PreferenceCollator(tokenizer.pad_token_id))
 
     sampler, loader, total_steps = micro_batch_schedule(train_pairs, collator, args)
     ds_config = train_ds_config_from_args(args)
@@ -292,11 +394,14 @@ def main(argv=None):
                            attn_implementation=args.attn_implementation)
     engine = build_trained_engine(model, ds_config, spec_from_args(args), total_steps)
     reference = build_reference(args, tokenizer, engine)
-    loss_of = PreferenceLoss(args)
+    loss_of = UnpairedLoss(args) if unpaired else PreferenceLoss(args)
 
     def run_eval(step: int) -> dict:
         eval_start = time.time()
-        metrics = evaluate_preferences(engine, eval_pairs, collator, args.per_device_eval_batch_size, loss_of)
+        if unpaired:
+            metrics = evaluate_unpaired(engine, eval_pairs, collator, args.per_device_eval_batch_size, loss_of, reference)
+        else:
+            metrics = evaluate_preferences(engine, eval_pairs, collator, args.per_device_eval_batch_size, loss_of)
         metrics["time/eval_s"] = time.time() - eval_start
         print_rank0(f"[dpo] eval at step {step}: {_format_eval(metrics)} in {metrics['time/eval_s']:.1f} s")
         return metrics
@@ -310,7 +415,7 @@ def main(argv=None):
             attach_reference(train_pairs, ref_logps["train"])
 
     def evaluate_before():  # before any update: the policy is still the reference
-        if reference.kind == "none":  # a reference-free loss: the policy's own evaluation
+        if reference.kind == "none" or unpaired:  # the policy's own evaluation (KTO: the reference scores per batch)
             metrics = run_eval(0)
             return {"before": metrics, "ref_logps": {}}, metrics
         ref_start = time.time()
@@ -327,41 +432,68 @@ def main(argv=None):
         return {"before": metrics, "ref_logps": ref_logps}, metrics
 
     state = run.restore(evaluate_before)
-    if run.resumed and reference.kind != "none":
+    if run.resumed and reference.kind != "none" and not unpaired:
         if len(state["ref_logps"]["eval"]) != len(eval_pairs):
             fail(f"the checkpoint holds reference log-probs of {len(state['ref_logps']['eval'])} held-out pairs, this "
                  f"run evaluates {len(eval_pairs)} (another --eval_iters or --per_device_eval_batch_size): resume "
                  f"with the checkpoint's settings")
         attach_all(state["ref_logps"])
     before = state["before"]
-    stat_names = ("accuracy", "margin", "chosen_reward", "rejected_reward") + (("nll",) if loss_of.nll_loss_coef else ())
+    if unpaired:
+        stat_names = ("z0",) + UNPAIRED_SUMS
 
-    def micro_step(batch):
-        logps, counts = sequence_logprobs(engine, batch)
-        terms, stats = loss_of.terms(logps, counts, reference(batch))
-        return terms, tuple(stats[name].item() for name in stat_names)
+        def micro_step(batch):
+            logps, _ = sequence_logprobs(engine, batch)
+            terms, stats = loss_of.terms(logps, reference(batch), batch["desirable"], reduce=all_reduce_sum)
+            return terms, tuple(stats[name].item() for name in stat_names)
 
-    def step_metrics(means):
-        mean_loss, accuracy, margin, *_ = means
-        return ({"train/loss": mean_loss, **{f"train/{name}": v for name, v in zip(stat_names, means[1:])}},
-                {"loss": f"{mean_loss:.4f}", "acc": f"{accuracy:.2f}"},
-                f"loss {mean_loss:.4f} accuracy {accuracy:.3f} margin {margin:.4f}")
+        def step_metrics(means):
+            mean_loss, z0, *sums = means
+            rewards = unpaired_means(dict(zip(UNPAIRED_SUMS, sums)))
+            margin = rewards.get("margin")
+            return ({"train/loss": mean_loss, "train/z0": z0, **{f"train/{k}": v for k, v in rewards.items()}},
+                    {"loss": f"{mean_loss:.4f}", "z0": f"{z0:.3f}"},
+                    f"loss {mean_loss:.4f} z0 {z0:.4f} margin {_fmt(margin)}")
+    else:
+        stat_names = ("accuracy", "margin", "chosen_reward", "rejected_reward") + (("nll",) if loss_of.nll_loss_coef else ())
 
-    # the pair loss is the mean over the optimizer step's pairs (all micro-batches, all ranks), the NLL term
-    # the mean over its chosen response tokens
+        def micro_step(batch):
+            logps, counts = sequence_logprobs(engine, batch)
+            terms, stats = loss_of.terms(logps, counts, reference(batch))
+            return terms, tuple(stats[name].item() for name in stat_names)
+
+        def step_metrics(means):
+            mean_loss, accuracy, margin, *_ = means
+            return ({"train/loss": mean_loss, **{f"train/{name}": v for name, v in zip(stat_names, means[1:])}},
+                    {"loss": f"{mean_loss:.4f}", "acc": f"{accuracy:.2f}"},
+                    f"loss {mean_loss:.4f} accuracy {accuracy:.3f} margin {margin:.4f}")
+
+    # the loss is the mean over the optimizer step's pairs (KTO: examples; all micro-batches, all ranks), the
+    # NLL term the mean over its chosen response tokens
     train_micro_batches(run, engine, loader, sampler, micro_step, step_metrics, counts=loss_of.units)
 
     step = run.loop.step
     after = run.evaluate_now()
-    print_rank0(f"[dpo] eval after {step} steps: accuracy {after['eval/accuracy']:.4f} (before "
-                f"{before['eval/accuracy']:.4f}), margin {after['eval/margin']:.4f} (before "
-                f"{before['eval/margin']:.4f}); training took {run.train_s:.1f} s")
+    first = "" if unpaired else (f"accuracy {_fmt(after.get('eval/accuracy'))} (before "
+                                 f"{_fmt(before.get('eval/accuracy'))}), ")
+    print_rank0(f"[dpo] eval after {step} steps: {first}margin {_fmt(after.get('eval/margin'))} (before "
+                f"{_fmt(before.get('eval/margin'))}); training took {run.train_s:.1f} s")
     run.log(step, {"time/train_s": run.train_s})
     run.finish(lambda: export_hf_model(engine, tokenizer, args.output_dir), args.output_dir, "the policy",
                ReloadCheck("logp", "sequence log-probs", engine,
                            lambda: load_causal_lm(args.output_dir, trust_remote_code=args.trust_remote_code),
                            lambda model, batch: sequence_logprobs(model, batch)[0],
                            collator(eval_pairs[:4] or train_pairs[:4])))
+
+
+def check_both_labels(args, stats: dict) -> None:
+    """KTO learns from the contrast of desirable and undesirable examples: training data with one kind only
+    stops here, before any model loads."""
+    if stats["desirable"] and stats["undesirable"]:
+        return
+    have, missing = ("true", "false") if stats["desirable"] else ("false", "true")
+    fail(f"--loss_type {args.loss_type}: every usable training row of {', '.join(args.data_path)} has "
+         f"'{args.label_key}' {have} ({stats['examples']} examples); it needs rows labelled {missing} too")
 
 
 if __name__ == "__main__":

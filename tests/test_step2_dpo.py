@@ -106,13 +106,14 @@ def test_the_reference_forms_give_the_same_losses_and_ln2_at_step_0(tiny_gpt2, p
         assert train[0] == pytest.approx(LN2, abs=1e-6), name  # the first update's pairs, in training mode
         first = evals[0]
         assert first["step"] == 0 and first["eval/loss"] == pytest.approx(LN2, abs=1e-6), name
-        assert abs(first["eval/margin"]) < 1e-6 and first["eval/accuracy"] == 0.0, first  # every pair ties
+        # every pair ties: the accuracy before training is undefined, not 0
+        assert abs(first["eval/margin"]) < 1e-6 and "eval/accuracy" not in first, first
         assert train[-1] < train[0] and evals[-1]["eval/margin"] > 0.05, (name, train, evals)
     for a, b in (("engine", "precomputed"), ("adapters", "adapters_precomputed")):
         (train_a, evals_a), (train_b, evals_b) = results[a], results[b]
         assert train_a == pytest.approx(train_b, abs=1e-6), (a, b)
         for key in ("eval/loss", "eval/margin", "eval/chosen_reward", "eval/accuracy"):
-            assert [r[key] for r in evals_a] == pytest.approx([r[key] for r in evals_b], abs=1e-6), key
+            assert [r.get(key) for r in evals_a] == pytest.approx([r.get(key) for r in evals_b], abs=1e-6), key
     assert results["engine"][0] != pytest.approx(results["adapters"][0], abs=1e-3)  # LoRA trains otherwise
 
 

@@ -9,7 +9,8 @@
 - ``kl_penalty_loss``: KL(actor || reference) as a loss term (GRPO-style alternative to the
   in-reward penalty), in a form whose gradient is KL's (k2, importance-weighted), or k3;
 - ``pair_loss`` (``PAIR_LOSSES``; ``dpo_loss`` with a reference): preference tuning from sequence
-  log-probs (DPO, conservative DPO, IPO), and ``response_nll``, the optional NLL term on the chosen responses
+  log-probs (DPO, conservative DPO, IPO, SimPO, ORPO), ``unpaired_loss`` of labelled single examples
+  (KTO, with ``kto_reference_point``), and ``response_nll``, the optional NLL term on the chosen responses
   (RPO) (step2_dpo).
 
 Per-token losses follow the layout of utils/ops.py (``[B, L-1]``, ``action_mask``). Every input
@@ -32,7 +33,8 @@ from utils.ops import aggregate, kl_estimate, masked_mean, select
 __all__ = ["IGNORE_INDEX", "sft_nll", "pairwise_loss", "pair_metrics", "policy_loss", "gspo_loss", "cispo_loss",
            "entropy_bonus", "PolicyLoss", "POLICY_LOSSES", "GSPO_CLIPRANGE_LOW", "GSPO_CLIPRANGE_HIGH", "value_loss",
            "PairLogps", "PairLoss", "PairOption", "PAIR_LOSSES", "simpo_pair_loss", "orpo_pair_loss", "DPO_LOSS_TYPES",
-           "pair_loss", "dpo_loss", "response_nll", "KL_LOSS_ESTIMATORS", "kl_penalty_loss"]
+           "UnpairedLogps", "kto_reference_point", "kto_loss", "unpaired_stats", "unpaired_loss", "pair_loss",
+           "dpo_loss", "response_nll", "KL_LOSS_ESTIMATORS", "kl_penalty_loss"]
 
 IGNORE_INDEX = -100
 
@@ -356,6 +358,53 @@ def orpo_pair_loss(p: PairLogps, beta: float, orpo_lambda: float = 0.1) -> Tuple
 
 
 @dataclass(frozen=True)
+class UnpairedLogps:
+    """SEQUENCE log-probs [B] of unpaired examples (KTO) under the policy and the reference, their labels
+    (``desirable`` [B] bool: thumbs-up) and the batch's reference point ``z0`` (``kto_reference_point``)."""
+    logps: Tensor
+    ref_logps: Tensor
+    desirable: Tensor
+    z0: Tensor
+
+
+def kto_reference_point(kl_logps: Tensor, ref_kl_logps: Tensor, reduce: Callable | None = None) -> Tensor:
+    """KTO's reference point z0 = max(0, mean KL(policy || reference)), estimated as in the paper from
+    MISMATCHED (prompt, completion) rows of the batch (each prompt with another example's completion,
+    so the estimate reads the policy's drift, not the batch's own labels): the mean of ``logp - ref_logp``
+    over those rows, clamped at 0, detached (no gradient flows through z0). ``reduce([sum, count]) ->
+    [sum, count]`` sums over ranks first (utils.distributed.all_reduce_sum), so every rank uses one z0."""
+    diff = (kl_logps.detach().double() - ref_kl_logps.detach().double())
+    totals = [diff.sum().item(), float(diff.numel())]
+    if reduce is not None:
+        totals = reduce(totals)
+    return torch.tensor(max(totals[0] / max(totals[1], 1.0), 0.0), dtype=torch.float32, device=kl_logps.device)
+
+
+def kto_loss(p: UnpairedLogps, beta: float, kto_desirable_weight: float = 1.0,
+             kto_undesirable_weight: float = 1.0) -> Tuple[Tensor, Tensor]:
+    """KTO (Ethayarajh et al. 2024, arXiv 2402.01306), per example: with ``r = logp - ref_logp`` (the
+    implicit reward over beta) and z0 the reference point, a desirable example costs
+    ``w_d * (1 - sigmoid(beta * (r - z0)))``, an undesirable one ``w_u * (1 - sigmoid(beta * (z0 - r)))``:
+    a prospect-theory value, saturating, so each kind is pushed away from z0 without a paired other.
+    ``w_d``, ``w_u`` (the paper: keep ``w_d * n_d / (w_u * n_u)`` in [1, 4/3]) balance unequal counts.
+    Returns (losses [B], rewards ``beta * r`` [B]); TRL's KTOTrainer computes the same."""
+    ratio = p.logps.float() - p.ref_logps.detach().float()
+    z0 = p.z0.detach().float()
+    desirable = p.desirable.bool()
+    losses = torch.where(desirable, kto_desirable_weight * (1 - torch.sigmoid(beta * (ratio - z0))),
+                         kto_undesirable_weight * (1 - torch.sigmoid(beta * (z0 - ratio))))
+    return losses, beta * ratio
+
+
+def unpaired_stats(rewards: Tensor, desirable: Tensor) -> Dict[str, Tensor]:
+    """Sums and counts of the implicit rewards of each kind (detached), so that means over micro-batches
+    and ranks stay exact; an accuracy is not defined without pairs."""
+    rewards, desirable = rewards.detach().float(), desirable.bool()
+    return {"desirable_reward_sum": rewards[desirable].sum(), "desirable_count": desirable.sum().float(),
+            "undesirable_reward_sum": rewards[~desirable].sum(), "undesirable_count": (~desirable).sum().float()}
+
+
+@dataclass(frozen=True)
 class PairOption:
     """A setting of one pair loss, offered as the DPO step's flag `--<name>`; `minimum` (with `strict`: >)
     its lower bound, checked with the other flags."""
@@ -373,7 +422,9 @@ class PairLoss:
     model, no reference log-probs); `needs_lengths`: the responses' token counts are filled in;
     `options`: its own settings, each a flag of the DPO step; `default_beta`: --beta when not given;
     `nll_coef`: the chosen responses' NLL per token is part of the loss with this weight (ORPO's SFT
-    term; --nll_loss_coef is then refused); `reads_beta` False: --beta is refused (ORPO)."""
+    term; --nll_loss_coef is then refused); `reads_beta` False: --beta is refused (ORPO). `unpaired`:
+    the loss reads single labelled examples, not pairs (KTO): `fn(examples: UnpairedLogps, beta,
+    **options) -> (losses [B], rewards [B])`, through `unpaired_loss`."""
     fn: Callable[..., Tuple[Tensor, Tensor, Tensor]]
     help: str
     needs_reference: bool = True
@@ -382,6 +433,7 @@ class PairLoss:
     default_beta: float = 0.1
     nll_coef: float = 0.0
     reads_beta: bool = True
+    unpaired: bool = False
 
 
 # A new pair loss (SimPO, ORPO, ...) is one entry here and its pure function above (with a hand-computed test).
@@ -398,6 +450,13 @@ PAIR_LOSSES: Dict[str, PairLoss] = {
                      "per-token likelihoods), no reference (Hong et al. 2024; no --beta)", needs_reference=False,
                      needs_lengths=True, nll_coef=1.0, reads_beta=False, options={"orpo_lambda": PairOption(
                          0.1, "ORPO's weight lambda of the odds-ratio term against the NLL (> 0)", minimum=0.0, strict=True)}),
+    "kto": PairLoss(kto_loss, "KTO's 1 - sigmoid(beta * (log-ratio - z0)) of unpaired desirable / undesirable examples "
+                    "(their sign flipped), z0 the policy's KL to the reference on mismatched pairs (Ethayarajh et al. "
+                    "2024; rows {prompt, completion, label}, or pairs: one of each)", unpaired=True, options={
+                        "kto_desirable_weight": PairOption(1.0, "KTO's weight of the desirable examples' loss (> 0)",
+                                                           minimum=0.0, strict=True),
+                        "kto_undesirable_weight": PairOption(1.0, "KTO's weight of the undesirable examples' loss (> 0)",
+                                                             minimum=0.0, strict=True)}),
 }
 DPO_LOSS_TYPES = tuple(PAIR_LOSSES)
 
@@ -406,10 +465,7 @@ def pair_loss(pairs: PairLogps, beta: float, loss_type: str = "sigmoid", **optio
     """Mean preference loss of a batch of pairs by the `PAIR_LOSSES` entry `loss_type` (its own options by
     name), with the implicit-reward stats (detached): the mean chosen and rejected rewards, the fraction
     of pairs whose chosen reward is higher, and their mean margin."""
-    if loss_type not in PAIR_LOSSES:
-        raise ValueError(f"unknown DPO loss type {loss_type!r}; choose from {', '.join(PAIR_LOSSES)}")
-    if beta <= 0:
-        raise ValueError(f"beta must be > 0, got {beta}")
+    _check_loss(loss_type, beta, unpaired=False)
     losses, chosen_rewards, rejected_rewards = PAIR_LOSSES[loss_type].fn(pairs, beta, **options)
     with torch.no_grad():
         chosen_rewards, rejected_rewards = chosen_rewards.detach(), rejected_rewards.detach()
@@ -417,6 +473,27 @@ def pair_loss(pairs: PairLogps, beta: float, loss_type: str = "sigmoid", **optio
                  "accuracy": (chosen_rewards > rejected_rewards).float().mean(),
                  "margin": (chosen_rewards - rejected_rewards).mean()}
     return losses.mean(), stats
+
+
+def unpaired_loss(examples: UnpairedLogps, beta: float, loss_type: str = "kto",
+                  **options) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """Mean loss of a batch of unpaired examples by the `PAIR_LOSSES` entry `loss_type` (one with
+    `unpaired`), with the stats of `unpaired_stats` and z0."""
+    _check_loss(loss_type, beta, unpaired=True)
+    losses, rewards = PAIR_LOSSES[loss_type].fn(examples, beta, **options)
+    stats = unpaired_stats(rewards, examples.desirable)
+    stats["z0"] = examples.z0.detach().float()
+    return losses.mean(), stats
+
+
+def _check_loss(loss_type: str, beta: float, unpaired: bool) -> None:
+    if loss_type not in PAIR_LOSSES:
+        raise ValueError(f"unknown DPO loss type {loss_type!r}; choose from {', '.join(PAIR_LOSSES)}")
+    if PAIR_LOSSES[loss_type].unpaired != unpaired:
+        raise ValueError(f"loss type {loss_type!r} reads {'unpaired examples' if not unpaired else 'pairs'}: "
+                         f"use {'unpaired_loss' if not unpaired else 'pair_loss'}")
+    if beta <= 0:
+        raise ValueError(f"beta must be > 0, got {beta}")
 
 
 def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor, ref_rejected_logps: Tensor,

@@ -17,9 +17,9 @@ The package has layers, each usable on its own (imports go one way,
 * ``rows``: selecting and normalising the rows of one step
   (``build_step_rows``), or of one source's eval split (``read_rows``);
 * ``tokenize``: tokenising rows (``tokenize_sft``/``tokenize_pairs``/
-  ``tokenize_preference_pairs``/``tokenize_prompts``) and plain texts (``read_texts``/``tokenize_texts``);
+  ``tokenize_preference_pairs``/``tokenize_unpaired``/``tokenize_prompts``) and plain texts (``read_texts``/``tokenize_texts``);
 * ``collate``: padding batches (``SFTCollator``/``PairCollator``/
-  ``PreferenceCollator``/``PromptCollator``) and the distributed loader (``distributed_loader``);
+  ``PreferenceCollator``/``UnpairedCollator``/``PromptCollator``) and the distributed loader (``distributed_loader``);
 * ``cache``: tokenised examples kept on disk for later runs and the other
   ranks (``cached_examples``, ``--data_output_path``).
 
@@ -35,9 +35,9 @@ from utils.data.chat import load_chat_template, require_template, stop_token_ids
 from utils.data.cache import cached_examples
 from utils.data.tokenize import (IGNORE_INDEX, bos_prefix, encode, fit_prompt, fit_tail, prompt_parts, read_texts,
                                  scored_sequences, tokenize_pairs, tokenize_preference_pairs, tokenize_prompts,
-                                 tokenize_sft, tokenize_texts, tokenizer_fingerprint)
-from utils.data.collate import (PairCollator, PreferenceCollator, PromptCollator, SFTCollator, distributed_loader,
-                                pad_batch, split_pair_batch)
+                                 tokenize_sft, tokenize_texts, tokenize_unpaired, tokenizer_fingerprint)
+from utils.data.collate import (PairCollator, PreferenceCollator, PromptCollator, SFTCollator, UnpairedCollator,
+                                distributed_loader, pad_batch, response_rows, split_pair_batch)
 
 __all__ = [
     "EVAL_SPLIT_NAMES", "JSON_EXTS", "DataError", "Source", "load_source", "source_fingerprint", "cached_examples",
@@ -47,7 +47,7 @@ __all__ = [
     "read_rows", "split_bounds", "split_source", "load_chat_template", "require_template", "stop_token_ids",
     "IGNORE_INDEX", "bos_prefix", "encode", "fit_prompt", "fit_tail", "prompt_parts", "read_texts", "scored_sequences",
     "tokenize_pairs", "tokenize_preference_pairs",
-    "tokenize_prompts", "tokenize_sft", "tokenize_texts",
-    "PairCollator", "PreferenceCollator", "PromptCollator", "SFTCollator", "distributed_loader", "pad_batch",
-    "split_pair_batch",
+    "tokenize_prompts", "tokenize_sft", "tokenize_texts", "tokenize_unpaired",
+    "PairCollator", "PreferenceCollator", "PromptCollator", "SFTCollator", "UnpairedCollator", "distributed_loader",
+    "pad_batch", "response_rows", "split_pair_batch",
 ]

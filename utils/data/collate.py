@@ -1,4 +1,4 @@
-"""Padding batches (SFT, pair, preference and prompt collators) and the distributed data loader."""
+"""Padding batches (SFT, pair, preference, unpaired (KTO) and prompt collators) and the distributed data loader."""
 
 from __future__ import annotations
 
@@ -70,17 +70,44 @@ class PreferenceCollator:
         sides = ("chosen", "rejected")
         prompts = [ex["prompt_input_ids"] for ex in batch] * 2
         responses = [ex[f"{side}_response_ids"] for side in sides for ex in batch]
-        seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
-        input_ids = pad_batch(seqs, self.pad_token_id, self.padding_side)
-        length = input_ids.shape[1]
-        action_mask = torch.zeros((len(seqs), length - 1), dtype=torch.float32)
-        for b, (p, r) in enumerate(zip(prompts, responses)):
-            start = (0 if self.padding_side == "right" else length - len(p) - len(r)) + len(p) - 1
-            action_mask[b, start:start + len(r)] = 1
-        out = {"input_ids": input_ids, "attention_mask": _mask(seqs, self.padding_side), "action_mask": action_mask}
+        out = response_rows(prompts, responses, self.pad_token_id, self.padding_side)
         if all("ref_chosen_logp" in ex for ex in batch):
             out["ref_logps"] = torch.tensor([ex[f"ref_{side}_logp"] for side in sides for ex in batch],
                                             dtype=torch.float32)
+        return out
+
+
+def response_rows(prompts: Sequence, responses: Sequence, pad_token_id: int, padding_side: str = "right") -> dict:
+    """Rows prompt + response, padded, with ``action_mask`` [N, L-1] on each response's tokens (utils/ops.py's
+    layout: position i is 1 when token i+1 is a response token): what sequence_logprobs sums."""
+    seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
+    input_ids = pad_batch(seqs, pad_token_id, padding_side)
+    length = input_ids.shape[1]
+    action_mask = torch.zeros((len(seqs), length - 1), dtype=torch.float32)
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        start = (0 if padding_side == "right" else length - len(p) - len(r)) + len(p) - 1
+        action_mask[b, start:start + len(r)] = 1
+    return {"input_ids": input_ids, "attention_mask": _mask(seqs, padding_side), "action_mask": action_mask}
+
+
+class UnpairedCollator:
+    """KTO's labelled examples -> [2B, L]: the B examples (prompt + its completion) first, then B
+    MISMATCHED rows, prompt i with the completion of example i - 1 (mod B; TRL's shift), from which
+    KTO estimates its reference point (utils.losses.kto_reference_point); ``desirable`` [B] bool. A
+    mismatched row longer than ``max_seq_len`` keeps the completion's first tokens (it is only scored,
+    never trained). A batch of one pairs its prompt with its own completion: the run refuses
+    --per_device_train_batch_size 1."""
+
+    def __init__(self, pad_token_id: int, max_seq_len: int, padding_side: str = "right"):
+        self.pad_token_id, self.max_seq_len, self.padding_side = pad_token_id, max_seq_len, padding_side
+
+    def __call__(self, batch: Sequence[dict]) -> dict:
+        prompts = [ex["prompt_input_ids"] for ex in batch]
+        completions = [ex["completion_response_ids"] for ex in batch]
+        shifted = completions[-1:] + completions[:-1]
+        mismatched = [c[:max(self.max_seq_len - len(p), 1)] for p, c in zip(prompts, shifted)]
+        out = response_rows(prompts * 2, completions + mismatched, self.pad_token_id, self.padding_side)
+        out["desirable"] = torch.tensor([ex["desirable"] for ex in batch], dtype=torch.bool)
         return out
 
 

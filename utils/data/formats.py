@@ -10,7 +10,10 @@ Accepted layouts (``normalize_row``; keys renamed by ``--prompt_key`` & co. firs
 * HH-RLHF transcripts: ``chosen`` / ``rejected`` strings "\\n\\nHuman: ...\\n\\nAssistant: ..." and
   no prompt: the prompt is the shared text up to and including the last "\\n\\nAssistant:";
 * prompt-only rows (step 3): a string or a message list, every other field kept in ``extra``
-  (``answer``, ``label``, ...) for reward functions.
+  (``answer``, ``label``, ...) for reward functions;
+* unpaired feedback (TRL's KTO form; step 2 when ``RowFormat.unpaired``): ``prompt``, ``completion``
+  (strings, or message lists) and a boolean ``label`` (true: desirable), no ``rejected``: the row's
+  ``chosen`` is the completion, ``rejected`` None and ``label`` the bool. Pairs are still read.
 
 A normalised row holds ``prompt``, ``chosen``, ``rejected`` (each a string, a message list or None),
 ``messages`` (step 1's whole conversation, or None), ``extra`` and ``origin``.  A row is *chat*
@@ -54,7 +57,9 @@ class RowFormat:
     chosen_key: str = "chosen"
     rejected_key: str = "rejected"
     messages_key: str = "messages"
+    label_key: str = "label"  # unpaired rows' desirable (true) / undesirable (false) field
     apply_chat_template: bool = False  # string rows become a user turn + an assistant turn
+    unpaired: bool = False  # step 2 also reads unpaired rows (KTO)
 
     @classmethod
     def from_args(cls, args) -> "RowFormat":
@@ -171,8 +176,10 @@ def _text(value, origin: str, field: str, assistant_only: bool = False):
     raise DataError(f"{origin}: field '{field}' must be a string or a list of messages, got {type(value).__name__}")
 
 
-def _missing(origin: str, name: str, fmt: RowFormat) -> DataError:
+def _missing(origin: str, name: str, fmt: RowFormat, obj: dict | None = None) -> DataError:
     hint = " (or 'response' / 'completion')" if name == "chosen" and fmt.chosen_key == "chosen" else ""
+    if name == "rejected" and obj is not None and fmt.label_key in obj and not fmt.unpaired:
+        hint = f" (a row of unpaired feedback with '{fmt.label_key}': --loss_type kto of the DPO step reads those)"
     extra = "" if name != "prompt" else f" (or '{fmt.messages_key}', or HH-RLHF 'chosen' transcripts)"
     return DataError(f"{origin}: missing field '{fmt.key(name)}'{hint}{extra}")
 
@@ -200,8 +207,17 @@ def normalize_row(obj, origin: str, step: int, fmt: RowFormat = DEFAULT_FORMAT) 
     # step 3 keeps every field but the prompt's for reward functions (an answer, a label, the pair it came from)
     used = ({fmt.prompt_key, fmt.messages_key} if step == 3 else
             set(fmt.keys) | (set(CHOSEN_SYNONYMS) if fmt.chosen_key == "chosen" else set()))
+    label = None
+    if step == 2 and fmt.unpaired and raw["rejected"] is None and fmt.label_key in obj:
+        label = obj[fmt.label_key]
+        if not isinstance(label, bool):
+            raise DataError(f"{origin}: field '{fmt.label_key}' must be true (desirable) or false (undesirable), "
+                            f"got {label!r}")
+        used.add(fmt.label_key)
     row = {"prompt": None, "chosen": None, "rejected": None, "messages": None,
            "extra": {k: v for k, v in obj.items() if k not in used}, "origin": origin}
+    if label is not None:
+        row["label"] = label
 
     if raw["messages"] is not None and raw["prompt"] is None:
         if step == 2:
@@ -216,7 +232,7 @@ def normalize_row(obj, origin: str, step: int, fmt: RowFormat = DEFAULT_FORMAT) 
         row["messages"] = messages
         return row
 
-    needed = {1: ("chosen",), 2: ("chosen", "rejected"), 3: ()}[step]
+    needed = ("chosen",) if label is not None else {1: ("chosen",), 2: ("chosen", "rejected"), 3: ()}[step]
     values = {}
     for name in ("prompt", "chosen", "rejected"):
         if raw[name] is not None and (name == "prompt" or name in needed):
@@ -225,8 +241,8 @@ def normalize_row(obj, origin: str, step: int, fmt: RowFormat = DEFAULT_FORMAT) 
         # no prompt: HH-RLHF transcripts or TRL's implicit prompt, taken from the sides
         if raw["chosen"] is None:
             raise _missing(origin, "prompt", fmt)
-        if step == 2 and raw["rejected"] is None:
-            raise _missing(origin, "rejected", fmt)
+        if "rejected" in needed and raw["rejected"] is None:
+            raise _missing(origin, "rejected", fmt, obj)
         # only step 2 needs the two sides to agree on the prompt; steps 1 and 3 take it from chosen
         c = _text(raw["chosen"], origin, fmt.chosen_key)
         r = None if raw["rejected"] is None or step != 2 else _text(raw["rejected"], origin, fmt.rejected_key)
@@ -247,7 +263,7 @@ def normalize_row(obj, origin: str, step: int, fmt: RowFormat = DEFAULT_FORMAT) 
             raise SkipRow("empty")
     for name in needed:
         if name not in values:
-            raise _missing(origin, name, fmt)
+            raise _missing(origin, name, fmt, obj)
     chat = [is_chat(values[n]) for n in values]
     if any(chat) and not all(chat):
         raise DataError(f"{origin}: fields {[fmt.key(n) for n in values]} mix strings and message lists; "

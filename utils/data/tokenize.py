@@ -209,6 +209,37 @@ def _fitted_pairs(rows: Sequence[dict], tokenizer, max_seq_len: int) -> tuple[li
     return out, stats
 
 
+def tokenize_unpaired(rows: Sequence[dict], tokenizer, max_seq_len: int) -> tuple[list, dict]:
+    """KTO's labelled single examples: ``prompt_input_ids``, ``completion_response_ids`` (ending with its
+    EOS or end-of-turn token unless truncated, as a DPO response) and ``desirable`` (bool). An unpaired
+    row (``label``) gives one; a pair gives two, its chosen desirable and its rejected undesirable (the
+    pair's prompt fitted once, as ``tokenize_preference_pairs`` does, and the same pairs skipped)."""
+    pairs = [row for row in rows if "label" not in row]
+    fitted, stats = _fitted_pairs(pairs, tokenizer, max_seq_len)
+    out = [ex for p, c, r in fitted for ex in (_unpaired(p, c, True), _unpaired(p, r, False))]
+    stats["skipped_empty"] = 0
+    for row in rows:
+        if "label" not in row:
+            continue
+        if isinstance(row.get("prompt"), str) and not (row["prompt"].strip() and (row.get("chosen") or "").strip()):
+            stats["skipped_empty"] += 1
+            continue
+        try:
+            p, (completion,) = fit_replies(row, tokenizer, ("chosen",), max_seq_len, stats)
+        except SkipRow as skip:
+            _skip(stats, skip.reason)
+            continue
+        out.append(_unpaired(p, completion, row["label"]))
+    stats["examples"] = len(out)
+    stats["desirable"] = sum(ex["desirable"] for ex in out)
+    stats["undesirable"] = len(out) - stats["desirable"]
+    return out, stats
+
+
+def _unpaired(prompt_ids: list, completion_ids: list, desirable: bool) -> dict:
+    return {"prompt_input_ids": prompt_ids, "completion_response_ids": completion_ids, "desirable": bool(desirable)}
+
+
 def tokenize_prompts(rows: Sequence[dict], tokenizer, max_prompt_seq_len: int, tools: list | None = None
                      ) -> tuple[list, dict]:
     """PPO prompts; long prompts keep their last tokens (the part the answer follows) and a template's
