@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import (REPO, RUNS, add_model_args, add_run_args, alternate, bench_env, bench_model,  # noqa: E402
                           end_report, fresh_dir, read_jsonl, run_logged, start_report, title)
 
-LOSSES = ("sigmoid", "ipo", "simpo", "orpo")  # run_cpu.sh's LOSS_TYPE: it gives each loss its flags
+LOSSES = ("sigmoid", "ipo", "simpo", "orpo", "kto")  # run_cpu.sh's LOSS_TYPE: it gives each loss its flags
 
 
 def parse_args(argv=None):

@@ -8,7 +8,7 @@
 #                             [--task arithmetic|tools]
 #   --with_dpo [LOSS]: also DPO from the step-1 model on the step-2 pairs (scripts/step2_dpo/run_cpu.sh, after
 #             step 2), and its row in the evaluation next to SFT and RLHF; LOSS: the DPO step's --loss_type
-#             (sigmoid, the default: a "DPO" row; ipo, simpo, orpo: a row named after it)
+#             (sigmoid, the default: a "DPO" row; ipo, simpo, orpo, kto: a row named after it)
 #   --quick: tiny random models, a few steps, a small copy of the demo data (a smoke test of the whole
 #             chain, about 80 s on 2 cores)
 #   --format: chat (default): the demo rows are conversations rendered with SmolLM2's chat template;
@@ -33,8 +33,8 @@ while [ $# -gt 0 ]; do
     --step) shift; STEPS=(); while [ $# -gt 0 ] && [[ "$1" =~ ^[123]$ ]]; do STEPS+=("$1"); shift; done ;;
     --with_dpo) WITH_DPO=1; shift
       if [ $# -gt 0 ] && [[ "$1" != --* ]]; then
-        case "$1" in sigmoid|ipo|simpo|orpo) DPO_LOSS="$1"; shift ;;
-          *) echo "--with_dpo: the loss must be sigmoid, ipo, simpo or orpo, got $1" >&2; exit 2 ;; esac
+        case "$1" in sigmoid|ipo|simpo|orpo|kto) DPO_LOSS="$1"; shift ;;
+          *) echo "--with_dpo: the loss must be sigmoid, ipo, simpo, orpo or kto, got $1" >&2; exit 2 ;; esac
       fi ;;
     --output_root) OUTPUT_ROOT="$(mkdir -p "$2" && cd "$2" && pwd)"; shift 2 ;;
     --quick) QUICK=1; shift ;;

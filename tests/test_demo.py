@@ -38,7 +38,7 @@ def test_quick_demo_writes_table_and_curves(tmp_path):
 def test_demo_refuses_an_unknown_preference_loss(tmp_path):
     proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "demo.sh"), "--with_dpo", "dop", "--quick"],
                           cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "--with_dpo: the loss must be sigmoid, ipo, simpo or orpo, got dop" in proc.stderr
+    assert proc.returncode == 2 and "--with_dpo: the loss must be sigmoid, ipo, simpo, orpo or kto, got dop" in proc.stderr
 
 
 @pytest.mark.slow

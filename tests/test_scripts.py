@@ -203,7 +203,7 @@ def test_dpo_scripts_launch_flags_step2_dpo_accepts(kind, tmp_path, tiny_gpt2):
 
 
 @pytest.mark.parametrize("loss,beta,nll", [("sigmoid", 0.1, 1.0), ("ipo", 0.1, 1.0), ("simpo", 2.0, 1.0),
-                                            ("orpo", None, 0.0)])
+                                            ("orpo", None, 0.0), ("kto", 0.1, 0.0)])
 def test_dpo_cpu_script_gives_each_loss_its_flags(loss, beta, nll, tmp_path, tiny_gpt2):
     """LOSS_TYPE (demo.sh --with_dpo LOSS) picks the loss and the flags it takes: ORPO refuses --beta and
     --nll_loss_coef (its own NLL term), SimPO gets its paper's beta; each launch parses with step2_dpo's flags."""
@@ -220,4 +220,4 @@ def test_dpo_cpu_script_gives_each_loss_its_flags(loss, beta, nll, tmp_path, tin
 
 def test_dpo_cpu_script_refuses_an_unknown_loss(tmp_path):
     proc, _ = run_with_stub(tmp_path, "scripts/step2_dpo/run_cpu.sh", [str(tmp_path / "out")], LOSS_TYPE="dop")
-    assert proc.returncode == 2 and "LOSS_TYPE must be sigmoid, ipo, simpo or orpo, got dop" in proc.stderr
+    assert proc.returncode == 2 and "LOSS_TYPE must be sigmoid, ipo, simpo, orpo or kto, got dop" in proc.stderr

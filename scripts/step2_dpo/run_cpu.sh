@@ -12,14 +12,16 @@
 # usage: bash scripts/step2_dpo/run_cpu.sh [OUTPUT_DIR (out/step2_dpo)] [extra step2_dpo/main.py arguments]
 # env: MODEL (default: out/step1 if it holds a model, else SmolLM2-135M-Instruct), DATA (sources;
 #      default data/demo/pairs), NUM_RANKS (2), MAX_STEPS (40), MASTER_PORT (a free one), LOSS_TYPE (sigmoid;
-#      ipo as sigmoid; simpo: beta 2.0 (its paper's), the NLL term kept; orpo: its own NLL term, no beta).
+#      ipo as sigmoid; simpo: beta 2.0 (its paper's), the NLL term kept; orpo: its own NLL term, no beta;
+#      kto: beta 0.1, each pair one desirable and one undesirable example).
 #      Log: OUTPUT_DIR/train.log.
 source "$(dirname "$0")/../common.sh"
 case "${LOSS_TYPE:-sigmoid}" in
   sigmoid|ipo) LOSS=(--loss_type "${LOSS_TYPE:-sigmoid}" --beta 0.1 --nll_loss_coef 1.0) ;;
   simpo) LOSS=(--loss_type simpo --beta 2.0 --nll_loss_coef 1.0) ;;
   orpo) LOSS=(--loss_type orpo) ;;
-  *) echo "LOSS_TYPE must be sigmoid, ipo, simpo or orpo, got $LOSS_TYPE" >&2; exit 2 ;;
+  kto) LOSS=(--loss_type kto --beta 0.1) ;;
+  *) echo "LOSS_TYPE must be sigmoid, ipo, simpo, orpo or kto, got $LOSS_TYPE" >&2; exit 2 ;;
 esac
 launch_step cpu step2_dpo.main pairs \
   --data_split 0,5,5 \
