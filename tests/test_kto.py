@@ -93,6 +93,12 @@ def test_unpaired_rows_in_trls_forms():
     with pytest.raises(DataError, match=r"f.jsonl:5: field 'thumbs' must be true"):
         normalize_row({"prompt": "Q?", "completion": " yes", "thumbs": "up"}, "f.jsonl:5", 2,
                       RowFormat(unpaired=True, label_key="thumbs"))
+    # CSV has only strings: there (only there) the text true / false is a label
+    assert normalize_row({"prompt": "Q?", "completion": " no", "label": "False"}, "d/f.csv:7", 2, UNPAIRED)["label"] is False
+    with pytest.raises(DataError, match="f.jsonl:8: field 'label' must be true"):
+        normalize_row({"prompt": "Q?", "completion": " yes", "label": "true"}, "f.jsonl:8", 2, UNPAIRED)
+    with pytest.raises(DataError, match="f.csv:9: field 'label' must be true"):
+        normalize_row({"prompt": "Q?", "completion": " yes", "label": "yes"}, "f.csv:9", 2, UNPAIRED)
     # the pair losses name the loss that reads such rows
     with pytest.raises(DataError, match="missing field 'rejected' .*--loss_type kto"):
         normalize_row({"prompt": "Q?", "completion": " yes", "label": True}, "f.jsonl:6", 2)

@@ -12,7 +12,8 @@ Accepted layouts (``normalize_row``; keys renamed by ``--prompt_key`` & co. firs
 * prompt-only rows (step 3): a string or a message list, every other field kept in ``extra``
   (``answer``, ``label``, ...) for reward functions;
 * unpaired feedback (TRL's KTO form; step 2 when ``RowFormat.unpaired``): ``prompt``, ``completion``
-  (strings, or message lists) and a boolean ``label`` (true: desirable), no ``rejected``: the row's
+  (strings, or message lists) and a boolean ``label`` (true: desirable; in CSV the text true / false), no
+  ``rejected``: the row's
   ``chosen`` is the completion, ``rejected`` None and ``label`` the bool. Pairs are still read.
 
 A normalised row holds ``prompt``, ``chosen``, ``rejected`` (each a string, a message list or None),
@@ -176,6 +177,14 @@ def _text(value, origin: str, field: str, assistant_only: bool = False):
     raise DataError(f"{origin}: field '{field}' must be a string or a list of messages, got {type(value).__name__}")
 
 
+def _label(value, origin: str):
+    """An unpaired row's label: a boolean; in a CSV source (whose values are all strings) also the text
+    true / false (any case)."""
+    if isinstance(value, str) and origin.split(":")[0].lower().endswith(".csv") and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    return value
+
+
 def _missing(origin: str, name: str, fmt: RowFormat, obj: dict | None = None) -> DataError:
     hint = " (or 'response' / 'completion')" if name == "chosen" and fmt.chosen_key == "chosen" else ""
     if name == "rejected" and obj is not None and fmt.label_key in obj and not fmt.unpaired:
@@ -209,7 +218,7 @@ def normalize_row(obj, origin: str, step: int, fmt: RowFormat = DEFAULT_FORMAT) 
             set(fmt.keys) | (set(CHOSEN_SYNONYMS) if fmt.chosen_key == "chosen" else set()))
     label = None
     if step == 2 and fmt.unpaired and raw["rejected"] is None and fmt.label_key in obj:
-        label = obj[fmt.label_key]
+        label = _label(obj[fmt.label_key], origin)
         if not isinstance(label, bool):
             raise DataError(f"{origin}: field '{fmt.label_key}' must be true (desirable) or false (undesirable), "
                             f"got {label!r}")
