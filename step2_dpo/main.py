@@ -342,12 +342,25 @@ def reference_metrics(pairs: list, loss_of: PreferenceLoss) -> dict:
     return {**{f"eval/{key}": stats[key].item() for key in EVAL_STATS if key != "accuracy"}, "eval/pairs": len(pairs)}
 
 
+def unpaired_reference_metrics(examples: list, loss_of: UnpairedLoss) -> dict:
+    """KTO's held-out metrics before the first update, when the policy IS the reference: every log-ratio,
+    implicit reward, margin and z0 is 0 and each example's loss its weight x (1 - sigmoid(0)), known without
+    a pass (which, scoring the examples and their mismatched rows under both, would cost the demo ~5 min)."""
+    desirable = torch.tensor([ex["desirable"] for ex in examples], dtype=torch.bool)
+    zeros = torch.zeros(2 * len(examples))
+    terms, stats = loss_of.terms(zeros, zeros, desirable)
+    means = unpaired_means({key: stats[key].item() for key in UNPAIRED_SUMS})
+    return {"eval/loss": terms["examples"].item(), "eval/z0": stats["z0"].item(),
+            **{f"eval/{key}": value for key, value in means.items()}, "eval/examples": len(examples)}
+
+
 def _format_eval(m: dict) -> str:
     if "eval/examples" in m:  # unpaired (KTO)
         rewards = ", ".join(f"{kind} reward {m[f'eval/{kind}_reward']:.4f}" for kind in ("desirable", "undesirable")
                             if f"eval/{kind}_reward" in m)
+        logp = f"logp {m['eval/logp']:.2f}; " if "eval/logp" in m else ""
         return (f"loss {m['eval/loss']:.4f}, margin {_fmt(m.get('eval/margin'))} ({rewards}; z0 {m['eval/z0']:.4f}; "
-                f"logp {m['eval/logp']:.2f}; {m['eval/examples']} examples)")
+                f"{logp}{m['eval/examples']} examples)")
     return (f"loss {m['eval/loss']:.4f}, accuracy {_fmt(m.get('eval/accuracy'))}, margin {m['eval/margin']:.4f} "
             f"(chosen reward {m['eval/chosen_reward']:.4f}, rejected {m['eval/rejected_reward']:.4f}; "
             f"logp chosen {m['eval/chosen_logp']:.2f}, rejected {m['eval/rejected_logp']:.2f}; "
@@ -415,8 +428,12 @@ def main(argv=None):
             attach_reference(train_pairs, ref_logps["train"])
 
     def evaluate_before():  # before any update: the policy is still the reference
-        if reference.kind == "none" or unpaired:  # the policy's own evaluation (KTO: the reference scores per batch)
+        if reference.kind == "none":  # a reference-free loss: the policy's own evaluation
             metrics = run_eval(0)
+            return {"before": metrics, "ref_logps": {}}, metrics
+        if unpaired:  # KTO scores with the reference per batch; before training its figures are known
+            metrics = unpaired_reference_metrics(eval_pairs, loss_of)
+            print_rank0(f"[dpo] eval before training (the policy is the reference): {_format_eval(metrics)}")
             return {"before": metrics, "ref_logps": {}}, metrics
         ref_start = time.time()
         ref_logps = {"eval": all_reference_logps(reference, eval_pairs, collator, args.per_device_eval_batch_size)}

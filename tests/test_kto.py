@@ -216,3 +216,26 @@ def test_two_rank_zero3_kto_with_the_adapters_reference_learns_and_exports(tiny_
     assert evals[0]["eval/loss"] == pytest.approx(0.5, abs=1e-6) and evals[-1]["eval/margin"] > evals[0]["eval/margin"]
     assert [r["export/logp_max_abs_diff"] for r in rows if "export/logp_max_abs_diff" in r][0] <= 1e-4
     assert "reference: the policy with its LoRA adapters disabled" in open(tmp_path / "log.txt").read()
+
+
+def test_the_before_training_figures_known_without_a_pass_are_a_passs(tiny_gpt2, tmp_path):
+    """Before the first update the policy is the reference: unpaired_reference_metrics (no forward) gives what
+    evaluate_unpaired measures with both forwards, with unequal weights and batches that split the kinds."""
+    from step2_dpo.main import Reference, UnpairedLoss, evaluate_unpaired, unpaired_reference_metrics
+    from utils.data import UnpairedCollator, tokenize_unpaired
+    from utils.model import load_causal_lm, load_tokenizer
+
+    tok = load_tokenizer(tiny_gpt2)
+    rows = [{"prompt": f"Human: {topic}?\n\nAssistant:", "chosen": " good fine", "rejected": " bad"}
+            for topic in ("plot", "music", "actors")]
+    rows.append({"prompt": "Human: ending?\n\nAssistant:", "chosen": " dull", "rejected": None, "label": False})
+    examples, _ = tokenize_unpaired(rows, tok, 24)
+    model = load_causal_lm(tiny_gpt2)
+    loss_of = UnpairedLoss(_parse(tmp_path, "--loss_type", "kto", "--kto_desirable_weight", 2.0,
+                                  "--kto_undesirable_weight", 0.5))
+    measured = evaluate_unpaired(model, examples, UnpairedCollator(tok.pad_token_id, 24), 3, loss_of,
+                                 Reference("engine", model, model))
+    known = unpaired_reference_metrics(examples, loss_of)
+    assert known["eval/loss"] == pytest.approx((3 * 2.0 + 4 * 0.5) * 0.5 / 7)
+    for key, value in known.items():
+        assert measured[key] == pytest.approx(value, abs=1e-6), key
