@@ -31,16 +31,22 @@ for loss in "${LOSSES[@]}"; do
 import json, sys
 out, loss, wall = sys.argv[1], sys.argv[2], int(sys.argv[3])
 rows = [json.loads(line) for line in open(f"{out}/metrics.jsonl")]
-evals = [r for r in rows if "eval/accuracy" in r]
+evals = [r for r in rows if "eval/loss" in r]
 before, after = evals[0], evals[-1]
 peak = max(r.get("mem/training_peak_gb", 0.0) for r in rows)
 train_s = max(r.get("time/train_s", 0.0) for r in rows)
 steps = max(r.get("step", 0) for r in rows)
 def fmt(value):  # the accuracy of a reference-based loss before training is undefined (not logged)
     return "undefined" if value is None else f"{value:.3f}"
-print(f"{loss}: held-out accuracy {fmt(before.get('eval/accuracy'))} -> {fmt(after.get('eval/accuracy'))}, margin "
-      f"{before['eval/margin']:.3f} -> {after['eval/margin']:.3f}, chosen logp {before['eval/chosen_logp']:.1f} -> "
-      f"{after['eval/chosen_logp']:.1f}; training {train_s:.0f} s ({train_s / max(steps, 1):.1f} s/step), "
+if "eval/examples" in after:  # KTO: no pairs to rank
+    figures = (f"held-out margin {before['eval/margin']:.3f} -> {after['eval/margin']:.3f} (desirable reward "
+               f"{after['eval/desirable_reward']:.3f}, undesirable {after['eval/undesirable_reward']:.3f}, z0 "
+               f"{after['eval/z0']:.3f}), logp {after['eval/logp']:.1f}")
+else:
+    figures = (f"held-out accuracy {fmt(before.get('eval/accuracy'))} -> {fmt(after.get('eval/accuracy'))}, margin "
+               f"{before['eval/margin']:.3f} -> {after['eval/margin']:.3f}, chosen logp {before['eval/chosen_logp']:.1f} "
+               f"-> {after['eval/chosen_logp']:.1f}")
+print(f"{loss}: {figures}; training {train_s:.0f} s ({train_s / max(steps, 1):.1f} s/step), "
       f"the run {wall} s; peak {peak:.2f} GiB per rank")
 EOF
   POLICIES+=(--policy "$loss=$OUT/$loss")
