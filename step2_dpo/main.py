@@ -232,12 +232,12 @@ class PreferenceLoss:
 class UnpairedLoss:
     """The run's loss of an UnpairedCollator batch [2B] (KTO): the PAIR_LOSSES entry of --loss_type (one
     with `unpaired`) over the B labelled examples, its reference point z0 from the B mismatched rows,
-    averaged over the ranks (`reduce`: every rank's micro-step is collective, as DeepSpeed's are)."""
+    averaged over the ranks when `terms` gets `reduce` (training: every rank's micro-step is collective,
+    as DeepSpeed's are; the held-out figures use each batch's own z0)."""
 
     def __init__(self, args):
         self.beta, self.loss_type = args.beta, args.loss_type
         self.options = {name: getattr(args, name) for name in PAIR_LOSSES[args.loss_type].options}
-        self.nll_loss_coef = 0.0
 
     def terms(self, logps: torch.Tensor, ref_logps: torch.Tensor, desirable: torch.Tensor,
               reduce=None) -> tuple[dict, dict]:
