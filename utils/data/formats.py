@@ -13,8 +13,8 @@ Accepted layouts (``normalize_row``; keys renamed by ``--prompt_key`` & co. firs
   (``answer``, ``label``, ...) for reward functions;
 * unpaired feedback (TRL's KTO form; step 2 when ``RowFormat.unpaired``): ``prompt``, ``completion``
   (strings, or message lists) and a boolean ``label`` (true: desirable; in CSV the text true / false), no
-  ``rejected``: the row's
-  ``chosen`` is the completion, ``rejected`` None and ``label`` the bool. Pairs are still read.
+  ``rejected``: the row's ``chosen`` is the completion, ``rejected`` None and ``label`` the bool. Pairs
+  are still read.
 
 A normalised row holds ``prompt``, ``chosen``, ``rejected`` (each a string, a message list or None),
 ``messages`` (step 1's whole conversation, or None), ``extra`` and ``origin``.  A row is *chat*
