@@ -196,6 +196,23 @@ class PreferenceLoss:
         self.entry = PAIR_LOSSES[args.loss_type]
         self.nll_loss_coef = self.entry.nll_coef or args.nll_loss_coef  # ORPO's SFT term, or RPO's
         self.options = {name: getattr(args, name) for name in self.entry.options}
+        # the per-micro-batch stats the training loop averages (step_metrics reads them in this order)
+        self.stat_names = ("accuracy", "margin", "chosen_reward", "rejected_reward") + (
+            ("nll",) if self.nll_loss_coef else ())
+
+    def train_terms(self, logps: torch.Tensor, counts: torch.Tensor, ref_logps: torch.Tensor | None,
+                    batch: dict) -> tuple[dict, dict]:
+        return self.terms(logps, counts, ref_logps)
+
+    def step_metrics(self, means: list) -> tuple:
+        """train_micro_batches' (metrics, progress postfix, --print_loss line) of [loss, *stat_names means]."""
+        mean_loss, accuracy, margin, *_ = means
+        return ({"train/loss": mean_loss, **{f"train/{name}": v for name, v in zip(self.stat_names, means[1:])}},
+                {"loss": f"{mean_loss:.4f}", "acc": f"{accuracy:.2f}"},
+                f"loss {mean_loss:.4f} accuracy {accuracy:.3f} margin {margin:.4f}")
+
+    def evaluate(self, engine, pairs: list, collator, batch_size: int, reference: "Reference") -> dict:
+        return evaluate_preferences(engine, pairs, collator, batch_size, self)
 
     def __call__(self, logps: torch.Tensor, counts: torch.Tensor | None, ref_logps: torch.Tensor | None,
                  with_nll: bool = True) -> tuple:
@@ -235,9 +252,27 @@ class UnpairedLoss:
     averaged over the ranks when `terms` gets `reduce` (training: every rank's micro-step is collective,
     as DeepSpeed's are; the held-out figures use each batch's own z0)."""
 
+    stat_names = ("z0", "desirable_reward_sum", "desirable_count", "undesirable_reward_sum", "undesirable_count")
+
     def __init__(self, args):
         self.beta, self.loss_type = args.beta, args.loss_type
         self.options = {name: getattr(args, name) for name in PAIR_LOSSES[args.loss_type].options}
+
+    def train_terms(self, logps: torch.Tensor, counts: torch.Tensor, ref_logps: torch.Tensor,
+                    batch: dict) -> tuple[dict, dict]:
+        return self.terms(logps, ref_logps, batch["desirable"], reduce=all_reduce_sum)
+
+    def step_metrics(self, means: list) -> tuple:
+        """train_micro_batches' (metrics, postfix, line) of [loss, z0, reward sums and counts]: each kind's mean
+        reward from the sums (exact over micro-batches and ranks), the margin where both kinds were seen."""
+        mean_loss, z0, *sums = means
+        rewards = unpaired_means(dict(zip(UNPAIRED_SUMS, sums)))
+        return ({"train/loss": mean_loss, "train/z0": z0, **{f"train/{k}": v for k, v in rewards.items()}},
+                {"loss": f"{mean_loss:.4f}", "z0": f"{z0:.3f}"},
+                f"loss {mean_loss:.4f} z0 {z0:.4f} margin {_fmt(rewards.get('margin'))}")
+
+    def evaluate(self, engine, examples: list, collator, batch_size: int, reference: "Reference") -> dict:
+        return evaluate_unpaired(engine, examples, collator, batch_size, self, reference)
 
     def terms(self, logps: torch.Tensor, ref_logps: torch.Tensor, desirable: torch.Tensor,
               reduce=None) -> tuple[dict, dict]:
@@ -254,7 +289,7 @@ class UnpairedLoss:
         return {"examples": batch["desirable"].shape[0]}
 
 
-UNPAIRED_SUMS = ("desirable_reward_sum", "desirable_count", "undesirable_reward_sum", "undesirable_count")
+UNPAIRED_SUMS = UnpairedLoss.stat_names[1:]
 
 
 def unpaired_means(sums: dict) -> dict:
@@ -411,10 +446,7 @@ def main(argv=None):
 
     def run_eval(step: int) -> dict:
         eval_start = time.time()
-        if unpaired:
-            metrics = evaluate_unpaired(engine, eval_pairs, collator, args.per_device_eval_batch_size, loss_of, reference)
-        else:
-            metrics = evaluate_preferences(engine, eval_pairs, collator, args.per_device_eval_batch_size, loss_of)
+        metrics = loss_of.evaluate(engine, eval_pairs, collator, args.per_device_eval_batch_size, reference)
         metrics["time/eval_s"] = time.time() - eval_start
         print_rank0(f"[dpo] eval at step {step}: {_format_eval(metrics)} in {metrics['time/eval_s']:.1f} s")
         return metrics
@@ -456,38 +488,15 @@ def main(argv=None):
                  f"with the checkpoint's settings")
         attach_all(state["ref_logps"])
     before = state["before"]
-    if unpaired:
-        stat_names = ("z0",) + UNPAIRED_SUMS
 
-        def micro_step(batch):
-            logps, _ = sequence_logprobs(engine, batch)
-            terms, stats = loss_of.terms(logps, reference(batch), batch["desirable"], reduce=all_reduce_sum)
-            return terms, tuple(stats[name].item() for name in stat_names)
-
-        def step_metrics(means):
-            mean_loss, z0, *sums = means
-            rewards = unpaired_means(dict(zip(UNPAIRED_SUMS, sums)))
-            margin = rewards.get("margin")
-            return ({"train/loss": mean_loss, "train/z0": z0, **{f"train/{k}": v for k, v in rewards.items()}},
-                    {"loss": f"{mean_loss:.4f}", "z0": f"{z0:.3f}"},
-                    f"loss {mean_loss:.4f} z0 {z0:.4f} margin {_fmt(margin)}")
-    else:
-        stat_names = ("accuracy", "margin", "chosen_reward", "rejected_reward") + (("nll",) if loss_of.nll_loss_coef else ())
-
-        def micro_step(batch):
-            logps, counts = sequence_logprobs(engine, batch)
-            terms, stats = loss_of.terms(logps, counts, reference(batch))
-            return terms, tuple(stats[name].item() for name in stat_names)
-
-        def step_metrics(means):
-            mean_loss, accuracy, margin, *_ = means
-            return ({"train/loss": mean_loss, **{f"train/{name}": v for name, v in zip(stat_names, means[1:])}},
-                    {"loss": f"{mean_loss:.4f}", "acc": f"{accuracy:.2f}"},
-                    f"loss {mean_loss:.4f} accuracy {accuracy:.3f} margin {margin:.4f}")
+    def micro_step(batch):
+        logps, counts = sequence_logprobs(engine, batch)
+        terms, stats = loss_of.train_terms(logps, counts, reference(batch), batch)
+        return terms, tuple(stats[name].item() for name in loss_of.stat_names)
 
     # the loss is the mean over the optimizer step's pairs (KTO: examples; all micro-batches, all ranks), the
     # NLL term the mean over its chosen response tokens
-    train_micro_batches(run, engine, loader, sampler, micro_step, step_metrics, counts=loss_of.units)
+    train_micro_batches(run, engine, loader, sampler, micro_step, loss_of.step_metrics, counts=loss_of.units)
 
     step = run.loop.step
     after = run.evaluate_now()
