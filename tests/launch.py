@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -31,27 +32,76 @@ def subprocess_env(**extra) -> dict:
     return env
 
 
-def rank_command(module: str, args: list, num_ranks: int = 2, launcher: bool = False) -> list[str]:
+def rank_command(module: str, args: list, num_ranks: int = 2, launcher: bool = False, zygote: bool = False) -> list[str]:
     """The command that runs N CPU ranks (gloo) of `python -m MODULE ARGS` on this machine: tests/ranks.py,
     which starts them as `deepspeed --num_gpus N --module` does without its two start-ups, or, with
-    `launcher=True`, the `deepspeed` command itself (for tests of what the launcher adds)."""
+    `launcher=True`, the `deepspeed` command itself (for tests of what the launcher adds). `zygote=True`:
+    the ranks are forked by the tests' fork server (tests/zygote.py) when it runs (N = 0: one plain
+    `python -m MODULE`)."""
     port, args = str(free_port()), [str(a) for a in args]
     if launcher:
         deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
         return [deepspeed, "--num_gpus", str(num_ranks), "--master_port", port, "--module", module, *args]
-    return [sys.executable, os.path.join(ROOT, "tests", "ranks.py"), str(num_ranks), port, module, *args]
+    ranks = os.path.join(ROOT, "tests", "ranks.py")
+    sock = zygote_socket() if zygote else None
+    if sock:
+        return [sys.executable, ranks, "--zygote", sock, str(num_ranks), port, module, *args]
+    if num_ranks == 0:
+        return [sys.executable, "-m", module, *args]
+    return [sys.executable, ranks, str(num_ranks), port, module, *args]
+
+
+_zygote: dict = {}
+
+
+def zygote_socket() -> str | None:
+    """The socket of this pytest session's fork server (tests/zygote.py), started on first use; None when
+    RLHF_TESTS_ZYGOTE=0 or it could not start (the runs then start fresh interpreters)."""
+    if "sock" in _zygote:
+        return _zygote["sock"]
+    _zygote["sock"] = None
+    if os.environ.get("RLHF_TESTS_ZYGOTE", "1") == "0" or not hasattr(socket, "send_fds"):
+        return None
+    import atexit
+    import shutil
+    import tempfile
+
+    folder = tempfile.mkdtemp(prefix="rlhf-zygote-")
+    sock = os.path.join(folder, "s")
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "zygote.py"), sock], cwd=ROOT,
+                            env=subprocess_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    last = said = proc.stdout.readline()
+    while said and not said.startswith("ready"):  # what the imports print (DeepSpeed's accelerator line) comes first
+        last, said = said, proc.stdout.readline()
+    if not said.startswith("ready"):
+        proc.kill()
+        shutil.rmtree(folder, ignore_errors=True)
+        print(f"tests/zygote.py did not start ({last.strip()}): the runs start fresh interpreters", file=sys.stderr)
+        return None
+
+    def stop():
+        proc.stdin.close()  # the server leaves when its stdin closes
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        shutil.rmtree(folder, ignore_errors=True)
+
+    atexit.register(stop)
+    _zygote.update(sock=sock, proc=proc)
+    return sock
 
 
 def run_deepspeed(module: str, args: list, num_ranks: int = 2, timeout: int = 600, log_path: str | None = None,
                   env: dict | None = None, launcher: bool = False) -> subprocess.CompletedProcess:
     """N ranks of `python -m MODULE ARGS` from the repository root (CPU ranks, gloo); see rank_command."""
-    return _run(rank_command(module, args, num_ranks, launcher), timeout, log_path, env)
+    return _run(rank_command(module, args, num_ranks, launcher, zygote=True), timeout, log_path, env)
 
 
 def run_module(module: str, args: list, timeout: int = 600, log_path: str | None = None,
                env: dict | None = None) -> subprocess.CompletedProcess:
     """`python -m MODULE ARGS` in a single process (rank 0 of 1, no launcher)."""
-    return _run([sys.executable, "-m", module, *[str(a) for a in args]], timeout, log_path, env)
+    return _run(rank_command(module, args, num_ranks=0, zygote=True), timeout, log_path, env)
 
 
 def _run(cmd, timeout, log_path, env) -> subprocess.CompletedProcess:
@@ -80,12 +130,39 @@ def start_deepspeed(module: str, args: list, num_ranks: int = 2, log_path: str |
                             start_new_session=True)
 
 
-def kill_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the launcher and every rank it started."""
+def kill_group(proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """SIGKILL the launcher and every rank it started, and wait until none of them runs: a killed process
+    holds its files (the output directory's lock) until the kernel has torn its memory down, which takes
+    seconds for GBs on this VM, and a run started at once from the tests' fork server is faster than that."""
     import signal
+    import time
 
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     proc.wait()
+    deadline = time.monotonic() + timeout
+    while _group_running(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _group_running(pgid: int) -> bool:
+    """Whether a process of group `pgid` is still running (a zombie has closed its files: it does not count)."""
+    if not os.path.isdir("/proc"):
+        try:
+            os.killpg(pgid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False

@@ -7,7 +7,8 @@ That is what `deepspeed --num_gpus N --module MODULE` does on one node (deepspee
 without the two Python + torch + DeepSpeed start-ups of its runner and its launch module (3-7 s per
 launch on 2 cores) and its one-second polling. The `deepspeed` command itself stays under test where
 users meet it: the script, multi-node and demo tests run it (tests.launch `launcher=True`).
-Imports nothing heavy on purpose.
+Imports nothing heavy on purpose. `python tests/ranks.py --zygote SOCKET N PORT MODULE ARGS...` has the
+tests' fork server (tests/zygote.py) fork the ranks (N = 0: one plain `python -m MODULE`) instead.
 """
 from __future__ import annotations
 
@@ -40,6 +41,11 @@ def stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if argv[0] == "--zygote":  # the ranks forked by the tests' fork server (tests/zygote.py), this process their front
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from zygote import request
+
+        return request(argv[1], int(argv[2]), argv[3], argv[4], argv[5:])
     num_ranks, port, module, args = int(argv[0]), argv[1], argv[2], argv[3:]
     procs = [subprocess.Popen([sys.executable, "-u", "-m", module, f"--local_rank={rank}", *args],
                               env=rank_env(rank, num_ranks, port)) for rank in range(num_ranks)]
