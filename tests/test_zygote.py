@@ -1,0 +1,51 @@
+"""The tests' fork server (tests/zygote.py) gives a forked run what a fresh `python -m` would get: its
+arguments, environment, stdio and exit status; a failing rank ends the others; a timed-out run leaves no rank."""
+import os
+import subprocess
+import time
+
+import pytest
+
+from tests.launch import ROOT, run_deepspeed, run_module, subprocess_env, zygote_socket
+
+pytestmark = pytest.mark.skipif(zygote_socket() is None, reason="the fork server is off (RLHF_TESTS_ZYGOTE=0)")
+
+
+def test_a_forked_module_gets_its_arguments_environment_stdio_and_exit_code():
+    proc = subprocess.run(zygote_command("tests.zygote_probe", ["a b", "show"], 0), cwd=ROOT, input="hello\n",
+                          env=subprocess_env(PROBE="x1"), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout.strip() == f"argv=['a b', 'show'] rank=- world=- probe=x1 cwd={ROOT} stdin=hello"
+    assert proc.stderr.strip().endswith("to stderr")
+
+
+def test_ranks_get_the_launcher_variables_and_a_failing_rank_ends_the_others():
+    start = time.monotonic()
+    proc = run_deepspeed("tests.zygote_probe", ["fail_rank_1"], timeout=60)
+    assert proc.returncode == 1 and "ValueError: rank 1 fails" in proc.stderr
+    assert time.monotonic() - start < 20  # rank 0 sleeps 60 s: stopped, not waited for
+
+
+def test_a_run_past_its_timeout_leaves_no_rank(tmp_path):
+    probe = str(tmp_path / "pid")
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_deepspeed("tests.zygote_probe", ["sleep"], timeout=3, env=subprocess_env(PROBE=probe))
+    pids = [int(open(f"{probe}.{rank}").read()) for rank in (0, 1)]
+    deadline = time.monotonic() + 10
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(alive(pid) for pid in pids)
+
+
+def zygote_command(module, args, num_ranks):
+    from tests.launch import rank_command
+
+    return rank_command(module, args, num_ranks, zygote=True)
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
