@@ -92,6 +92,23 @@ def zygote_socket() -> str | None:
     return sock
 
 
+def forked_commands_env(sock: str) -> dict:
+    """Bash functions, exported through the environment (bash defines `name` from BASH_FUNC_name%%), that
+    make a script's `deepspeed --num_gpus N --master_port P --module MODULE ARGS` and `python -m MODULE ARGS`
+    run through the tests' fork server (tests/zygote.py), the first printing its command line as deepspeed's
+    launcher does ("cmd = ..."); any other form runs the command itself. For the quick demos, whose time is
+    mostly start-ups (each `deepspeed` launch pays three interpreters: its runner, its launch module, a rank)."""
+    front = f'"{sys.executable}" "{ROOT}/tests/ranks.py" --zygote "{sock}"'
+    return {
+        "BASH_FUNC_deepspeed%%": '() { if [ "$1" = --num_gpus ] && [ "$3" = --master_port ] && [ "$5" = --module ]; '
+                                 f'then local n="$2" p="$4" m="$6"; shift 6; echo "cmd = (fork server) python -u -m $m $*"; '
+                                 f'{front} "$n" "$p" "$m" "$@"; '
+                                 'else command deepspeed "$@"; fi; }',
+        "BASH_FUNC_python%%": '() { if [ "$1" = -m ] && [ $# -ge 2 ]; '
+                              f'then local m="$2"; shift 2; {front} 0 - "$m" "$@"; else command python "$@"; fi; }}',
+    }
+
+
 def run_deepspeed(module: str, args: list, num_ranks: int = 2, timeout: int = 600, log_path: str | None = None,
                   env: dict | None = None, launcher: bool = False) -> subprocess.CompletedProcess:
     """N ranks of `python -m MODULE ARGS` from the repository root (CPU ranks, gloo); see rank_command."""

@@ -4,13 +4,18 @@ import subprocess
 
 import pytest
 
-from tests.launch import ROOT, subprocess_env
+from tests.launch import ROOT, forked_commands_env, subprocess_env, zygote_socket
 
 
-def run_demo(out, *args) -> subprocess.CompletedProcess:
-    """scripts/demo.sh --quick ARGS --output_root OUT, asserted to succeed (the log's tail when not)."""
+def run_demo(out, *args, fork_server: bool = True) -> subprocess.CompletedProcess:
+    """scripts/demo.sh --quick ARGS --output_root OUT, asserted to succeed (the log's tail when not). With
+    `fork_server` its `deepspeed` and `python -m` commands run through the tests' fork server (most of a quick
+    demo's time is their start-ups); the arithmetic demo keeps the real launcher and fresh interpreters."""
+    env = subprocess_env()
+    if fork_server and zygote_socket():
+        env.update(forked_commands_env(zygote_socket()))
     proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "demo.sh"), *args, "--quick", "--output_root", str(out)],
-                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=900)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc
 
@@ -46,7 +51,7 @@ def test_quick_arithmetic_demo_prints_accuracy_before_and_after(tmp_path):
     """--task arithmetic: the verifiable demo's chain (problems generated, GRPO without critic or reward
     model, the held-out evaluation before and after, the curves) on a tiny model with ChatML."""
     out = tmp_path / "demo"
-    proc = run_demo(out, "--task", "arithmetic")
+    proc = run_demo(out, "--task", "arithmetic", fork_server=False)
     assert "eval/accuracy: 0.0000 (step 0) -> " in proc.stdout and "(step 2)" in proc.stdout, proc.stdout[-2000:]
     assert "eval/reward/format_mean" in proc.stdout
     assert (out / "grpo" / "curves.png").exists() and (out / "grpo" / "actor" / "model.safetensors").exists()

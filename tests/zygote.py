@@ -16,7 +16,7 @@ when the front dies (a test's timeout).
 A rank runs the module as `python -u -m MODULE` would (runpy, `__main__`, its exit code, the atexit hooks,
 unbuffered stdio), in the request's environment. What a fresh interpreter would do differently: variables
 read while importing keep the server's values (the tests set the same ones: tests.launch.subprocess_env;
-libgomp reads OMP_NUM_THREADS when loaded), and numpy's global random state is the server's (the project
+a rank's OMP_NUM_THREADS is applied with torch.set_num_threads, since libgomp read the server's when loaded), and numpy's global random state is the server's (the project
 seeds its own generators). Runs that a test kills with SIGKILL (tests.launch.start_deepspeed), the
 multi-node and launcher runs still start fresh interpreters; so does every user. RLHF_TESTS_ZYGOTE=0 turns
 the server off.
@@ -214,8 +214,15 @@ def run_rank(req: dict, fds: list[int], rank: int) -> None:
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(rank_env(req, rank))
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:  # libgomp read the server's value when torch was imported
+        import torch
+
+        if torch.get_num_threads() != int(threads):
+            torch.set_num_threads(int(threads))
     module = req["module"]
     sys.argv = [module, *([f"--local_rank={rank}"] if req["num_ranks"] else []), *req["args"]]
+    sys.modules.pop(module, None)  # preloaded: `python -m` runs it as __main__ without a second copy imported first
     code = 0
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)
