@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 
+from tests.zygote import PIDS_FILE_VAR
 from utils.ports import free_port  # noqa: F401  (the tests take their ports from here)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -140,17 +141,25 @@ def tail(proc: subprocess.CompletedProcess, n: int = 3000) -> str:
 
 def start_deepspeed(module: str, args: list, num_ranks: int = 2, log_path: str | None = None,
                     env: dict | None = None, launcher: bool = False) -> subprocess.Popen:
-    """Like run_deepspeed, but returns at once; the launcher and its ranks share a new process group."""
-    cmd = rank_command(module, args, num_ranks, launcher)
+    """Like run_deepspeed, but returns at once; the launcher and its ranks share a new process group (with the
+    fork server: the front, which writes the ranks' pids for kill_group; the ranks die with it)."""
+    cmd = rank_command(module, args, num_ranks, launcher, zygote=True)
+    env = dict(env or subprocess_env())
+    import tempfile
+
+    env[PIDS_FILE_VAR] = os.path.join(tempfile.mkdtemp(prefix="rlhf-ranks-"), "pids")
     log = open(log_path or os.devnull, "w")
-    return subprocess.Popen(cmd, cwd=ROOT, env=env or subprocess_env(), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc.rank_pids_file = env[PIDS_FILE_VAR]
+    return proc
 
 
 def kill_group(proc: subprocess.Popen, timeout: float = 60.0) -> None:
     """SIGKILL the launcher and every rank it started, and wait until none of them runs: a killed process
     holds its files (the output directory's lock) until the kernel has torn its memory down, which takes
-    seconds for GBs on this VM, and a run started at once from the tests' fork server is faster than that."""
+    seconds for GBs on this VM, and a run started at once from the tests' fork server is faster than that.
+    Ranks forked by the fork server are SIGKILLed by their supervisor when the front dies."""
+    import shutil
     import signal
     import time
 
@@ -159,9 +168,22 @@ def kill_group(proc: subprocess.Popen, timeout: float = 60.0) -> None:
     except ProcessLookupError:
         pass
     proc.wait()
+    pids_file = getattr(proc, "rank_pids_file", None)
+    pids = [int(p) for p in open(pids_file).read().split()] if pids_file and os.path.exists(pids_file) else []
     deadline = time.monotonic() + timeout
-    while _group_running(proc.pid) and time.monotonic() < deadline:
+    while (_group_running(proc.pid) or any(process_running(pid) for pid in pids)) and time.monotonic() < deadline:
         time.sleep(0.02)
+    if pids_file:
+        shutil.rmtree(os.path.dirname(pids_file), ignore_errors=True)
+
+
+def process_running(pid: int) -> bool:
+    """Whether `pid` runs (a zombie has closed its files: it does not count)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _group_running(pgid: int) -> bool:

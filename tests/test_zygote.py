@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from tests.launch import ROOT, run_deepspeed, run_module, subprocess_env, zygote_socket
+from tests.launch import ROOT, process_running, rank_command, run_deepspeed, subprocess_env, zygote_socket
 
 pytestmark = pytest.mark.skipif(zygote_socket() is None, reason="the fork server is off (RLHF_TESTS_ZYGOTE=0)")
 
@@ -32,20 +32,10 @@ def test_a_run_past_its_timeout_leaves_no_rank(tmp_path):
         run_deepspeed("tests.zygote_probe", ["sleep"], timeout=3, env=subprocess_env(PROBE=probe))
     pids = [int(open(f"{probe}.{rank}").read()) for rank in (0, 1)]
     deadline = time.monotonic() + 10
-    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(process_running(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not any(alive(pid) for pid in pids)
+    assert not any(process_running(pid) for pid in pids)
 
 
 def zygote_command(module, args, num_ranks):
-    from tests.launch import rank_command
-
     return rank_command(module, args, num_ranks, zygote=True)
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

@@ -14,11 +14,12 @@ fails (as tests/ranks.py does), SIGTERMs them when the front forwards a SIGTERM/
 when the front dies (a test's timeout).
 
 A rank runs the module as `python -u -m MODULE` would (runpy, `__main__`, its exit code, the atexit hooks,
-unbuffered stdio), in the request's environment. What a fresh interpreter would do differently: variables
+unbuffered stdio), in the request's environment. The front learns the ranks' pids (and writes them where
+RLHF_TESTS_RANK_PIDS says: a test that SIGKILLs a run waits for them to end, tests.launch.kill_group). What a fresh interpreter would do differently: variables
 read while importing keep the server's values (the tests set the same ones: tests.launch.subprocess_env;
 a rank's OMP_NUM_THREADS is applied with torch.set_num_threads, since libgomp read the server's when loaded), and numpy's global random state is the server's (the project
-seeds its own generators). Runs that a test kills with SIGKILL (tests.launch.start_deepspeed), the
-multi-node and launcher runs still start fresh interpreters; so does every user. RLHF_TESTS_ZYGOTE=0 turns
+seeds its own generators). The multi-node and launcher runs still start fresh interpreters; so does every
+user. RLHF_TESTS_ZYGOTE=0 turns
 the server off.
 """
 from __future__ import annotations
@@ -47,6 +48,7 @@ PRELOAD = (
     "step1_sft.main", "step2_reward.main", "step2_dpo.main", "step3_ppo.main", "step3_ppo.eval",
 )
 HEADER = struct.Struct("!I")
+PIDS_FILE_VAR = "RLHF_TESTS_RANK_PIDS"  # where the front writes its ranks' pids (tests.launch.start_deepspeed)
 GRACE_S = 5.0  # SIGTERM -> SIGKILL, as tests/ranks.py
 
 
@@ -82,15 +84,19 @@ def request(sock_path: str, num_ranks: int, port: str, module: str, args: list[s
     signal.signal(signal.SIGTERM, forward)
     signal.signal(signal.SIGINT, forward)
     reply = b""
-    while not reply.endswith(b"\n"):
-        try:
-            chunk = conn.recv(64)
-        except InterruptedError:
-            continue
+    while True:
+        while b"\n" in reply:
+            line, reply = reply.split(b"\n", 1)
+            if not line.startswith(b"pids "):
+                return int(line)
+            if os.environ.get(PIDS_FILE_VAR):  # for tests.launch.kill_group, which waits for them to end
+                with open(os.environ[PIDS_FILE_VAR] + ".tmp", "w") as f:
+                    f.write(line[5:].decode())
+                os.replace(os.environ[PIDS_FILE_VAR] + ".tmp", os.environ[PIDS_FILE_VAR])
+        chunk = conn.recv(256)
         if not chunk:
             return 1  # the supervisor died: nothing to report
         reply += chunk
-    return int(reply)
 
 
 # ---------------------------------------------------------------- the server
@@ -152,6 +158,10 @@ def supervise(conn: socket.socket, req: dict, fds: list[int]) -> int:
         pids.append(pid)
     for fd in fds:
         os.close(fd)
+    try:
+        conn.sendall(f"pids {' '.join(map(str, pids))}\n".encode())
+    except OSError:
+        pass
     codes: dict[int, int] = {}
     code = None
     while code is None:
