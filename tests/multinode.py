@@ -228,8 +228,9 @@ def start_nodes(cluster: Cluster, hostfile: str, module: str, args: list, log_di
 def single_node_running(module: str, args: list, log_path: str, num_ranks: int = 2, env: dict | None = None):
     """N ranks on this node (tests.launch.rank_command, as run_deepspeed), but started in the background in
     its own process group, which is SIGKILLed on exit (no stray rank survives a timeout). Yields the
-    NodeRun; wait with `.proc.wait(timeout)`."""
-    cmd = rank_command(module, args, num_ranks)
+    NodeRun; wait with `.proc.wait(timeout)`. The ranks are forked by the tests' fork server (tests/zygote.py),
+    whose supervisor SIGKILLs them when their front is killed."""
+    cmd = rank_command(module, args, num_ranks, zygote=True)
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env or subprocess_env(), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)

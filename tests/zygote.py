@@ -44,8 +44,10 @@ PRELOAD = (
     "transformers", "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
     "transformers.models.opt.modeling_opt", "transformers.models.qwen2.modeling_qwen2",
     "transformers.models.gpt2.tokenization_gpt2", "transformers.tokenization_utils_fast", "tokenizers",
-    "safetensors.torch", "peft", "datasets",
+    "safetensors.torch", "peft", "datasets", "matplotlib",
     "step1_sft.main", "step2_reward.main", "step2_dpo.main", "step3_ppo.main", "step3_ppo.eval",
+    "step3_ppo.agent_eval", "step3_ppo.plot", "utils.tiny_model", "utils.default_model", "data.make_demo_data",
+    "data.make_tool_data",
 )
 HEADER = struct.Struct("!I")
 PIDS_FILE_VAR = "RLHF_TESTS_RANK_PIDS"  # where the front writes its ranks' pids (tests.launch.start_deepspeed)
