@@ -8,7 +8,13 @@ import pytest
 
 from tests.launch import ROOT, process_running, rank_command, run_deepspeed, subprocess_env, zygote_socket
 
-pytestmark = pytest.mark.skipif(zygote_socket() is None, reason="the fork server is off (RLHF_TESTS_ZYGOTE=0)")
+pytestmark = pytest.mark.slow  # they start the fork server (~5 s), which the fast tier otherwise never needs
+
+
+@pytest.fixture(autouse=True)
+def fork_server():
+    if zygote_socket() is None:
+        pytest.skip("the fork server is off (RLHF_TESTS_ZYGOTE=0)")
 
 
 def test_a_forked_module_gets_its_arguments_environment_stdio_and_exit_code():
