@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 
-from tests.zygote import PIDS_FILE_VAR
+from tests.ranks import PIDS_FILE_VAR
 from utils.ports import free_port  # noqa: F401  (the tests take their ports from here)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -89,7 +89,7 @@ def zygote_socket() -> str | None:
         shutil.rmtree(folder, ignore_errors=True)
 
     atexit.register(stop)
-    _zygote.update(sock=sock, proc=proc)
+    _zygote["sock"] = sock
     return sock
 
 
@@ -179,29 +179,26 @@ def kill_group(proc: subprocess.Popen, timeout: float = 60.0) -> None:
 
 def process_running(pid: int) -> bool:
     """Whether `pid` runs (a zombie has closed its files: it does not count)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    stat = _stat(pid)
+    return stat is not None and stat[0] != "Z"
 
 
 def _group_running(pgid: int) -> bool:
-    """Whether a process of group `pgid` is still running (a zombie has closed its files: it does not count)."""
+    """Whether a process of group `pgid` is still running (a zombie does not count)."""
     if not os.path.isdir("/proc"):
         try:
             os.killpg(pgid, 0)
             return True
         except ProcessLookupError:
             return False
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+    return any(stat[0] != "Z" and int(stat[2]) == pgid
+               for stat in map(_stat, (int(e) for e in os.listdir("/proc") if e.isdigit())) if stat)
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state, ppid, pgrp, ...); None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None

@@ -18,10 +18,13 @@ import subprocess
 import sys
 import time
 
+PIDS_FILE_VAR = "RLHF_TESTS_RANK_PIDS"  # where a front of the fork server writes its ranks' pids (tests.launch)
 
-def rank_env(rank: int, num_ranks: int, port: str) -> dict:
-    """The variables deepspeed.launcher.launch sets for one rank of a one-node job."""
-    return {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(num_ranks),
+
+def rank_env(rank: int, num_ranks: int, port: str, base: dict | None = None) -> dict:
+    """The variables deepspeed.launcher.launch sets for one rank of a one-node job, over `base` (this
+    process's environment when None)."""
+    return {**(os.environ if base is None else base), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(num_ranks),
             "LOCAL_SIZE": str(num_ranks), "CROSS_RANK": "0", "CROSS_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port), "CUDA_VISIBLE_DEVICES": ",".join(str(r) for r in range(num_ranks))}
 

@@ -30,8 +30,10 @@ def imports(path: str) -> set[str]:
 
 
 def python_files(folder: str) -> list[str]:
+    """The project's .py files under `folder`, not those of a virtual environment kept there (bench's TRL venvs)."""
     out = []
-    for base, _, files in os.walk(os.path.join(ROOT, folder)):
+    for base, dirs, files in os.walk(os.path.join(ROOT, folder)):
+        dirs[:] = [d for d in dirs if not os.path.exists(os.path.join(base, d, "pyvenv.cfg"))]
         out += [os.path.relpath(os.path.join(base, f), ROOT) for f in files if f.endswith(".py")]
     return sorted(out)
 

@@ -18,7 +18,7 @@ def fork_server():
 
 
 def test_a_forked_module_gets_its_arguments_environment_stdio_and_exit_code():
-    proc = subprocess.run(zygote_command("tests.zygote_probe", ["a b", "show"], 0), cwd=ROOT, input="hello\n",
+    proc = subprocess.run(rank_command("tests.zygote_probe", ["a b", "show"], 0, zygote=True), cwd=ROOT, input="hello\n",
                           env=subprocess_env(PROBE="x1"), capture_output=True, text=True, timeout=60)
     assert proc.returncode == 3, proc.stderr
     assert proc.stdout.strip() == f"argv=['a b', 'show'] rank=- world=- probe=x1 cwd={ROOT} stdin=hello"
@@ -41,7 +41,3 @@ def test_a_run_past_its_timeout_leaves_no_rank(tmp_path):
     while any(process_running(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(process_running(pid) for pid in pids)
-
-
-def zygote_command(module, args, num_ranks):
-    return rank_command(module, args, num_ranks, zygote=True)

@@ -38,6 +38,8 @@ import sys
 import threading
 import time
 
+from ranks import PIDS_FILE_VAR, rank_env  # tests/ is sys.path[0] of the server and of the front (scripts)
+
 # what the ranks of the tests' runs import, first the heavy libraries, then the project's entry points
 PRELOAD = (
     "torch", "deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer", "torch._inductor.compile_fx",
@@ -50,7 +52,6 @@ PRELOAD = (
     "data.make_tool_data",
 )
 HEADER = struct.Struct("!I")
-PIDS_FILE_VAR = "RLHF_TESTS_RANK_PIDS"  # where the front writes its ranks' pids (tests.launch.start_deepspeed)
 GRACE_S = 5.0  # SIGTERM -> SIGKILL, as tests/ranks.py
 
 
@@ -140,15 +141,6 @@ def serve(sock_path: str) -> None:
             os.close(fd)
 
 
-def rank_env(req: dict, rank: int) -> dict:
-    n = req["num_ranks"]
-    if n == 0:  # `python -m MODULE`: one process, no launcher variables
-        return dict(req["env"])
-    return {**req["env"], "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(n), "LOCAL_SIZE": str(n),
-            "CROSS_RANK": "0", "CROSS_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(req["port"]),
-            "CUDA_VISIBLE_DEVICES": ",".join(str(r) for r in range(n))}
-
-
 def supervise(conn: socket.socket, req: dict, fds: list[int]) -> int:
     """Fork the ranks, wait for them as tests/ranks.py does, send their exit status to the front."""
     pids = []
@@ -225,7 +217,8 @@ def run_rank(req: dict, fds: list[int], rank: int) -> None:
                                   line_buffering=True, write_through=True)
     os.chdir(req["cwd"])
     os.environ.clear()
-    os.environ.update(rank_env(req, rank))
+    # N = 0: `python -m MODULE`, one process without the launcher's variables
+    os.environ.update(rank_env(rank, req["num_ranks"], req["port"], req["env"]) if req["num_ranks"] else req["env"])
     threads = os.environ.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:  # libgomp read the server's value when torch was imported
         import torch
