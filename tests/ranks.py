@@ -6,7 +6,8 @@ the failed rank's).
 That is what `deepspeed --num_gpus N --module MODULE` does on one node (deepspeed.launcher.launch),
 without the two Python + torch + DeepSpeed start-ups of its runner and its launch module (3-7 s per
 launch on 2 cores) and its one-second polling. The `deepspeed` command itself stays under test where
-users meet it: the script, multi-node and demo tests run it (tests.launch `launcher=True`).
+users meet it: the multi-node tests, the arithmetic quick demo and the rank-failure case run it (the
+quick main and tools demos run their scripts' `deepspeed` through the fork server: tests.launch).
 Imports nothing heavy on purpose. `python tests/ranks.py --zygote SOCKET N PORT MODULE ARGS...` has the
 tests' fork server (tests/zygote.py) fork the ranks (N = 0: one plain `python -m MODULE`) instead.
 """
