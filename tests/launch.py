@@ -171,28 +171,38 @@ def kill_group(proc: subprocess.Popen, timeout: float = 60.0) -> None:
     pids_file = getattr(proc, "rank_pids_file", None)
     pids = [int(p) for p in open(pids_file).read().split()] if pids_file and os.path.exists(pids_file) else []
     deadline = time.monotonic() + timeout
-    while (_group_running(proc.pid) or any(process_running(pid) for pid in pids)) and time.monotonic() < deadline:
+    # a forked rank leads its own process group (with what it started: a reward worker, a tool's sandbox)
+    while any(_group_running(group) for group in [proc.pid, *pids]) and time.monotonic() < deadline:
         time.sleep(0.02)
     if pids_file:
         shutil.rmtree(os.path.dirname(pids_file), ignore_errors=True)
 
 
 def process_running(pid: int) -> bool:
-    """Whether `pid` runs (a zombie has closed its files: it does not count)."""
+    """Whether `pid` still holds its files. A SIGKILLed process whose main thread is a zombie still does while
+    its other threads (torch's, gloo's) tear down the memory and files they share, so a zombie counts as gone
+    only once it is its last thread."""
     stat = _stat(pid)
-    return stat is not None and stat[0] != "Z"
+    if stat is None:
+        return False
+    if stat[0] != "Z":
+        return True
+    try:
+        return len(os.listdir(f"/proc/{pid}/task")) > 1
+    except OSError:
+        return False
 
 
 def _group_running(pgid: int) -> bool:
-    """Whether a process of group `pgid` is still running (a zombie does not count)."""
+    """Whether a process of group `pgid` still holds its files (process_running)."""
     if not os.path.isdir("/proc"):
         try:
             os.killpg(pgid, 0)
             return True
         except ProcessLookupError:
             return False
-    return any(stat[0] != "Z" and int(stat[2]) == pgid
-               for stat in map(_stat, (int(e) for e in os.listdir("/proc") if e.isdigit())) if stat)
+    return any(process_running(pid) for pid in (int(e) for e in os.listdir("/proc") if e.isdigit())
+               if (_stat(pid) or [None, None, None])[2] == str(pgid))
 
 
 def _stat(pid: int) -> list[str] | None:

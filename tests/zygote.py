@@ -25,6 +25,7 @@ the server off.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import importlib
 import io
 import json
@@ -149,6 +150,8 @@ def supervise(conn: socket.socket, req: dict, fds: list[int]) -> int:
         if pid == 0:
             conn.close()
             run_rank(req, fds, rank)
+        with contextlib.suppress(OSError):  # here too, so that no kill comes before the rank's own setpgid
+            os.setpgid(pid, pid)
         pids.append(pid)
     for fd in fds:
         os.close(fd)
@@ -174,7 +177,7 @@ def supervise(conn: socket.socket, req: dict, fds: list[int]) -> int:
             if conn.recv(1):  # the front was sent SIGTERM or SIGINT
                 stop(pids, codes, signal.SIGTERM)
                 code = 128 + signal.SIGTERM
-            else:  # the front died (SIGKILL on a test's timeout): nobody waits for these ranks
+            else:  # the front died (SIGKILL: a test's kill or timeout): nobody waits for these ranks
                 stop(pids, codes, signal.SIGKILL)
                 return 1
     try:
@@ -185,10 +188,10 @@ def supervise(conn: socket.socket, req: dict, fds: list[int]) -> int:
 
 
 def stop(pids: list[int], codes: dict, signum: int) -> None:
-    """Signal every live rank; SIGKILL those still alive GRACE_S later."""
+    """Signal every live rank (SIGKILL: its whole process group); SIGKILL those still alive GRACE_S later."""
     live = [pid for pid in pids if pid not in codes]
     for pid in live:
-        os.kill(pid, signum)
+        kill(pid, signum)
     deadline = time.monotonic() + GRACE_S
     while live:
         for pid in list(live):
@@ -198,13 +201,24 @@ def stop(pids: list[int], codes: dict, signum: int) -> None:
                 live.remove(pid)
         if live and time.monotonic() > deadline:
             for pid in live:
-                os.kill(pid, signal.SIGKILL)
+                kill(pid, signal.SIGKILL)
             deadline = float("inf")
         time.sleep(0.02)
 
 
+def kill(pid: int, signum: int) -> None:
+    """SIGTERM to the rank (as deepspeed's launcher sends it), SIGKILL to its process group."""
+    try:
+        os.killpg(pid, signum) if signum == signal.SIGKILL else os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
 def run_rank(req: dict, fds: list[int], rank: int) -> None:
-    """In the forked rank: the request's stdio, directory, environment and argv, then `python -u -m MODULE`."""
+    """In the forked rank: the request's stdio, directory, environment and argv, then `python -u -m MODULE`.
+    Its own process group, so that a SIGKILL reaches what it started too (a reward worker, a tool's sandbox), as
+    the SIGKILL of a launcher's group does."""
+    os.setpgid(0, 0)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     for target, fd in enumerate(fds):
