@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from tests.test_layering import python_files  # the project's .py files, not a venv kept under bench/
 from utils import forward
 from utils.rollout import Row, pack
 
@@ -124,8 +125,7 @@ def project_files():
         if os.path.isfile(path):
             out.append(entry)
             continue
-        for base, _, files in os.walk(path):
-            out += [os.path.relpath(os.path.join(base, f), ROOT) for f in files if f.endswith(".py")]
+        out += python_files(entry)
     return sorted(out)
 
 
