@@ -179,10 +179,13 @@ def kill_group(proc: subprocess.Popen, timeout: float = 60.0) -> None:
 
 
 def process_running(pid: int) -> bool:
-    """Whether `pid` still holds its files. A SIGKILLed process whose main thread is a zombie still does while
-    its other threads (torch's, gloo's) tear down the memory and files they share, so a zombie counts as gone
-    only once it is its last thread."""
-    stat = _stat(pid)
+    """Whether `pid` still holds its files (_holds_files)."""
+    return _holds_files(pid, _stat(pid))
+
+
+def _holds_files(pid: int, stat: list[str] | None) -> bool:
+    """A SIGKILLed process whose main thread is a zombie still holds its files while its other threads (torch's,
+    gloo's) tear down the memory and files they share: a zombie counts as gone only once it is its last thread."""
     if stat is None:
         return False
     if stat[0] != "Z":
@@ -194,15 +197,18 @@ def process_running(pid: int) -> bool:
 
 
 def _group_running(pgid: int) -> bool:
-    """Whether a process of group `pgid` still holds its files (process_running)."""
+    """Whether a process of group `pgid` still holds its files (each /proc/PID/stat read once)."""
     if not os.path.isdir("/proc"):
         try:
             os.killpg(pgid, 0)
             return True
         except ProcessLookupError:
             return False
-    return any(process_running(pid) for pid in (int(e) for e in os.listdir("/proc") if e.isdigit())
-               if (_stat(pid) or [None, None, None])[2] == str(pgid))
+    for pid in (int(e) for e in os.listdir("/proc") if e.isdigit()):
+        stat = _stat(pid)
+        if stat is not None and stat[2] == str(pgid) and _holds_files(pid, stat):
+            return True
+    return False
 
 
 def _stat(pid: int) -> list[str] | None:
