@@ -113,10 +113,38 @@ def pair_rows(pools: dict, n: int, rng: random.Random) -> list:
     return rows
 
 
+def test_rows(pool: dict, rng: random.Random) -> list:
+    """{prompt} rows, one per test sentence (half of them positive): the test split's prompts, which only
+    the demo's final evaluation reads (its continuations are the policies' to write)."""
+    rows = [{"prompt": prompt_of(s["prefix"])} for lab in (1, 0) for s in pool[lab]]
+    rng.shuffle(rows)
+    return rows
+
+
+def split_test(rest: dict, n: int, taken: set) -> tuple[dict, dict]:
+    """(test pool, train pool) from each label's `rest` (shuffled sentences): n // 2 per label whose prefix
+    is unique and not in `taken` (the dev pool's prefixes), so every test prompt is a distinct prompt no
+    other file holds; train keeps the others, less those that share a test sentence's prefix."""
+    test: dict = {lab: [] for lab in rest}
+    for lab, k in zip((1, 0), halves(n)):
+        for s in rest[lab]:
+            if len(test[lab]) == k:
+                break
+            if s["prefix"] not in taken:
+                test[lab].append(s)
+                taken.add(s["prefix"])
+    test_texts = {s["text"] for pool in test.values() for s in pool}
+    test_prefixes = {s["prefix"] for pool in test.values() for s in pool}
+    train = {lab: [s for s in items if s["text"] not in test_texts and s["prefix"] not in test_prefixes]
+             for lab, items in rest.items()}
+    return test, train
+
+
 def build(seed: int, sizes: dict, path: str | None = None) -> dict:
-    """All four files' rows; eval and train use disjoint sentence pools."""
+    """All five files' rows; train, dev (the eval files) and test use disjoint sentence pools."""
     rng = random.Random(f"demo-{seed}")
-    pools: dict = {"train": {}, "eval": {}}
+    pools: dict = {"train": {}, "eval": {}, "test": {}}
+    rest: dict = {}
     eligible = 0
     for lab, texts in read_sentences(path or csv_path()).items():
         items = []
@@ -128,17 +156,21 @@ def build(seed: int, sizes: dict, path: str | None = None) -> dict:
         rng.shuffle(items)
         # per label: sft eval rows + pairs eval prompts + pairs eval partners
         n_eval = halves(sizes["sft_eval"])[1] + 2 * halves(sizes["pairs_eval"])[1]
-        pools["eval"][lab], pools["train"][lab] = items[:n_eval], items[n_eval:]
+        pools["eval"][lab], rest[lab] = items[:n_eval], items[n_eval:]
+    dev_prefixes = {s["prefix"] for pool in pools["eval"].values() for s in pool}
+    pools["test"], pools["train"] = split_test(rest, sizes["test"], set(dev_prefixes))
     data = {
         "sft/train.jsonl": sft_rows(pools["train"], sizes["sft_train"], rng),
         "sft/eval.jsonl": sft_rows(pools["eval"], sizes["sft_eval"], rng),
         "pairs/train.jsonl": pair_rows(pools["train"], sizes["pairs_train"], rng),
         "pairs/eval.jsonl": pair_rows(pools["eval"], sizes["pairs_eval"], rng),
+        "test/prompts.jsonl": test_rows(pools["test"], rng),
     }
-    eval_texts = {s["text"] for lab in (0, 1) for s in pools["eval"][lab]}
-    train_texts = {s["text"] for lab in (0, 1) for s in pools["train"][lab]}
-    assert not eval_texts & train_texts, "eval sentences leaked into train"
-    data["_info"] = {"eligible": eligible, "eval_pool": len(eval_texts), "train_pool": len(train_texts)}
+    texts = {name: {s["text"] for lab in (0, 1) for s in pool[lab]} for name, pool in pools.items()}
+    assert not texts["eval"] & texts["train"], "eval sentences leaked into train"
+    assert not texts["test"] & (texts["train"] | texts["eval"]), "test sentences leaked into train or eval"
+    data["_info"] = {"eligible": eligible, "eval_pool": len(texts["eval"]), "test_pool": len(texts["test"]),
+                     "train_pool": len(texts["train"])}
     return data
 
 
@@ -163,8 +195,11 @@ template prompt = `"Human: Continue this movie review: {{first k words}}\\n\\nAs
 and negative sentences so that the SFT policy is neutral; `pairs/*.jsonl` hold pairs where the prompt is a sentence's prefix, the sentence's own rest is the side of its
 label and the rest of a different, opposite-label sentence is the other side, so chosen is always a
 positive continuation and rejected a negative one (the reward model learns to prefer positive text and
-PPO pushes the policy towards it). Sentences were split per label into disjoint eval and train pools
-before any file was written, so no eval sentence appears in the train file of either task. Counts:
+PPO pushes the policy towards it). `test/prompts.jsonl` holds prompts only (half of them positive
+sentences' prefixes): the test split, read by the demo's final evaluation and nothing else; the eval
+files are the dev split (held-out figures during training, and every choice of the demo's settings).
+Sentences were split per label into disjoint train, dev (eval) and test pools before any file was
+written, so no dev or test sentence appears in a train file, and no test sentence in a dev file. Counts:
 {counts}.
 """
 
@@ -174,6 +209,8 @@ def as_chat(row: dict) -> dict:
     a pair TRL's layout (a user-turn prompt, chosen and rejected assistant turns)."""
     prefix = row["prompt"][len("Human: Continue this movie review: "):-len("\n\nAssistant:")]
     turns = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prefix}]
+    if set(row) == {"prompt"}:
+        return {"prompt": turns}
     if "response" in row:
         return {"messages": turns + [{"role": "assistant", "content": row["response"].strip()}]}
     return {"prompt": turns, "chosen": [{"role": "assistant", "content": row["chosen"].strip()}],
@@ -207,17 +244,19 @@ def main(argv=None) -> dict:
                     help="pairs (rows) in pairs/train.jsonl (default %(default)s)")
     ap.add_argument("--pairs_eval", type=int, default=300,
                     help="pairs (rows) in pairs/eval.jsonl (default %(default)s)")
+    ap.add_argument("--test", type=int, default=256,
+                    help="prompts in test/prompts.jsonl, the demo's test split (default %(default)s)")
     ap.add_argument("--csv", default=None, help="override the CSV location")
     ap.add_argument("--format", choices=FORMATS, default="chat",
                     help="chat: messages rows for the model's chat template (default); raw: DeepSpeed-Chat's "
                          "Human/Assistant strings (the same sentences)")
     args = ap.parse_args(argv)
-    sizes = {k: getattr(args, k) for k in ("sft_train", "sft_eval", "pairs_train", "pairs_eval")}
+    sizes = {k: getattr(args, k) for k in ("sft_train", "sft_eval", "pairs_train", "pairs_eval", "test")}
     data = build(args.seed, sizes, args.csv)
     counts = write(args.out, data, args.seed, args.format)
     info = data["_info"]
     print(f"demo data in {args.out}: " + ", ".join(f"{k}={v}" for k, v in counts.items())
-          + f" (eligible RT sentences {info['eligible']}: eval pool {info['eval_pool']}, "
+          + f" (eligible RT sentences {info['eligible']}: eval pool {info['eval_pool']}, test pool {info['test_pool']}, "
             f"train pool {info['train_pool']})")
     return counts
 

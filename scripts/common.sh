@@ -54,7 +54,7 @@ run_logged() {  # run_logged LOG command...
 }
 
 ensure_demo_data() {
-  [ -f "$DEMO_DATA/pairs/eval.jsonl" ] || python -m data.make_demo_data --out "$DEMO_DATA" --format "$DEMO_FORMAT"
+  [ -f "$DEMO_DATA/test/prompts.jsonl" ] || python -m data.make_demo_data --out "$DEMO_DATA" --format "$DEMO_FORMAT"
 }
 
 # default_data DIR MODULE [OUT]: DATA as given, else DIR, whose rows `python -m MODULE --out OUT` (OUT: DIR)

@@ -331,11 +331,11 @@ def test_end_to_end_dataloader(tmp_path, tok):
 def test_make_demo_data_smoke(tmp_path, capsys):
     from data import make_demo_data
 
-    sizes = ["--sft_train", "400", "--sft_eval", "60", "--pairs_train", "400", "--pairs_eval", "60"]
+    sizes = ["--sft_train", "400", "--sft_eval", "60", "--pairs_train", "400", "--pairs_eval", "60", "--test", "40"]
     counts = make_demo_data.main(["--out", str(tmp_path), "--seed", "0", "--format", "raw"] + sizes)
     assert "sft/train.jsonl=400" in capsys.readouterr().out
     assert counts == {"sft/train.jsonl": 400, "sft/eval.jsonl": 60, "pairs/train.jsonl": 400,
-                      "pairs/eval.jsonl": 60}
+                      "pairs/eval.jsonl": 60, "test/prompts.jsonl": 40}
     assert (tmp_path / "README.md").read_text().count("Human: Continue this movie review:") == 1
 
     def load(name):
@@ -353,6 +353,12 @@ def test_make_demo_data_smoke(tmp_path, capsys):
                 assert r["prompt"].startswith("Human: Continue this movie review: ")
                 acc |= sentences(r, keys)
     assert not train & evals
+    # the test split: prompts only, half positive, from sentences in neither train nor dev (eval) rows
+    test = load("test/prompts.jsonl")
+    assert all(set(r) == {"prompt"} and r["prompt"].startswith("Human: Continue this movie review: ") for r in test)
+    assert len({r["prompt"] for r in test}) == 40
+    seen = {r["prompt"] for name in ("sft/train", "sft/eval", "pairs/train", "pairs/eval") for r in load(name + ".jsonl")}
+    assert not {r["prompt"] for r in test} & seen  # no test prompt is trained on or used for a choice
     # the data layer reads the files; pairs are clean
     res = D.build_step_rows([str(tmp_path / "pairs")], "0,1,0", 2, 0, log=quiet)
     assert len(res.train) == 400 and len(res.eval) == 60
@@ -371,6 +377,8 @@ def test_make_demo_data_smoke(tmp_path, capsys):
         assert user == {"role": "user", "content": prefix}
         assert assistant == {"role": "assistant", "content": raw_row["response"].strip()}
     pair = json.loads(open(chat / "pairs" / "eval.jsonl").readline())
+    test_prompt = json.loads(open(chat / "test" / "prompts.jsonl").readline())
+    assert list(test_prompt) == ["prompt"] and [m["role"] for m in test_prompt["prompt"]] == ["system", "user"]
     assert [m["role"] for m in pair["prompt"]] == ["system", "user"] and pair["chosen"][0]["role"] == "assistant"
     res = D.build_step_rows([str(chat / "pairs")], "0,1,0", 2, 0, log=quiet)
     assert len(res.train) == 400 and all(isinstance(r["prompt"], list) for r in res.train)

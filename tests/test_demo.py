@@ -1,4 +1,5 @@
 """The demo script end to end in its quick mode (tiny models): steps 1-3, evaluation table, curves."""
+import json
 import os
 import subprocess
 
@@ -38,6 +39,20 @@ def test_quick_demo_writes_table_and_curves(tmp_path):
     png = out / "step3" / "curves.png"
     assert png.exists() and png.stat().st_size > 10_000
     assert (out / "step3" / "actor" / "model.safetensors").exists()
+    # the judged prompts are the test split's, which no step read (steps 1-3 read sft/ and pairs/)
+    evaluated = [row["prompt"] for row in json.loads((out / "eval.json").read_text())["per_prompt"]]
+    test = [json.loads(line)["prompt"] for line in open(out / "data" / "test" / "prompts.jsonl")]
+    assert len(evaluated) == 8 and all(p in test for p in evaluated), evaluated
+    assert "on the test split's prompts" in proc.stdout
+    data_lines = [line for line in proc.stdout.splitlines() if line.startswith(("[step1] model", "[step2] model",
+                                                                                   "[step3] actor"))]
+    assert len(data_lines) == 3 and not any("data/test" in line for line in data_lines), data_lines
+
+
+def test_demo_refuses_an_unknown_eval_split():
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "demo.sh"), "--eval_split", "train", "--quick"],
+                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--eval_split must be test or dev, got train" in proc.stderr
 
 
 def test_demo_refuses_an_unknown_preference_loss(tmp_path):
