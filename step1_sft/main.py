@@ -14,7 +14,7 @@ from utils.checkpoint import data_layout
 from utils.export import export_hf_model
 from utils.data import SFTCollator, tokenize_sft
 from utils.distributed import all_reduce_sum, rank_batches
-from utils.flags import BATCH_FLAGS, single_model_parser, validate_training_args
+from utils.flags import BATCH_FLAGS, check_range, single_model_parser, validate_training_args
 from utils.forward import causal_lm_logits, eval_mode, lm_nll
 from utils.logging import print_rank0
 from utils.losses import IGNORE_INDEX
@@ -27,17 +27,21 @@ def parse_args(argv=None):
     parser = single_model_parser(__doc__.splitlines()[0], "local from_pretrained directory or hub name")
     parser.add_argument("--train_on_last_turn_only", action="store_true",
                         help="train only a conversation's last assistant turn (default: every assistant turn)")
+    parser.add_argument("--eval_iters", type=int, default=0,
+                        help="perplexity on at most this many held-out batches per rank (0: all held-out rows)")
     args = parser.parse_args(argv)
+    check_range(args, 0, ("eval_iters",))
     validate_training_args(args, positive=BATCH_FLAGS)
     return args
 
 
 @torch.no_grad()
-def evaluate_perplexity(engine, examples: list, collator, batch_size: int) -> float:
-    """Token-weighted perplexity over all ranks' shares of the held-out examples."""
+def evaluate_perplexity(engine, examples: list, collator, batch_size: int, max_batches: int = 0) -> float:
+    """Token-weighted perplexity over all ranks' shares of the held-out examples (the first `max_batches`
+    batches of each share when > 0)."""
     total_nll, total_tokens = 0.0, 0.0
     with eval_mode(engine):
-        for batch_examples, weight in rank_batches(examples, batch_size):
+        for batch_examples, weight in rank_batches(examples, batch_size, max_batches):
             nll, count = lm_nll(engine, collator(batch_examples))
             total_nll += weight * nll.item()
             total_tokens += weight * count.item()
@@ -68,6 +72,9 @@ def main(argv=None):
         args, 1, lambda rows, tok: tokenize_sft(rows, tok, args.max_seq_len, args.train_on_last_turn_only),
         {"max_seq_len": args.max_seq_len, "train_on_last_turn_only": args.train_on_last_turn_only})
     print_rank0(f"[step1] train examples {len(train_examples)} {train_stats}; eval examples {len(eval_examples)} {eval_stats}")
+    if args.eval_iters:
+        print_rank0(f"[step1] perplexity on at most {args.eval_iters} batches of {args.per_device_eval_batch_size} "
+                    f"held-out rows per rank (--eval_iters)")
     collator = SFTCollator(tokenizer.pad_token_id)
     if not eval_examples:
         raise SystemExit("error: no held-out examples to evaluate (the eval split is empty: --eval_fraction 0, or "
@@ -82,7 +89,7 @@ def main(argv=None):
     run = Run(args, "step1", "step1 sft", {"model": engine}, data_layout(args, len(train_examples)), total_steps)
 
     def evaluate_before():
-        ppl = evaluate_perplexity(engine, eval_examples, collator, args.per_device_eval_batch_size)
+        ppl = evaluate_perplexity(engine, eval_examples, collator, args.per_device_eval_batch_size, args.eval_iters)
         print_rank0(f"[step1] eval perplexity before training: {ppl:.3f}")
         return {"ppl_before": ppl}, {"eval/perplexity": ppl}
 
@@ -96,7 +103,7 @@ def main(argv=None):
     train_micro_batches(run, engine, loader, sampler, lambda batch: sft_loss_terms(engine, batch), step_metrics,
                         counts=trained_tokens)
 
-    ppl_after = evaluate_perplexity(engine, eval_examples, collator, args.per_device_eval_batch_size)
+    ppl_after = evaluate_perplexity(engine, eval_examples, collator, args.per_device_eval_batch_size, args.eval_iters)
     print_rank0(f"[step1] eval perplexity after {run.loop.step} steps: {ppl_after:.3f} (before {ppl_before:.3f}); "
                 f"training took {run.train_s:.1f} s")
     run.log(run.loop.step, {"eval/perplexity": ppl_after, "time/train_s": run.train_s})

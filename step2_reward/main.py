@@ -49,9 +49,7 @@ def evaluate_pairs(engine, pairs: list, collator, batch_size: int, max_batches: 
     """Exact held-out pair metrics over all ranks' shares (filler batches weigh 0)."""
     # Sorted by length, so batches hold similar lengths and little padding; the sums are exact in any order.
     pairs = sorted(pairs, key=lambda p: max(len(p["chosen_input_ids"]), len(p["rejected_input_ids"])))
-    batches = rank_batches(pairs, batch_size)
-    if max_batches:
-        batches = batches[:max_batches]  # same count on every rank: ZeRO-3 forwards stay matched
+    batches = rank_batches(pairs, batch_size, max_batches)  # same count on every rank: ZeRO-3 forwards stay matched
     correct = chosen_sum = rejected_sum = count = 0.0
     with eval_mode(engine):
         for batch_pairs, weight in batches:

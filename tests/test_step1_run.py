@@ -64,14 +64,36 @@ def test_two_rank_zero3_lora_exports_merged_weights(tiny_llama, sft_data, tmp_pa
 @pytest.mark.slow
 def test_zero0_single_process(tiny_opt, sft_data, tmp_path):
     out = str(tmp_path / "out")
-    proc = run_module("step1_sft.main", common_args(tiny_opt, sft_data, out, steps=8) + ["--zero_stage", 0])
+    # --eval_iters 2: perplexity on the first 2 batches of 8 held-out rows (of 16)
+    proc = run_module("step1_sft.main", common_args(tiny_opt, sft_data, out, steps=8) + ["--zero_stage", 0,
+                                                                                          "--eval_iters", 2])
     assert proc.returncode == 0, tail(proc)
     check_run(out, proc)
+    assert "perplexity on at most 2 batches of 8 held-out rows per rank" in proc.stdout, tail(proc)
+
+
+def test_rank_batches_caps_every_rank_at_the_same_count(monkeypatch):
+    """--eval_iters (steps 1 and 2): each rank's share cut to max_batches, fillers (weight 0) kept where a
+    rank has fewer rows, so ZeRO-3's collective forwards stay matched."""
+    import utils.distributed as dist
+
+    rows = list(range(21))  # rank 0: 0, 2, ..., 20 (11 rows); rank 1: 1, 3, ..., 19 (10 rows)
+    monkeypatch.setattr(dist, "world_size", lambda: 2)
+    for r, expected in ((0, [([0, 2, 4, 6], 1.0), ([8, 10, 12, 14], 1.0), ([16, 18, 20], 1.0)]),
+                        (1, [([1, 3, 5, 7], 1.0), ([9, 11, 13, 15], 1.0), ([17, 19], 1.0)])):
+        monkeypatch.setattr(dist, "rank", lambda r=r: r)
+        assert dist.rank_batches(rows, 4) == expected
+        assert dist.rank_batches(rows, 4, max_batches=2) == expected[:2]
+        assert dist.rank_batches(rows, 4, max_batches=9) == expected
+    monkeypatch.setattr(dist, "rank", lambda: 1)
+    assert dist.rank_batches(list(range(3)), 1) == [([1], 1.0), ([0], 0.0)]  # the filler: a real batch, weight 0
 
 
 @pytest.mark.slow
 def test_bad_flags_fail_before_loading(tiny_gpt2, sft_data, tmp_path):
     proc = run_module("step1_sft.main", common_args(tiny_gpt2, sft_data, str(tmp_path)) + ["--only_optimize_lora"])
     assert proc.returncode != 0 and "--only_optimize_lora needs --lora_dim" in proc.stderr
+    proc = run_module("step1_sft.main", common_args(tiny_gpt2, sft_data, str(tmp_path)) + ["--eval_iters", -1])
+    assert proc.returncode != 0 and "--eval_iters must be >= 0, got -1" in proc.stderr
     proc = run_module("step1_sft.main", common_args(str(tmp_path / "missing"), sft_data, str(tmp_path)))
     assert proc.returncode != 0 and "missing" in proc.stderr and "does not exist" in proc.stderr

@@ -146,8 +146,9 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def rank_batches(examples: list, batch_size: int) -> list[tuple[list, float]]:
-    """This rank's share of `examples` in batches, the SAME number of batches on every rank.
+def rank_batches(examples: list, batch_size: int, max_batches: int = 0) -> list[tuple[list, float]]:
+    """This rank's share of `examples` in batches, the SAME number of batches on every rank (at most
+    `max_batches` when > 0: an evaluation on part of a held-out split).
 
     ZeRO-3 forwards are collective, so a rank with fewer examples still runs a forward: it gets
     a copy of a real batch with weight 0. Unlike DistributedSampler's padding, no example is
@@ -159,6 +160,8 @@ def rank_batches(examples: list, batch_size: int) -> list[tuple[list, float]]:
     n_batches = -(-per_rank // batch_size)
     batches = [(shard[i * batch_size:(i + 1) * batch_size], 1.0) for i in range(n_batches)]
     filler = examples[:batch_size]
+    if max_batches > 0:
+        batches = batches[:max_batches]
     return [(b, w) if b else (filler, 0.0) for b, w in batches]
 
 
