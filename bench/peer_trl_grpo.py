@@ -333,7 +333,8 @@ def grpo_command(args, model_dir: str, out_dir: str, port: int) -> list[str]:
            "--per_device_training_batch_size", str(args.train_batch_size), "--ppo_epochs", str(args.ppo_epochs),
            "--kl_ctl", str(args.beta), "--kl_in_loss", "--kl_loss_estimator", "k3", "--kl_estimator", "k3",
            "--actor_learning_rate", "1e-6", "--lr_scheduler_type", "constant",
-           "--max_steps", str(args.steps), "--seed", "1234", "--output_dir", out_dir]
+           "--max_steps", str(args.steps), "--seed", "1234", "--output_dir", out_dir,
+           "--old_logprobs", args.old_logprobs]
     if args.chat_template:
         cmd += ["--chat_template", args.chat_template]
     return cmd
@@ -500,6 +501,9 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=0.7, help="sampling temperature of both sides")
     p.add_argument("--top_k", type=int, default=0, help="sampling top-k of both sides (tokens; 0: off)")
     p.add_argument("--top_p", type=float, default=1.0, help="sampling top-p of both sides (probability mass)")
+    p.add_argument("--old_logprobs", choices=("forward", "rollout"), default="forward",
+                   help="ours: the old policy's log-probs from a forward after generation (as TRL when a rollout "
+                        "feeds more than one optimizer step) or the generator's own (step 3's --old_logprobs)")
     p.add_argument("--as_shipped", action="store_true",
                    help="ours with its own tune_malloc, TRL on glibc's defaults (default: MALLOC_* for both)")
     p.add_argument("--rounds", type=int, default=2,
@@ -534,7 +538,7 @@ def header_lines(args, model_dir: str) -> list[str]:
             f"per-update batch {args.train_batch_size}/rank, {args.ppo_epochs} epoch(s): {updates} optimizer steps "
             f"per rollout on each side (ours {rollout}/{args.train_batch_size} x {args.ppo_epochs}; TRL "
             f"steps_per_generation {rollout // args.train_batch_size} x num_iterations {args.ppo_epochs}); "
-            f"lr 1e-6 constant"]
+            f"lr 1e-6 constant; ours --old_logprobs {args.old_logprobs}"]
 
 
 def main(argv=None):

@@ -84,6 +84,12 @@ def parse_args(argv=None):
                    help="keep no log-probs of the rollout engine for its own tokens: no rollout/logprob_diff_* "
                         "metrics and no --rollout_correction, and generate holds no per-step logits (rows x tokens "
                         "x vocabulary x 4 bytes less while generating)")
+    g.add_argument("--old_logprobs", choices=("forward", "rollout"), default="forward",
+                   help="the old policy's log-probs that the ratio is clipped against and the KL penalty reads: "
+                        "forward (default): the actor's no-grad forward over the rollout; rollout: the generator's "
+                        "own log-probs of its tokens, no forward (veRL's bypass mode): with the hybrid engine the "
+                        "same weights, so the same values up to kernel rounding (lr 0: |log ratio| <= 1e-4); with "
+                        "another engine its distribution is the old policy")
     g.add_argument("--rollout_correction", choices=ROLLOUT_CORRECTIONS, default="none",
                    help="weight each action's policy loss by w = pi_old / pi_rollout, the trainer's old log-prob "
                         "against the generator's (a ratio of probabilities): none; tis: min(w, C); icepop: w, and 0 "
@@ -293,8 +299,9 @@ def validate_args(args) -> None:
 
 
 def check_rollout_args(args) -> None:
-    """--dynamic_sampling compares the answers to a prompt; --rollout_correction needs the generator's own
-    log-probs (an engine that gives them, not turned off) and C > 1; --rollout_engine vllm needs vLLM."""
+    """--dynamic_sampling compares the answers to a prompt; --rollout_correction and --old_logprobs rollout need
+    the generator's own log-probs (an engine that gives them, not turned off), the correction C > 1 and the
+    forward's old log-probs; --rollout_engine vllm needs vLLM."""
     if args.rollout_engine == "vllm" and (missing := vllm_missing(args.vllm_python)):
         fail(f"--rollout_engine vllm: {missing}")
     if args.async_rollout:
@@ -308,6 +315,14 @@ def check_rollout_args(args) -> None:
     if args.dynamic_sampling and args.n_samples_per_prompt < 2:
         fail(f"--dynamic_sampling keeps the prompts whose answers' rewards differ: it needs --n_samples_per_prompt "
              f">= 2, got {args.n_samples_per_prompt}")
+    if args.old_logprobs == "rollout":
+        if not ROLLOUT_ENGINES[args.rollout_engine].logprobs or not args.rollout_logprobs:
+            fail(f"--old_logprobs rollout reads the generator's log-probs, which "
+                 + (f"--rollout_engine {args.rollout_engine} does not give" if args.rollout_logprobs
+                    else "--no_rollout_logprobs leaves out"))
+        if args.rollout_correction != "none":
+            fail(f"--rollout_correction {args.rollout_correction} weighs the forward's old log-probs against the "
+                 f"generator's; with --old_logprobs rollout they are the same (every weight 1)")
     if args.rollout_correction == "none":
         return
     if not ROLLOUT_ENGINES[args.rollout_engine].logprobs:

@@ -88,6 +88,7 @@ class PPOConfig:
     max_sampling_rounds: int = 4  # generation rounds of one iteration with dynamic_sampling, the first included
     skip_bad_rewards: bool = False
     rollout_logprobs: bool = True  # keep the rollout engine's own log-probs of its tokens (when it gives them)
+    old_logprobs: str = "forward"  # forward: the actor's no-grad forward after generation; rollout: the generator's
     rollout_correction: str = "none"  # utils.ops.ROLLOUT_CORRECTIONS
     rollout_correction_threshold: float = 2.0  # C of the rollout correction (> 1)
     kl_estimator: str = "k1"
@@ -139,6 +140,10 @@ class PPOTrainer:
         engine_entry = ROLLOUT_ENGINES[config.rollout_engine]
         self.rollout = engine_entry.build(self.actor, config)
         self.rollout_logprobs = engine_entry.logprobs and config.rollout_logprobs  # rows keep "rollout_logprobs"
+        if config.old_logprobs == "rollout" and not self.rollout_logprobs:
+            raise ValueError(f"--old_logprobs rollout needs the rollout engine's own log-probs, which --rollout_engine "
+                             f"{config.rollout_engine} does not give"
+                             + ("" if engine_entry.logprobs else " (or --no_rollout_logprobs left them out)"))
         if config.rollout_correction != "none" and not self.rollout_logprobs:
             raise ValueError(f"--rollout_correction {config.rollout_correction} needs the rollout engine's own "
                              f"log-probs, which --rollout_engine {config.rollout_engine} does not give"
@@ -258,8 +263,12 @@ class PPOTrainer:
                     group = first_group + sum(map(len, rows_per_batch)) // n
                     rows = self.generate_rows(prompt_batch, first_group=group, logprobs=self.rollout_logprobs)
                 t1 = time.time()
-                with memory.phase("experience"):
-                    self.store_logprobs(rows, self.actor, "old_logprobs")
+                if self.config.old_logprobs == "rollout":  # the generator's own: no forward (exact with hybrid)
+                    for row in rows:
+                        row.per_action["old_logprobs"] = row.per_action["rollout_logprobs"]
+                else:
+                    with memory.phase("experience"):
+                        self.store_logprobs(rows, self.actor, "old_logprobs")
                 generation_s, experience_s = generation_s + t1 - t0, experience_s + time.time() - t1
                 rows_per_batch.append(rows)
         if self.config.release_inference_cache:
@@ -344,7 +353,8 @@ class PPOTrainer:
         names = ("old_logprobs", "ref_logprobs") + (("old_values",) if self.critic is not None else ())
         names += ("rollout_logprobs",) if self.rollout_logprobs else ()
         layout = {name: to_token_layout(rows, name, p, length) for name in names}
-        mismatch = self.rollout_mismatch(rows, layout, action_mask, loss_mask, p) if self.rollout_logprobs else {}
+        compared = self.rollout_logprobs and c.old_logprobs == "forward"  # else they ARE the old log-probs
+        mismatch = self.rollout_mismatch(rows, layout, action_mask, loss_mask, p) if compared else {}
         values = layout.get("old_values", torch.zeros_like(action_mask))
         scores = selected["scores"]
         if c.normalize_reward:

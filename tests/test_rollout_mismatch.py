@@ -133,3 +133,12 @@ def test_a_correction_needs_the_generators_log_probs(grpo_run, tiny_llama, tmp_p
         parse_args(grpo_args(tiny_llama, tmp, "--rollout_engine", "plain", "--rollout_correction", "seq_mask_tis"))
     args = parse_args(grpo_args(tiny_llama, tmp, "--rollout_engine", "plain"))  # no correction: fine, no metrics
     assert args.rollout_correction == "none"
+    # --old_logprobs rollout reads the same log-probs, and makes a correction's weights all 1
+    with pytest.raises(SystemExit, match="--old_logprobs rollout reads the generator's log-probs, which "
+                                         "--rollout_engine plain does not give"):
+        parse_args(grpo_args(tiny_llama, tmp, "--rollout_engine", "plain", "--old_logprobs", "rollout"))
+    with pytest.raises(SystemExit, match="which --no_rollout_logprobs leaves out"):
+        parse_args(grpo_args(tiny_llama, tmp, "--old_logprobs", "rollout", "--no_rollout_logprobs"))
+    with pytest.raises(SystemExit, match="--rollout_correction tis weighs the forward's old log-probs"):
+        parse_args(grpo_args(tiny_llama, tmp, "--old_logprobs", "rollout", "--rollout_correction", "tis"))
+    assert parse_args(grpo_args(tiny_llama, tmp, "--old_logprobs", "rollout")).old_logprobs == "rollout"

@@ -63,6 +63,29 @@ def test_log_ratio_is_zero_at_lr0_sampling(ppo_setup, generation_batch_size, tra
     assert metrics["ppo/log_ratio_max_abs"] <= 1e-4, (arch, metrics["ppo/log_ratio_max_abs"])
 
 
+@pytest.mark.parametrize("generation_batch_size,training_batch_size", [(2, 1), (4, 4)])
+def test_old_logprobs_from_the_generator_keep_the_log_ratio_at_zero(ppo_setup, generation_batch_size,
+                                                                    training_batch_size, monkeypatch):
+    """--old_logprobs rollout: the generator's own log-probs (KV-cached decoding of a left-padded batch) are the
+    old policy's, with no forward of the actor after generation; training's forward (other padding, no cache)
+    gives the same values at lr 0."""
+    arch, run = ppo_setup
+    trainer, config = run.trainer, run.trainer.config
+    forwards = []
+    store = trainer.store_logprobs
+    monkeypatch.setattr(trainer, "store_logprobs", lambda rows, engine, name: (forwards.append(name),
+                                                                                store(rows, engine, name)))
+    monkeypatch.setattr(config, "old_logprobs", "rollout")
+    monkeypatch.setattr(config, "per_device_training_batch_size", training_batch_size)
+    config.do_sample = True
+    torch.manual_seed(7)
+    metrics, rows = trainer.step(prompt_batches(run, generation_batch_size, offset=16), step=0)
+    assert "old_logprobs" not in forwards and "ref_logprobs" in forwards, forwards
+    assert all(r.per_action["old_logprobs"] is r.per_action["rollout_logprobs"] for r in rows)
+    assert "rollout/logprob_diff_max" not in metrics  # nothing to compare: they are the old log-probs
+    assert 0 < metrics["ppo/log_ratio_max_abs"] <= 1e-4, (arch, metrics["ppo/log_ratio_max_abs"])
+
+
 def test_log_ratio_is_zero_with_early_eos(ppo_setup):
     """An EOS that some rows emit early: rows of different response lengths, padding after EOS in the
     rollout batch, none in mini-batches of one. Sampling is replayed with the same seed, so the
