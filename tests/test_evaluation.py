@@ -17,7 +17,7 @@ from utils.rollout import pack
 from utils.data import bos_prefix, encode
 from utils.evaluation import (METRIC_COLUMNS, ComparisonSpec, SentimentJudge, compare_policies, format_table,
                               generate_answers, kl_to_reference, load_policy, load_prompts, load_reward_model,
-                              reward_scores)
+                              reward_scores, sequence_logprobs)
 from utils.forward import GenerationSettings
 
 
@@ -108,6 +108,26 @@ def test_sampling_is_seeded_and_leaves_global_rng_alone(policy):
     b = generate_answers(model, tokenizer, PROMPTS, GenerationSettings(5, do_sample=True, top_k=50), seed=7)
     assert torch.equal(torch.get_rng_state(), state)
     assert [x.response_ids.tolist() for x in a] == [x.response_ids.tolist() for x in b]
+
+
+def test_generation_logprobs_are_the_forwards_and_feed_the_kl(policy):
+    """generate_answers(logprobs=True): the generator's log-probs of its sampled tokens (raw distribution, also
+    with top-k) match a forward's; kl_to_reference then skips the policy's forward (policy None) and gives the
+    same KL. The sampled tokens are the ones generated without log-probs."""
+    model, tokenizer = policy
+    sharp = sharpened_copy(model)
+    settings = GenerationSettings(6, do_sample=True, top_k=20)
+    plain = generate_answers(sharp, tokenizer, PROMPTS, settings, batch_size=3, seed=11)
+    answers = generate_answers(sharp, tokenizer, PROMPTS, settings, batch_size=3, seed=11, logprobs=True)
+    assert [a.response_ids.tolist() for a in answers] == [a.response_ids.tolist() for a in plain]
+    assert all(a.per_action["logprobs"].shape == a.response_ids.shape for a in answers)
+    assert not any(a.per_action for a in plain)
+    forward = sequence_logprobs(sharp, answers, batch_size=1, pad_token_id=tokenizer.pad_token_id)
+    for a, lp in zip(answers, forward):
+        assert torch.allclose(a.per_action["logprobs"], lp, atol=1e-5), (a.per_action["logprobs"], lp)
+    kl_generated = kl_to_reference(None, model, answers, batch_size=3, pad_token_id=tokenizer.pad_token_id)
+    kl_forward = kl_to_reference(sharp, model, plain, batch_size=3, pad_token_id=tokenizer.pad_token_id)
+    assert kl_generated == pytest.approx(kl_forward, abs=1e-4) and all(k > 0 for k in kl_forward)
 
 
 # --------------------------------------------------------------------------- KL, reward, judge

@@ -23,7 +23,7 @@ class Answer(Row):
 
 
 def generate_answers(model, tokenizer, prompts: Sequence[str], settings: GenerationSettings, batch_size: int = 8,
-                     seed: int = 0, max_prompt_len: int | None = None) -> list[Answer]:
+                     seed: int = 0, max_prompt_len: int | None = None, logprobs: bool = False) -> list[Answer]:
     """One answer per prompt, decoded as `settings` say (greedy, beam search or sampling; one beam
     unless `settings.num_beams` asks for more), generated in left-padded batches of `batch_size`;
     stops at EOS (and for message-list prompts, rendered with the chat template as in training, at
@@ -34,18 +34,21 @@ def generate_answers(model, tokenizer, prompts: Sequence[str], settings: Generat
     keeps all). Each answer holds the real prompt ids, the response ids up to and including the
     first EOS (all `max_new_tokens` tokens when none came), `ended_with_eos`, the prompt and the
     decoded response text. Sampling draws from a torch RNG seeded with `seed` inside a forked RNG
-    state (the caller's global RNG is left untouched).
+    state (the caller's global RNG is left untouched). With `logprobs`, each answer's
+    `per_action["logprobs"]` holds the generator's log p(token | prefix) of its response tokens under the
+    model's raw distribution (temperature 1, before top-k/top-p), the values a forward would give up to
+    kernel rounding: `kl_to_reference` reads them instead of running the policy again.
     """
     prompts = list(prompts)
     examples, _ = tokenize_prompts([{"prompt": p} for p in prompts], tokenizer, max_prompt_len or _NO_PROMPT_LIMIT)
     return generate_answers_from_ids(model, tokenizer, [ex["input_ids"] for ex in examples], settings, batch_size,
-                                     seed, prompts)
+                                     seed, prompts, logprobs=logprobs)
 
 
 @torch.no_grad()
 def generate_answers_from_ids(model, tokenizer, prompt_ids: Sequence[Sequence[int]], settings: GenerationSettings,
                               batch_size: int = 8, seed: int = 0, prompts: Sequence | None = None,
-                              stop_ids: Sequence[int] | None = None) -> list[Answer]:
+                              stop_ids: Sequence[int] | None = None, logprobs: bool = False) -> list[Answer]:
     """`generate_answers` for prompts already tokenised (lists of ids, used as they are); ``stop_ids``
     default to EOS, plus the template's end-of-turn token when ``prompts`` are message lists."""
     prompt_ids = [list(ids) for ids in prompt_ids]
@@ -70,12 +73,19 @@ def generate_answers_from_ids(model, tokenizer, prompt_ids: Sequence[Sequence[in
         torch.manual_seed(seed)
         for start in range(0, len(prompt_ids), batch_size):
             batch = collate([{"input_ids": ids} for ids in prompt_ids[start:start + batch_size]])
-            sequences = generate(model, batch["input_ids"], batch["attention_mask"], **kwargs)
+            if logprobs:
+                sequences, generated = generate(model, batch["input_ids"], batch["attention_mask"],
+                                                logprob_temperature=1.0, **kwargs)
+            else:
+                sequences, generated = generate(model, batch["input_ids"], batch["attention_mask"], **kwargs), None
             rows = split_generation(sequences, batch["input_ids"], batch["attention_mask"], stop_ids)
-            for prompt, row in zip(texts[start:start + batch_size], rows):
+            for i, (prompt, row) in enumerate(zip(texts[start:start + batch_size], rows)):
                 text = tokenizer.decode(row.response_ids.tolist(), skip_special_tokens=True)
+                per_action = {} if generated is None else {
+                    "logprobs": generated[i, :row.response_ids.numel()].float().cpu().clone()}
                 answers.append(Answer(prompt_ids=row.prompt_ids, response_ids=row.response_ids,
-                                      ended_with_eos=row.ended_with_eos, prompt=prompt, text=text))
+                                      ended_with_eos=row.ended_with_eos, prompt=prompt, text=text,
+                                      per_action=per_action))
     return answers
 
 

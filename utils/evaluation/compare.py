@@ -176,7 +176,9 @@ def compare_policies(spec: ComparisonSpec) -> dict:
 
     def generate(name, model, tok):
         log(f"[eval] generating {len(prompts)} answers with the {name.upper()} policy")
-        return generate_answers(model, tok, prompts, spec.generation, batch_size, spec.seed, spec.max_prompt_len)
+        # a policy's own log-probs from generation: its KL to SFT then needs only SFT's forward
+        return generate_answers(model, tok, prompts, spec.generation, batch_size, spec.seed, spec.max_prompt_len,
+                                logprobs=name != "sft")
 
     log(f"[eval] loading SFT policy {sft_path}")
     sft, sft_tok = load_policy(sft_path, device)

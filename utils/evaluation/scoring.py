@@ -7,7 +7,7 @@ import torch
 
 from utils.forward import eval_mode, sequence_scores, token_logprobs
 from utils.ops import masked_sum
-from utils.rollout import Row, pack
+from utils.rollout import Row, pack, to_token_layout
 
 
 def _batches(rows: Sequence[Row], batch_size: int):
@@ -62,14 +62,19 @@ def kl_to_reference(policy, reference, rows: Sequence[Row], batch_size: int = 8,
     Evaluated on the POLICY's own responses this estimates KL(policy || reference) per sequence
     (unbiased when the responses were sampled from the policy; a single greedy answer gives the
     log-ratio of that answer). Both models see the same packed batch, mask-derived positions and
-    `pack`'s action mask (response tokens up to and including the first EOS).
+    `pack`'s action mask (response tokens up to and including the first EOS). Rows that carry the
+    policy's own log-probs from generation (`per_action["logprobs"]`, `generate_answers(logprobs=True)`)
+    skip the policy's forward (`policy` may then be None).
     """
-    pad = _pad_id(policy) if pad_token_id is None else pad_token_id
+    pad = _pad_id(reference) if pad_token_id is None else pad_token_id
     out: list[float] = []
-    with eval_mode(policy, reference):
+    with eval_mode(*(m for m in (policy, reference) if m is not None)):
         for chunk in _batches(rows, batch_size):
             batch = pack(chunk, pad)
-            lp = token_logprobs(policy, batch).cpu()
+            if all("logprobs" in row.per_action for row in chunk):
+                lp = to_token_layout(chunk, "logprobs", batch["prompt_len"], batch["input_ids"].shape[1])
+            else:
+                lp = token_logprobs(policy, batch).cpu()
             lr = token_logprobs(reference, batch).cpu()
             out += masked_sum(lp - lr, batch["action_mask"], dim=-1).tolist()
     return out
