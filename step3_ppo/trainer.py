@@ -140,14 +140,12 @@ class PPOTrainer:
         engine_entry = ROLLOUT_ENGINES[config.rollout_engine]
         self.rollout = engine_entry.build(self.actor, config)
         self.rollout_logprobs = engine_entry.logprobs and config.rollout_logprobs  # rows keep "rollout_logprobs"
-        if config.old_logprobs == "rollout" and not self.rollout_logprobs:
-            raise ValueError(f"--old_logprobs rollout needs the rollout engine's own log-probs, which --rollout_engine "
-                             f"{config.rollout_engine} does not give"
-                             + ("" if engine_entry.logprobs else " (or --no_rollout_logprobs left them out)"))
-        if config.rollout_correction != "none" and not self.rollout_logprobs:
-            raise ValueError(f"--rollout_correction {config.rollout_correction} needs the rollout engine's own "
-                             f"log-probs, which --rollout_engine {config.rollout_engine} does not give"
-                             + ("" if engine_entry.logprobs else " (or --no_rollout_logprobs left them out)"))
+        readers = ((["--old_logprobs rollout"] if config.old_logprobs == "rollout" else [])
+                   + ([f"--rollout_correction {config.rollout_correction}"] if config.rollout_correction != "none" else []))
+        if readers and not self.rollout_logprobs:
+            cause = ("--no_rollout_logprobs leaves them out" if engine_entry.logprobs
+                     else f"--rollout_engine {config.rollout_engine} does not give them")
+            raise ValueError(f"{' and '.join(readers)} need(s) the rollout engine's own log-probs: {cause}")
         self.critic = engines.critic if self.estimator.needs_critic else None
         self.ema = getattr(engines, "ema", None)
         self.rewards = list(rewards)
