@@ -16,7 +16,7 @@ import torch
 
 from step3_ppo.main import parse_args, setup
 from step3_ppo.vllm_engine import RolloutEngineError, VLLMRollout, VLLMSettings
-from tests.launch import metrics, run_deepspeed, tail
+from tests.launch import metrics, run_deepspeed, tail, vllm_python
 from tests.test_step3_grpo import grpo_args, write_rows
 from tests.test_step3_lr0 import prompt_batches
 from utils.forward import GenerationSettings
@@ -54,15 +54,22 @@ def tiny_chat_llama_32(tmp_path_factory) -> str:
     return make_tiny_model("llama", str(tmp_path_factory.mktemp("tiny_vllm_chat") / "llama"), num_heads=2, chat=True)
 
 
-def vllm_setup(model, tmp, *extra):
+@pytest.fixture(scope="session")
+def worker_python() -> list[str]:
+    """`--vllm_python` for the tests' workers: forked from the fork server that has vLLM imported."""
+    python = vllm_python()
+    return ["--vllm_python", python] if python else []
+
+
+def vllm_setup(model, tmp, worker_python, *extra):
     write_rows(tmp)
-    return setup(parse_args(grpo_args(model, tmp, "--actor_zero_stage", 0, "--actor_learning_rate", 0,
-                                      "--kl_ctl", 0.1, "--rollout_engine", "vllm", "--vllm_mode", "eager", *extra)))
+    return setup(parse_args(grpo_args(model, tmp, "--actor_zero_stage", 0, "--actor_learning_rate", 0, "--kl_ctl",
+                                      0.1, "--rollout_engine", "vllm", "--vllm_mode", "eager", *worker_python, *extra)))
 
 
 @pytest.fixture(scope="module")
-def vllm_run(tiny_llama_32, tmp_path_factory):
-    run = vllm_setup(tiny_llama_32, tmp_path_factory.mktemp("vllm"))
+def vllm_run(tiny_llama_32, tmp_path_factory, worker_python):
+    run = vllm_setup(tiny_llama_32, tmp_path_factory.mktemp("vllm"), worker_python)
     yield run
     run.trainer.rollout.close()
 
@@ -170,8 +177,8 @@ def test_a_worker_that_dies_stops_the_next_rollout_with_its_last_lines(vllm_run)
     assert time.time() - t0 < 5
 
 
-def test_lora_sync_sends_the_adapters_merged(tiny_llama_32, tmp_path):
-    run = vllm_setup(tiny_llama_32, tmp_path, "--actor_lora_dim", 4, "--actor_lora_module_name", "q_proj")
+def test_lora_sync_sends_the_adapters_merged(tiny_llama_32, tmp_path, worker_python):
+    run = vllm_setup(tiny_llama_32, tmp_path, worker_python, "--actor_lora_dim", 4, "--actor_lora_module_name", "q_proj")
     try:
         trainer, engine = run.trainer, run.trainer.rollout
         batch = prompt_batches(run, 4, n_rows=4)[0]
@@ -191,7 +198,7 @@ def test_lora_sync_sends_the_adapters_merged(tiny_llama_32, tmp_path):
         run.trainer.rollout.close()
 
 
-def test_multi_turn_rows_at_lr0_with_the_vllm_worker(tiny_chat_llama_32, tmp_path):
+def test_multi_turn_rows_at_lr0_with_the_vllm_worker(tiny_chat_llama_32, tmp_path, worker_python):
     """Trajectories of up to 3 turns, the engine called turn by turn: the worker's tokens train at lr 0 (the
     environment's tokens are not actions) and its log-probs of its own tokens are the trainer's."""
     from tests.test_agents import agent_setup
@@ -200,7 +207,7 @@ def test_multi_turn_rows_at_lr0_with_the_vllm_worker(tiny_chat_llama_32, tmp_pat
 
     critic = make_reward_model_dir(tiny_chat_llama_32, str(tmp_path / "critic"))
     run = agent_setup(tiny_chat_llama_32, critic, tmp_path, "--rollout_engine", "vllm", "--vllm_mode", "eager",
-                      "--advantage_estimator", "grpo", "--n_samples_per_prompt", "2")
+                      "--advantage_estimator", "grpo", "--n_samples_per_prompt", "2", *worker_python)
     try:
         examples = list(run.loader.dataset)
         collate = PromptCollator(run.tokenizer.pad_token_id)
@@ -239,7 +246,7 @@ def test_a_missing_vllm_is_one_line_before_any_model_is_built(tiny_llama_32, tmp
             main(grpo_args(tiny_llama_32, tmp_path, "--rollout_engine", "vllm", "--vllm_python", python))
 
 
-def test_a_worker_that_never_starts_is_one_error_in_seconds(tiny_llama_32, tmp_path):
+def test_a_worker_that_never_starts_is_one_error_in_seconds(tiny_llama_32, tmp_path, worker_python):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_32)
@@ -251,14 +258,15 @@ def test_a_worker_that_never_starts_is_one_error_in_seconds(tiny_llama_32, tmp_p
     assert time.time() - t0 < 5
     engine.close()
     model.config.architectures = ["NoSuchModelForCausalLM"]  # an architecture vLLM cannot build
-    engine = VLLMRollout(_Actor(model), _config(), VLLMSettings(mode="eager"))
+    python = worker_python[1] if worker_python else None
+    engine = VLLMRollout(_Actor(model), _config(), VLLMSettings(mode="eager", python=python))
     with pytest.raises(RolloutEngineError, match="exited before it was ready") as failure:
         engine.generate(ids, mask, GREEDY)
     assert "Error" in str(failure.value) and "NoSuchModelForCausalLM" in str(failure.value), failure.value
     assert "\n" not in str(failure.value) and os.path.exists(engine.log)  # one line; the log kept
     engine.close()
     model.config.architectures = ["LlamaForCausalLM"]
-    engine = VLLMRollout(_Actor(model), _config(), VLLMSettings(mode="eager", sleep=True))  # --vllm_sleep
+    engine = VLLMRollout(_Actor(model), _config(), VLLMSettings(mode="eager", sleep=True, python=python))  # --vllm_sleep
     with pytest.raises(RolloutEngineError, match="Sleep mode is not supported on current platform"):
         engine.generate(ids, mask, GREEDY)  # on CPU vLLM refuses it; on GPU it frees memory during training
     engine.close()
@@ -270,7 +278,7 @@ def even_first_token(completions, completion_ids, **kwargs):
 '''
 
 
-def test_two_ranks_zero3_grpo_learns_with_the_vllm_worker(tiny_llama_32, tmp_path):
+def test_two_ranks_zero3_grpo_learns_with_the_vllm_worker(tiny_llama_32, tmp_path, worker_python):
     """Two ranks under ZeRO-3 (+ the hybrid engine's gathered scoring) share one worker (their requests batched
     together), the weights are gathered for each sync, and GRPO learns a reward it can learn (the first answer token even, among the top 8),
     with the generator-trainer mismatch ~0 on every iteration (the worker always has the latest weights)."""
@@ -284,7 +292,7 @@ def test_two_ranks_zero3_grpo_learns_with_the_vllm_worker(tiny_llama_32, tmp_pat
             "--per_device_training_batch_size", 8, "--actor_zero_stage", 3, "--enable_hybrid_engine",
             "--actor_learning_rate", "1e-2",
             "--lr_scheduler_type", "constant", "--num_train_epochs", 2, "--max_steps", 10, "--seed", 1,
-            "--rollout_engine", "vllm", "--vllm_mode", "eager"]
+            "--rollout_engine", "vllm", "--vllm_mode", "eager", *worker_python]
     proc = run_deepspeed("step3_ppo.main", args, log_path=str(tmp_path / "log.txt"))
     assert proc.returncode == 0, tail(proc)
     rows = metrics(out)

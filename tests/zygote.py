@@ -19,8 +19,9 @@ RLHF_TESTS_RANK_PIDS says: a test that SIGKILLs a run waits for them to end, tes
 read while importing keep the server's values (the tests set the same ones: tests.launch.subprocess_env;
 a rank's OMP_NUM_THREADS is applied with torch.set_num_threads, since libgomp read the server's when loaded), and numpy's global random state is the server's (the project
 seeds its own generators). The multi-node and launcher runs still start fresh interpreters; so does every
-user. RLHF_TESTS_ZYGOTE=0 turns
-the server off.
+user. A second server, `zygote.py SOCKET vllm`, has vLLM imported instead and forks the vLLM worker (a script,
+run as `python SCRIPT ARGS`) for the tests that pass tests.launch.vllm_python as --vllm_python.
+RLHF_TESTS_ZYGOTE=0 turns both off.
 """
 from __future__ import annotations
 
@@ -52,14 +53,19 @@ PRELOAD = (
     "step3_ppo.agent_eval", "step3_ppo.plot", "utils.tiny_model", "utils.default_model", "data.make_demo_data",
     "data.make_tool_data",
 )
+# the vLLM worker's (step3_ppo/vllm_worker.py, a script: --vllm_python points at tests.launch.vllm_python's
+# shim): its imports are ~12 s of its ~17 s start on 2 cores, paid by each of the suite's half-dozen workers
+VLLM_PRELOAD = ("torch", "vllm", "vllm.entrypoints.llm", "vllm.inputs", "vllm.sampling_params", "vllm.v1.engine.core",
+                "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner", "vllm.model_executor.models.llama")
+PRELOADS = {"ranks": PRELOAD, "vllm": VLLM_PRELOAD}
 HEADER = struct.Struct("!I")
 GRACE_S = 5.0  # SIGTERM -> SIGKILL, as tests/ranks.py
 
 
-def preload() -> list[str]:
-    """Import PRELOAD; returns the names that failed (a module missing here is imported by the rank)."""
+def preload(names=PRELOAD) -> list[str]:
+    """Import `names`; returns those that failed (a module missing here is imported by the rank)."""
     failed = []
-    for name in PRELOAD:
+    for name in names:
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001  an optional one (vLLM's extras) or a model class this version lacks
@@ -105,8 +111,10 @@ def request(sock_path: str, num_ranks: int, port: str, module: str, args: list[s
 
 # ---------------------------------------------------------------- the server
 
-def serve(sock_path: str) -> None:
-    missing = preload()
+def serve(sock_path: str, kind: str = "ranks") -> None:
+    if kind == "vllm":  # as the worker sets it before its imports: its model lives in its own process
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    missing = preload(PRELOADS[kind])
     if threading.active_count() != 1:  # a Python thread started while importing would be missing in the forks
         print(f"zygote: {threading.active_count()} Python threads after the imports; not serving", flush=True)
         return
@@ -244,7 +252,11 @@ def run_rank(req: dict, fds: list[int], rank: int) -> None:
     sys.modules.pop(module, None)  # preloaded: `python -m` runs it as __main__ without a second copy imported first
     code = 0
     try:
-        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        if module.endswith(".py"):  # a script, as `python SCRIPT ARGS` (the vLLM worker)
+            sys.path[0] = os.path.dirname(os.path.abspath(module))
+            runpy.run_path(module, run_name="__main__")
+        else:
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
     except SystemExit as e:
         if e.code is None:
             code = 0
@@ -268,4 +280,4 @@ def run_rank(req: dict, fds: list[int], rank: int) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], *sys.argv[2:])
