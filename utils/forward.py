@@ -207,14 +207,49 @@ def generate(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, logpro
     chose, under softmax(logits / logprob_temperature)), the distribution the trainer scores
     (`token_logprobs`; before min-length, top-k and top-p processing, as vLLM's raw log-probs). `generate`
     is asked for its raw logits (`output_logits`), which it keeps for every step: T x B x V x 4 bytes
-    more while generating (16 rows x 64 tokens x 49152 tokens of SmolLM2: 0.2 GB), freed here.
+    more while generating (16 rows x 64 tokens x 49152 tokens of SmolLM2: 0.2 GB), freed here. Rows that
+    repeat a prompt share its prefill (shared_prompt_cache; not with beam search or plain ZeRO-3's
+    `synced_gpus`, where every rank must run the same forwards).
     """
     device = model_device(model)
+    if not kwargs.get("synced_gpus") and (kwargs.get("num_beams") or 1) == 1:
+        cache = shared_prompt_cache(model, input_ids, attention_mask)
+        if cache is not None:
+            kwargs["cache"] = cache
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     if logprob_temperature is None:
-        return model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), **kwargs)
-    out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                         output_logits=True, return_dict_in_generate=True, **kwargs)
+        return model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, output_logits=True,
+                         return_dict_in_generate=True, **kwargs)
     return out.sequences, sampled_logprobs(out.logits, out.sequences[:, input_ids.shape[1]:], logprob_temperature)
+
+
+def shared_prompt_cache(model: nn.Module, input_ids: Tensor, attention_mask: Tensor):
+    """The KV cache of left-padded prompts [B, P] whose rows repeat (a group's n samples of one prompt), for
+    `generate` to continue from: each distinct prompt's first P - 1 tokens run once (position ids from the
+    mask) and its cache rows copied to its repeats; generate then runs the last prompt token of every row and
+    samples on. The prefill of a GRPO rollout of G samples per prompt costs 1/G of a full one; the tokens and
+    their logits are those of the unshared prefill (SmolLM2 and the tiny llama on CPU: bitwise; gpt2 and OPT:
+    log-probs within 1e-6, tests/test_step3_generation.py). None when
+    no row repeats, the prompt is one token, or the model's cache cannot be copied by rows."""
+    if input_ids.shape[1] < 2:
+        return None
+    unique, inverse = torch.unique(torch.cat([input_ids, attention_mask.to(input_ids.dtype)], 1), dim=0,
+                                   return_inverse=True)
+    if len(unique) == len(input_ids):
+        return None
+    rows = torch.arange(len(input_ids), device=input_ids.device)
+    first = torch.full((len(unique),), len(input_ids), device=input_ids.device).scatter_reduce(0, inverse, rows, "amin")
+    device = model_device(model)
+    mask = attention_mask[first, :-1].to(device)
+    extra = {"logits_to_keep": 1} if _takes_logits_to_keep(type(_hf_model(model))) else {}
+    out = model(input_ids=input_ids[first, :-1].to(device), attention_mask=mask,
+                position_ids=position_ids_from_attention_mask(mask), use_cache=True, **extra)
+    cache = getattr(out, "past_key_values", None)
+    if cache is None or not hasattr(cache, "batch_select_indices"):
+        return None
+    cache.batch_select_indices(inverse.to(device))
+    return cache
 
 
 def sampled_logprobs(step_logits, tokens: Tensor, temperature: float = 1.0) -> Tensor:
