@@ -216,12 +216,26 @@ class PPOTrainer:
         return contextlib.nullcontext()
 
     @torch.no_grad()
-    def store_logprobs(self, rows: list[Row], engine, name: str) -> None:
-        """One no-grad forward of a causal LM on the packed rows; per-action log-probs stored as `name`."""
+    def store_logprobs(self, rows: list[Row], engine, name: str, share_prompts: bool = False) -> None:
+        """One no-grad forward of a causal LM on the packed rows; per-action log-probs stored as `name`.
+        `share_prompts`: a group's prompt runs once (utils.forward.token_logprobs), for the reference."""
         batch = pack(rows, self.config.pad_token_id)
         with eval_mode(engine):
-            logprobs = self.logprobs_fn(engine, batch, self.config.generation.logprob_temperature)
+            if share_prompts:
+                logprobs = token_logprobs(engine, batch, self.config.generation.logprob_temperature, share_prompts=True)
+            else:
+                logprobs = self.logprobs_fn(engine, batch, self.config.generation.logprob_temperature)
         from_token_layout(rows, name, logprobs, batch["prompt_len"])
+
+    def shares_prompts(self, engine) -> bool:
+        """Whether the reference's scoring runs each group's prompt once: with several samples per prompt and
+        the engine's weights whole on the rank (below ZeRO-3, or gathered by the hybrid engine), so that its
+        two forwards are no collectives a rank could call a different number of times. The old log-probs keep
+        the one-pass forward training repeats (their ratio is the PPO clip's)."""
+        c = self.config
+        stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0
+        whole = stage < 3 or (c.enable_hybrid_engine and c.gathered_experience)
+        return c.n_samples_per_prompt > 1 and whole
 
     @torch.no_grad()
     def store_values(self, rows: list[Row]) -> None:
@@ -274,7 +288,8 @@ class PPOTrainer:
         t0 = time.time()
         phases = []
         if self.ref is not None:
-            phases.append((self.ref, lambda rows: self.store_logprobs(rows, self.ref, "ref_logprobs")))
+            share = self.shares_prompts(self.ref)
+            phases.append((self.ref, lambda rows: self.store_logprobs(rows, self.ref, "ref_logprobs", share)))
         if self.critic is not None:
             phases.append((self.critic, self.store_values))
         with memory.phase("experience"):

@@ -84,3 +84,29 @@ def test_no_trained_label_runs_the_whole_head(model, head_inputs):
     seen = head_inputs(model)
     nll, count = lm_nll(model, batch)
     assert seen == [3] and count == 0 and nll == 0
+
+
+@pytest.mark.parametrize("arch", ["tiny_llama", "tiny_gpt2"])
+def test_shared_prompts_give_the_one_pass_log_probs_with_each_prompt_run_once(arch, request):
+    """The reference's scoring of a GRPO rollout (token_logprobs' share_prompts): rows repeating a prompt with
+    answers of different lengths (EOS, padding after it, a left-padded shorter prompt); each distinct prompt's
+    first P - 1 tokens go through the model once, and the log-probs are the one-pass forward's."""
+    path = request.getfixturevalue(arch)
+    torch.manual_seed(0)
+    lm = load_causal_lm(path, load_tokenizer(path)).float().eval()
+    prompts, answers = ([5, 6, 7, 8, 9], [12, 13]), ([10, 11, 2], [14, 15, 16, 17, 18], [19, 2], [20, 21, 22, 23])
+    rows = [Row(prompt_ids=torch.tensor(prompts[i // 2]), response_ids=torch.tensor(a), ended_with_eos=a[-1] == 2)
+            for i, a in enumerate(answers)]
+    batch = pack(rows, pad_token_id=0)
+    one_pass = token_logprobs(lm, batch, temperature=0.7)
+    fed = []
+    handle = lm.get_input_embeddings().register_forward_hook(lambda module, args, out: fed.append(tuple(args[0].shape)))
+    try:
+        shared = token_logprobs(lm, batch, temperature=0.7, share_prompts=True)
+    finally:
+        handle.remove()
+    p, length = batch["prompt_len"], batch["input_ids"].shape[1]
+    assert fed == [(2, p - 1), (4, length - p + 1)]  # 2 distinct prompts once, then every row's rest
+    mask = batch["action_mask"].bool()
+    assert shared.shape == one_pass.shape
+    torch.testing.assert_close(shared[mask], one_pass[mask], rtol=0, atol=1e-5)

@@ -73,8 +73,8 @@ def test_old_logprobs_from_the_generator_keep_the_log_ratio_at_zero(ppo_setup, g
     trainer, config = run.trainer, run.trainer.config
     forwards = []
     store = trainer.store_logprobs
-    monkeypatch.setattr(trainer, "store_logprobs", lambda rows, engine, name: (forwards.append(name),
-                                                                                store(rows, engine, name)))
+    monkeypatch.setattr(trainer, "store_logprobs", lambda rows, engine, name, *share: (forwards.append(name),
+                                                                                        store(rows, engine, name, *share)))
     monkeypatch.setattr(config, "old_logprobs", "rollout")
     monkeypatch.setattr(config, "per_device_training_batch_size", training_batch_size)
     config.do_sample = True

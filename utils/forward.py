@@ -59,14 +59,29 @@ def eval_mode(*models):
 # --------------------------------------------------------------------------- #
 # Forwards
 # --------------------------------------------------------------------------- #
-def causal_lm_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int = 0) -> Tensor:
+def causal_lm_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int = 0,
+                     shared_prompt_len: int = 0) -> Tensor:
     """Logits [B, L, V] of a causal LM: mask-derived position ids, no KV cache, inputs on its device.
 
     With `logits_to_keep` K (0 < K < L) only the last K positions' logits [B, K, V]: transformers' own
     argument, so the LM head and the softmaxes after it skip the prompt (the head is ~20% of a small
     model's FLOPs; its fp32 [B, L, V] logits, their softmax and gradient ~1 GB of a tool-demo rank's step).
-    A model class without the argument computes them all and is sliced."""
+    A model class without the argument computes them all and is sliced.
+
+    With `shared_prompt_len` P (no-grad scoring of rows whose first P tokens are their left-padded prompts,
+    K = L - P + 1): each distinct prompt's first P - 1 tokens run once and their KV cache is copied to its
+    rows (shared_prompt_cache), then every row's last P - L + 1 tokens run on it. A GRPO group of G answers
+    pays its prompt once instead of G times; the logits are the one-pass forward's to float rounding (SmolLM2:
+    within 6e-5 of logits up to ~30). Always two forwards, whether or not a prompt repeats."""
     device = model_device(model)
+    if shared_prompt_len > 1 and logits_to_keep == input_ids.shape[1] - shared_prompt_len + 1:
+        p = shared_prompt_len
+        cache = shared_prompt_cache(model, input_ids[:, :p], attention_mask[:, :p], always=True)
+        if cache is not None:
+            input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+            return model(input_ids=input_ids[:, p - 1:], attention_mask=attention_mask,
+                         position_ids=position_ids_from_attention_mask(attention_mask)[:, p - 1:], cache=cache,
+                         use_cache=True).logits
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     keep = logits_to_keep if 0 < logits_to_keep < input_ids.shape[1] else 0
     extra = {"logits_to_keep": keep} if keep and _takes_logits_to_keep(type(_hf_model(model))) else {}
@@ -87,7 +102,7 @@ def _takes_logits_to_keep(model_class: type) -> bool:
 
 
 def token_logprobs(model: nn.Module, batch: dict, temperature: float = 1.0, return_entropy: bool = False,
-                   entropy_grad: bool = False):
+                   entropy_grad: bool = False, share_prompts: bool = False):
     """log p(token i+1 | prefix) [B, L-1] fp32 of a packed batch (utils.rollout.pack: input_ids,
     attention_mask, prompt_len, ...), in the layout of utils/ops.py; optionally with the per-token entropy,
     detached (a monitor) unless `entropy_grad` (an entropy bonus in the loss: its softmax is kept for
@@ -99,10 +114,14 @@ def token_logprobs(model: nn.Module, batch: dict, temperature: float = 1.0, retu
     `temperature` divides the logits first: sampling draws from softmax(logits / T), so the policy
     whose ratio PPO clips is that one, and the reference is scored the same way so that the KL
     compares like with like.
+
+    `share_prompts` (no-grad scoring; every rank the same, it is two forwards): a prompt repeated in the
+    batch runs once (causal_lm_logits' `shared_prompt_len`).
     """
     input_ids = batch["input_ids"]
     skipped = max(int(batch.get("prompt_len", 1)) - 1, 0)  # positions before the first prediction of a response token
-    logits = causal_lm_logits(model, input_ids, batch["attention_mask"], input_ids.shape[1] - skipped)[:, :-1]
+    logits = causal_lm_logits(model, input_ids, batch["attention_mask"], input_ids.shape[1] - skipped,
+                              shared_prompt_len=skipped + 1 if share_prompts else 0)[:, :-1]
     if temperature != 1.0:
         logits = logits / temperature
     logprobs = _front_pad(logprobs_from_logits(logits, input_ids[:, 1 + skipped:]), skipped)
@@ -224,19 +243,19 @@ def generate(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, logpro
     return out.sequences, sampled_logprobs(out.logits, out.sequences[:, input_ids.shape[1]:], logprob_temperature)
 
 
-def shared_prompt_cache(model: nn.Module, input_ids: Tensor, attention_mask: Tensor):
+def shared_prompt_cache(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, always: bool = False):
     """The KV cache of left-padded prompts [B, P] whose rows repeat (a group's n samples of one prompt), for
     `generate` to continue from: each distinct prompt's first P - 1 tokens run once (position ids from the
     mask) and its cache rows copied to its repeats; generate then runs the last prompt token of every row and
     samples on. The prefill of a GRPO rollout of G samples per prompt costs 1/G of a full one; the tokens and
     their logits are those of the unshared prefill (SmolLM2 and the tiny llama on CPU: bitwise; gpt2 and OPT:
-    log-probs within 1e-6, tests/test_step3_generation.py). None when
-    no row repeats, the prompt is one token, or the model's cache cannot be copied by rows."""
+    log-probs within 1e-6, tests/test_step3_generation.py). None when no row repeats (`always`: the cache
+    anyway), the prompt is one token, or the model's cache cannot be copied by rows."""
     if input_ids.shape[1] < 2:
         return None
     unique, inverse = torch.unique(torch.cat([input_ids, attention_mask.to(input_ids.dtype)], 1), dim=0,
                                    return_inverse=True)
-    if len(unique) == len(input_ids):
+    if len(unique) == len(input_ids) and not always:
         return None
     rows = torch.arange(len(input_ids), device=input_ids.device)
     first = torch.full((len(unique),), len(input_ids), device=input_ids.device).scatter_reduce(0, inverse, rows, "amin")
