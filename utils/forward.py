@@ -3,7 +3,9 @@
 Every forward of a causal LM or of a value-head model (reward model, critic) goes through here,
 whether the model is a DeepSpeed engine (any ZeRO stage) or a plain module:
 - position ids come from the attention mask (utils.ops.position_ids_from_attention_mask) and the
-  KV cache is off, so a token's log-prob or value does not depend on the padding of its batch;
+  KV cache is off, so a token's log-prob or value does not depend on the padding of its batch (a group's
+  repeated prompt is the exception: run once and its cache shared, in generation and in the reference's
+  no-grad scoring, see shared_prompt_cache);
 - inputs are moved to the model's device here (rows, packed batches and data-loader batches stay
   on the CPU until a forward reads them);
 - log-prob and loss math is fp32 whatever the model's dtype.
