@@ -72,7 +72,7 @@ def causal_lm_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor
 
     With `shared_prompt_len` P (no-grad scoring of rows whose first P tokens are their left-padded prompts,
     K = L - P + 1): each distinct prompt's first P - 1 tokens run once and their KV cache is copied to its
-    rows (shared_prompt_cache), then every row's last P - L + 1 tokens run on it. A GRPO group of G answers
+    rows (shared_prompt_cache), then every row's last L - P + 1 tokens run on it. A GRPO group of G answers
     pays its prompt once instead of G times; the logits are the one-pass forward's to float rounding (SmolLM2:
     within 6e-5 of logits up to ~30). Always two forwards, whether or not a prompt repeats."""
     device = model_device(model)
