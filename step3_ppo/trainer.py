@@ -29,6 +29,7 @@ from step3_ppo.shaping import RunningMoments, clip_scores, compute_rewards, leng
 from utils import accelerator, losses
 from utils.distributed import all_reduce_max, all_reduce_max_list, all_reduce_sum, world_size
 from utils.errors import ProjectError
+from utils.export import is_zero3
 from utils.forward import (GenerationSettings, eval_mode, lm_nll, model_device, to_device,
                            token_logprobs, token_values)
 from utils.ops import explained_variance, masked_mean, masked_whiten, rollout_correction_weights, select
@@ -233,9 +234,7 @@ class PPOTrainer:
         two forwards are no collectives a rank could call a different number of times. The old log-probs keep
         the one-pass forward training repeats (their ratio is the PPO clip's)."""
         c = self.config
-        stage = engine.zero_optimization_stage() if hasattr(engine, "zero_optimization_stage") else 0
-        whole = stage < 3 or (c.enable_hybrid_engine and c.gathered_experience)
-        return c.n_samples_per_prompt > 1 and whole
+        return c.n_samples_per_prompt > 1 and (not is_zero3(engine) or (c.enable_hybrid_engine and c.gathered_experience))
 
     @torch.no_grad()
     def store_values(self, rows: list[Row]) -> None:
