@@ -161,6 +161,29 @@ def test_sys_exit_or_a_dead_worker_is_a_failed_call(functions):
     assert torch.isnan(skipping(rows("fine", "fine", how="sys.exit"))).all() and skipping.skipped == 2
 
 
+def test_a_worker_whose_trainer_is_gone_leaves_without_a_traceback(functions):
+    """A SIGKILLed rank resets the socket (it dies with the worker's "ready" unread) before PR_SET_PDEATHSIG
+    reaches the worker: the worker must leave quietly, or its traceback lands beside the rank's one error line."""
+    import pickle
+    import subprocess
+    import sys
+    from multiprocessing import Pipe
+
+    from tests.launch import ROOT
+
+    parent_end, child_end = Pipe()
+    worker = subprocess.Popen([sys.executable, "-m", "utils.worker", str(child_end.fileno()), str(os.getpid())],
+                              pass_fds=[child_end.fileno()], stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    child_end.close()
+    parent_end.send_bytes(pickle.dumps(("step3_ppo.reward_worker:load", f"{functions}:spin",
+                                        {"options": {}}, [ROOT, *sys.path])))
+    assert parent_end.poll(60)  # "ready" is waiting, unread: closing now resets the connection
+    parent_end.close()
+    _, stderr = worker.communicate(timeout=30)
+    assert worker.returncode == 0 and "Traceback" not in stderr, stderr
+
+
 def test_skip_bad_prints_the_first_error_of_each_function_once(functions, capsys):
     r = reward(functions, "always_fails", skip_bad=True)
     for _ in range(3):

@@ -180,7 +180,19 @@ def _send(conn: Connection, kind: str, payload) -> None:
     except Exception as exc:
         data = pickle.dumps(("unpicklable", f"returned a {type(payload).__name__}, which cannot be pickled back "
                                             f"from its worker process ({one_line(exc, _MESSAGE_LIMIT)})"))
-    conn.send_bytes(data)
+    try:
+        conn.send_bytes(data)
+    except OSError:  # the trainer is gone (BrokenPipeError): nothing to report to, nothing to print
+        os._exit(0)
+
+
+def _receive(conn: Connection):
+    """The next call's arguments; None when the trainer closed its end or died (a SIGKILLed rank resets the
+    connection before PR_SET_PDEATHSIG's signal lands here: that must not print a traceback beside its error)."""
+    try:
+        return pickle.loads(conn.recv_bytes())
+    except (EOFError, OSError):
+        return None
 
 
 def _error(exc: ProjectError) -> tuple[bytes, str]:
@@ -212,7 +224,9 @@ def _load(loader: str, spec: str, options: dict):
 def serve(fd: int) -> None:
     """Load the function, say ready, then answer calls until the parent closes its end."""
     conn = Connection(fd)
-    loader, spec, options, path = pickle.loads(conn.recv_bytes())
+    if (start := _receive(conn)) is None:
+        return
+    loader, spec, options, path = start
     sys.path[:] = path
     try:
         fn = _load(loader, spec, options)
@@ -222,11 +236,7 @@ def serve(fd: int) -> None:
         return _send(conn, "load", f"its worker process could not load it: "
                                    f"{one_line(f'{type(exc).__name__}: {exc}', _MESSAGE_LIMIT)}")
     _send(conn, "ready", None)
-    while True:
-        try:
-            kwargs = pickle.loads(conn.recv_bytes())
-        except EOFError:
-            return
+    while (kwargs := _receive(conn)) is not None:
         kind, payload = _outcome(fn, kwargs)
         _send(conn, kind, payload)
         if kind == "exit":
