@@ -8,4 +8,7 @@ cd "$ROOT"
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export RLHF_TESTS_NEED_VLLM=1  # installed just above: a missing vLLM fails its tests instead of skipping them
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.cache/torch_extensions}"  # as scripts/common.sh
-exec .venv/bin/python -m pytest tests -q -p no:cacheprovider "$@"
+# Two test processes (pytest-xdist; RLHF_TEST_WORKERS, or -n 0 among the arguments, says otherwise): alone, one
+# left a core idle about half the time (the fast tier is single-threaded, the multi-rank runs wait on start-ups
+# and on each other). --dist worksteal: an idle worker takes tests queued on the other.
+exec .venv/bin/python -m pytest tests -q -p no:cacheprovider -n "${RLHF_TEST_WORKERS:-2}" --dist worksteal "$@"
