@@ -116,6 +116,25 @@ def test_seeded_builds_are_identical(tmp_path):
     assert not all(torch.equal(a[k], c[k]) for k in a)
 
 
+def test_a_zero3_model_alive_in_the_process_does_not_empty_a_tiny_build(tmp_path):
+    """A ZeRO-3 run in this process keeps transformers' global ZeRO-3 flag set while its models live (a
+    module-scoped step-3 fixture, say); a tiny model built after it came out partitioned, its weights empty."""
+    from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
+
+    from utils.distributed import init_distributed
+
+    init_distributed()
+    alive = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
+    assert is_deepspeed_zero3_enabled()
+    weights = load_file(os.path.join(make_tiny_model("llama", str(tmp_path / "m"), seed=3), "model.safetensors"))
+    assert is_deepspeed_zero3_enabled()  # the run's flag is back
+    del alive
+    assert not is_deepspeed_zero3_enabled()
+    reference = load_file(os.path.join(make_tiny_model("llama", str(tmp_path / "r"), seed=3), "model.safetensors"))
+    assert weights.keys() == reference.keys() and all(torch.equal(weights[k], reference[k]) for k in weights)
+    assert all(t.numel() > 0 for t in weights.values())
+
+
 def test_cli_sizes(tmp_path):
     out = str(tmp_path / "cli")
     tiny_main(["--arch", "gpt2", "--out", out, "--seed", "1", "--hidden", "32", "--layers", "1"])

@@ -129,8 +129,11 @@ def make_tiny_model(arch: str, out_dir: str, seed: int = 0, hidden_size: int = 6
     tokenizer = build_gpt2_tokenizer(max_positions, chat)
     config = tiny_config(arch, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id,
                          tokenizer.pad_token_id, hidden_size, num_layers, num_heads, max_positions)
+    from utils.model import hf_zero3_disabled
+
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with hf_zero3_disabled():  # a ZeRO-3 model alive in this process would have it built partitioned (empty)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     assert model.get_input_embeddings().weight.shape[0] >= len(tokenizer)
     gen = model.generation_config
     gen.bos_token_id, gen.eos_token_id, gen.pad_token_id = (
