@@ -22,6 +22,29 @@ def pytest_configure(config):
         torch.set_num_threads(1)  # 2 threads each oversubscribed 2 cores: the fast tier took 113 s, not 95
 
 
+def pytest_collection_modifyitems(config, items):
+    """On scripts/test.sh's workers: the files with slow tests first (each file's tests stay together, in order, so
+    a module's fixtures are built once). pytest-xdist's worksteal hands each worker a contiguous half and an idle
+    worker steals the back of the other's queue: the launches then run beside fast tests, and the run ends on
+    fast tests rather than on a 40 s launch with the other worker idle."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    with_slow = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in with_slow)  # stable
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _zero3_flag_ends_with_its_module():
+    """A ZeRO-3 model built in this process sets transformers' global ZeRO-3 flag, which stays while the model
+    lives (a module's fixture, or garbage not yet collected); any model another module's test then builds with
+    `from_pretrained`/`from_config` came out partitioned (empty weights, "Padding_idx must be within
+    num_embeddings"). Which module ran before which is decided by the workers' stealing, so the flag is cleared
+    when its module ends."""
+    yield
+    if "transformers.integrations.deepspeed" in sys.modules:
+        sys.modules["transformers.integrations.deepspeed"].unset_hf_deepspeed_config()
+
+
 @pytest.fixture(autouse=True)
 def _release_output_dir_locks():
     """An in-process run that stopped early keeps its output directory's lock (utils/output_dir.py) until the
