@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up (idempotent, with vLLM for the rollout-engine tests), then runs the whole test suite on CPU.
-# Extra arguments go to pytest.
+# Extra arguments go to pytest; test files or ids among them (tests/...) run instead of the whole suite.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup.sh" --with-vllm
@@ -11,4 +11,6 @@ export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.cache/torch_extensio
 # Two test processes (pytest-xdist; RLHF_TEST_WORKERS, or -n 0 among the arguments, says otherwise): alone, one
 # left a core idle about half the time (the fast tier is single-threaded, the multi-rank runs wait on start-ups
 # and on each other). --dist worksteal: an idle worker takes tests queued on the other.
-exec .venv/bin/python -m pytest tests -q -p no:cacheprovider -n "${RLHF_TEST_WORKERS:-2}" --dist worksteal "$@"
+targets=(tests)
+for arg in "$@"; do case "$arg" in tests|tests/*) targets=() ;; esac; done
+exec .venv/bin/python -m pytest "${targets[@]}" -q -p no:cacheprovider -n "${RLHF_TEST_WORKERS:-2}" --dist worksteal "$@"
