@@ -19,6 +19,7 @@ from step3_ppo.trainer import NothingToTrain, PPOConfig, PPOTrainer
 from tests.launch import run_module, tail
 from tests.test_step3_grpo import grpo_args, write_rows
 from utils.rollout import Row
+from utils.worker import FunctionWorker
 
 SLACK_S = 3.0  # killing and reaping a worker, on a loaded machine
 
@@ -161,27 +162,18 @@ def test_sys_exit_or_a_dead_worker_is_a_failed_call(functions):
     assert torch.isnan(skipping(rows("fine", "fine", how="sys.exit"))).all() and skipping.skipped == 2
 
 
-def test_a_worker_whose_trainer_is_gone_leaves_without_a_traceback(functions):
+def test_a_worker_whose_trainer_is_gone_leaves_without_a_traceback(functions, capfd):
     """A SIGKILLed rank resets the socket (it dies with the worker's "ready" unread) before PR_SET_PDEATHSIG
     reaches the worker: the worker must leave quietly, or its traceback lands beside the rank's one error line."""
-    import pickle
-    import subprocess
-    import sys
-    from multiprocessing import Pipe
-
-    from tests.launch import ROOT
-
-    parent_end, child_end = Pipe()
-    worker = subprocess.Popen([sys.executable, "-m", "utils.worker", str(child_end.fileno()), str(os.getpid())],
-                              pass_fds=[child_end.fileno()], stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True, env={**os.environ, "PYTHONPATH": ROOT})
-    child_end.close()
-    parent_end.send_bytes(pickle.dumps(("step3_ppo.reward_worker:load", f"{functions}:spin",
-                                        {"options": {}}, [ROOT, *sys.path])))
-    assert parent_end.poll(60)  # "ready" is waiting, unread: closing now resets the connection
-    parent_end.close()
-    _, stderr = worker.communicate(timeout=30)
-    assert worker.returncode == 0 and "Traceback" not in stderr, stderr
+    worker = FunctionWorker(f"{functions}:spin", "step3_ppo.reward_worker:load", {"options": {}})
+    worker.start()  # the worker inherits this process's stderr, which capfd reads
+    process = worker.process
+    assert worker.conn.poll(60)  # "ready" is waiting, unread: closing now resets the connection
+    worker.conn.close()
+    assert process.wait(timeout=30) == 0
+    assert "Traceback" not in capfd.readouterr().err
+    worker.conn = None
+    worker.stop()
 
 
 def test_skip_bad_prints_the_first_error_of_each_function_once(functions, capsys):
