@@ -234,7 +234,8 @@ class PPOTrainer:
         two forwards are no collectives a rank could call a different number of times. The old log-probs keep
         the one-pass forward training repeats (their ratio is the PPO clip's)."""
         c = self.config
-        return c.n_samples_per_prompt > 1 and (not is_zero3(engine) or (c.enable_hybrid_engine and c.gathered_experience))
+        whole = not is_zero3(engine) or (c.enable_hybrid_engine and c.gathered_experience)
+        return c.n_samples_per_prompt > 1 and whole
 
     @torch.no_grad()
     def store_values(self, rows: list[Row]) -> None:
