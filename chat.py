@@ -25,7 +25,7 @@ import argparse
 import os
 import sys
 
-from utils.flags import add_device_arg, add_generation_args, resolve_generation_args
+from utils.train.flags import add_device_arg, add_generation_args, resolve_generation_args
 
 TEMPLATES = ("auto", "chat", "human_assistant")
 
@@ -45,7 +45,7 @@ def parse_args(argv=None):
                    help="random seed of the sampling (turn t uses this + t)")
     add_device_arg(p)
     p.add_argument("--trust_remote_code", action="store_true", help="allow model code shipped with the model")
-    from step3_ppo.agent_flags import add_agent_args, check_agent_args  # no torch: --help stays fast
+    from step3_ppo.agents.flags import add_agent_args, check_agent_args  # no torch: --help stays fast
 
     add_agent_args(p)
     args = p.parse_args(argv)
@@ -130,12 +130,12 @@ class Conversation:
 
 
 def run_episode(args, agent, model, tokenizer, text: str, number: int) -> None:
-    """--env/--tools: `text` starts an episode of step 3's multi-turn loop (`agent`, step3_ppo/agents.py: tool
+    """--env/--tools: `text` starts an episode of step 3's multi-turn loop (`agent`, step3_ppo/agents/loop.py: tool
     calls answered by the tools, other turns by the environment, up to --max_turns); every message is printed."""
-    from step3_ppo.agent_eval import ModelGenerate
-    from step3_ppo.agents import prompts_with_tools
+    from step3_ppo.agents.eval import ModelGenerate
+    from step3_ppo.agents.loop import prompts_with_tools
     from utils.data import PromptCollator, stop_token_ids, tokenize_prompts
-    from utils.forward import GenerationSettings
+    from utils.models.forward import GenerationSettings
 
     prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [{"role": "user", "content": text}]
     rows, schemas = prompts_with_tools([{"prompt": prompt, "origin": f"input:{number}"}], tokenizer, args.tool_list)
@@ -157,8 +157,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     # lazily, after the flags: torch and transformers (keeps --help and flag errors fast)
     from utils.evaluation import generate_answers_from_ids, load_policy
-    from utils.forward import GenerationSettings
-    from utils.model import ModelLoadError
+    from utils.models.forward import GenerationSettings
+    from utils.models.loading import ModelLoadError
 
     try:
         model, tokenizer = load_policy(args.model_name_or_path, args.device, args.trust_remote_code)
@@ -172,7 +172,7 @@ def main(argv=None) -> int:
     if interactive:
         print(f"Chatting with {args.model_name_or_path} (template: {template}, "
               f"{'sampling' if args.do_sample else 'greedy'}). 'clear' resets, 'quit' or Ctrl-D ends.", flush=True)
-    from step3_ppo.agents import build_agent
+    from step3_ppo.agents.loop import build_agent
 
     agent = build_agent(args, tokenizer)  # None without --env/--tools; its tools' workers serve the whole chat
     try:

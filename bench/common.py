@@ -32,7 +32,7 @@ def bench_model(args) -> str:
     """The model directory a benchmark runs: `--tiny`'s cached 2-layer random llama, else
     --model_name_or_path, else the embedded SmolLM2-135M-Instruct."""
     if getattr(args, "tiny", False):
-        from utils.tiny_model import make_tiny_model_cached  # torch: imported here to keep --help fast
+        from utils.models.tiny import make_tiny_model_cached  # torch: imported here to keep --help fast
 
         return make_tiny_model_cached("llama")
     return args.model_name_or_path or SMOL
@@ -71,8 +71,8 @@ def machine_line() -> str:
 
 
 def malloc_line(env: dict | None = None) -> str:
-    """Which allocator settings the launched processes get (utils.distributed.tune_malloc)."""
-    from utils.distributed import malloc_tuning_wanted  # torch: imported here to keep --help fast
+    """Which allocator settings the launched processes get (utils.runtime.distributed.tune_malloc)."""
+    from utils.runtime.distributed import malloc_tuning_wanted  # torch: imported here to keep --help fast
 
     env = os.environ if env is None else env
     set_vars = " ".join(f"{k}={v}" for k, v in env.items() if k.startswith("MALLOC_"))
@@ -136,7 +136,7 @@ def end_report(save: str | None, header: list[str], body: list[str], tail: list[
 
 # ----------------------------------------------------------------------------------------------- flags
 def add_model_args(p: argparse.ArgumentParser,
-                   tiny_help: str = "a tiny random 2-layer llama (utils.tiny_model) instead of the default model") -> None:
+                   tiny_help: str = "a tiny random 2-layer llama (utils.models.tiny) instead of the default model") -> None:
     """--tiny and --model_name_or_path (bench_model reads them)."""
     p.add_argument("--tiny", action="store_true", help=tiny_help)
     p.add_argument("--model_name_or_path", default=None, help=f"model directory to run (default: {SMOL})")

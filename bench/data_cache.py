@@ -8,11 +8,11 @@ tokenizer (chat template, max_seq_len 512), through the project's own functions
 (`utils.data.build_step_rows` + `utils.data.tokenize_sft`), in three phases of one process:
 
   (a) no cache: read + normalise + tokenise, what every run and every rank pays without the flag;
-  (b) first run with the cache (`utils.data.cache.cached_examples`): the same, plus writing the entry;
+  (b) first run with the cache (`utils.data.token_cache.cached_examples`): the same, plus writing the entry;
   (c) second run with the cache: reading the entry back only.
 
 For each: wall time, the process's peak RSS over the phase (VmHWM, reset through
-/proc/self/clear_refs before each phase, as utils/accelerator.py does) and its RSS when the phase
+/proc/self/clear_refs before each phase, as utils/runtime/accelerator.py does) and its RSS when the phase
 began (the earlier phases' freed memory stays in the heap, so the peak is an upper bound). It also
 prints the entry's size on disk and checks that (c) returns exactly (a)'s examples.
 
@@ -137,9 +137,9 @@ def folder_mb(path: str) -> float:
 
 
 def run(n_rows: int, out: str) -> None:
-    from utils.data.cache import cached_examples, entry_name  # transformers: imported here to keep --help fast
-    from utils.default_model import ensure_default_model
-    from utils.model import load_tokenizer
+    from utils.data.token_cache import cached_examples, entry_name  # transformers: imported here to keep --help fast
+    from utils.models.default import ensure_default_model
+    from utils.models.loading import load_tokenizer
 
     print(machine_line(), flush=True)
     data, cache_dir = os.path.join(out, "sft.jsonl"), os.path.join(out, "cache")

@@ -11,7 +11,7 @@ In ONE run (all greedy, same left-padded prompts as step3_ppo/generation_check.p
   (1b) limit side by side: the same unsharded plain model held by EACH of the 2 ranks, timed
                interleaved with (2)/(3) in the same world (same contention as the ranks);
   (2)  plain:  `generate` of the ZeRO-3 actor on 2 ranks (synced_gpus; LoRA unmerged);
-  (3)  hybrid: the project's generation mode (step3_ppo.hybrid: params gathered once, hooks
+  (3)  hybrid: the project's generation mode (step3_ppo.rollout.hybrid: params gathered once, hooks
                lifted, LoRA merged), and (3u) the same without the LoRA merge.
 The actor is built exactly as generation_check does (train_ds_config, load_causal_lm,
 build_trained_engine with --lora_dim, non-zero lora_B). Modes (1b), (2), (3), (3u) run round-robin:
@@ -90,13 +90,13 @@ def _sync():
 
 
 def _max_over_ranks(x: float) -> float:
-    from utils.distributed import all_reduce_max  # torch: imported here to keep --help fast
+    from utils.runtime.distributed import all_reduce_max  # torch: imported here to keep --help fast
 
     return all_reduce_max(x)
 
 
 def hybrid_steps(engine, generate_fn, proposed: bool):
-    """The steps of step3_ppo.hybrid.generation_mode(hybrid=True, merge_lora=True) one by one, timed.
+    """The steps of step3_ppo.rollout.hybrid.generation_mode(hybrid=True, merge_lora=True) one by one, timed.
 
     proposed=False replays the project's steps exactly (for the breakdown). proposed=True is the
     change suggested in bench/README.md: under ZeRO-3 a gathered, NON-persistent parameter is a
@@ -110,7 +110,7 @@ def hybrid_steps(engine, generate_fn, proposed: bool):
     from peft import PeftModel
     from peft.tuners.lora import LoraLayer
 
-    from step3_ppo.hybrid import _hooks_lifted, _zero3_offload, partitioned_params
+    from step3_ppo.rollout.hybrid import _hooks_lifted, _zero3_offload, partitioned_params
 
     marks = [("start", time.perf_counter(), time.process_time())]
 
@@ -170,7 +170,7 @@ def hybrid_steps(engine, generate_fn, proposed: bool):
 def worker(argv):
     """One process of the benchmark (a rank, or the lone process of the limit (1)): its modes timed
     round-robin, checked and optionally profiled; rank 0 writes the result to --out."""
-    from utils.distributed import is_rank0  # torch: imported here to keep --help fast
+    from utils.runtime.distributed import is_rank0  # torch: imported here to keep --help fast
 
     w = GenerationWorker(worker_args(argv))
     times, cpu, tokens = w.time_rounds()
@@ -190,9 +190,9 @@ def build_models(args, modes: list[str], tokenizer):
     generation_check builds it (LoRA with non-zero lora_B, lr 0); None where no mode needs one."""
     import torch  # torch, deepspeed and the project: imported here to keep --help fast
 
-    from utils.distributed import world_size
-    from utils.ds_config import train_ds_config
-    from utils.model import load_causal_lm
+    from utils.runtime.distributed import world_size
+    from utils.train.ds_config import train_ds_config
+    from utils.models.loading import load_causal_lm
 
     plain_model = None
     if "unsharded" in modes:  # built first, with transformers' ZeRO-3 flag off (load_causal_lm unsets it)
@@ -200,7 +200,7 @@ def build_models(args, modes: list[str], tokenizer):
 
     engine = None
     if any(m != "unsharded" for m in modes):
-        from utils.training import EngineSpec, build_trained_engine
+        from utils.train.loop import EngineSpec, build_trained_engine
 
         config = train_ds_config(args.zero_stage, world_size(), args.batch_size, dtype="fp32")
         model = load_causal_lm(args.model_name_or_path, tokenizer, config, dropout=0.0)
@@ -223,9 +223,9 @@ class GenerationWorker:
 
     def __init__(self, args):
         from step3_ppo.generation_check import full_weights, make_prompts  # imported here to keep --help fast
-        from utils.distributed import init_distributed, set_seed
-        from utils.forward import GenerationSettings, generation_kwargs
-        from utils.model import load_tokenizer
+        from utils.runtime.distributed import init_distributed, set_seed
+        from utils.models.forward import GenerationSettings, generation_kwargs
+        from utils.models.loading import load_tokenizer
 
         self.args, self.modes, self.split = args, [m for m in args.modes.split(",") if m], {}
         init_distributed()
@@ -240,8 +240,8 @@ class GenerationWorker:
     def call(self, mode):
         import torch  # imported here to keep --help fast
 
-        from step3_ppo.hybrid import generate, generation_mode
-        from utils.forward import generate as forward_generate
+        from step3_ppo.rollout.hybrid import generate, generation_mode
+        from utils.models.forward import generate as forward_generate
 
         engine, kwargs = self.engine, self.kwargs
         ids, mask = self.prompts["input_ids"], self.prompts["attention_mask"]
@@ -257,7 +257,7 @@ class GenerationWorker:
                     proposed=mode == "hybrid_proposed")
                 self.split.setdefault(mode, []).append(steps)
                 return out
-            # hybrid: the body of step3_ppo.hybrid.generate, with the three phases timed
+            # hybrid: the body of step3_ppo.rollout.hybrid.generate, with the three phases timed
             merge = mode == "hybrid"
             t0 = time.perf_counter()
             ctx = generation_mode(engine, hybrid=True, merge_lora=merge)
@@ -275,7 +275,7 @@ class GenerationWorker:
     def time_rounds(self):
         """A warm-up round, then the timed rounds, the modes round-robin in each, every call between barriers:
         per mode the slowest rank's seconds and rank 0's CPU seconds of each timed call, and its last tokens."""
-        from utils.distributed import is_rank0  # imported here to keep --help fast
+        from utils.runtime.distributed import is_rank0  # imported here to keep --help fast
 
         args, modes = self.args, self.modes
         times = {m: [] for m in modes}
@@ -307,7 +307,7 @@ class GenerationWorker:
         """The run's settings and, per timed mode, its medians (and the hybrid modes' phases)."""
         import torch  # imported here to keep --help fast
 
-        from utils.distributed import world_size
+        from utils.runtime.distributed import world_size
 
         args, split = self.args, self.split
         result = {"world_size": world_size(), "zero_stage": args.zero_stage, "lora_dim": args.lora_dim,
@@ -360,8 +360,8 @@ class GenerationWorker:
         """Python calls of one decode (`generate` alone, cProfile) of the unsharded and the hybrid mode."""
         import torch  # imported here to keep --help fast
 
-        from step3_ppo.hybrid import generation_mode
-        from utils.forward import generate as forward_generate
+        from step3_ppo.rollout.hybrid import generation_mode
+        from utils.models.forward import generate as forward_generate
 
         calls = {}
         for mode in [m for m in ("unsharded", "hybrid") if m in self.modes]:
@@ -539,7 +539,7 @@ def overhead_table(args, modes: dict, r2: dict) -> list[str]:
         return []
     a, b = modes["hybrid_steps"]["steps_s"], modes["hybrid_proposed"]["steps_s"]
     ca, cb = modes["hybrid_steps"]["steps_cpu_s"], modes["hybrid_proposed"]["steps_cpu_s"]
-    out = [f"  per-call overhead of the hybrid mode: (3s) replays step3_ppo.hybrid's steps one by one on a "
+    out = [f"  per-call overhead of the hybrid mode: (3s) replays step3_ppo.rollout.hybrid's steps one by one on a "
            f"4-token prompt with 1 new token, (3p) the proposed variant; rank 0, medians of {args.overhead_repeats} calls each, "
            f"interleaved; wall s and CPU s",
            f"    {'step':36s} {'(3s) wall':>10s} {'(3p) wall':>10s} {'(3s) cpu':>9s} {'(3p) cpu':>9s}"]
@@ -577,7 +577,7 @@ def ratio_lines(modes: dict, r1: dict, r2: dict, ratio_31: float) -> list[str]:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_args(p, tiny_help="a tiny random 2-layer llama (utils.tiny_model) instead of SmolLM2 (seconds)")
+    add_model_args(p, tiny_help="a tiny random 2-layer llama (utils.models.tiny) instead of SmolLM2 (seconds)")
     add_call_args(p, plain_repeats=1)
     p.add_argument("--no_breakdown", action="store_true",
                    help="skip modes (3s) and (3p) (the hybrid steps timed one by one, and the proposed variant)")

@@ -25,7 +25,7 @@ DS_BUILD_OPS=0 "$PY" -m pip wheel --quiet --no-deps --no-build-isolation -w "$CA
   hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 \
   typing-extensions==4.16.0
 
-MODEL="$("$PY" -m utils.default_model --print_path)"
+MODEL="$("$PY" -m utils.models.default --print_path)"
 for f in config.json generation_config.json tokenizer.json tokenizer_config.json special_tokens_map.json \
          vocab.json merges.txt chat_template.jinja; do
   [ -f "$MODEL/$f" ] && cp "$MODEL/$f" "$CARRY/smollm2/"

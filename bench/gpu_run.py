@@ -61,7 +61,7 @@ def data_dir() -> str:
 
 def make_models(work: str, mode: str) -> dict:
     """{"tiny": dir, "smollm2": dir (GPU only)}: random weights, made here, never downloaded."""
-    from utils.tiny_model import make_tiny_model  # torch: imported here to keep --help fast
+    from utils.models.tiny import make_tiny_model  # torch: imported here to keep --help fast
 
     models = {"tiny": make_tiny_model("llama", os.path.join(work, "models", "tiny"), seed=0)}
     if mode == "gpu":
@@ -155,7 +155,7 @@ def vllm_grpo(big: str, model: str, g, mode: str) -> dict:
     """run_grpo_single_gpu.sh with the vLLM worker (`--rollout_engine vllm`): runs where a vLLM is found
     (GPU_VLLM_PYTHON, else this python: scripts/setup.sh --with-vllm makes .venv-vllm on a GPU machine); the
     CPU fallback's tiny model (head size 16) is one vLLM's CPU attention cannot run (multiples of 32)."""
-    from step3_ppo.vllm_engine import vllm_missing
+    from step3_ppo.rollout.vllm_engine import vllm_missing
 
     python = os.environ.get("GPU_VLLM_PYTHON") or sys.executable
     run = dict(name=f"{big} run_grpo_single_gpu.sh --rollout_engine vllm", model=big, kind="step3",
@@ -240,7 +240,7 @@ def launch(run: dict, timeout: float) -> dict:
 def environment(mode: str) -> list[str]:
     import torch  # imported here to keep --help fast
 
-    from utils import accelerator
+    from utils.runtime import accelerator
 
     lines = [f"date: {datetime.datetime.now().isoformat(timespec='seconds')}",
              f"mode: {mode} ({'one GPU' if mode == 'gpu' else 'CPU fallback: tiny model only'})",

@@ -13,7 +13,7 @@ and records on every rank:
 - the bytes of the tensors each engine holds, from DeepSpeed's objects: the rank's parameter shards,
   the optimizer's flat fp32 partitions, gradient partitions and Adam moments (found by walking the
   optimizer's attributes, unique storages only);
-- per PPO phase (generation, experience, training; `utils.accelerator.PhaseMemory` already resets the
+- per PPO phase (generation, experience, training; `utils.runtime.accelerator.PhaseMemory` already resets the
   peak at each phase's start): the RSS at its start, its peak (VmHWM) and glibc's heap at its end
   (`mallinfo2`: bytes in use and bytes free but kept by the allocator, the slack).
 Variants (`--variants`, run one after the other): `tuned` = the project's default (`tune_malloc`),
@@ -156,9 +156,9 @@ def milestone(record: dict, name: str) -> None:
 
 
 def instrument_loading(record: dict, step3_main) -> list:
-    """A milestone before and after every model load and engine build of step 3 (step3_ppo.engine's functions
+    """A milestone before and after every model load and engine build of step 3 (step3_ppo.deepspeed_models's functions
     wrapped, and step3_ppo.main's build_engines); returns the list the built engines are collected in."""
-    from step3_ppo import engine as engine_module  # imported here to keep --help fast
+    from step3_ppo import deepspeed_models as engine_module  # imported here to keep --help fast
 
     def wrap(fn, label):
         def wrapped(*a, **k):
@@ -191,7 +191,7 @@ def instrument_loading(record: dict, step3_main) -> list:
 def instrument_phases(record: dict) -> None:
     """Per PPO phase: the RSS at its start and end, its peak and glibc's heap at its end; with
     BENCH_TRIM_AT_PHASE_END=1 (experiment) malloc_trim(0) after every phase."""
-    from utils import accelerator  # imported here to keep --help fast
+    from utils.runtime import accelerator  # imported here to keep --help fast
 
     original_phase = accelerator.PhaseMemory.phase
 
@@ -219,7 +219,7 @@ def instrument_phases(record: dict) -> None:
 def bucket_experiment() -> None:
     """BENCH_REDUCE_BUCKET_SIZE=N (experiment): DeepSpeed's reduce_bucket_size N in every ZeRO section."""
     if os.environ.get("BENCH_REDUCE_BUCKET_SIZE"):  # experiment: a smaller ZeRO gradient bucket
-        from utils import ds_config  # imported here to keep --help fast
+        from utils.train import ds_config  # imported here to keep --help fast
 
         original_section = ds_config._zero_section
 

@@ -57,7 +57,7 @@ MALLOC_ENV: dict[str, str] = {}  # tune_malloc's settings as MALLOC_* variables,
 def malloc_env() -> dict[str, str]:
     """MALLOC_ENV, filled on first use (--malloc_trim_threshold changes it for the whole run)."""
     if not MALLOC_ENV:
-        from utils.distributed import malloc_tuning_env  # torch: imported here to keep --help fast
+        from utils.runtime.distributed import malloc_tuning_env  # torch: imported here to keep --help fast
 
         MALLOC_ENV.update(malloc_tuning_env())
     return MALLOC_ENV
@@ -98,7 +98,7 @@ def worker(argv) -> None:
     from trl.experimental.ppo import ppo_trainer as trl_ppo
 
     from utils.data import tokenize_prompts
-    from utils.model import load_tokenizer
+    from utils.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer(args.model_name_or_path, padding_side="left")  # same pad handling as ours
     with open(args.prompts) as f:
@@ -238,8 +238,8 @@ def write_result(path: str, trainer, config, state, steps: list[dict], marks: di
 
 # ------------------------------------------------------------------------------------- orchestrator
 def ds_config_file(path: str, stage: int) -> str:
-    """Our ZeRO section (utils.ds_config) for TRL through accelerate, batch sizes left to accelerate."""
-    from utils.ds_config import _zero_section  # torch: imported here to keep --help fast
+    """Our ZeRO section (utils.train.ds_config) for TRL through accelerate, batch sizes left to accelerate."""
+    from utils.train.ds_config import _zero_section  # torch: imported here to keep --help fast
 
     config = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
               "train_batch_size": "auto", "gradient_clipping": 1.0,
@@ -329,7 +329,7 @@ def parse_args(argv=None):
     step3.add_workload_args(p, "PPO iterations per side (iterations; default: tiny 6, else 3)")
     p.add_argument("--zero_stage", type=int, default=3, choices=[2, 3], help="ZeRO stage of BOTH sides (2 or 3)")
     p.add_argument("--malloc_tuning", action="store_true",
-                   help="set tune_malloc's settings (utils.distributed.MALLOC_TUNING) as MALLOC_* variables "
+                   help="set tune_malloc's settings (utils.runtime.distributed.MALLOC_TUNING) as MALLOC_* variables "
                         "for BOTH sides (the report prints them)")
     p.add_argument("--malloc_trim_threshold", type=int, default=None,
                    help="with --malloc_tuning: MALLOC_TRIM_THRESHOLD_ for both sides instead of tune_malloc's "

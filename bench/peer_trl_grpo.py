@@ -8,12 +8,12 @@
 
 The workload, identical on both sides: the verifiable arithmetic prompts (--data, default
 data/arithmetic/train.jsonl; python -m data.make_arithmetic_data --out data/arithmetic), read and
-tokenized by the project's own code (utils.training.step_examples + utils.data.tokenize_prompts with
+tokenized by the project's own code (utils.train.loop.step_examples + utils.data.tokenize_prompts with
 --data_split 0,0,1, as step 3's setup() does; chat template: the model's, or with --tiny
 utils/chat_templates/chatml.jinja, on both sides); TRL renders the same template itself, and its
 _tokenize_prompts is wrapped to hand generation the project's ids (the report counts any prompt whose
 ids TRL's own rendering got differently). Two models per side: policy + frozen reference (the same
-model), no critic, no reward model. Reward: the project's math_exact (step3_ppo.reward_funcs),
+model), no critic, no reward model. Reward: the project's math_exact (step3_ppo.rewards.functions),
 called by TRL through a thin reward function (PYTHONPATH=REPO). --prompts_per_rank prompts per rank
 x --group completions each (ours --n_samples_per_prompt, TRL num_generations); answers exactly
 --answer_len tokens (ours --min_answer_seq_len = --max_answer_seq_len; TRL max_completion_length and
@@ -119,8 +119,8 @@ def worker(argv) -> None:
         raise SystemExit(f"error: accelerate counts {state.num_processes} process(es) of the {launched} launched")
     from trl.trainer import grpo_trainer as trl_grpo
 
-    from step3_ppo.reward_funcs import math_exact
-    from utils.model import load_tokenizer
+    from step3_ppo.rewards.functions import math_exact
+    from utils.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer(args.tokenizer_path, padding_side="left", chat_template=args.chat_template)
     examples, stats, project_ids, dataset = grpo_dataset(args, tokenizer)
@@ -149,8 +149,8 @@ def grpo_dataset(args, tokenizer) -> tuple:
     from datasets import Dataset  # TRL's venv: imported here, also to keep --help fast
 
     from utils.data import tokenize_prompts
-    from utils.flags import add_data_args
-    from utils.training import step_examples
+    from utils.train.flags import add_data_args
+    from utils.train.loop import step_examples
 
     data_parser = argparse.ArgumentParser()
     add_data_args(data_parser)  # step 3's own data flags and defaults (eval_fraction, keys, ...)
@@ -186,7 +186,7 @@ def grpo_config(args, steps_per_generation: int, updates: int):
 
 def phase_boundary(peaks: dict, ended: str, reset: bool = True) -> None:
     """Read the phase that just ended (VmHWM since its start), then start a new peak."""
-    from utils.accelerator import peak_memory_bytes, reset_peak_memory  # torch: imported here to keep --help fast
+    from utils.runtime.accelerator import peak_memory_bytes, reset_peak_memory  # torch: imported here to keep --help fast
 
     peaks[ended] = max(peaks.get(ended, 0), peak_memory_bytes())
     if reset:
@@ -243,7 +243,7 @@ def iteration_ends(rec: dict, peaks: dict, updates: int):
     which also ends the training phase's peak."""
     from transformers import TrainerCallback  # TRL's venv: imported here, also to keep --help fast
 
-    from utils.accelerator import peak_memory_bytes, reset_peak_memory
+    from utils.runtime.accelerator import peak_memory_bytes, reset_peak_memory
 
     class IterationEnds(TrainerCallback):
         def on_train_begin(self, *a, **k):
@@ -354,7 +354,7 @@ def run_ours(args, model_dir: str) -> dict:
 
 def trl_model_dir(model_dir: str, tokenizer_len: int) -> str:
     """The model directory TRL loads: itself, or (when the project's tokenizer added a pad token the embedding
-    lacks, e.g. SmolLM2) a copy resized as utils.model resizes ours (mean_resizing), made once under bench/runs:
+    lacks, e.g. SmolLM2) a copy resized as utils.models.loading resizes ours (mean_resizing), made once under bench/runs:
     TRL builds its reference from the policy's directory, so an in-memory resize would leave the reference short
     of the pad row. Called after our run (the child's ru_maxrss would count in ours)."""
     with open(os.path.join(model_dir, "config.json")) as f:
@@ -486,7 +486,7 @@ def report(args, ours: dict | None, theirs: dict) -> list[str]:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_model_args(p, tiny_help="a tiny random 2-layer llama (utils.tiny_model) with the chatml template instead")
+    add_model_args(p, tiny_help="a tiny random 2-layer llama (utils.models.tiny) with the chatml template instead")
     p.add_argument("--data", default=ARITHMETIC, help="prompt rows with an 'answer' field (JSONL path)")
     p.add_argument("--steps", type=int, default=None,
                    help="GRPO iterations per side (iterations; default: tiny 6, else 4)")
@@ -543,7 +543,7 @@ def header_lines(args, model_dir: str) -> list[str]:
 
 def main(argv=None):
     args = parse_args(argv)
-    from utils.model import load_tokenizer  # transformers: imported here to keep --help fast
+    from utils.models.loading import load_tokenizer  # transformers: imported here to keep --help fast
 
     model_dir, args.chat_template = bench_model(args), CHATML if args.tiny else None
     args.steps = args.steps or (6 if args.tiny else 4)

@@ -26,7 +26,7 @@ def worker(argv) -> None:
     from torch.profiler import ProfilerActivity, profile  # torch, step 3: imported here to keep --help fast
 
     from step3_ppo.main import parse_args, setup
-    from utils.distributed import is_rank0
+    from utils.runtime.distributed import is_rank0
 
     argv, options = worker_argv(argv, "--worker", "--report")
     run = setup(parse_args(argv))

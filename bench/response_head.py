@@ -1,4 +1,4 @@
-"""The LM head over the trained positions only (utils.forward's `logits_to_keep`) against the whole sequence,
+"""The LM head over the trained positions only (utils.models.forward's `logits_to_keep`) against the whole sequence,
 on the tool-use demo's step-1 traces and step-3 rows, in one process, the two arms alternating.
 
 Step 1 (`lm_nll`) and step 3's log-probs (`token_logprobs`) run the head and its softmax from the first trained
@@ -47,8 +47,8 @@ def parse_args(argv=None):
 def batches(tokenizer, batch_size: int):
     """(a step-1 batch of tool-use traces, a step-3 packed batch of the same traces as prompt + response)."""
     from utils.data import SFTCollator, tokenize_sft
-    from utils.losses import IGNORE_INDEX
-    from utils.rollout import Row, pack
+    from utils.math.losses import IGNORE_INDEX
+    from utils.math.rows import Row, pack
 
     rows = read_jsonl(tool_traces())[:batch_size]
     examples, _ = tokenize_sft(rows, tokenizer, 224, False)
@@ -65,14 +65,14 @@ def main(argv=None):
     args = parse_args(argv)
     import torch
 
-    from utils.forward import causal_lm_logits, lm_nll, token_logprobs
-    from utils.losses import sft_nll
-    from utils.model import load_causal_lm, load_tokenizer
+    from utils.models.forward import causal_lm_logits, lm_nll, token_logprobs
+    from utils.math.losses import sft_nll
+    from utils.models.loading import load_causal_lm, load_tokenizer
 
     torch.set_num_threads(args.threads)
     path = bench_model(args)
     if args.tiny:  # the traces are conversations: the tiny model's twin with a chat template
-        from utils.tiny_model import make_tiny_model
+        from utils.models.tiny import make_tiny_model
 
         path = os.path.join(RUNS, "tiny_chat_llama")
         if not os.path.exists(os.path.join(path, "config.json")):

@@ -70,7 +70,7 @@ def write_prompts(path: str, n: int) -> str:
 def reward_model_dir(model_dir: str) -> str:
     """The critic / reward model of the benchmark: the model's backbone + a fresh seeded value head, made
     once under bench/runs (step 3 refuses a plain causal LM as --critic_model_name_or_path)."""
-    from utils.reward_model import VALUE_HEAD_FILE, make_reward_model_dir  # torch: here to keep --help fast
+    from utils.models.reward_model import VALUE_HEAD_FILE, make_reward_model_dir  # torch: here to keep --help fast
 
     out = os.path.join(RUNS, "reward_models", os.path.basename(model_dir.rstrip("/")))
     if not os.path.isfile(os.path.join(out, VALUE_HEAD_FILE)):
@@ -132,11 +132,11 @@ def logits_to_keep_logprobs(model, batch: dict, temperature: float, return_entro
                             entropy_grad: bool = False):
     """PROPOSED policy forward, passed through PPOTrainer's `logprobs_fn` seam for the A/B only: the
     LM head (and log-softmax) only for the positions that predict response tokens (transformers'
-    `logits_to_keep`), not for the prompt. Same contract as utils.forward.token_logprobs."""
+    `logits_to_keep`), not for the prompt. Same contract as utils.models.forward.token_logprobs."""
     import torch  # imported here to keep --help fast
 
-    from utils.forward import model_device
-    from utils.ops import entropy_from_logits, logprobs_from_logits, position_ids_from_attention_mask
+    from utils.models.forward import model_device
+    from utils.math.ops import entropy_from_logits, logprobs_from_logits, position_ids_from_attention_mask
 
     device = model_device(model)
     input_ids, attention_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
@@ -163,8 +163,8 @@ def ab_worker(argv) -> None:
     given to the trainer through its logprobs_fn seam."""
     from step3_ppo.main import parse_args as parse_step3_args  # torch: imported here to keep --help fast
     from step3_ppo.main import setup
-    from utils.distributed import is_rank0
-    from utils.forward import token_logprobs
+    from utils.runtime.distributed import is_rank0
+    from utils.models.forward import token_logprobs
 
     argv, options = worker_argv(argv, "--ab_worker", "--ab_out", "--ab_variant")
     out, variant = options["--ab_out"], options["--ab_variant"]
@@ -194,8 +194,8 @@ def logprobs_max_abs_diff(run) -> float:
     step 3's `run` (largest absolute difference over the action positions)."""
     import torch  # imported here to keep --help fast
 
-    from utils.forward import token_logprobs
-    from utils.rollout import pack
+    from utils.models.forward import token_logprobs
+    from utils.math.rows import pack
 
     rows = run.trainer.generate_rows(next(iter(run.loader)))
     batch = pack(rows, run.trainer.config.pad_token_id)
@@ -352,7 +352,7 @@ def configs_report(results: list[dict]) -> list[str]:
     out.append("peak RSS of the largest rank process after its last phase (MiB; Linux resets ru_maxrss with the "
                "VmHWM that each phase resets, so this covers the last training phase and the export): "
                + ", ".join(f"{r['name']} {r['max_rss_mib']:.0f}" for r in results))
-    out.append("peak RSS per phase (GiB, largest rank, max over iterations; utils.accelerator.PhaseMemory): "
+    out.append("peak RSS per phase (GiB, largest rank, max over iterations; utils.runtime.accelerator.PhaseMemory): "
                + "; ".join(f"{r['name']} " + " / ".join(f"{k} {v:.2f}" for k, v in r["peak_rss_gib"].items())
                            for r in results))
     by = by_name(results)

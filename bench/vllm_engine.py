@@ -78,11 +78,11 @@ def worker(argv):
 
     from bench.generation import build_models
     from step3_ppo.generation_check import make_prompts
-    from step3_ppo.rollout_engines import ActorGenerate
-    from step3_ppo.vllm_engine import VLLMRollout, VLLMSettings
-    from utils.distributed import init_distributed, is_rank0, set_seed
-    from utils.forward import GenerationSettings
-    from utils.model import load_tokenizer
+    from step3_ppo.rollout.engines import ActorGenerate
+    from step3_ppo.rollout.vllm_engine import VLLMRollout, VLLMSettings
+    from utils.runtime.distributed import init_distributed, is_rank0, set_seed
+    from utils.models.forward import GenerationSettings
+    from utils.models.loading import load_tokenizer
 
     args = worker_args(argv)
     init_distributed()

@@ -7,7 +7,7 @@ no-grad forward of the rollout batch (8 rows) in one of three ways, then two PPO
 steps (4 rows each: forward, backward, optimizer step); the ways rotate round-robin:
 
 - hooked:        the forward through DeepSpeed's module hooks (fetch and release per layer);
-- gathered:      `step3_ppo.hybrid.gathered` (the project's: partitioned parameters gathered once,
+- gathered:      `step3_ppo.rollout.hybrid.gathered` (the project's: partitioned parameters gathered once,
                  hooks taken out and the same hooks put back);
 - re-registered: what hybrid mode did before 2026-11-30 (kept here as the baseline): every
                  parameter gathered, hooks removed, then re-registered with
@@ -79,12 +79,12 @@ def worker(argv) -> None:
     import torch  # torch, deepspeed and the project: imported here to keep --help fast
     import torch.distributed as dist
 
-    from step3_ppo.hybrid import gathered
-    from utils.distributed import init_distributed, is_rank0
-    from utils.ds_config import train_ds_config
-    from utils.forward import causal_lm_logits, eval_mode
-    from utils.model import load_causal_lm
-    from utils.training import build_optimizer, initialize_engine
+    from step3_ppo.rollout.hybrid import gathered
+    from utils.runtime.distributed import init_distributed, is_rank0
+    from utils.train.ds_config import train_ds_config
+    from utils.models.forward import causal_lm_logits, eval_mode
+    from utils.models.loading import load_causal_lm
+    from utils.train.loop import build_optimizer, initialize_engine
 
     args = parse_args(argv)
     init_distributed()
@@ -167,7 +167,7 @@ def main(argv=None) -> None:
     model_dir = bench_model(args)
     header = start_report([
         title("zero3_trace.py"),
-        f"model: {model_dir}; ZeRO-3 fp32 actor (utils.ds_config), 2 ranks, OMP_NUM_THREADS=1, lr 0; "
+        f"model: {model_dir}; ZeRO-3 fp32 actor (utils.train.ds_config), 2 ranks, OMP_NUM_THREADS=1, lr 0; "
         f"no-grad forward of 8 x {args.seq_len} tokens, then 2 training steps of 4 x {args.seq_len}; "
         f"{args.rounds} rounds per way (round-robin) after a warm-up round",
         malloc_line()])

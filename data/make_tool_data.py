@@ -8,9 +8,9 @@ box holds 28 pencils. How many pencils are in 347 boxes?", four wordings per kin
 still to learn to do it from the RL wordings' stories. Files written to --out:
 
 * sft/train.jsonl (step 1, `messages` rows, assistant-only loss): one tool-use trace per problem, [system,
-  user, assistant, tool, assistant]. The system turn is exactly step3_ppo.tools.tool_system_prompt of the
+  user, assistant, tool, assistant]. The system turn is exactly step3_ppo.agents.tools.tool_system_prompt of the
   calculator's schema, the block step 3 puts in front of its prompts for a chat template without a `tools`
-  variable (step3_ppo/agents.py prompts_with_tools), so SFT and RL see one prompt format; the first assistant
+  variable (step3_ppo/agents/loop.py prompts_with_tools), so SFT and RL see one prompt format; the first assistant
   turn is a Hermes call `<tool_call>\n{"name": "calculator", "arguments": {"expression": "347 * 28"}}\n
   </tool_call>`, the tool turn the calculator's own output ("9716"), the last turn "The answer is 9716.".
 * rl/train.jsonl, rl/eval.jsonl (step 3 and step3_ppo.eval, prompt rows): {"prompt": [{"role": "user",
@@ -98,20 +98,20 @@ def kind_of(i: int) -> str:
 
 
 def tool_call(expression: str) -> str:
-    """The assistant's Hermes call of the calculator (the form step3_ppo/tools.py parse_hermes reads)."""
+    """The assistant's Hermes call of the calculator (the form step3_ppo/agents/tools.py parse_hermes reads)."""
     return "<tool_call>\n" + json.dumps({"name": TOOL, "arguments": {"expression": expression}}) + "\n</tool_call>"
 
 
 def system_prompt() -> str:
     """Step 3's tool block for the calculator (tool_system_prompt of load_tools' schema; imports transformers)."""
-    from step3_ppo.tools import load_tools, tool_system_prompt
+    from step3_ppo.agents.tools import load_tools, tool_system_prompt
 
     return tool_system_prompt([load_tools([TOOL])[0].schema])
 
 
 def sft_row(question: str, expression: str, answer: str, system: str) -> dict:
     """One tool-use trace; the tool turn is the calculator's own output, which must be the answer."""
-    from step3_ppo.tools import calculator
+    from step3_ppo.agents.tools import calculator
 
     result = calculator(expression)
     if result != answer:  # the trace would teach a wrong answer

@@ -1,7 +1,7 @@
 # Sourced by the launch scripts: repository root, venv, offline mode, a free port, demo inputs.
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # DeepSpeed's JIT-built ops (its CPU communication op) go to this checkout's own folder, not the shared
-# ~/.cache/torch_extensions, where two checkouts wait on each other's build lock (utils/extensions.py).
+# ~/.cache/torch_extensions, where two checkouts wait on each other's build lock (utils/runtime/extensions.py).
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.cache/torch_extensions}"
 # RLHF_USE_CURRENT_ENV=1: run with the python and packages already on PATH (a cluster's module, a
 # machine without network such as bench/gpu.sh's); otherwise set up and enter the repository's venv.
@@ -16,7 +16,7 @@ export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" TRANSFORMERS_OFFLINE="${TRANSFORMER
 # One thread per rank: on a 2-core machine two ranks with more threads each run ~3x slower.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 MASTER_PORT_GIVEN="${MASTER_PORT:-}"
-MASTER_PORT="${MASTER_PORT:-$(python -m utils.ports)}"
+MASTER_PORT="${MASTER_PORT:-$(python -m utils.runtime.ports)}"
 # DEMO_FORMAT: chat (messages rows, the model's chat template; default) or raw (Human/Assistant strings)
 DEMO_FORMAT="${DEMO_FORMAT:-chat}"
 if [ "$DEMO_FORMAT" = chat ]; then DEMO_DATA="${DEMO_DATA:-$ROOT/data/demo}"; else DEMO_DATA="${DEMO_DATA:-$ROOT/data/demo_$DEMO_FORMAT}"; fi
@@ -24,13 +24,13 @@ if [ "$DEMO_FORMAT" = chat ]; then DEMO_DATA="${DEMO_DATA:-$ROOT/data/demo}"; el
 # Both print only the model folder on stdout (progress and library warnings go to stderr) and
 # fail the script when the folder cannot be made.
 default_model() {  # the converted SmolLM2-135M-Instruct directory (converted once)
-  python -m utils.default_model --print_path
+  python -m utils.models.default --print_path
 }
 step1_output_or_default_model() {  # step 2's backbone: out/step1 when step 1 ran, else the default
   if [ -f "$ROOT/out/step1/model.safetensors" ]; then echo "$ROOT/out/step1"; else default_model; fi
 }
 tiny_model() {  # a tiny random model of architecture $1 (gpt2, llama, opt), built once into the cache
-  python -m utils.tiny_model --arch "$1" --print_path
+  python -m utils.models.tiny --arch "$1" --print_path
 }
 
 # Runs a launcher command with its output copied to LOG, and forwards SIGTERM/SIGINT to the whole

@@ -76,7 +76,7 @@ if [ "$TASK" = tools ]; then
   S1=(--max_seq_len 224 --max_steps 10 --learning_rate 2e-5 --lr_scheduler_type constant --num_warmup_steps 0
       --overwrite_output_dir) S3=(--overwrite_output_dir)
   if [ "$QUICK" = 1 ]; then  # a tiny random model with ChatML and a small copy of the data: a smoke test
-    BASE="$(python -m utils.tiny_model --arch llama --chat --out "$OUTPUT_ROOT/tiny_chat_llama" --print_path)"
+    BASE="$(python -m utils.models.tiny --arch llama --chat --out "$OUTPUT_ROOT/tiny_chat_llama" --print_path)"
     TOOLS_DATA="$OUTPUT_ROOT/tools_data"
     python -m data.make_tool_data --out "$TOOLS_DATA" --sft 64 --train 64 --eval 16 >/dev/null
     BASE_EVAL=(--num_prompts 8 --max_new_tokens 8 --batch_size 8)
@@ -99,7 +99,7 @@ if [ "$TASK" = tools ]; then
   ACTOR="$T/step1" DATA="$TOOLS_DATA/rl" bash scripts/step3_ppo/run_tools_cpu.sh "$T/grpo" "${S3[@]}"
   echo "[demo] step 3 took $(( $(date +%s) - t0 )) s"
   python -m step3_ppo.plot "$T/grpo" >/dev/null
-  python -m step3_ppo.agent_eval --without_tools "$T/without_tools.json" --run "$T/grpo" | tee "$T/eval.txt"
+  python -m step3_ppo.agents.eval --without_tools "$T/without_tools.json" --run "$T/grpo" | tee "$T/eval.txt"
   echo "[demo] finished in $(( $(date +%s) - start )) s; outputs under $T (curves: $T/grpo/curves.png)"
   exit 0
 fi

@@ -19,10 +19,10 @@ STAMP=.venv/.requirements.sha256
 want="$(cat requirements.txt requirements-nodeps.txt | sha256sum | cut -d' ' -f1)"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.cache/torch_extensions}"
 # DeepSpeed's CPU communication op, built into TORCH_EXTENSIONS_DIR ahead of any run (about 40 s), so that no
-# run pays for it or waits on another's build (utils/extensions.py); after an install, or while the folder is
+# run pays for it or waits on another's build (utils/runtime/extensions.py); after an install, or while the folder is
 # missing (a run rebuilds a missing or outdated op itself)
 prebuild_ops() {
-  HF_HUB_OFFLINE=1 .venv/bin/python -m utils.extensions 2>&1 | grep '^\[setup\]\|^\[extensions\]\|rror' || true
+  HF_HUB_OFFLINE=1 .venv/bin/python -m utils.runtime.extensions 2>&1 | grep '^\[setup\]\|^\[extensions\]\|rror' || true
 }
 # vLLM, when asked, after the project's requirements (idempotent the same way)
 setup_vllm() {

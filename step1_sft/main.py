@@ -10,17 +10,17 @@ import math
 
 import torch
 
-from utils.checkpoint import data_layout
-from utils.export import export_hf_model
+from utils.train.checkpoint import data_layout
+from utils.models.export import export_hf_model
 from utils.data import SFTCollator, tokenize_sft
-from utils.distributed import all_reduce_sum, rank_batches
-from utils.flags import BATCH_FLAGS, check_range, single_model_parser, validate_training_args
-from utils.forward import causal_lm_logits, eval_mode, lm_nll
-from utils.logging import print_rank0
-from utils.losses import IGNORE_INDEX
-from utils.model import load_causal_lm
-from utils.run import ReloadCheck, Run
-from utils.training import (build_trained_engine, micro_batch_schedule, spec_from_args, start_single_model_run,
+from utils.runtime.distributed import all_reduce_sum, rank_batches
+from utils.train.flags import BATCH_FLAGS, check_range, single_model_parser, validate_training_args
+from utils.models.forward import causal_lm_logits, eval_mode, lm_nll
+from utils.train.metrics_logger import print_rank0
+from utils.math.losses import IGNORE_INDEX
+from utils.models.loading import load_causal_lm
+from utils.train.run import ReloadCheck, Run
+from utils.train.loop import (build_trained_engine, micro_batch_schedule, spec_from_args, start_single_model_run,
                             train_ds_config_from_args, train_micro_batches)
 
 def parse_args(argv=None):
@@ -50,7 +50,7 @@ def evaluate_perplexity(engine, examples: list, collator, batch_size: int, max_b
 
 
 def sft_loss_terms(engine, batch: dict) -> tuple[dict, tuple]:
-    """A micro-batch's loss as utils.training.train_micro_batches takes it: {"tokens": its NLL per trained
+    """A micro-batch's loss as utils.train.loop.train_micro_batches takes it: {"tokens": its NLL per trained
     token} (no extra stats)."""
     nll, count = lm_nll(engine, batch)
     return {"tokens": nll / count.clamp(min=1)}, ()
@@ -58,7 +58,7 @@ def sft_loss_terms(engine, batch: dict) -> tuple[dict, tuple]:
 
 def trained_tokens(batch: dict) -> dict:
     """{"tokens": the labels a micro-batch trains on} (sft_nll's count, without a forward): the unit its
-    loss is averaged over, summed over the optimizer step by utils.training.train_micro_batches."""
+    loss is averaged over, summed over the optimizer step by utils.train.loop.train_micro_batches."""
     return {"tokens": int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())}
 
 

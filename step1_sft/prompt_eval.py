@@ -17,7 +17,7 @@ import os
 import sys
 
 from utils.data import normalize_row, prompt_text
-from utils.flags import add_device_arg, add_format_args, add_generation_args, resolve_generation_args
+from utils.train.flags import add_device_arg, add_format_args, add_generation_args, resolve_generation_args
 
 DEFAULT_PROMPTS = (
     "Human: Continue this movie review: The acting in this film\n\nAssistant:",
@@ -91,8 +91,8 @@ def resolve_prompts(args) -> list:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     from utils.evaluation import generate_answers, load_policy
-    from utils.forward import GenerationSettings
-    from utils.model import ModelLoadError
+    from utils.models.forward import GenerationSettings
+    from utils.models.loading import ModelLoadError
 
     prompts = resolve_prompts(args)
     models = {}

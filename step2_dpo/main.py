@@ -2,14 +2,14 @@
 
 Direct preference optimisation (Rafailov et al. 2023) needs no reward model and no RL: the loss of a
 pair is a function of the policy's and a frozen reference's sequence log-probs of both responses
-(utils.losses.dpo_loss: sigmoid DPO, conservative DPO with --label_smoothing, IPO; plus
+(utils.math.losses.dpo_loss: sigmoid DPO, conservative DPO with --label_smoothing, IPO; plus
 --nll_loss_coef times the chosen responses' NLL, RPO), or of the policy's alone for the reference-free
 losses (SimPO, ORPO: --loss_type simpo|orpo; no reference model is built, loaded or precomputed), or
 of single labelled examples (KTO, --loss_type kto: unpaired rows {prompt, completion, label} or pairs,
 each a desirable and an undesirable example; its reference point from mismatched rows of the batch).
 Data: the same pairs as step 2 (its share of --data_split, every format the data layer reads). A
 sequence log-prob sums the response tokens only (and the EOS that ends them), positions from the
-attention mask, so a pair scores the same under any padding (utils.forward.sequence_logprobs).
+attention mask, so a pair scores the same under any padding (utils.models.forward.sequence_logprobs).
 
 The reference is the starting policy, in one of three forms:
 - --precompute_ref_log_probs: the policy itself scores every pair before its first update (eval
@@ -34,21 +34,21 @@ import time
 
 import torch
 
-from utils.checkpoint import data_layout
-from utils.export import export_hf_model
+from utils.train.checkpoint import data_layout
+from utils.models.export import export_hf_model
 from utils.data import (PreferenceCollator, UnpairedCollator, split_pair_batch, tokenize_preference_pairs,
                         tokenize_unpaired)
-from utils.distributed import all_reduce_sum, rank_batches, world_size
-from utils.ds_config import eval_ds_config
-from utils.flags import (BATCH_FLAGS, add_offload_reference_arg, add_pair_eval_args, check_range, fail,
+from utils.runtime.distributed import all_reduce_sum, rank_batches, world_size
+from utils.train.ds_config import eval_ds_config
+from utils.train.flags import (BATCH_FLAGS, add_offload_reference_arg, add_pair_eval_args, check_range, fail,
                          single_model_parser, validate_training_args)
-from utils.forward import eval_mode, sequence_logprobs
-from utils.logging import print_rank0
-from utils.losses import (PAIR_LOSSES, PairLogps, UnpairedLogps, kto_reference_point, pair_loss, response_nll,
+from utils.models.forward import eval_mode, sequence_logprobs
+from utils.train.metrics_logger import print_rank0
+from utils.math.losses import (PAIR_LOSSES, PairLogps, UnpairedLogps, kto_reference_point, pair_loss, response_nll,
                           unpaired_loss)
-from utils.model import load_causal_lm
-from utils.run import ReloadCheck, Run
-from utils.training import (build_frozen_engine, build_trained_engine, check_pair_splits, micro_batch_schedule,
+from utils.models.loading import load_causal_lm
+from utils.train.run import ReloadCheck, Run
+from utils.train.loop import (build_frozen_engine, build_trained_engine, check_pair_splits, micro_batch_schedule,
                             spec_from_args, start_single_model_run, train_ds_config_from_args, train_micro_batches)
 
 SIDES = ("chosen", "rejected")

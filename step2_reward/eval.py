@@ -21,11 +21,11 @@ import torch
 
 from utils.data import (DEFAULT_FORMAT, DataError, PairCollator, PromptCollator, RowFormat, SkipRow, normalize_row,
                         read_rows, scored_sequences, split_pair_batch, tokenize_pairs)
-from utils.flags import add_format_args
-from utils.forward import sequence_scores
-from utils.losses import pair_metrics
-from utils.model import hf_zero3_disabled, load_tokenizer
-from utils.reward_model import RewardModel
+from utils.train.flags import add_format_args
+from utils.models.forward import sequence_scores
+from utils.math.losses import pair_metrics
+from utils.models.loading import hf_zero3_disabled, load_tokenizer
+from utils.models.reward_model import RewardModel
 
 
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}

@@ -1,6 +1,6 @@
 """Step 2: train a reward model on (prompt, chosen, rejected) pairs under DeepSpeed.
 
-The model is a causal-LM backbone plus a linear value head (utils.reward_model.RewardModel); a
+The model is a causal-LM backbone plus a linear value head (utils.models.reward_model.RewardModel); a
 sequence's score is the value at its last real token (the EOS after the response). The loss is
 DeepSpeed-Chat's pairwise one, mean(-log sigmoid(chosen - rejected - margin)), over one forward of
 the [2B, L] batch (chosen rows first). Held-out pair accuracy, mean chosen/rejected scores and
@@ -14,17 +14,17 @@ import time
 
 import torch
 
-from utils.checkpoint import data_layout
+from utils.train.checkpoint import data_layout
 from utils.data import PairCollator, split_pair_batch, tokenize_pairs
-from utils.distributed import all_reduce_sum, rank_batches
-from utils.flags import BATCH_FLAGS, add_pair_eval_args, check_range, single_model_parser, validate_training_args
-from utils.forward import eval_mode, sequence_scores
-from utils.logging import print_rank0
-from utils.losses import pair_metrics, pairwise_loss
-from utils.model import load_tokenizer
-from utils.reward_model import RewardModel, export_reward_model
-from utils.run import ReloadCheck, Run
-from utils.training import (build_trained_engine, check_pair_splits, micro_batch_schedule, spec_from_args,
+from utils.runtime.distributed import all_reduce_sum, rank_batches
+from utils.train.flags import BATCH_FLAGS, add_pair_eval_args, check_range, single_model_parser, validate_training_args
+from utils.models.forward import eval_mode, sequence_scores
+from utils.train.metrics_logger import print_rank0
+from utils.math.losses import pair_metrics, pairwise_loss
+from utils.models.loading import load_tokenizer
+from utils.models.reward_model import RewardModel, export_reward_model
+from utils.train.run import ReloadCheck, Run
+from utils.train.loop import (build_trained_engine, check_pair_splits, micro_batch_schedule, spec_from_args,
                             start_single_model_run, train_ds_config_from_args, train_micro_batches)
 
 

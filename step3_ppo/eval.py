@@ -21,12 +21,12 @@ import json
 import os
 import sys
 
-from utils.model import ModelLoadError, check_model_path, check_remote_code, check_weight_files
+from utils.models.loading import ModelLoadError, check_model_path, check_remote_code, check_weight_files
 
 
 def parse_args(argv=None):
     from utils.evaluation import DEFAULT_PROMPTS
-    from utils.flags import add_device_arg, add_format_args, add_generation_args, resolve_generation_args
+    from utils.train.flags import add_device_arg, add_format_args, add_generation_args, resolve_generation_args
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sft_model", required=True, help="step 1 output directory (also the KL reference)")
@@ -52,7 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="write the full result (with per-prompt rows) as JSON")
     add_generation_args(p, do_sample=None)  # sampling by default, as in PPO rollouts; greedy with --env/--tools
     add_format_args(p.add_argument_group("prompt format (as in training)"), template_file=False)
-    from step3_ppo.agent_flags import add_agent_args, check_agent_args
+    from step3_ppo.agents.flags import add_agent_args, check_agent_args
 
     add_agent_args(p)
     p.add_argument("--reward_funcs", nargs="+", default=None, metavar="SPEC",
@@ -102,9 +102,9 @@ def other_policies(args) -> list[tuple[str, str]]:
 
 def agent_main(args, policies: list[tuple[str, str]]) -> dict:
     """--env/--tools (or --reward_funcs): each policy through the training loop's multi-turn rollout, scored by
-    reward functions (step3_ppo/agent_eval.py)."""
-    from step3_ppo.agent_eval import evaluate_policy, format_agent_table
-    from step3_ppo.reward_funcs import RewardFunctionError, load_reward_function
+    reward functions (step3_ppo/agents/eval.py)."""
+    from step3_ppo.agents.eval import evaluate_policy, format_agent_table
+    from step3_ppo.rewards.functions import RewardFunctionError, load_reward_function
     from utils.data import DataError, RowFormat, read_rows
     from utils.evaluation.loading import default_device
 
@@ -152,7 +152,7 @@ def main(argv=None) -> dict:
                           + others)
     from utils.data import DataError, RowFormat
     from utils.evaluation import ComparisonSpec, compare_policies, default_judges, format_table, load_prompts
-    from utils.forward import GenerationSettings
+    from utils.models.forward import GenerationSettings
 
     try:
         prompts = load_prompts(args.prompts, args.num_prompts, args.prompt_seed, RowFormat.from_args(args))

@@ -19,35 +19,35 @@ from dataclasses import dataclass
 
 from torch.utils.data import DataLoader, DistributedSampler
 
-from step3_ppo.agent_flags import add_agent_args, check_agent_args
-from step3_ppo.agents import EnvReward, build_agent, prompts_with_tools
-from step3_ppo.advantages import ALIASES, ESTIMATORS, REWARD_NORMS, estimator_name, get_estimator
-from step3_ppo.engine import build_engines
-from step3_ppo.rollout_engines import ROLLOUT_ENGINES
-from step3_ppo.reward_funcs import (BUILTINS, RewardFunctionError, builtins_help, is_function_spec,
+from step3_ppo.agents.flags import add_agent_args, check_agent_args
+from step3_ppo.agents.loop import EnvReward, build_agent, prompts_with_tools
+from step3_ppo.algo.advantages import ALIASES, ESTIMATORS, REWARD_NORMS, estimator_name, get_estimator
+from step3_ppo.deepspeed_models import build_engines
+from step3_ppo.rollout.engines import ROLLOUT_ENGINES
+from step3_ppo.rewards.functions import (BUILTINS, RewardFunctionError, builtins_help, is_function_spec,
                                     load_reward_function)
-from step3_ppo.rewards import FunctionReward, RewardModelReward, reward_model_name, unique_names
-from step3_ppo.shaping import AdaptiveKLController, FixedKLController
+from step3_ppo.rewards.components import FunctionReward, RewardModelReward, reward_model_name, unique_names
+from step3_ppo.algo.shaping import AdaptiveKLController, FixedKLController
 from step3_ppo.trainer import PPOConfig, PPOTrainer
-from step3_ppo.vllm_engine import VLLMSettings, vllm_missing
-from utils.checkpoint import data_layout
-from utils.export import export_hf_model
+from step3_ppo.rollout.vllm_engine import VLLMSettings, vllm_missing
+from utils.train.checkpoint import data_layout
+from utils.models.export import export_hf_model
 from utils.data import (PromptCollator, SFTCollator, describe_skips, distributed_loader, read_texts, stop_token_ids,
                         tokenize_prompts, tokenize_texts)
-from utils.distributed import is_rank0, rank, start_process, world_size
-from utils.flags import (add_checkpoint_args, add_data_args, add_generation_args, add_model_args,
+from utils.runtime.distributed import is_rank0, rank, start_process, world_size
+from utils.train.flags import (add_checkpoint_args, add_data_args, add_generation_args, add_model_args,
                          add_offload_reference_arg, add_output_args, add_training_args, check_range,
                          check_sequence_fits, fail, resolve_generation_args, validate_training_args)
-from utils.logging import print_rank0
-from utils.losses import GSPO_CLIPRANGE_HIGH, GSPO_CLIPRANGE_LOW, KL_LOSS_ESTIMATORS, POLICY_LOSSES
-from utils.model import check_model_path, load_tokenizer
-from utils.ops import KL_ESTIMATORS, LOSS_AGGREGATIONS, ROLLOUT_CORRECTIONS
-from utils.reward_model import check_policy_dir, check_reward_model_dir, export_reward_model
-from utils.run import Run
-from utils.training import step_examples, total_training_steps
+from utils.train.metrics_logger import print_rank0
+from utils.math.losses import GSPO_CLIPRANGE_HIGH, GSPO_CLIPRANGE_LOW, KL_LOSS_ESTIMATORS, POLICY_LOSSES
+from utils.models.loading import check_model_path, load_tokenizer
+from utils.math.ops import KL_ESTIMATORS, LOSS_AGGREGATIONS, ROLLOUT_CORRECTIONS
+from utils.models.reward_model import check_policy_dir, check_reward_model_dir, export_reward_model
+from utils.train.run import Run
+from utils.train.loop import step_examples, total_training_steps
 
 MODELS = ("actor_", "critic_")
-# step 3's own defaults for the per-model flags of utils/flags.py (DeepSpeed-Chat's values; dropout off,
+# step 3's own defaults for the per-model flags of utils/train/flags.py (DeepSpeed-Chat's values; dropout off,
 # else the rollout and training forwards of the same weights differ and the ratio at lr 0 is not 1)
 MODEL_DEFAULTS = {"learning_rate": {"actor_": 9.65e-6, "critic_": 5e-6}, "zero_stage": {"actor_": 3, "critic_": 3},
                   "dropout": {"actor_": 0.0, "critic_": 0.0}}

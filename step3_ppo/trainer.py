@@ -1,15 +1,15 @@
 """One RL iteration: rollout -> experience (no-grad forwards) -> PPO epochs over mini-batches.
 
-The math lives in utils/ops.py, utils/losses.py, step3_ppo/shaping.py (per-token rewards, KL
-coefficient) and step3_ppo/advantages.py (estimators by name); rows and their packing in
-utils/rollout.py; every forward in utils/forward.py; the actor's generation mode in
-step3_ppo/hybrid.py; sequence rewards behind step3_ppo/rewards.py. Two KL terms appear here and
+The math lives in utils/math/ops.py, utils/math/losses.py, step3_ppo/algo/shaping.py (per-token rewards, KL
+coefficient) and step3_ppo/algo/advantages.py (estimators by name); rows and their packing in
+utils/math/rows.py; every forward in utils/models/forward.py; the actor's generation mode in
+step3_ppo/rollout/hybrid.py; sequence rewards behind step3_ppo/rewards/components.py. Two KL terms appear here and
 are never confused:
 - the KL PENALTY: KL(actor || frozen SFT reference), per token, inside the reward
   (`compute_rewards`, coefficient `kl_ctl.value`, fixed or adaptive), or, with `kl_in_loss`,
   as a separate loss term instead;
 - the PPO CLIP: the ratio of the current actor to the OLD (rollout-time) actor, clipped in
-  the `--policy_loss` (utils.losses.POLICY_LOSSES). Its log is `ppo/log_ratio_max_abs`, exactly 0 in
+  the `--policy_loss` (utils.math.losses.POLICY_LOSSES). Its log is `ppo/log_ratio_max_abs`, exactly 0 in
   theory at learning rate 0.
 """
 from __future__ import annotations
@@ -21,20 +21,21 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from step3_ppo.agents import agent_rates, agent_sums
-from step3_ppo.advantages import advantages_and_returns, combine, get_estimator, zero_variance_groups
-from step3_ppo.hybrid import gathered
-from step3_ppo.rollout_engines import ROLLOUT_ENGINES
-from step3_ppo.shaping import RunningMoments, clip_scores, compute_rewards, length_penalty
-from utils import accelerator, losses
-from utils.distributed import all_reduce_max, all_reduce_max_list, all_reduce_sum, world_size
+from step3_ppo.agents.loop import agent_rates, agent_sums
+from step3_ppo.algo.advantages import advantages_and_returns, combine, get_estimator, zero_variance_groups
+from step3_ppo.rollout.hybrid import gathered
+from step3_ppo.rollout.engines import ROLLOUT_ENGINES
+from step3_ppo.algo.shaping import RunningMoments, clip_scores, compute_rewards, length_penalty
+from utils.runtime import accelerator
+from utils.math import losses
+from utils.runtime.distributed import all_reduce_max, all_reduce_max_list, all_reduce_sum, world_size
 from utils.errors import ProjectError
-from utils.export import is_zero3
-from utils.forward import (GenerationSettings, eval_mode, lm_nll, model_device, to_device,
+from utils.models.export import is_zero3
+from utils.models.forward import (GenerationSettings, eval_mode, lm_nll, model_device, to_device,
                            token_logprobs, token_values)
-from utils.ops import explained_variance, masked_mean, masked_whiten, rollout_correction_weights, select
-from utils.rollout import Row, from_token_layout, pack, split_generation, to_token_layout
-from utils.training import OVERFLOW, accumulation_windows, backward_and_step, step_normalised_loss, window_totals
+from utils.math.ops import explained_variance, masked_mean, masked_whiten, rollout_correction_weights, select
+from utils.math.rows import Row, from_token_layout, pack, split_generation, to_token_layout
+from utils.train.loop import OVERFLOW, accumulation_windows, backward_and_step, step_normalised_loss, window_totals
 
 
 # the loss figures logged as their optimizer steps' mean (each mini-batch logs its part of its step's loss)
@@ -69,17 +70,17 @@ class PPOConfig:
     ppo_epochs: int = 1
     n_samples_per_prompt: int = 1  # answers sampled per prompt; they form a group (group baselines, RLOO)
     advantage_estimator: str = "gae"
-    policy_loss: str = "ppo"  # an entry of utils.losses.POLICY_LOSSES
+    policy_loss: str = "ppo"  # an entry of utils.math.losses.POLICY_LOSSES
     cliprange_low: float | None = None  # None: the policy loss's default (--cliprange; gspo: the paper's)
     cliprange_high: float | None = None
     dual_clip: float | None = None
     entropy_coef: float = 0.0
-    rollout_engine: str = "hf"  # an entry of step3_ppo.rollout_engines.ROLLOUT_ENGINES
-    vllm: object = None  # step3_ppo.vllm_engine.VLLMSettings of --rollout_engine vllm (None: its defaults)
+    rollout_engine: str = "hf"  # an entry of step3_ppo.rollout.engines.ROLLOUT_ENGINES
+    vllm: object = None  # step3_ppo.rollout.vllm_engine.VLLMSettings of --rollout_engine vllm (None: its defaults)
     async_rollout: bool = False  # the engine generates iteration k+1 while iteration k trains (one step stale)
     loss_agg: str | None = None  # None: the policy loss's default, else the estimator's
     reward_weights: tuple | None = None  # one per reward component; None: 1 each
-    reward_norm: str = "sum_then_normalize"  # step3_ppo.advantages.REWARD_NORMS
+    reward_norm: str = "sum_then_normalize"  # step3_ppo.algo.advantages.REWARD_NORMS
     overlong_buffer_len: int = 0
     overlong_penalty_factor: float = 1.0
     truncation_penalty: float = 0.0
@@ -90,13 +91,13 @@ class PPOConfig:
     skip_bad_rewards: bool = False
     rollout_logprobs: bool = True  # keep the rollout engine's own log-probs of its tokens (when it gives them)
     old_logprobs: str = "forward"  # forward: the actor's no-grad forward after generation; rollout: the generator's
-    rollout_correction: str = "none"  # utils.ops.ROLLOUT_CORRECTIONS
+    rollout_correction: str = "none"  # utils.math.ops.ROLLOUT_CORRECTIONS
     rollout_correction_threshold: float = 2.0  # C of the rollout correction (> 1)
     kl_estimator: str = "k1"
     clip_reward_value: float | None = 5.0
     normalize_reward: bool = False
     kl_in_loss: bool = False
-    kl_loss_estimator: str = "k2"  # utils.losses.KL_LOSS_ESTIMATORS
+    kl_loss_estimator: str = "k2"  # utils.math.losses.KL_LOSS_ESTIMATORS
     gamma: float = 1.0
     lam: float = 0.95
     whiten_advantages: bool = True
@@ -124,11 +125,11 @@ class PPOConfig:
 
 class PPOTrainer:
     """Runs RL iterations over the engines: actor, reference (when a KL term needs one), critic (when the
-    estimator needs one) and the reward components (reward models and/or functions, step3_ppo/rewards.py).
+    estimator needs one) and the reward components (reward models and/or functions, step3_ppo/rewards/components.py).
 
     `logprobs_fn(model, packed_batch, temperature, return_entropy=False, entropy_grad=False)` is the policy
-    forward (utils.forward.token_logprobs); a benchmark can pass a variant without patching. `agent`
-    (step3_ppo.agents.MultiTurn) makes each rollout row a multi-turn trajectory.
+    forward (utils.models.forward.token_logprobs); a benchmark can pass a variant without patching. `agent`
+    (step3_ppo.agents.loop.MultiTurn) makes each rollout row a multi-turn trajectory.
     """
 
     def __init__(self, engines, config: PPOConfig, kl_ctl, rewards, unsup_batches=None, logprobs_fn=token_logprobs,
@@ -154,7 +155,7 @@ class PPOTrainer:
         self.reward_moments = RunningMoments()
         self.unsup_batches = unsup_batches
         self.logprobs_fn = logprobs_fn
-        self.agent = agent  # step3_ppo.agents.MultiTurn: rollouts of several turns with an environment / tools
+        self.agent = agent  # step3_ppo.agents.loop.MultiTurn: rollouts of several turns with an environment / tools
         self.guard = None  # BadStepGuard: skips updates with a non-finite reward or loss (set by main)
         self.memory = accelerator.PhaseMemory()  # peak memory of generation / experience / training
         self.overflow_skipped = 0  # updates of this iteration the fp16 loss scaler skipped
@@ -172,7 +173,7 @@ class PPOTrainer:
         that gives them) each row keeps the generator's own log-probs of its answer, "rollout_logprobs"."""
         c = self.config
         n = c.n_samples_per_prompt if n is None else n
-        if self.agent is not None:  # multi-turn: each row a trajectory (step3_ppo/agents.py)
+        if self.agent is not None:  # multi-turn: each row a trajectory (step3_ppo/agents/loop.py)
             rows = self.agent.rollout(self.rollout, prompt_batch, settings or c.generation, n, c.stop_token_ids,
                                       c.pad_token_id, logprobs=logprobs)
             for i, row in enumerate(rows):
@@ -219,7 +220,7 @@ class PPOTrainer:
     @torch.no_grad()
     def store_logprobs(self, rows: list[Row], engine, name: str, share_prompts: bool = False) -> None:
         """One no-grad forward of a causal LM on the packed rows; per-action log-probs stored as `name`.
-        `share_prompts`: a group's prompt runs once (utils.forward.token_logprobs), for the reference."""
+        `share_prompts`: a group's prompt runs once (utils.models.forward.token_logprobs), for the reference."""
         batch = pack(rows, self.config.pad_token_id)
         with eval_mode(engine):
             if share_prompts:
@@ -432,7 +433,7 @@ class PPOTrainer:
                         replay: dict | None = None) -> dict:
         """One mini-batch's forward, backward and step of the actor (and critic) in its optimizer step
         (`train_epochs`). `counts` / `totals`: its loss units (`loss_units`) and those of its whole optimizer
-        step on every rank, so that the step's loss is ONE mean (utils.training.step_normalised_loss);
+        step on every rank, so that the step's loss is ONE mean (utils.train.loop.step_normalised_loss);
         `boundary`: whether its step() updates the weights (the window's last mini-batch). `replay`
         ({"actor": rows, "critic": rows} of an earlier mini-batch of the window): an engine whose loss here is
         non-finite at the boundary backwards 0 x that mini-batch's instead, so its window still closes. The

@@ -47,39 +47,39 @@ def _zero3_flag_ends_with_its_module():
 
 @pytest.fixture(autouse=True)
 def _release_output_dir_locks():
-    """An in-process run that stopped early keeps its output directory's lock (utils/output_dir.py) until the
+    """An in-process run that stopped early keeps its output directory's lock (utils/train/output_dir.py) until the
     process exits; here that is the test session, so a later test or subprocess would find it taken."""
     yield
-    from utils.output_dir import release
+    from utils.train.output_dir import release
 
     release()
 
 
 @pytest.fixture(scope="session")
 def tiny_gpt2() -> str:
-    from utils.tiny_model import make_tiny_model_cached
+    from utils.models.tiny import make_tiny_model_cached
 
     return make_tiny_model_cached("gpt2")
 
 
 @pytest.fixture(scope="session")
 def tiny_llama() -> str:
-    from utils.tiny_model import make_tiny_model_cached
+    from utils.models.tiny import make_tiny_model_cached
 
     return make_tiny_model_cached("llama")
 
 
 @pytest.fixture(scope="session")
 def tiny_opt() -> str:
-    from utils.tiny_model import make_tiny_model_cached
+    from utils.models.tiny import make_tiny_model_cached
 
     return make_tiny_model_cached("opt")
 
 
 def _tiny_reward_model_dir(model_dir: str, out_dir: str) -> str:
-    """A step-2-like reward-model directory of a tiny model (utils.reward_model.make_reward_model_dir):
+    """A step-2-like reward-model directory of a tiny model (utils.models.reward_model.make_reward_model_dir):
     tests that used the plain model as step 3's critic see the same numbers."""
-    from utils.reward_model import make_reward_model_dir
+    from utils.models.reward_model import make_reward_model_dir
 
     return make_reward_model_dir(model_dir, out_dir)
 
@@ -99,7 +99,7 @@ def tiny_llama_reward(tiny_llama, tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_chat_llama(tmp_path_factory) -> str:
     """tiny_llama's twin with a ChatML template whose end-of-turn token `<|im_end|>` is not EOS."""
-    from utils.tiny_model import make_tiny_model
+    from utils.models.tiny import make_tiny_model
 
     return make_tiny_model("llama", str(tmp_path_factory.mktemp("tiny_chat") / "llama"), chat=True)
 
@@ -114,8 +114,8 @@ def smollm2_tokenizer(tmp_path_factory):
     """The real SmolLM2-135M-Instruct tokenizer (ChatML, EOS = `<|im_end|>`), from the embedded default model:
     its converted directory when there is one, else the GGUF's tokenizer alone (4 s instead of the weights'
     ~25 s conversion, which no test needs)."""
-    from utils.default_model import convert_tokenizer, default_model_dir, is_complete
-    from utils.model import load_tokenizer
+    from utils.models.default import convert_tokenizer, default_model_dir, is_complete
+    from utils.models.loading import load_tokenizer
 
     path = default_model_dir()
     if not is_complete(path):

@@ -13,12 +13,12 @@ import subprocess
 import sys
 
 from tests.ranks import PIDS_FILE_VAR
-from utils.ports import free_port  # noqa: F401  (the tests take their ports from here)
+from utils.runtime.ports import free_port  # noqa: F401  (the tests take their ports from here)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-# set in os.environ by a test that ran a trainer in-process (utils.distributed.init_distributed): a child
+# set in os.environ by a test that ran a trainer in-process (utils.runtime.distributed.init_distributed): a child
 # that inherited them would join that process group's port instead of starting its own
 PROCESS_GROUP_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -27,7 +27,7 @@ def subprocess_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in PROCESS_GROUP_VARS}
     env.update({"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                 "TOKENIZERS_PARALLELISM": "false"})
-    # DeepSpeed's JIT ops in this checkout's folder, as scripts/common.sh sets it (utils/extensions.py)
+    # DeepSpeed's JIT ops in this checkout's folder, as scripts/common.sh sets it (utils/runtime/extensions.py)
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".cache", "torch_extensions"))
     env.update({k: str(v) for k, v in extra.items()})
     return env

@@ -2,7 +2,7 @@
 one optimizer step of (micro-batch m, accumulation k, ranks r), taken through the product's own loops, against
 those of ONE batch of all m.k.r rows in a plain torch copy of the model (no DeepSpeed, no accumulation).
 
-Cases: step 1's SFT loss (utils.training.train_micro_batches with step1_sft's terms and counts), the DPO
+Cases: step 1's SFT loss (utils.train.loop.train_micro_batches with step1_sft's terms and counts), the DPO
 loss with its NLL term (the same loop with step2_dpo's PreferenceLoss), and step 3's PPO loss with the
 entropy bonus, token_mean and seq_mean (PPOTrainer.train_epochs). Every case has ragged lengths, masked
 tokens (prompts, padding, rows left out of the loss) and a last, partial accumulation window. The engine
@@ -71,9 +71,9 @@ class Sampler:
 
 
 def train_steps(engine, work: str, name: str, batches: list, micro_step, counts, steps: int) -> list[float]:
-    """`steps` optimizer steps of utils.training.train_micro_batches over this rank's `batches`; the logged losses."""
-    from utils.run import Run
-    from utils.training import train_micro_batches
+    """`steps` optimizer steps of utils.train.loop.train_micro_batches over this rank's `batches`; the logged losses."""
+    from utils.train.run import Run
+    from utils.train.loop import train_micro_batches
 
     logged = []
 
@@ -102,7 +102,7 @@ def sft_examples(n: int, generator: torch.Generator, vocab: int) -> list[dict]:
 def case_sft(engine, plain, capture, tokenizer, work, rank, ranks, generator) -> dict:
     from step1_sft.main import sft_loss_terms, trained_tokens
     from utils.data import SFTCollator
-    from utils.forward import lm_nll
+    from utils.models.forward import lm_nll
 
     collate = SFTCollator(tokenizer.pad_token_id)
     windows = [M * K * ranks, M * ranks]  # one full window, then a partial one (a single micro-batch per rank)
@@ -136,7 +136,7 @@ def case_sft(engine, plain, capture, tokenizer, work, rank, ranks, generator) ->
 def case_dpo(engine, plain, capture, tokenizer, work, rank, ranks, generator) -> dict:
     from step2_dpo.main import PreferenceLoss
     from utils.data import PreferenceCollator
-    from utils.forward import sequence_logprobs
+    from utils.models.forward import sequence_logprobs
 
     collate = PreferenceCollator(tokenizer.pad_token_id)
     loss_of = PreferenceLoss(SimpleNamespace(beta=0.1, loss_type="sigmoid", nll_loss_coef=0.5, label_smoothing=0.0))
@@ -190,8 +190,8 @@ def case_dpo(engine, plain, capture, tokenizer, work, rank, ranks, generator) ->
 def ppo_rows(n: int, generator: torch.Generator, vocab: int, plain, pad_id: int):
     """Ragged rollout rows; every 4th left out of the loss; old log-probs = the model's + noise (some ratios
     clipped), random per-token advantages."""
-    from utils.forward import token_logprobs
-    from utils.rollout import Row, from_token_layout, pack
+    from utils.models.forward import token_logprobs
+    from utils.math.rows import Row, from_token_layout, pack
 
     rows = []
     for i in range(n):
@@ -210,12 +210,12 @@ def ppo_rows(n: int, generator: torch.Generator, vocab: int, plain, pad_id: int)
 
 
 def case_ppo(engine, plain, capture, tokenizer, rank, ranks, generator, loss_agg: str) -> dict:
-    from step3_ppo.shaping import FixedKLController
+    from step3_ppo.algo.shaping import FixedKLController
     from step3_ppo.trainer import PPOConfig, PPOTrainer
-    from utils import losses
-    from utils.distributed import all_reduce_sum
-    from utils.forward import token_logprobs
-    from utils.rollout import pack, to_token_layout
+    from utils.math import losses
+    from utils.runtime.distributed import all_reduce_sum
+    from utils.models.forward import token_logprobs
+    from utils.math.rows import pack, to_token_layout
 
     config = PPOConfig(stop_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id,
                        per_device_training_batch_size=M, advantage_estimator="rloo", n_samples_per_prompt=2,
@@ -265,10 +265,10 @@ def case_ppo(engine, plain, capture, tokenizer, rank, ranks, generator, loss_agg
 
 def main(argv=None):
     model_dir, out_path, work = [a for a in (argv or sys.argv[1:]) if not a.startswith("--local_rank")][:3]
-    from utils.distributed import init_distributed, rank, world_size
-    from utils.ds_config import train_ds_config
-    from utils.model import load_causal_lm, load_tokenizer
-    from utils.training import initialize_engine
+    from utils.runtime.distributed import init_distributed, rank, world_size
+    from utils.train.ds_config import train_ds_config
+    from utils.models.loading import load_causal_lm, load_tokenizer
+    from utils.train.loop import initialize_engine
 
     init_distributed()
     torch.manual_seed(0)

@@ -4,8 +4,8 @@ the CUDA-only flags refused with one readable line where they cannot work."""
 import pytest
 import torch
 
-from utils import accelerator
-from utils.ds_config import eval_ds_config
+from utils.runtime import accelerator
+from utils.train.ds_config import eval_ds_config
 
 
 def test_cpu_accelerator_names_cpu_device_and_gloo():

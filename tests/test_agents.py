@@ -1,16 +1,16 @@
-"""Multi-turn rollouts (step3_ppo/agents.py): token in, token out; the environment's tokens are not actions.
+"""Multi-turn rollouts (step3_ppo/agents/loop.py): token in, token out; the environment's tokens are not actions.
 
 The rollout-level tests run the tiny ChatML model through transformers' generate in this process (an engine
 that records what it generated), so the trained ids can be compared with the generated and appended ones."""
 import pytest
 import torch
 
-from step3_ppo.environments import EnvironmentSpec
-from step3_ppo.agents import OBSERVATION_CUT_MARK, AgentError, AgentLimits, MultiTurn, ReplyRenderer
+from step3_ppo.agents.environments import EnvironmentSpec
+from step3_ppo.agents.loop import OBSERVATION_CUT_MARK, AgentError, AgentLimits, MultiTurn, ReplyRenderer
 from utils.data.chat import render, stop_token_ids
-from utils.forward import GenerationSettings, generate, generation_kwargs
-from utils.model import load_tokenizer
-from utils.rollout import pack
+from utils.models.forward import GenerationSettings, generate, generation_kwargs
+from utils.models.loading import load_tokenizer
+from utils.math.rows import pack
 
 
 class RecordingEngine:
@@ -117,7 +117,7 @@ def test_trained_ids_are_the_generated_and_appended_ids_and_only_the_generated_a
 
 
 def test_pack_marks_only_the_policys_tokens_and_the_reward_lands_on_the_last_action(chat_model):
-    from step3_ppo.shaping import compute_rewards
+    from step3_ppo.algo.shaping import compute_rewards
 
     _, _, _, rows = run(chat_model, Script(["a reply"]))
     batch = pack(rows, 0)
@@ -183,8 +183,8 @@ class ScriptedEngine:
 
 
 def test_a_tool_call_is_answered_by_the_tool_and_the_reward_reads_the_final_answer(chat_model):
-    from step3_ppo.reward_funcs import completion_text, math_exact
-    from step3_ppo.tools import Toolbox, load_tools
+    from step3_ppo.rewards.functions import completion_text, math_exact
+    from step3_ppo.agents.tools import Toolbox, load_tools
 
     tokenizer, _ = chat_model
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "123 * 45"}}</tool_call>'
@@ -206,8 +206,8 @@ def test_a_tool_call_is_answered_by_the_tool_and_the_reward_reads_the_final_answ
 
 
 def test_tools_are_offered_in_the_system_message_of_a_template_without_tools(chat_model):
-    from step3_ppo.agents import prompts_with_tools
-    from step3_ppo.tools import load_tools
+    from step3_ppo.agents.loop import prompts_with_tools
+    from step3_ppo.agents.tools import load_tools
 
     tokenizer, _ = chat_model
     rows = [{"prompt": [{"role": "user", "content": "hi"}]},
@@ -224,8 +224,8 @@ def test_tools_are_offered_in_the_system_message_of_a_template_without_tools(cha
 def test_environment_tokens_carry_no_gradient(chat_model):
     """The policy loss of a multi-turn batch does not change when the environment's log-probs do, and the
     backward leaves the logits that predict the environment's tokens untouched."""
-    from utils.losses import policy_loss
-    from utils.ops import logprobs_from_logits
+    from utils.math.losses import policy_loss
+    from utils.math.ops import logprobs_from_logits
 
     tokenizer, model = chat_model
     _, _, _, rows = run(chat_model, Script(["a reply", "another one"]))
@@ -237,7 +237,7 @@ def test_environment_tokens_carry_no_gradient(chat_model):
         response[b, p - 1:p - 1 + row.response_ids.numel()] = True
     env_positions = response & (action_mask == 0)
     assert env_positions.any()
-    from utils.forward import causal_lm_logits
+    from utils.models.forward import causal_lm_logits
 
     logits = causal_lm_logits(model, ids, batch["attention_mask"])[:, :-1].detach().requires_grad_(True)
     logprobs = logprobs_from_logits(logits, ids[:, 1:])
@@ -276,7 +276,7 @@ def test_log_ratio_is_zero_at_lr0_on_multi_turn_rows_for_gae_and_grpo(tiny_chat_
                                                                        tmp_path):
     """Trajectories of up to 3 turns with the environment's replies between them, generation batch !=
     mini-batch, GAE with its critic and GRPO in groups: the log-ratio stays ~0 on every action."""
-    from step3_ppo.advantages import get_estimator
+    from step3_ppo.algo.advantages import get_estimator
     from utils.data import PromptCollator
 
     run_ = agent_setup(tiny_chat_llama, tiny_chat_llama_reward, tmp_path)
@@ -367,7 +367,7 @@ def test_tool_call_and_error_rates_from_the_sums():
     calls, 2 of them failing); no call at all is a 0 error rate, not a division by zero."""
     from types import SimpleNamespace
 
-    from step3_ppo.agents import agent_rates, agent_sums
+    from step3_ppo.agents.loop import agent_rates, agent_sums
 
     def row(calls, errors):
         return SimpleNamespace(action_count=4, agent={"turns": calls + 1, "tool_calls": calls, "tool_errors": errors,
@@ -384,7 +384,7 @@ def test_tools_demo_table_and_curves(tmp_path, capsys):
     get a turns and tool-calls panel for a multi-turn run."""
     import json
 
-    from step3_ppo.agent_eval import main
+    from step3_ppo.agents.eval import main
     from step3_ppo.plot import plot_curves
 
     (tmp_path / "base.json").write_text(json.dumps({"sft": {"prompts": 128, "accuracy": 0.0078, "turns_mean": 1.0,
@@ -420,7 +420,7 @@ def test_tools_demo_table_and_curves(tmp_path, capsys):
 
 
 def test_retokenising_the_rendered_conversation_is_counted_when_it_changes_the_ids(chat_model):
-    from step3_ppo.agent_eval import retokenisation_changes
+    from step3_ppo.agents.eval import retokenisation_changes
 
     tokenizer, _ = chat_model
     engine = ScriptedEngine(tokenizer, ["a b", "c"])

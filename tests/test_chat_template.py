@@ -8,7 +8,7 @@ import torch
 
 from utils import data as D
 from utils.data import DataError, IGNORE_INDEX, RowFormat
-from utils.rollout import split_generation
+from utils.math.rows import split_generation
 
 
 def u(c):
@@ -21,7 +21,7 @@ def a(c):
 
 @pytest.fixture(scope="module")
 def tiny_chat_tokenizer(tiny_chat_llama):
-    from utils.model import load_tokenizer
+    from utils.models.loading import load_tokenizer
 
     return load_tokenizer(tiny_chat_llama)
 
@@ -125,13 +125,13 @@ def test_apply_chat_template_string_rows_render_like_message_rows(tok):
 
 
 def test_a_tokenizer_without_template_names_chat_template_flag(tiny_gpt2, tmp_path):
-    from utils.model import load_tokenizer
+    from utils.models.loading import load_tokenizer
 
     plain = load_tokenizer(tiny_gpt2)
     with pytest.raises(DataError, match=r"x\.jsonl:1: conversational rows need a chat template .*--chat_template FILE"):
         D.tokenize_sft([sft_row([u("q"), a("r")])], plain, 64)
     # --chat_template FILE supplies one (and it is what the tokenizer saves)
-    from utils.tiny_model import CHATML_TEMPLATE_FILE
+    from utils.models.tiny import CHATML_TEMPLATE_FILE
 
     CHATML_TEMPLATE = open(CHATML_TEMPLATE_FILE).read()
     templated = load_tokenizer(tiny_gpt2, chat_template=CHATML_TEMPLATE_FILE)
@@ -162,7 +162,7 @@ def test_evaluation_renders_message_prompts_as_training_did(tiny_chat_llama, tin
     from transformers import AutoModelForCausalLM
 
     from utils.evaluation import generate_answers
-    from utils.forward import GenerationSettings
+    from utils.models.forward import GenerationSettings
 
     model = AutoModelForCausalLM.from_pretrained(tiny_chat_llama).eval()
     prompts = [[u("Name a colour.")], "Human: a raw prompt\n\nAssistant:"]

@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from utils.checkpoint import CheckpointError, TrainingCheckpoints, WeightsOnlyCheckpointEngine
+from utils.train.checkpoint import CheckpointError, TrainingCheckpoints, WeightsOnlyCheckpointEngine
 
 STEPS = {"step1": {"model": "lm"}, "step2": {"model": "rm"}, "step3": {"actor": "lm", "critic": "rm"}}
 
@@ -38,16 +38,16 @@ def plant(path: str, marker: str, raw: bool) -> None:
 
 @pytest.fixture(scope="module")
 def dist():
-    from utils.distributed import init_distributed
+    from utils.runtime.distributed import init_distributed
 
     init_distributed()
 
 
 def build_engines(kinds: dict, model_dir: str, stage: int) -> dict:
-    from utils.ds_config import train_ds_config
-    from utils.model import load_causal_lm
-    from utils.reward_model import RewardModel
-    from utils.training import EngineSpec, build_trained_engine
+    from utils.train.ds_config import train_ds_config
+    from utils.models.loading import load_causal_lm
+    from utils.models.reward_model import RewardModel
+    from utils.train.loop import EngineSpec, build_trained_engine
 
     engines = {}
     for name, kind in kinds.items():
@@ -59,7 +59,7 @@ def build_engines(kinds: dict, model_dir: str, stage: int) -> dict:
 
 
 def one_step(engines: dict, kinds: dict) -> None:
-    from utils.training import APPLIED, backward_and_step
+    from utils.train.loop import APPLIED, backward_and_step
 
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     for name, engine in engines.items():
@@ -126,7 +126,7 @@ def test_planted_pickle_in_any_checkpoint_file_is_refused(dist, tiny_gpt2, tmp_p
 
 def test_refusal_names_the_file_on_one_line(tmp_path):
     """The error a user sees: which file, and that it was not loaded (no torch advice, no traceback text)."""
-    from utils.checkpoint import safe_torch_load
+    from utils.train.checkpoint import safe_torch_load
 
     file = str(tmp_path / "mp_rank_00_model_states.pt")
     plant(file, str(tmp_path / "pwned"), raw=False)

@@ -1,4 +1,4 @@
-"""Tests of utils/data/cache.py: --data_output_path's tokenised-data cache (reuse, keys, half entries,
+"""Tests of utils/data/token_cache.py: --data_output_path's tokenised-data cache (reuse, keys, half entries,
 errors, no pickle on disk, only rank 0 builds)."""
 
 import json
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from utils.data import DataError
-from utils.data import cache as C
+from utils.data import token_cache as C
 
 EXAMPLES = [
     {"input_ids": [1, 2, 3], "labels": [-100, 2, 3]},
@@ -185,7 +185,7 @@ def _rank_main(rank, port, cache_dir, out_dir):
 def test_two_ranks_only_rank0_builds_and_a_failure_reaches_both(tmp_path):
     import torch.multiprocessing as mp
 
-    from utils.ports import free_port
+    from utils.runtime.ports import free_port
 
     cache_dir = str(tmp_path / "cache")
     try:
@@ -205,8 +205,8 @@ def test_two_ranks_only_rank0_builds_and_a_failure_reaches_both(tmp_path):
 def test_step_examples_reuse_the_cache_until_a_source_changes(tmp_path, tiny_gpt2):
     from step1_sft.main import parse_args
     from utils.data import tokenize_sft
-    from utils.model import load_tokenizer
-    from utils.training import step_examples
+    from utils.models.loading import load_tokenizer
+    from utils.train.loop import step_examples
 
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"q{i}", "chosen": f" a{i}"}) + "\n" for i in range(20)))

@@ -162,7 +162,7 @@ def test_step3_prompts_keep_every_other_field():
 
 
 def test_prompt_extras_reach_the_tokenised_examples(tiny_gpt2):
-    from utils.model import load_tokenizer
+    from utils.models.loading import load_tokenizer
 
     tok = load_tokenizer(tiny_gpt2)
     examples, _ = D.tokenize_prompts(rows_of("prompts_with_fields.jsonl", 3)[:1], tok, 64)

@@ -69,7 +69,7 @@ def test_the_flag_reaches_every_entry_point_the_layout_and_the_cache_key(source,
     from step2_dpo.main import parse_args as dpo
     from step2_reward.main import parse_args as step2
     from step3_ppo.main import parse_args as step3
-    from utils.checkpoint import data_layout
+    from utils.train.checkpoint import data_layout
 
     common = ["--data_path", source, "--dedupe"]
     for parse, out in ((step1, "s1"), (step2, "s2"), (dpo, "dpo")):
@@ -81,9 +81,9 @@ def test_the_flag_reaches_every_entry_point_the_layout_and_the_cache_key(source,
 
 
 def test_the_tokenised_cache_keeps_deduped_and_whole_data_apart(source, tiny_gpt2, tmp_path):
-    from utils.flags import add_data_args
-    from utils.model import load_tokenizer
-    from utils.training import step_examples
+    from utils.train.flags import add_data_args
+    from utils.models.loading import load_tokenizer
+    from utils.train.loop import step_examples
 
     parser = argparse.ArgumentParser()
     add_data_args(parser)

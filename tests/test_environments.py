@@ -1,10 +1,10 @@
-"""Environments (step3_ppo/environments.py): loading by name, file or module, one-line errors, the reply
+"""Environments (step3_ppo/agents/environments.py): loading by name, file or module, one-line errors, the reply
 and reward checks, failures as EnvFailed naming the environment and the row, and math_retry's episodes."""
 import sys
 
 import pytest
 
-from step3_ppo.environments import (ENVIRONMENTS, EnvError, EnvFailed, MathRetry, environments_help,
+from step3_ppo.agents.environments import (ENVIRONMENTS, EnvError, EnvFailed, MathRetry, environments_help,
                                     load_environment, normalise_reply)
 
 ENVS = '''
@@ -86,7 +86,7 @@ def test_a_class_loads_from_a_module(envs, monkeypatch):
     monkeypatch.delitem(sys.modules, "envs", raising=False)
     env = load_environment("envs:Broken")
     assert (env.name, env.has_reward) == ("Broken", True)
-    assert load_environment("step3_ppo.environments:MathRetry").name == "MathRetry"
+    assert load_environment("step3_ppo.agents.environments:MathRetry").name == "MathRetry"
 
 
 @pytest.mark.parametrize("spec, expected", [

@@ -55,7 +55,7 @@ def test_sequences_beyond_the_models_positions_are_refused(tiny_gpt2, step3_mode
 
 
 def test_accumulation_longer_than_an_epoch_is_refused():
-    from utils.training import micro_batch_schedule
+    from utils.train.loop import micro_batch_schedule
 
     args = type("Args", (), dict(per_device_train_batch_size=4, seed=1, num_train_epochs=1,
                                  gradient_accumulation_steps=8, max_steps=0))()
@@ -147,11 +147,11 @@ def test_run_main_turns_known_errors_into_one_line(capsys):
 def test_project_errors_share_one_base_that_run_main_catches(capsys):
     """Every error of the project is a ProjectError (keeping its built-in base: callers catching ValueError or
     RuntimeError still do), so run_main needs no list of them; a reward function's error is one line too."""
-    from step3_ppo.reward_funcs import RewardFunctionError
-    from utils.checkpoint import BrokenCheckpoint, CheckpointError
+    from step3_ppo.rewards.functions import RewardFunctionError
+    from utils.train.checkpoint import BrokenCheckpoint, CheckpointError
     from utils.data import DataError
     from utils.errors import ProjectError, run_main
-    from utils.model import ModelLoadError
+    from utils.models.loading import ModelLoadError
 
     for error, builtin in ((CheckpointError, RuntimeError), (BrokenCheckpoint, RuntimeError), (DataError, ValueError),
                            (ModelLoadError, ValueError), (RewardFunctionError, Exception)):

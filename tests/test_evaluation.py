@@ -12,13 +12,13 @@ import sys
 import pytest
 import torch
 
-from utils.ops import sequence_score
-from utils.rollout import pack
+from utils.math.ops import sequence_score
+from utils.math.rows import pack
 from utils.data import bos_prefix, encode
 from utils.evaluation import (METRIC_COLUMNS, ComparisonSpec, SentimentJudge, compare_policies, format_table,
                               generate_answers, kl_to_reference, load_policy, load_prompts, load_reward_model,
                               reward_scores, sequence_logprobs)
-from utils.forward import GenerationSettings
+from utils.models.forward import GenerationSettings
 
 
 def greedy(max_new_tokens: int) -> GenerationSettings:
@@ -292,7 +292,7 @@ def test_compare_policies_checks_policies_before_any_model_loads(policy, tiny_gp
     """Bad names, a policy with another vocabulary (its KL to SFT is undefined) or a reward-model directory
     fail before the first model loads, not after generating with the policies before it."""
     from utils.evaluation import compare
-    from utils.model import ModelLoadError
+    from utils.models.loading import ModelLoadError
 
     other_vocab = str(tmp_path / "other_vocab")
     shutil.copytree(tiny_gpt2, other_vocab)
@@ -593,7 +593,7 @@ def test_chat_template_requested_but_missing_names_the_model(tiny_gpt2):
     import pytest
 
     from chat import resolve_template
-    from utils.model import load_tokenizer
+    from utils.models.loading import load_tokenizer
 
     with pytest.raises(SystemExit, match="has no chat template") as error:
         resolve_template(load_tokenizer(tiny_gpt2), "chat")

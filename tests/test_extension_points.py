@@ -9,11 +9,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from step3_ppo import rollout_engines
-from step3_ppo.advantages import ESTIMATORS
-from step3_ppo.shaping import FixedKLController
+from step3_ppo.rollout import engines as rollout_engines
+from step3_ppo.algo.advantages import ESTIMATORS
+from step3_ppo.algo.shaping import FixedKLController
 from step3_ppo.trainer import PPOConfig, PPOTrainer
-from utils import losses
+from utils.math import losses
 
 
 def help_of(parse_args) -> str:
@@ -36,8 +36,8 @@ def test_each_registry_entry_is_offered_by_its_flag_with_its_help(monkeypatch):
     rl, dpo = help_of(rl_args), help_of(dpo_args)
     for name, entry in [*losses.POLICY_LOSSES.items(), *rollout_engines.ROLLOUT_ENGINES.items(), *ESTIMATORS.items()]:
         assert f"{name}: {' '.join(entry.help.split())}" in rl, name
-    from step3_ppo.environments import ENVIRONMENTS
-    from step3_ppo.tools import TOOL_CALL_PARSERS, TOOLS
+    from step3_ppo.agents.environments import ENVIRONMENTS
+    from step3_ppo.agents.tools import TOOL_CALL_PARSERS, TOOLS
 
     for name, entry in [*ENVIRONMENTS.items(), *TOOLS.items()]:  # listed as the reward built-ins: name (help)
         assert f"{name} ({' '.join(entry.help.split())})" in rl, name

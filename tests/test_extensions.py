@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.launch import ROOT, subprocess_env
-from utils.extensions import CHECKOUT_DIR, OUR_LOCK, TORCH_LOCK, build_lock
+from utils.runtime.extensions import CHECKOUT_DIR, OUR_LOCK, TORCH_LOCK, build_lock
 
 
 def test_a_stale_torch_lock_is_removed_with_one_line(tmp_path):
@@ -49,7 +49,7 @@ def test_a_live_builder_is_waited_for_and_named(tmp_path):
 def test_the_comm_op_loads_past_a_stale_lock(tmp_path, monkeypatch):
     """The real loader (the checkout's op built here if missing) finds the op's build folder under
     TORCH_EXTENSIONS_DIR, a copy with a planted `lock`, and clears the lock before torch would wait on it."""
-    from utils.extensions import load_comm_op
+    from utils.runtime.extensions import load_comm_op
 
     monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     built = load_comm_op(lambda line: None)
@@ -88,7 +88,7 @@ def test_the_interpreters_own_tools_come_first_on_path(monkeypatch):
     each other (20-25 s a time)."""
     import sys
 
-    from utils.extensions import use_interpreter_tools
+    from utils.runtime.extensions import use_interpreter_tools
 
     tools = os.path.dirname(sys.executable)
     monkeypatch.setenv("PATH", "/usr/bin:/bin")

@@ -1,6 +1,6 @@
 """Every command-line flag of every entry point has a help that says what it does (issue 26, point 5).
 
-Two views of the same rule, so neither a flag built from a table (utils/flags.py PER_MODEL_FLAGS,
+Two views of the same rule, so neither a flag built from a table (utils/train/flags.py PER_MODEL_FLAGS,
 added with `**spec`) nor a flag of a module that is not imported anywhere slips through:
 - statically: every `add_argument(` call in the product code carries a non-empty `help=`
   (`help=argparse.SUPPRESS` hides a flag on purpose and must stay rare);

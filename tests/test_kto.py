@@ -13,7 +13,7 @@ from tests.launch import metrics
 from tests.test_step2_dpo import _dpo_args
 from tests.test_step2_run import _pairs
 from utils.data import DataError, RowFormat, normalize_row
-from utils.losses import (PAIR_LOSSES, PairLogps, UnpairedLogps, kto_loss, kto_reference_point, pair_loss,
+from utils.math.losses import (PAIR_LOSSES, PairLogps, UnpairedLogps, kto_loss, kto_reference_point, pair_loss,
                           unpaired_loss)
 
 UNPAIRED = RowFormat(unpaired=True)
@@ -106,7 +106,7 @@ def test_unpaired_rows_in_trls_forms():
 
 def test_tokenized_examples_and_the_mismatched_rows(tiny_gpt2):
     from utils.data import UnpairedCollator, tokenize_preference_pairs, tokenize_unpaired
-    from utils.model import load_tokenizer
+    from utils.models.loading import load_tokenizer
 
     tok = load_tokenizer(tiny_gpt2)
     rows = [{"prompt": "Human: plot?\n\nAssistant:", "chosen": " good", "rejected": " bad awful"},
@@ -223,7 +223,7 @@ def test_the_before_training_figures_known_without_a_pass_are_a_passs(tiny_gpt2,
     evaluate_unpaired measures with both forwards, with unequal weights and batches that split the kinds."""
     from step2_dpo.main import Reference, UnpairedLoss, evaluate_unpaired, unpaired_reference_metrics
     from utils.data import UnpairedCollator, tokenize_unpaired
-    from utils.model import load_causal_lm, load_tokenizer
+    from utils.models.loading import load_causal_lm, load_tokenizer
 
     tok = load_tokenizer(tiny_gpt2)
     rows = [{"prompt": f"Human: {topic}?\n\nAssistant:", "chosen": " good fine", "rejected": " bad"}

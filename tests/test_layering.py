@@ -12,8 +12,8 @@ STEPS = ("step1_sft", "step2_reward", "step2_dpo", "step3_ppo")
 BENCH = "bench"
 # of the repository's own top-level packages and modules, what bench/ may import: the steps, utils and bench
 BENCH_MAY_IMPORT = {*STEPS, "utils", BENCH}
-PURE = {"utils/ops.py": set(), "utils/losses.py": {"utils.ops"}, "step3_ppo/advantages.py": {"utils.ops"},
-        "step3_ppo/shaping.py": {"utils.ops"}}
+PURE = {"utils/math/ops.py": set(), "utils/math/losses.py": {"utils.math.ops"}, "step3_ppo/algo/advantages.py": {"utils.math.ops"},
+        "step3_ppo/algo/shaping.py": {"utils.math.ops"}}
 PURE_ALLOWED_THIRD_PARTY = {"torch", "math", "typing", "dataclasses", "__future__"}
 
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from utils.logging import WANDB_ID_FILE, MetricsLogger, logger_from_args, read_metrics
+from utils.train.metrics_logger import WANDB_ID_FILE, MetricsLogger, logger_from_args, read_metrics
 
 
 def _args(output_dir, **extra):

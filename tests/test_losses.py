@@ -1,11 +1,11 @@
-"""Every loss of utils/losses.py: hand-computed values where new, and a FINITE gradient with nan/inf in
-every padded position (the layout contract of utils/ops.py says padding may hold them)."""
+"""Every loss of utils/math/losses.py: hand-computed values where new, and a FINITE gradient with nan/inf in
+every padded position (the layout contract of utils/math/ops.py says padding may hold them)."""
 import math
 
 import pytest
 import torch
 
-from utils import losses
+from utils.math import losses
 
 NAN, INF = float("nan"), float("inf")
 MASK = torch.tensor([[0., 1., 1., 0.], [1., 1., 0., 0.]])
@@ -111,7 +111,7 @@ def test_pairwise_loss_gradient_finite_at_extreme_margins():
 def test_dpo_loss_is_ln2_when_the_policy_is_the_reference_and_by_hand_otherwise():
     import math
 
-    from utils.losses import dpo_loss
+    from utils.math.losses import dpo_loss
 
     logps = torch.tensor([-12.0, -3.5, -40.0])
     for smoothing in (0.0, 0.1):
@@ -131,7 +131,7 @@ def test_dpo_loss_is_ln2_when_the_policy_is_the_reference_and_by_hand_otherwise(
 
 
 def test_dpo_loss_gradient_moves_chosen_up_and_rejected_down_and_bad_settings_stop():
-    from utils.losses import dpo_loss
+    from utils.math.losses import dpo_loss
 
     chosen, rejected = torch.tensor([-5.0], requires_grad=True), torch.tensor([-5.0], requires_grad=True)
     ref = torch.tensor([-5.0], requires_grad=True)
@@ -146,7 +146,7 @@ def test_dpo_loss_gradient_moves_chosen_up_and_rejected_down_and_bad_settings_st
 
 
 def test_response_nll_is_the_token_mean_over_the_batch_and_lowers_the_likelihoods_it_sees():
-    from utils.losses import response_nll
+    from utils.math.losses import response_nll
 
     logps = torch.tensor([-6.0, -2.0], requires_grad=True)  # 3 and 1 tokens: (6 + 2) / 4 per token
     loss = response_nll(logps, torch.tensor([3, 1]))
@@ -164,7 +164,7 @@ def test_every_policy_loss_entry_is_the_plain_surrogate_at_the_first_epoch_and_r
     import dataclasses
 
     from step3_ppo.trainer import PPOConfig
-    from utils.losses import POLICY_LOSSES
+    from utils.math.losses import POLICY_LOSSES
 
     fields = {f.name for f in dataclasses.fields(PPOConfig)}
     logprobs = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -0.7, -9.0]], requires_grad=True)

@@ -1,17 +1,17 @@
-"""utils.distributed.tune_malloc: freed ZeRO-3-sized buffers are reused, not unmapped and faulted in again."""
+"""utils.runtime.distributed.tune_malloc: freed ZeRO-3-sized buffers are reused, not unmapped and faulted in again."""
 import subprocess
 import sys
 
 import pytest
 
 from tests.launch import ROOT, subprocess_env
-from utils.distributed import MALLOC_TUNING
+from utils.runtime.distributed import MALLOC_TUNING
 
 # torch allocates with posix_memalign: with tuning the heap first grows to a plateau (a bounded
 # number of such buffers), after which every allocation reuses resident memory.
 PROBE = r"""
 import resource, sys, torch
-from utils.distributed import tune_malloc
+from utils.runtime.distributed import tune_malloc
 applied = tune_malloc() if sys.argv[1] == "1" else False
 def churn(n):
     for _ in range(n):

@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from utils import default_model
-from utils.tiny_model import ARCHS, make_tiny_model, make_tiny_model_cached, main as tiny_main
+from utils.models import default as default_model
+from utils.models.tiny import ARCHS, make_tiny_model, make_tiny_model_cached, main as tiny_main
 
 
 def mask_positions(attention_mask):
@@ -121,7 +121,7 @@ def test_a_zero3_model_alive_in_the_process_does_not_empty_a_tiny_build(tmp_path
     module-scoped step-3 fixture, say); a tiny model built after it came out partitioned, its weights empty."""
     from transformers.integrations import HfDeepSpeedConfig, is_deepspeed_zero3_enabled
 
-    from utils.distributed import init_distributed
+    from utils.runtime.distributed import init_distributed
 
     init_distributed()
     alive = HfDeepSpeedConfig({"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1})
@@ -176,7 +176,7 @@ DEFAULT_DIR = default_model.default_model_dir()
 
 
 @pytest.mark.skipif(not default_model.is_complete(DEFAULT_DIR),
-                    reason="default model not converted (run `python -m utils.default_model`)")
+                    reason="default model not converted (run `python -m utils.models.default`)")
 def test_converted_default_model():
     assert default_model.ensure_default_model() == DEFAULT_DIR  # returns at once: already complete
     with open(os.path.join(DEFAULT_DIR, "config.json")) as f:
@@ -211,7 +211,7 @@ def _stdout_of(code_or_args, env_extra=None):
 
 def test_print_path_keeps_library_noise_off_stdout():
     """Scripts read `$(python -m ... --print_path)`: prints and fd-level writes must go to stderr."""
-    out = _stdout_of("import os; from utils.cache import print_path_for_scripts as p; "
+    out = _stdout_of("import os; from utils.runtime.cache_dir import print_path_for_scripts as p; "
                      "p(lambda: (print('noise'), os.write(1, b'fd noise\\n'), '/some/dir')[-1])")
     assert out == "/some/dir\n"
 
@@ -219,6 +219,6 @@ def test_print_path_keeps_library_noise_off_stdout():
 @pytest.mark.slow
 def test_tiny_model_cli_prints_only_the_folder_on_a_cold_cache(tmp_path):
     """CI regression: on a cold cache DeepSpeed's import warning landed in the captured path."""
-    out = _stdout_of(["-m", "utils.tiny_model", "--arch", "gpt2", "--print_path"], {"RLHF_CACHE": str(tmp_path)})
+    out = _stdout_of(["-m", "utils.models.tiny", "--arch", "gpt2", "--print_path"], {"RLHF_CACHE": str(tmp_path)})
     lines = out.splitlines()
     assert len(lines) == 1 and os.path.isdir(lines[0]) and lines[0].startswith(str(tmp_path)), out

@@ -7,8 +7,8 @@ import re
 import pytest
 import torch
 
-from utils.model import ModelLoadError, load_tokenizer
-from utils.reward_model import (CAUSAL_LM_KIND, REWARD_MODEL_FILE, REWARD_MODEL_KIND, VALUE_HEAD_FILE, RewardModel,
+from utils.models.loading import ModelLoadError, load_tokenizer
+from utils.models.reward_model import (CAUSAL_LM_KIND, REWARD_MODEL_FILE, REWARD_MODEL_KIND, VALUE_HEAD_FILE, RewardModel,
                                 check_policy_dir, check_reward_model_dir, model_dir_kind)
 
 
@@ -41,7 +41,7 @@ def test_policy_check_names_either_reward_file(tmp_path):
 
 # --------------------------------------------------------------------------- RewardModel.from_pretrained
 def test_require_value_head_refuses_a_causal_lm_before_loading(tiny_gpt2, monkeypatch):
-    import utils.reward_model as reward_model
+    import utils.models.reward_model as reward_model
 
     def no_load(*args, **kwargs):
         raise AssertionError("the backbone was loaded before the check")
@@ -113,7 +113,7 @@ def step3_argv(tmp_path):
 @pytest.fixture
 def no_model_loading(monkeypatch):
     """Any model load in step 3's build_engines fails the test: the refusal must come first."""
-    import step3_ppo.engine as engine
+    import step3_ppo.deepspeed_models as engine
 
     def no_load(*args, **kwargs):
         raise AssertionError("a model was loaded before the directory check")
@@ -150,7 +150,7 @@ def test_fixture_reward_dir_is_a_step2_layout(tiny_gpt2_reward, tiny_llama_rewar
 def test_a_truncated_weights_file_is_named(tiny_gpt2, tmp_path):
     import shutil
 
-    from utils.model import ModelLoadError, load_causal_lm
+    from utils.models.loading import ModelLoadError, load_causal_lm
 
     broken = tmp_path / "broken"
     shutil.copytree(tiny_gpt2, broken)

@@ -13,7 +13,7 @@ import pytest
 from tests.launch import ROOT, subprocess_env
 
 HOLDER = """import sys, time
-from utils.output_dir import lock_output_dir
+from utils.train.output_dir import lock_output_dir
 lock_output_dir(sys.argv[1])
 print("locked", flush=True)
 time.sleep(120)
@@ -157,7 +157,7 @@ def _checkpoint(root, tag):
 
 
 def test_pruning_unlinks_a_linked_step_and_never_prunes_through_a_linked_checkpoints_dir(tmp_path, capsys):
-    from utils.checkpoint import TrainingCheckpoints
+    from utils.train.checkpoint import TrainingCheckpoints
 
     elsewhere = tmp_path / "elsewhere"
     _checkpoint(elsewhere, "precious")

@@ -1,4 +1,4 @@
-"""Device placement has one home (utils/forward.py): every helper moves a CPU batch to the model's device,
+"""Device placement has one home (utils/models/forward.py): every helper moves a CPU batch to the model's device,
 and no model forward of the project bypasses the helpers.
 
 CUDA is not here, so the "other device" is `meta`: a hand-made module with the HF call signature whose
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from tests.test_layering import python_files  # the project's .py files, not a venv kept under bench/
-from utils import forward
-from utils.rollout import Row, pack
+from utils.models import forward
+from utils.math.rows import Row, pack
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 11
@@ -104,17 +104,17 @@ PROJECT_CODE = ("step1_sft", "step2_reward", "step2_dpo", "step3_ppo", "utils", 
 MODEL_INPUT_KEYWORDS = {"input_ids", "attention_mask", "inputs_embeds", "position_ids"}
 MODEL_METHODS = {"generate", "forward"}
 # A model's own forward calling its backbone is inside the model, not a call site of the project.
-# bench/step3.py's logits_to_keep_logprobs is the A/B's PROPOSED alternative to utils.forward.token_logprobs
+# bench/step3.py's logits_to_keep_logprobs is the A/B's PROPOSED alternative to utils.models.forward.token_logprobs
 # (the LM head only over the response positions): a variant of the helper, placing its inputs itself with
-# utils.forward.model_device. The trainer's generate_rows calls a rollout engine's `generate`, not a model's:
-# the engine places its inputs itself (ActorGenerate through step3_ppo.hybrid.generate -> utils.forward, whose
-# own call is checked here); so does the multi-turn rollout's generate_turn (step3_ppo/agents.py), the same
+# utils.models.forward.model_device. The trainer's generate_rows calls a rollout engine's `generate`, not a model's:
+# the engine places its inputs itself (ActorGenerate through step3_ppo.rollout.hybrid.generate -> utils.models.forward, whose
+# own call is checked here); so does the multi-turn rollout's generate_turn (step3_ppo/agents/loop.py), the same
 # engine turn by turn, and bench/vllm_engine.py's worker, which times both engines. The vLLM worker's generate
 # is vLLM's own `LLM.generate` on token-id lists (vLLM places them on its device). Each exception is one named
 # function, never a whole file or folder.
-ALLOWED = {("utils/forward.py", "*"), ("utils/reward_model.py", "forward"),
+ALLOWED = {("utils/models/forward.py", "*"), ("utils/models/reward_model.py", "forward"),
            ("bench/step3.py", "logits_to_keep_logprobs"), ("step3_ppo/trainer.py", "generate_rows"),
-           ("step3_ppo/agents.py", "generate_turn"), ("step3_ppo/vllm_worker.py", "generate"),
+           ("step3_ppo/agents/loop.py", "generate_turn"), ("step3_ppo/rollout/vllm_worker.py", "generate"),
            ("bench/vllm_engine.py", "worker")}
 
 
@@ -159,5 +159,5 @@ def test_the_scan_finds_a_bypassing_forward(tmp_path, monkeypatch):
 
 def test_every_model_forward_goes_through_utils_forward():
     bypasses = [call for path in project_files() for call in model_calls(path)]
-    assert not bypasses, "model forwards outside utils/forward.py (inputs not placed on the model's device):\n" + \
+    assert not bypasses, "model forwards outside utils/models/forward.py (inputs not placed on the model's device):\n" + \
         "\n".join(bypasses)

@@ -10,9 +10,9 @@ import os
 import pytest
 import torch
 
-from step3_ppo.advantages import combine, group_normalized
-from utils import losses
-from utils.ops import entropy_from_logits
+from step3_ppo.algo.advantages import combine, group_normalized
+from utils.math import losses
+from utils.math.ops import entropy_from_logits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,4 +1,4 @@
-"""Hand-computed checks of the pure RL math: utils.ops, utils.losses, step3_ppo.shaping, step3_ppo.advantages.
+"""Hand-computed checks of the pure RL math: utils.math.ops, utils.math.losses, step3_ppo.algo.shaping, step3_ppo.algo.advantages.
 
 Expected numbers are written out (or derived with plain python/math), never
 obtained by calling the function under test.
@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 import torch
 
-from step3_ppo.advantages import gae_advantages_and_returns
-from step3_ppo.shaping import AdaptiveKLController, FixedKLController, RunningMoments, clip_scores, compute_rewards
-from utils.losses import kl_penalty_loss
-from utils.losses import policy_loss as actor_loss
-from utils.losses import value_loss as critic_loss
-from utils.ops import (entropy_from_logits, explained_variance, kl_estimate, last_one_index, logprobs_from_logits,
+from step3_ppo.algo.advantages import gae_advantages_and_returns
+from step3_ppo.algo.shaping import AdaptiveKLController, FixedKLController, RunningMoments, clip_scores, compute_rewards
+from utils.math.losses import kl_penalty_loss
+from utils.math.losses import policy_loss as actor_loss
+from utils.math.losses import value_loss as critic_loss
+from utils.math.ops import (entropy_from_logits, explained_variance, kl_estimate, last_one_index, logprobs_from_logits,
                        masked_mean, masked_sum, masked_var, masked_whiten)
 
 NAN = float("nan")
@@ -375,7 +375,7 @@ def test_running_moments():
 
 # --------------------------------------------------------------------------- critic-free estimators (pure)
 def test_grpo_dr_grpo_and_rloo_by_hand():
-    from step3_ppo.advantages import group_normalized, leave_one_out, zero_variance_groups
+    from step3_ppo.algo.advantages import group_normalized, leave_one_out, zero_variance_groups
 
     # group 5: four samples [1, 0, 0, 1]; group 9: equal rewards; group 7: two samples [2, 0]
     scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 3.0, 2.0, 0.0])
@@ -398,8 +398,8 @@ def test_grpo_dr_grpo_and_rloo_by_hand():
 def test_estimators_put_the_group_advantage_on_every_action(name, expected_row0):
     """No KL in the reward: each action of a row gets its sequence advantage; padding stays 0; with a
     per-token KL penalty the advantage is the return-to-go (the penalties still ahead are added)."""
-    from step3_ppo.advantages import advantages_and_returns, get_estimator
-    from step3_ppo.shaping import compute_rewards
+    from step3_ppo.algo.advantages import advantages_and_returns, get_estimator
+    from step3_ppo.algo.shaping import compute_rewards
 
     estimator = get_estimator(name)
     scores = torch.tensor([1.0, 0.0, 0.0, 1.0])
@@ -418,7 +418,7 @@ def test_estimators_put_the_group_advantage_on_every_action(name, expected_row0)
 
 
 def test_estimator_aliases_and_defaults():
-    from step3_ppo.advantages import ESTIMATORS, estimator_name
+    from step3_ppo.algo.advantages import ESTIMATORS, estimator_name
 
     assert estimator_name("group_norm") == "grpo" and estimator_name("reinforce") == "reinforce_pp"
     assert estimator_name("reinforce_baseline") == "reinforce_pp_baseline"
@@ -430,7 +430,7 @@ def test_estimator_aliases_and_defaults():
 
 
 def test_length_penalty_by_hand():
-    from step3_ppo.shaping import length_penalty
+    from step3_ppo.algo.shaping import length_penalty
 
     lengths = torch.tensor([10, 16, 18, 20, 20])
     ended = torch.tensor([True, True, True, True, False])
@@ -442,7 +442,7 @@ def test_length_penalty_by_hand():
 
 
 def test_loss_aggregations_by_hand():
-    from utils.ops import aggregate
+    from utils.math.ops import aggregate
 
     x = torch.tensor([[1.0, 3.0, 9.0], [4.0, 0.0, 0.0], [7.0, 7.0, 7.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [0, 0, 0]])  # row 2: dropped (no action)
@@ -455,7 +455,7 @@ def test_loss_aggregations_by_hand():
 
 
 def test_returns_to_go_by_hand():
-    from step3_ppo.advantages import returns_to_go
+    from step3_ppo.algo.advantages import returns_to_go
 
     rewards = torch.tensor([[9.0, -0.1, -0.1, 0.9, 9.0], [9.0, 9.0, -0.2, 1.8, 9.0]])  # 9: padding, ignored
     mask = torch.tensor([[0, 1, 1, 1, 0], [0, 0, 1, 1, 0]])

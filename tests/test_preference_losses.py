@@ -9,7 +9,7 @@ import torch
 from tests.launch import metrics
 from tests.test_step2_dpo import _dpo_args
 from tests.test_step2_run import pair_data  # noqa: F401  (fixture)
-from utils.losses import PAIR_LOSSES, PairLogps, orpo_pair_loss, pair_loss, simpo_pair_loss
+from utils.math.losses import PAIR_LOSSES, PairLogps, orpo_pair_loss, pair_loss, simpo_pair_loss
 
 # one pair: the chosen response 4 tokens with log-prob -2 (-0.5 per token), the rejected 2 tokens with -3 (-1.5)
 PAIR = dict(chosen=torch.tensor([-2.0], dtype=torch.float64), rejected=torch.tensor([-3.0], dtype=torch.float64),

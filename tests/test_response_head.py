@@ -1,12 +1,12 @@
-"""The LM head over the trained positions only (utils.forward: transformers' `logits_to_keep`): the same
+"""The LM head over the trained positions only (utils.models.forward: transformers' `logits_to_keep`): the same
 log-probs, loss and gradients as the head over the whole sequence, with the head fed only the kept positions."""
 import pytest
 import torch
 
-from utils.forward import causal_lm_logits, lm_nll, token_logprobs
-from utils.losses import IGNORE_INDEX, sft_nll
-from utils.model import load_causal_lm, load_tokenizer
-from utils.rollout import Row, pack
+from utils.models.forward import causal_lm_logits, lm_nll, token_logprobs
+from utils.math.losses import IGNORE_INDEX, sft_nll
+from utils.models.loading import load_causal_lm, load_tokenizer
+from utils.math.rows import Row, pack
 
 
 @pytest.fixture(scope="module")

@@ -114,7 +114,7 @@ def test_resume_with_another_data_layout_is_refused(tiny_gpt2, sft_data, tmp_pat
     assert "--per_device_train_batch_size 8 (this run: 4)" in message[0] and "--seed 7 (this run: 8)" in message[0]
     assert "Traceback" not in proc.stderr
 
-    from utils.checkpoint import CheckpointError  # a flag that shapes the model (not resumable), in this process
+    from utils.train.checkpoint import CheckpointError  # a flag that shapes the model (not resumable), in this process
 
     with pytest.raises(CheckpointError, match=re.escape("--learning_rate 0.003 (this run: 0.01)")):
         step1(args + ["--resume", "--max_steps", 4, "--learning_rate", 0.01])
@@ -149,7 +149,7 @@ def test_resume_on_another_world_size_through_the_universal_checkpoint(tiny_gpt2
 
     from safetensors.torch import load_file
 
-    from utils.checkpoint import safe_torch_load
+    from utils.train.checkpoint import safe_torch_load
 
     out = str(tmp_path / "out")
     args = common_args(tiny_gpt2, sft_data, out, steps=4) + ["--zero_stage", 2, "--save_interval", 2]
@@ -163,7 +163,7 @@ def test_resume_on_another_world_size_through_the_universal_checkpoint(tiny_gpt2
         f.write("step-00000002")
     engine_dir = os.path.join(checkpoints, "step-00000002", "model")
 
-    from utils.checkpoint import CheckpointError  # without --universal_checkpoint: refused, naming the way through
+    from utils.train.checkpoint import CheckpointError  # without --universal_checkpoint: refused, naming the way through
 
     with pytest.raises(CheckpointError, match=r"written by 2 ranks but this run has 1(.|\n)*--universal_checkpoint"):
         step1(args + ["--resume", "--max_steps", 2])

@@ -1,7 +1,7 @@
 """What a --resume checks before it continues (issue 30, points 2, 7, 9), in this process:
 - the training data's content: a file edited in place (same row count) is refused, naming it, unless
   --resume_ignore_data_change (then one line says so);
-- the flags: one that is not declared resumable (utils.flags.RESUMABLE_FLAGS) is refused, naming it and
+- the flags: one that is not declared resumable (utils.train.flags.RESUMABLE_FLAGS) is refused, naming it and
   both values, for every entry point's flags;
 - a save that fails (a file size limit, a full disk) stops with one line naming the file and what it was
   to hold, leaves no `.tmp-step-*`, and the next resume continues from the checkpoint before;
@@ -20,9 +20,9 @@ import resource
 import pytest
 import torch
 
-from utils.checkpoint import (CheckpointError, Checkpointing, CheckpointWriteError, LoopState, TrainingCheckpoints,
+from utils.train.checkpoint import (CheckpointError, Checkpointing, CheckpointWriteError, LoopState, TrainingCheckpoints,
                               data_layout, run_flags, changed_flags)
-from utils.run import Run
+from utils.train.run import Run
 
 ROWS = [{"prompt": f"Human: {i}\n\nAssistant:", "response": f" {i % 7}"} for i in range(12)]
 
@@ -151,7 +151,7 @@ def test_every_entry_point_refuses_its_changed_flags_and_takes_the_resumable_one
 def test_every_resumable_flag_is_a_flag_of_an_entry_point(monkeypatch):
     """A misspelt name in RESUMABLE_FLAGS would leave the flag it meant refused."""
     from tests.test_flags_help import built_parser
-    from utils.flags import RESUMABLE_FLAGS
+    from utils.train.flags import RESUMABLE_FLAGS
 
     dests = set()
     for module in ENTRY_POINTS:
@@ -164,14 +164,14 @@ def test_every_resumable_flag_is_a_flag_of_an_entry_point(monkeypatch):
 # ---------------------------------------------------------------------------------------------- point 9: disk
 @pytest.fixture(scope="module")
 def dist():
-    from utils.distributed import init_distributed
+    from utils.runtime.distributed import init_distributed
 
     init_distributed()
 
 
 def linear_engine():
-    from utils.ds_config import train_ds_config
-    from utils.training import initialize_engine
+    from utils.train.ds_config import train_ds_config
+    from utils.train.loop import initialize_engine
 
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 64)

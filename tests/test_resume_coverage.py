@@ -3,7 +3,7 @@ on); the universal checkpoint (2 ranks -> 1, gradient accumulation 2) for step 2
 step 3's actor, critic and EMA; DPO in half precision under ZeRO 0 and 1. Every combination tried resumes
 (ZeRO-2/3, the hybrid engine, a weights-only engine, accumulation 2), so none is refused. Accumulation leaves
 the position in the epoch unambiguous: a checkpoint is written at an optimizer step, the new ranks skip
-exactly the rows the old ones had read (utils.checkpoint.Checkpointing.restore), and the next accumulation
+exactly the rows the old ones had read (utils.train.checkpoint.Checkpointing.restore), and the next accumulation
 window starts there.
 
 Launches are the expensive part (tests/README.md): the SIGKILL test takes its uninterrupted metrics from
@@ -77,8 +77,8 @@ def test_step1_two_rank_zero3_with_dropout_resumes_exactly_after_sigkill(tiny_gp
 def restored_weights(monkeypatch) -> dict:
     """{engine name: its full weights} of every checkpointed engine right after `Run.restore` (filled in by
     the in-process run), to compare with the exports of the run that wrote the checkpoint."""
-    from utils.export import gather_full_state_dict
-    from utils.run import Run
+    from utils.models.export import gather_full_state_dict
+    from utils.train.run import Run
 
     captured, original = {}, Run.restore
 

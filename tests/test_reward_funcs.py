@@ -1,6 +1,6 @@
-"""Step 3's reward functions (step3_ppo/reward_funcs.py): the built-ins and their registry (loader, flag help,
+"""Step 3's reward functions (step3_ppo/rewards/functions.py): the built-ins and their registry (loader, flag help,
 README list), loading specs, the batch call's checks (count, finiteness, raise, timeout, skip_bad) and the
-weighted combination (step3_ppo/rewards.py). Pure Python, fast."""
+weighted combination (step3_ppo/rewards/components.py). Pure Python, fast."""
 import itertools
 import math
 import os
@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from step3_ppo.reward_funcs import (BUILTINS, Builtin, RewardFunction, RewardFunctionError, final_answer,
+from step3_ppo.rewards.functions import (BUILTINS, Builtin, RewardFunction, RewardFunctionError, final_answer,
                                     is_function_spec, load_reward_function, math_exact, score_batch)
-from step3_ppo.advantages import combine
-from step3_ppo.rewards import FunctionReward, RewardModelReward
+from step3_ppo.algo.advantages import combine
+from step3_ppo.rewards.components import FunctionReward, RewardModelReward
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 README_LIST = "The built-in reward functions (`BUILTINS`"  # the line that opens the README's list

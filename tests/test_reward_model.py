@@ -8,11 +8,11 @@ import torch
 from safetensors.torch import load_file
 
 from utils.data import pad_batch
-from utils.model import apply_lora, load_tokenizer
-from utils.losses import pair_metrics, pairwise_loss
-from utils.ops import sequence_score
+from utils.models.loading import apply_lora, load_tokenizer
+from utils.math.losses import pair_metrics, pairwise_loss
+from utils.math.ops import sequence_score
 from utils.data import split_pair_batch
-from utils.reward_model import REWARD_MODEL_FILE, VALUE_HEAD_FILE, RewardModel, save_reward_model
+from utils.models.reward_model import REWARD_MODEL_FILE, VALUE_HEAD_FILE, RewardModel, save_reward_model
 
 PAD, EOS = 50257, 50256
 
@@ -114,7 +114,7 @@ def test_fresh_v_head_is_deterministic_and_trainable_under_lora(tiny_gpt2):
 def test_value_head_takes_the_backbones_dtype(tiny_gpt2):
     """A backbone built in bf16 (ZeRO-3's zero.Init) gets a bf16 head, fresh or loaded: DeepSpeed casts only
     non-ZeRO-3 modules, and an fp32 head among bf16 partitions breaks it."""
-    from utils.model import load_causal_lm
+    from utils.models.loading import load_causal_lm
 
     backbone = load_causal_lm(tiny_gpt2, load_tokenizer(tiny_gpt2), base_model_only=True).to(torch.bfloat16)
     fresh = RewardModel(backbone)
@@ -241,7 +241,7 @@ def test_eval_unescape():
 
 def test_eval_cli_errors(tiny_gpt2, tiny_gpt2_reward, tmp_path):
     from step2_reward import eval as rw_eval
-    from utils.model import ModelLoadError
+    from utils.models.loading import ModelLoadError
 
     path = tiny_gpt2_reward
     with pytest.raises(ModelLoadError, match="no value_head.safetensors"):  # an SFT/base directory is no RM
@@ -257,12 +257,12 @@ def test_eval_cli_errors(tiny_gpt2, tiny_gpt2_reward, tmp_path):
 
 
 def test_saving_uses_the_export_module_not_the_training_checkpoints():
-    """utils.reward_model writes its directories through utils.export (gather, plain copy with LoRA merged);
+    """utils.models.reward_model writes its directories through utils.models.export (gather, plain copy with LoRA merged);
     importing it loads nothing of the resumable training checkpoints."""
     import subprocess
     import sys
 
-    code = "import sys; import utils.reward_model; print('utils.export' in sys.modules, 'utils.checkpoint' in sys.modules)"
+    code = "import sys; import utils.models.reward_model; print('utils.models.export' in sys.modules, 'utils.train.checkpoint' in sys.modules)"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, check=True).stdout
     assert out.split() == ["True", "False"]

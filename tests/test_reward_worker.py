@@ -1,4 +1,4 @@
-"""Reward functions in their own worker process (step3_ppo/reward_worker.py): a call stuck in C code, a
+"""Reward functions in their own worker process (step3_ppo/rewards/reward_worker.py): a call stuck in C code, a
 busy loop or a function that swallows every BaseException is killed at --reward_timeout; sys.exit or a
 dead worker is one failed call naming the function and the rows; --skip_bad_rewards tells the first error
 of each function and stops an iteration left with nothing to train; the specs are checked before any
@@ -12,14 +12,14 @@ import pytest
 import torch
 
 from step3_ppo import main as step3_main
-from step3_ppo.reward_funcs import RewardFunctionError, load_reward_function
-from step3_ppo.rewards import FunctionReward
-from step3_ppo.shaping import FixedKLController
+from step3_ppo.rewards.functions import RewardFunctionError, load_reward_function
+from step3_ppo.rewards.components import FunctionReward
+from step3_ppo.algo.shaping import FixedKLController
 from step3_ppo.trainer import NothingToTrain, PPOConfig, PPOTrainer
 from tests.launch import run_module, tail
 from tests.test_step3_grpo import grpo_args, write_rows
-from utils.rollout import Row
-from utils.worker import FunctionWorker
+from utils.math.rows import Row
+from step3_ppo.function_worker import FunctionWorker
 
 SLACK_S = 3.0  # killing and reaping a worker, on a loaded machine
 
@@ -165,7 +165,7 @@ def test_sys_exit_or_a_dead_worker_is_a_failed_call(functions):
 def test_a_worker_whose_trainer_is_gone_leaves_without_a_traceback(functions, capfd):
     """A SIGKILLed rank resets the socket (it dies with the worker's "ready" unread) before PR_SET_PDEATHSIG
     reaches the worker: the worker must leave quietly, or its traceback lands beside the rank's one error line."""
-    worker = FunctionWorker(f"{functions}:spin", "step3_ppo.reward_worker:load", {"options": {}})
+    worker = FunctionWorker(f"{functions}:spin", "step3_ppo.rewards.reward_worker:load", {"options": {}})
     worker.start()  # the worker inherits this process's stderr, which capfd reads
     process = worker.process
     assert worker.conn.poll(60)  # "ready" is waiting, unread: closing now resets the connection

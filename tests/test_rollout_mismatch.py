@@ -6,12 +6,12 @@ import math
 import pytest
 import torch
 
-from step3_ppo import rollout_engines
+from step3_ppo.rollout import engines as rollout_engines
 from step3_ppo.main import parse_args, setup
 from tests.test_step3_grpo import grpo_args, write_rows
 from tests.test_step3_lr0 import prompt_batches
-from utils import losses
-from utils.ops import ROLLOUT_CORRECTIONS, rollout_correction_weights
+from utils.math import losses
+from utils.math.ops import ROLLOUT_CORRECTIONS, rollout_correction_weights
 
 NAN, INF = float("nan"), float("inf")
 

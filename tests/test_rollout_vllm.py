@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from step3_ppo.main import parse_args, setup
-from step3_ppo.vllm_engine import RolloutEngineError, VLLMRollout, VLLMSettings
+from step3_ppo.rollout.vllm_engine import RolloutEngineError, VLLMRollout, VLLMSettings
 from tests.launch import metrics, run_deepspeed, tail, vllm_python
 from tests.test_step3_grpo import grpo_args, write_rows
 from tests.test_step3_lr0 import prompt_batches
-from utils.forward import GenerationSettings
+from utils.models.forward import GenerationSettings
 
 if os.environ.get("RLHF_TESTS_NEED_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh --with-vllm)")
@@ -41,7 +41,7 @@ def test_vllms_packages_leave_gguf_importable():
 @pytest.fixture(scope="session")
 def tiny_llama_32(tmp_path_factory) -> str:
     """tiny_llama with head size 32 (2 heads of 64): vLLM's CPU attention takes multiples of 32 only."""
-    from utils.tiny_model import make_tiny_model
+    from utils.models.tiny import make_tiny_model
 
     return make_tiny_model("llama", str(tmp_path_factory.mktemp("tiny_vllm") / "llama"), num_heads=2)
 
@@ -49,7 +49,7 @@ def tiny_llama_32(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_chat_llama_32(tmp_path_factory) -> str:
     """tiny_chat_llama (ChatML, end-of-turn != EOS) with head size 32."""
-    from utils.tiny_model import make_tiny_model
+    from utils.models.tiny import make_tiny_model
 
     return make_tiny_model("llama", str(tmp_path_factory.mktemp("tiny_vllm_chat") / "llama"), num_heads=2, chat=True)
 
@@ -75,7 +75,7 @@ def vllm_run(tiny_llama_32, tmp_path_factory, worker_python):
 
 
 def hf_generate(run, batch, settings):
-    from step3_ppo.rollout_engines import ActorGenerate
+    from step3_ppo.rollout.engines import ActorGenerate
 
     return ActorGenerate(run.trainer.actor, run.trainer.config).generate(batch["input_ids"], batch["attention_mask"],
                                                                           settings)
@@ -203,7 +203,7 @@ def test_multi_turn_rows_at_lr0_with_the_vllm_worker(tiny_chat_llama_32, tmp_pat
     environment's tokens are not actions) and its log-probs of its own tokens are the trainer's."""
     from tests.test_agents import agent_setup
     from utils.data import PromptCollator
-    from utils.reward_model import make_reward_model_dir
+    from utils.models.reward_model import make_reward_model_dir
 
     critic = make_reward_model_dir(tiny_chat_llama_32, str(tmp_path / "critic"))
     run = agent_setup(tiny_chat_llama_32, critic, tmp_path, "--rollout_engine", "vllm", "--vllm_mode", "eager",

@@ -68,8 +68,8 @@ def test_a_pickled_only_directory_is_refused_with_a_conversion_that_works(tiny_g
     import torch
     from transformers import AutoModelForCausalLM
 
-    from utils.model import ModelLoadError, load_causal_lm
-    from utils.reward_model import RewardModel
+    from utils.models.loading import ModelLoadError, load_causal_lm
+    from utils.models.reward_model import RewardModel
 
     path = copy_without_weights(tiny_gpt2, tmp_path / "bin")
     torch.save(AutoModelForCausalLM.from_pretrained(tiny_gpt2).state_dict(), os.path.join(path, "pytorch_model.bin"))
@@ -85,7 +85,7 @@ def test_a_pickled_only_directory_is_refused_with_a_conversion_that_works(tiny_g
 
 
 def test_sharded_pickles_are_refused_before_anything_is_read(tiny_gpt2, tmp_path):
-    from utils.model import ModelLoadError, load_causal_lm
+    from utils.models.loading import ModelLoadError, load_causal_lm
 
     path = copy_without_weights(tiny_gpt2, tmp_path / "shards")
     for name in ("pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin", "pytorch_model.bin.index.json"):
@@ -96,7 +96,7 @@ def test_sharded_pickles_are_refused_before_anything_is_read(tiny_gpt2, tmp_path
 
 
 def test_a_directory_with_a_config_but_no_weights_is_one_line(tiny_gpt2, tmp_path):
-    from utils.model import ModelLoadError, load_causal_lm
+    from utils.models.loading import ModelLoadError, load_causal_lm
 
     path = copy_without_weights(tiny_gpt2, tmp_path / "empty")
     with pytest.raises(ModelLoadError) as exc:
@@ -118,7 +118,7 @@ def test_the_evaluation_refuses_a_pickled_directory_before_loading_anything(tiny
 # ------------------------------------------------------------------ custom code
 
 def test_auto_map_is_refused_without_trust_remote_code(custom_code_dir):
-    from utils.model import ModelLoadError, load_causal_lm, load_tokenizer
+    from utils.models.loading import ModelLoadError, load_causal_lm, load_tokenizer
 
     for load in (load_tokenizer, load_causal_lm):
         with pytest.raises(ModelLoadError) as exc:
@@ -150,8 +150,8 @@ def test_a_trusted_custom_code_model_finishes_step1(custom_code_dir, tmp_path):
 def test_fp16_on_a_device_without_it_is_one_line_before_loading(tiny_gpt2):
     from deepspeed.accelerator import get_accelerator
 
-    from utils.ds_config import train_ds_config
-    from utils.model import ModelFlagError, load_causal_lm
+    from utils.train.ds_config import train_ds_config
+    from utils.models.loading import ModelFlagError, load_causal_lm
 
     if get_accelerator().is_fp16_supported():
         pytest.skip("this accelerator has fp16")
@@ -161,7 +161,7 @@ def test_fp16_on_a_device_without_it_is_one_line_before_loading(tiny_gpt2):
 
 
 def test_an_unmatched_lora_module_name_is_one_line(tiny_gpt2):
-    from utils.model import ModelFlagError, apply_lora, load_causal_lm
+    from utils.models.loading import ModelFlagError, apply_lora, load_causal_lm
 
     with pytest.raises(ModelFlagError) as exc:
         apply_lora(load_causal_lm(tiny_gpt2), 2, "q_proj")
@@ -173,7 +173,7 @@ def test_an_unmatched_lora_module_name_is_one_line(tiny_gpt2):
 @pytest.fixture
 def template_file(tiny_gpt2, tmp_path):
     """A tokenizer given `text` as its --chat_template file (load_tokenizer, as the steps do), and the file."""
-    from utils.model import load_tokenizer
+    from utils.models.loading import load_tokenizer
 
     def make(text: str, name: str = "bad.jinja"):
         path = tmp_path / name
@@ -215,7 +215,7 @@ def test_a_template_that_loops_is_stopped_at_the_time_limit(template_file, monke
 
 def test_the_tokenizers_own_template_is_named_by_its_directory(tiny_gpt2):
     from utils.data.chat import ChatTemplateError, render
-    from utils.model import load_tokenizer
+    from utils.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_gpt2)
     tokenizer.chat_template = TEMPLATES["raise"][0]

@@ -76,7 +76,7 @@ def test_launch_step_launches_through_run_logged():
     body = re.search(r"^launch_step\(\) \{\n(.*?)^\}\n", common, re.M | re.S).group(1)
     assert re.search(r'^\s*run_logged "\$log" "\$\{launcher\[@\]\}" --module', body, re.M)
     assert "| tee" not in code_lines(common)
-    assert "python -m utils.ports" in common and "import socket" not in common
+    assert "python -m utils.runtime.ports" in common and "import socket" not in common
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

@@ -75,7 +75,7 @@ def test_zero0_single_process(tiny_opt, sft_data, tmp_path):
 def test_rank_batches_caps_every_rank_at_the_same_count(monkeypatch):
     """--eval_iters (steps 1 and 2): each rank's share cut to max_batches, fillers (weight 0) kept where a
     rank has fewer rows, so ZeRO-3's collective forwards stay matched."""
-    import utils.distributed as dist
+    import utils.runtime.distributed as dist
 
     rows = list(range(21))  # rank 0: 0, 2, ..., 20 (11 rows); rank 1: 1, 3, ..., 19 (10 rows)
     monkeypatch.setattr(dist, "world_size", lambda: 2)

@@ -19,7 +19,7 @@ ROWS = [{"prompt": "Human: What about the plot?\n\nAssistant:", "chosen": " good
 
 
 def _tokenizer(path):
-    from utils.model import load_tokenizer
+    from utils.models.loading import load_tokenizer
 
     return load_tokenizer(path)
 
@@ -59,8 +59,8 @@ def test_preference_collator_marks_exactly_the_response_tokens_on_either_side():
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])  # gpt2: absolute position embeddings
 def test_sequence_logprobs_do_not_depend_on_padding_side_or_amount(arch, tiny_gpt2, tiny_llama):
     from utils.data import PreferenceCollator, tokenize_preference_pairs
-    from utils.forward import sequence_logprobs
-    from utils.model import load_causal_lm
+    from utils.models.forward import sequence_logprobs
+    from utils.models.loading import load_causal_lm
 
     path = {"gpt2": tiny_gpt2, "llama": tiny_llama}[arch]
     tok = _tokenizer(path)
@@ -157,7 +157,7 @@ def test_a_registered_reference_free_loss_runs_with_lengths_and_its_own_flag(tin
     import torch.nn.functional as F
 
     from step2_dpo.main import main
-    from utils import losses
+    from utils.math import losses
 
     seen = []
 
@@ -228,7 +228,7 @@ def test_two_rank_zero3_dpo_learns_exports_and_resumes_exactly_after_sigkill(tin
     assert last["eval/accuracy"] > 0.8 and last["eval/margin"] > first["eval/margin"] + 0.5, evals
     assert last["eval/margin"] == pytest.approx(last["eval/chosen_reward"] - last["eval/rejected_reward"], abs=1e-5)
     assert [r["export/logp_max_abs_diff"] for r in rows if "export/logp_max_abs_diff" in r][0] <= 1e-4
-    from utils.reward_model import check_policy_dir
+    from utils.models.reward_model import check_policy_dir
 
     check_policy_dir(out)  # a plain causal LM directory (step 3's actor, the evaluation, chat.py), no value head
     with open(os.path.join(out, "config.json")) as f:

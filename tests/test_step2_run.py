@@ -62,10 +62,10 @@ def test_two_rank_zero3_reward_model_learns_and_exports(tiny_gpt2, pair_data, tm
 
     # the exported directory is a complete, unpartitioned reward model that ranks held-out pairs
     from utils.data import PairCollator, tokenize_pairs
-    from utils.model import load_tokenizer
-    from utils.losses import pair_metrics
+    from utils.models.loading import load_tokenizer
+    from utils.math.losses import pair_metrics
     from utils.data import split_pair_batch
-    from utils.reward_model import RewardModel
+    from utils.models.reward_model import RewardModel
 
     tokenizer = load_tokenizer(out)
     model = RewardModel.from_pretrained(out, tokenizer).eval()

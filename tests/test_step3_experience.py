@@ -2,7 +2,7 @@
 first EOS and nothing after; per-action values land on the action positions of any packing."""
 import torch
 
-from utils.rollout import Row, from_token_layout, pack, split_generation, to_token_layout
+from utils.math.rows import Row, from_token_layout, pack, split_generation, to_token_layout
 
 PAD, EOS = 0, 9
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from utils.forward import generate, sampled_logprobs, shared_prompt_cache
-from utils.model import load_tokenizer
+from utils.models.forward import generate, sampled_logprobs, shared_prompt_cache
+from utils.models.loading import load_tokenizer
 
 
 def test_left_padding_does_not_change_greedy_tokens(tiny_gpt2):
@@ -25,7 +25,7 @@ def test_left_padding_does_not_change_greedy_tokens(tiny_gpt2):
 
 @pytest.mark.parametrize("model_fixture", ["tiny_gpt2", "tiny_llama", "tiny_opt"])
 def test_a_repeated_prompts_cache_is_shared_and_changes_no_token_or_logprob(model_fixture, request):
-    """A group's n samples of one prompt: utils.forward.generate runs each distinct prompt's prefill once
+    """A group's n samples of one prompt: utils.models.forward.generate runs each distinct prompt's prefill once
     (shared_prompt_cache) and gives the tokens and generator log-probs of the unshared prefill (to float
     rounding: the last prompt token now runs as a decoding step)."""
     path = request.getfixturevalue(model_fixture)

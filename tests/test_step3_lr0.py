@@ -38,7 +38,7 @@ def lr0_setup(model, critic, tmp, chat=False):
 
 @pytest.fixture(scope="module", params=["gpt2", "llama"])
 def ppo_setup(request, tmp_path_factory):
-    from utils.tiny_model import make_tiny_model_cached
+    from utils.models.tiny import make_tiny_model_cached
 
     critic = request.getfixturevalue(f"tiny_{request.param}_reward")  # a step-2-like reward-model directory
     return request.param, lr0_setup(make_tiny_model_cached(request.param), critic,
@@ -122,9 +122,9 @@ def test_positions_from_arange_would_break_the_invariant(ppo_setup, monkeypatch)
     arch, run = ppo_setup
     if arch != "gpt2":
         pytest.skip("rotary positions are relative: a uniform shift does not change llama's logits")
-    import utils.forward
+    import utils.models.forward
 
-    monkeypatch.setattr(utils.forward, "position_ids_from_attention_mask",
+    monkeypatch.setattr(utils.models.forward, "position_ids_from_attention_mask",
                         lambda mask: torch.arange(mask.shape[1]).expand_as(mask))
     run.trainer.config.per_device_training_batch_size = 1
     metrics, _ = run.trainer.step(prompt_batches(run, 4, offset=12), step=0)
@@ -166,7 +166,7 @@ def test_log_ratio_is_zero_at_lr0_for_every_estimator(ppo_setup):
     estimator's own loss aggregation: the log-ratio stays ~0 and each group's rows answer one prompt.
     All estimators on llama; on gpt2 (whose absolute positions are what padding could break, the same
     for every estimator) gae and grpo."""
-    from step3_ppo.advantages import get_estimator
+    from step3_ppo.algo.advantages import get_estimator
 
     arch, run = ppo_setup
     trainer, config = run.trainer, run.trainer.config

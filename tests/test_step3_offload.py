@@ -33,7 +33,7 @@ def test_offloaded_reference_scores_like_the_actor_and_memory_is_reported(offloa
     assert metrics["ppo/log_ratio_max_abs"] <= 1e-4
     for row in rows:  # the reference is the actor's starting point: same log-probs
         assert (row.per_action["ref_logprobs"] - row.per_action["old_logprobs"]).abs().max() <= 1e-4
-    # the trainer records each phase's peak; step3_ppo.main logs them (utils.training.loop_metrics)
+    # the trainer records each phase's peak; step3_ppo.main logs them (utils.train.loop.loop_metrics)
     phases = offload_run.trainer.memory.metrics()
     assert set(phases) == {"mem/generation_peak_gb", "mem/experience_peak_gb", "mem/training_peak_gb"}
     assert all(value > 0 for value in phases.values())

@@ -9,7 +9,7 @@ from step3_ppo.main import parse_args, setup
 from tests.launch import metrics, tail
 from tests.test_resume import comparable, kill_after_row_and_resume, max_relative_difference
 from tests.test_step3_lr0 import prompt_batches, write_prompts
-from utils.checkpoint import BadStepGuard, LoopState
+from utils.train.checkpoint import BadStepGuard, LoopState
 
 
 def ppo_args(model, prompts, out, *extra, critic=None):

@@ -11,7 +11,7 @@ import torch
 
 from tests.launch import run_deepspeed, tail
 from tests.test_training_loop import Sampler, make_run
-from utils.training import accumulation_windows, step_normalised_loss, train_micro_batches
+from utils.train.loop import accumulation_windows, step_normalised_loss, train_micro_batches
 
 
 def test_equal_counts_leave_the_micro_batch_loss_unchanged_bit_for_bit():
@@ -35,7 +35,7 @@ def test_sft_and_dpo_counts_are_the_units_their_losses_average_over():
     from step2_dpo.main import PreferenceLoss
     from types import SimpleNamespace
     from utils.data import PreferenceCollator, SFTCollator
-    from utils.losses import sft_nll
+    from utils.math.losses import sft_nll
 
     batch = SFTCollator(0)([{"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]},
                             {"input_ids": [5, 6], "labels": [-100, -100]}])

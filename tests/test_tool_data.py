@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from data import make_tool_data as T
-from step3_ppo.tools import calculator, load_tools, parse_hermes, tool_system_prompt
+from step3_ppo.agents.tools import calculator, load_tools, parse_hermes, tool_system_prompt
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLAIN = re.compile(r"^What is \d+ [*+] \d+( \+ \d+ \+ \d+)?\?$")
@@ -130,7 +130,7 @@ def test_sft_rows_render_and_train_on_assistant_turns(data, tiny_chat_llama):
     """Step 1 reads the rows (messages, assistant-only loss) and the ChatML template renders them."""
     from utils.data.chat import assistant_spans, render
     from utils.data.formats import normalize_row
-    from utils.model import load_tokenizer
+    from utils.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer(tiny_chat_llama)
     for i, row in enumerate(data["sft"][:8]):

@@ -1,7 +1,7 @@
-"""Tools for multi-turn rollouts (step3_ppo/tools.py, issue 28): the calculator's values and refusals, the
+"""Tools for multi-turn rollouts (step3_ppo/agents/tools.py, issue 28): the calculator's values and refusals, the
 Hermes call parser, TRL-style schemas and one-line spec errors, a Toolbox that turns every failed call into
 text for the model (and stops a hung call, C code included, within 2x the timeout), and the python tool's
-sandbox (step3_ppo/python_sandbox.py): no writes outside its folder, no TCP, no signals out, no output,
+sandbox (step3_ppo/agents/python_sandbox.py): no writes outside its folder, no TCP, no signals out, no output,
 process or folder left behind, and nothing run at all without Landlock."""
 import json
 import os
@@ -13,8 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from step3_ppo import python_sandbox
-from step3_ppo.tools import (TOOL_CALL_PARSERS, TOOLS, Toolbox, ToolCall, ToolError, calculator, load_tools, python,
+from step3_ppo.agents import python_sandbox
+from step3_ppo.agents.tools import (TOOL_CALL_PARSERS, TOOLS, Toolbox, ToolCall, ToolError, calculator, load_tools, python,
                              run_python, template_supports_tools, tool_system_prompt)
 
 HAS_LANDLOCK = python_sandbox.landlock_abi() >= 1
@@ -132,7 +132,7 @@ def test_schema_of_a_trl_style_function(tool_file):
         "return": {"type": "string"}}}
     [builtin] = load_tools(["calculator"])
     assert builtin.schema["function"]["parameters"]["required"] == ["expression"]
-    assert load_tools(["step3_ppo.tools:calculator"])[0].schema == builtin.schema
+    assert load_tools(["step3_ppo.agents.tools:calculator"])[0].schema == builtin.schema
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -153,7 +153,7 @@ def test_bad_specs_are_one_line(tool_file, spec, message):
 
 def test_duplicate_names_are_refused(tool_file):
     with pytest.raises(ToolError, match="also the name of tool calculator"):
-        load_tools(["calculator", "step3_ppo.tools:calculator"])
+        load_tools(["calculator", "step3_ppo.agents.tools:calculator"])
 
 
 def test_system_prompt_and_template_check():

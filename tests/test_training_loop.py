@@ -1,5 +1,5 @@
-"""The run lifecycle (utils/run.py) and the optimizer-step accounting of the micro-batch loop over it
-(utils/training.py): gradient-accumulation boundaries read where DeepSpeed means them, fp16 loss-scaler
+"""The run lifecycle (utils/train/run.py) and the optimizer-step accounting of the micro-batch loop over it
+(utils/train/loop.py): gradient-accumulation boundaries read where DeepSpeed means them, fp16 loss-scaler
 skips counted as overflows (not as bad steps), per-phase peak memory, the resume skip, evaluations every
 K steps in rows of their own, the run's state. fp16 loss scaling needs a GPU, so the overflow is a stub
 engine that follows DeepSpeed's counter semantics; one real engine checks those semantics."""
@@ -8,10 +8,10 @@ import argparse
 import pytest
 import torch
 
-from utils.accelerator import PhaseMemory
-from utils.logging import read_metrics
-from utils.run import Run, memory_postfix
-from utils.training import APPLIED, OVERFLOW, backward_and_step, train_micro_batches
+from utils.runtime.accelerator import PhaseMemory
+from utils.train.metrics_logger import read_metrics
+from utils.train.run import Run, memory_postfix
+from utils.train.loop import APPLIED, OVERFLOW, backward_and_step, train_micro_batches
 
 
 class StubEngine:
@@ -99,9 +99,9 @@ def test_an_fp16_overflow_skip_counts_as_overflow_not_as_a_bad_step():
 
 def test_backward_and_step_on_a_real_engine():
     """DeepSpeed's own boundary flag describes the NEXT micro-batch once step() has run: read it before."""
-    from utils.distributed import init_distributed
-    from utils.ds_config import train_ds_config
-    from utils.training import initialize_engine
+    from utils.runtime.distributed import init_distributed
+    from utils.train.ds_config import train_ds_config
+    from utils.train.loop import initialize_engine
 
     init_distributed()
     model = torch.nn.Linear(4, 1)
@@ -114,7 +114,7 @@ def test_backward_and_step_on_a_real_engine():
 
 PHASES = """
 import json, torch
-from utils.accelerator import PhaseMemory
+from utils.runtime.accelerator import PhaseMemory
 memory = PhaseMemory()
 with memory.phase("small"):
     pass

@@ -50,10 +50,10 @@ PRELOAD = (
     "transformers.models.gpt2.tokenization_gpt2", "transformers.tokenization_utils_fast", "tokenizers",
     "safetensors.torch", "peft", "datasets", "matplotlib",
     "step1_sft.main", "step2_reward.main", "step2_dpo.main", "step3_ppo.main", "step3_ppo.eval",
-    "step3_ppo.agent_eval", "step3_ppo.plot", "utils.tiny_model", "utils.default_model", "data.make_demo_data",
+    "step3_ppo.agents.eval", "step3_ppo.plot", "utils.models.tiny", "utils.models.default", "data.make_demo_data",
     "data.make_tool_data",
 )
-# the vLLM worker's (step3_ppo/vllm_worker.py, a script: --vllm_python points at tests.launch.vllm_python's
+# the vLLM worker's (step3_ppo/rollout/vllm_worker.py, a script: --vllm_python points at tests.launch.vllm_python's
 # shim): its imports are ~12 s of its ~17 s start on 2 cores, paid by each of the suite's half-dozen workers
 VLLM_PRELOAD = ("torch", "vllm", "vllm.entrypoints.llm", "vllm.inputs", "vllm.sampling_params", "vllm.v1.engine.core",
                 "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner", "vllm.model_executor.models.llama")

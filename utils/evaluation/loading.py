@@ -8,15 +8,15 @@ import random
 import torch
 
 from utils.data import DEFAULT_FORMAT, RowFormat, read_rows
-from utils.model import load_causal_lm, load_tokenizer
+from utils.models.loading import load_causal_lm, load_tokenizer
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_PROMPTS = os.path.join("data", "demo", "pairs", "eval.jsonl")
 
 
 def default_device() -> torch.device:
-    """The accelerator DeepSpeed finds (utils/accelerator.py), else the CPU."""
-    from utils.accelerator import local_device
+    """The accelerator DeepSpeed finds (utils/runtime/accelerator.py), else the CPU."""
+    from utils.runtime.accelerator import local_device
 
     return local_device()
 
@@ -24,11 +24,11 @@ def default_device() -> torch.device:
 def load_policy(path: str, device: str | torch.device | None = None, trust_remote_code: bool = False):
     """(causal LM in eval mode, fp32, on `device`; its tokenizer with padding_side="left").
 
-    The tokenizer gets a pad token distinct from EOS (utils.model.load_tokenizer) and the model's
+    The tokenizer gets a pad token distinct from EOS (utils.models.loading.load_tokenizer) and the model's
     embeddings are resized to it if needed, exactly as in training. A reward-model directory (step 2's
-    output: value_head.safetensors / reward_model.json) raises utils.model.ModelLoadError naming it.
+    output: value_head.safetensors / reward_model.json) raises utils.models.loading.ModelLoadError naming it.
     """
-    from utils.reward_model import check_policy_dir
+    from utils.models.reward_model import check_policy_dir
 
     check_policy_dir(path)
     tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code, padding_side="left")
@@ -39,9 +39,9 @@ def load_policy(path: str, device: str | torch.device | None = None, trust_remot
 
 def load_reward_model(path: str, device: str | torch.device | None = None, trust_remote_code: bool = False):
     """(RewardModel in eval mode, fp32, on `device`; its tokenizer). A directory without
-    `value_head.safetensors` (a step-1/SFT or base model) raises utils.model.ModelLoadError naming it,
-    rather than scoring with a fresh random head (utils.reward_model.check_reward_model_dir)."""
-    from utils.reward_model import RewardModel
+    `value_head.safetensors` (a step-1/SFT or base model) raises utils.models.loading.ModelLoadError naming it,
+    rather than scoring with a fresh random head (utils.models.reward_model.check_reward_model_dir)."""
+    from utils.models.reward_model import RewardModel
 
     tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
     model = RewardModel.from_pretrained(path, tokenizer, trust_remote_code=trust_remote_code,

@@ -1,0 +1,118 @@
+"""The DeepSpeed engines of step 3 (and the optional EMA of the actor); only those the run needs.
+
+actor     causal LM from step 1, trained           (--actor_zero_stage, LoRA, optimizer)
+reference causal LM from step 1, frozen            (ZeRO-3 when the actor is, else stage 0; with
+                                                   --offload_reference_model ZeRO-3 with its
+                                                   parameters in CPU memory, whatever the actor's stage;
+                                                   only with a KL term: --kl_ctl > 0)
+critic    RewardModel from step 2, trained         (--critic_zero_stage, LoRA, optimizer; only when the
+                                                   advantage estimator needs one; from a plain causal
+                                                   LM with a fresh value head only when asked:
+                                                   --critic_fresh_value_head)
+rewards   RewardModels from step 2, frozen         (ZeRO-3 when the critic is, else stage 0;
+                                                   --offload_reward_model as the reference's): one per
+                                                   reward-model directory of the run's rewards
+Dropout is off by default in all of them: with dropout the rollout and training forwards of the
+same weights differ, and the PPO ratio at learning rate 0 is no longer 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from step3_ppo.algo.advantages import needs_critic
+from utils.runtime.distributed import is_rank0, world_size
+from utils.train.ds_config import eval_ds_config, train_ds_config
+from utils.models.loading import load_causal_lm
+from utils.models.reward_model import RewardModel
+from utils.train.loop import build_frozen_engine, build_trained_engine, initialize_engine, spec_from_args
+
+
+@dataclass
+class Engines:
+    actor: object
+    ref: object | None  # None without a KL term
+    critic: object | None  # None when the advantage estimator needs no critic
+    rewards: dict  # reward-model path -> its frozen engine (empty for function rewards only)
+    ema: "ActorEMA | None" = None
+
+
+class ActorEMA:
+    """Exponential moving average of the actor's weights, kept in a frozen engine (ZeRO-3 when the actor is).
+
+    Under ZeRO-3 each parameter pair is gathered, averaged on rank 0 and re-partitioned
+    (GatheredParameters with modifier_rank=0 broadcasts rank 0's result).
+    """
+
+    def __init__(self, engine, beta: float = 0.992):
+        self.engine, self.beta = engine, beta
+
+    @torch.no_grad()
+    def update(self, actor_engine) -> None:
+        import deepspeed
+
+        zero3 = actor_engine.zero_optimization_stage() == 3
+        pairs = zip(self.engine.module.named_parameters(), actor_engine.module.named_parameters())
+        for (ema_name, ema_param), (name, param) in pairs:
+            if ema_name != name:
+                raise RuntimeError(f"EMA and actor parameters differ: {ema_name} vs {name}")
+            with deepspeed.zero.GatheredParameters([ema_param, param], modifier_rank=0, enabled=zero3):
+                if not zero3 or is_rank0():
+                    ema_param.data.copy_(torch.lerp(param.data.to(ema_param.dtype), ema_param.data, self.beta))
+
+
+def needs_reference(args) -> bool:
+    """A frozen reference is needed only for a KL term (in the reward or in the loss)."""
+    return args.kl_ctl > 0
+
+
+def build_engines(args, tokenizer, total_steps: int, reward_model_paths=()) -> Engines:
+    ranks = world_size()
+    actor_config = train_ds_config(args.actor_zero_stage, ranks, args.per_device_training_batch_size,
+                                   args.gradient_accumulation_steps, args.dtype, args.offload, args.gradient_clipping)
+    critic_config = train_ds_config(args.critic_zero_stage, ranks, args.per_device_training_batch_size,
+                                    args.gradient_accumulation_steps, args.dtype, args.offload, args.gradient_clipping)
+    actor_spec, critic_spec = spec_from_args(args, "actor_"), spec_from_args(args, "critic_")
+
+    attn = args.attn_implementation
+    actor = load_causal_lm(args.actor_model_name_or_path, tokenizer, actor_config, args.actor_dropout,
+                           args.trust_remote_code, attn_implementation=attn)
+    actor = build_trained_engine(actor, actor_config, actor_spec, total_steps)
+
+    ref = None
+    if needs_reference(args):
+        ref_config = eval_ds_config(args.actor_zero_stage, ranks, args.per_device_training_batch_size, args.dtype,
+                                    args.offload_reference_model)
+        ref = load_causal_lm(args.actor_model_name_or_path, tokenizer, ref_config, 0.0, args.trust_remote_code,
+                             attn_implementation=attn)
+        ref = build_frozen_engine(ref, ref_config)
+
+    critic = None
+    if needs_critic(args.advantage_estimator):
+        critic = RewardModel.from_pretrained(args.critic_model_name_or_path, tokenizer, critic_config,
+                                             args.critic_dropout, args.trust_remote_code, attn,
+                                             require_value_head=not args.critic_fresh_value_head)
+        critic = build_trained_engine(critic, critic_config, critic_spec, total_steps)
+
+    reward_config = eval_ds_config(args.critic_zero_stage, ranks, args.per_device_training_batch_size, args.dtype,
+                                   args.offload_reward_model)
+    rewards = {}
+    for path in reward_model_paths:
+        reward = RewardModel.from_pretrained(path, tokenizer, reward_config, 0.0, args.trust_remote_code, attn,
+                                             require_value_head=True)
+        rewards[path] = build_frozen_engine(reward, reward_config)
+
+    ema = None
+    if args.enable_ema:
+        ema_config = eval_ds_config(args.actor_zero_stage, ranks, args.per_device_training_batch_size, args.dtype,
+                                    args.offload_reference_model)
+        ema_model = load_causal_lm(args.actor_model_name_or_path, tokenizer, ema_config, 0.0, args.trust_remote_code,
+                                   attn_implementation=attn)
+        if actor_spec.lora_dim > 0:  # same structure as the actor, so parameters pair up by name
+            from utils.train.loop import add_lora
+
+            ema_model = add_lora(ema_model, actor_spec)
+        ema = ActorEMA(initialize_engine(ema_model, ema_config))
+        ema.engine.eval()
+    return Engines(actor=actor, ref=ref, critic=critic, rewards=rewards, ema=ema)

@@ -1,0 +1,1 @@
+"""Where sequence rewards come from: the reward model and reward functions behind one interface, the built-ins, their worker."""

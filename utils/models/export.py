@@ -1,0 +1,83 @@
+"""Exporting trained engines: plain `from_pretrained` directories (safetensors, LoRA merged).
+
+A naive `save_pretrained` of a ZeRO-3 model writes EMPTY tensors without any error (shared/notes),
+so the full weights are first consolidated on rank 0, loaded into a fresh unpartitioned copy of
+the model, LoRA merged there, and only that copy is saved. Every step's final output goes through
+here (policies: `export_hf_model`; reward models and critics: utils/models/reward_model.py), apart from
+the resumable training checkpoints of utils/train/checkpoint.py, which keep DeepSpeed's own format.
+"""
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+from torch import nn
+
+from utils.runtime.distributed import barrier, is_rank0
+from utils.models.loading import hf_zero3_disabled
+
+
+def is_zero3(engine) -> bool:
+    return engine.zero_optimization_stage() == 3
+
+
+def gather_full_state_dict(engine) -> dict | None:
+    """Full state dict on rank 0 (None on other ranks). Collective under ZeRO-3: call on all ranks."""
+    if is_zero3(engine):
+        return engine._zero3_consolidated_16bit_state_dict()
+    if not is_rank0():
+        return None
+    return {k: v.detach().to("cpu", copy=True) for k, v in engine.module.state_dict().items()}
+
+
+def _fresh_hf_model(hf_model: nn.Module) -> nn.Module:
+    """An unpartitioned fp32 copy of `hf_model`'s architecture (weights to be loaded)."""
+    with hf_zero3_disabled():
+        return type(hf_model)._from_config(copy.deepcopy(hf_model.config), dtype=torch.float32)
+
+
+def plain_copy(module: nn.Module, state_dict: dict) -> nn.Module:
+    """A plain HF model holding `state_dict`, with LoRA adapters merged when `module` is a PeftModel."""
+    from peft import PeftModel, get_peft_model
+
+    if isinstance(module, PeftModel):
+        fresh = _fresh_hf_model(module.get_base_model())
+        peft_config = copy.deepcopy(module.peft_config["default"])
+        fresh = get_peft_model(fresh, peft_config)
+        fresh.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
+        return fresh.merge_and_unload()
+    fresh = _fresh_hf_model(module)
+    fresh.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
+    return fresh
+
+
+def export_hf_model(engine, tokenizer, out_dir: str) -> None:
+    """Write engine.module as a from_pretrained directory (config, safetensors, tokenizer) from rank 0."""
+    state_dict = gather_full_state_dict(engine)
+    if is_rank0():
+        model = plain_copy(engine.module, state_dict)
+        model.config.use_cache = True
+        os.makedirs(out_dir, exist_ok=True)
+        model.save_pretrained(out_dir)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out_dir)
+    barrier()
+
+
+@torch.no_grad()
+def reload_max_abs_diff(engine, reload, forward, batch: dict) -> float:
+    """Max |forward(reloaded) - forward(engine)| on `batch`: does the exported directory hold the engine's
+    model (LoRA merged)? `reload()` builds it on rank 0 only, unpartitioned. Call on ALL ranks."""
+    from utils.runtime.distributed import all_reduce_sum
+    from utils.models.forward import eval_mode
+
+    with eval_mode(engine):
+        expected = forward(engine, batch).float()
+    diff = 0.0
+    if is_rank0():
+        with hf_zero3_disabled():
+            reloaded = reload().eval()
+        actual = forward(reloaded, batch).float()
+        diff = (actual - expected.to(actual.device)).abs().max().item()
+    return all_reduce_sum([diff])[0]

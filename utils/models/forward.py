@@ -1,0 +1,283 @@
+"""The ONE way every model of the project is run: forwards, device placement, eval mode, generation.
+
+Every forward of a causal LM or of a value-head model (reward model, critic) goes through here,
+whether the model is a DeepSpeed engine (any ZeRO stage) or a plain module:
+- position ids come from the attention mask (utils.math.ops.position_ids_from_attention_mask) and the
+  KV cache is off, so a token's log-prob or value does not depend on the padding of its batch (a group's
+  repeated prompt is the exception: run once and its cache shared, in generation and in the reference's
+  no-grad scoring, see shared_prompt_cache);
+- inputs are moved to the model's device here (rows, packed batches and data-loader batches stay
+  on the CPU until a forward reads them);
+- log-prob and loss math is fp32 whatever the model's dtype.
+Generation settings (greedy or sampling, temperature, top-p, top-k) are built into `generate`
+keyword arguments in one place too, for step 3's rollout, its evaluation, prompt_eval and chat.py.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from utils.math.losses import IGNORE_INDEX, sft_nll
+from utils.math.ops import (entropy_from_logits, logprobs_from_logits, masked_sum, position_ids_from_attention_mask,
+                       sequence_score)
+
+
+# --------------------------------------------------------------------------- #
+# Device placement and mode
+# --------------------------------------------------------------------------- #
+def model_device(model: nn.Module) -> torch.device:
+    """The device a model's (or DeepSpeed engine's) inputs must be on."""
+    device = getattr(model, "device", None)
+    if isinstance(device, (torch.device, str)):
+        return torch.device(device)
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """The batch with every tensor on `device` (other values as they are; no copy when already there)."""
+    return {k: v.to(device) if isinstance(v, Tensor) else v for k, v in batch.items()}
+
+
+@contextlib.contextmanager
+def eval_mode(*models):
+    """Models (or engines) in eval mode (dropout off) inside; each one's previous mode restored after."""
+    states = [getattr(m, "module", m).training for m in models]
+    for m in models:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m, state in zip(models, states):
+            m.train(state)
+
+
+# --------------------------------------------------------------------------- #
+# Forwards
+# --------------------------------------------------------------------------- #
+def causal_lm_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int = 0,
+                     shared_prompt_len: int = 0) -> Tensor:
+    """Logits [B, L, V] of a causal LM: mask-derived position ids, no KV cache, inputs on its device.
+
+    With `logits_to_keep` K (0 < K < L) only the last K positions' logits [B, K, V]: transformers' own
+    argument, so the LM head and the softmaxes after it skip the prompt (the head is ~20% of a small
+    model's FLOPs; its fp32 [B, L, V] logits, their softmax and gradient ~1 GB of a tool-demo rank's step).
+    A model class without the argument computes them all and is sliced.
+
+    With `shared_prompt_len` P (no-grad scoring of rows whose first P tokens are their left-padded prompts,
+    K = L - P + 1): each distinct prompt's first P - 1 tokens run once and their KV cache is copied to its
+    rows (shared_prompt_cache), then every row's last L - P + 1 tokens run on it. A GRPO group of G answers
+    pays its prompt once instead of G times; the logits are the one-pass forward's to float rounding (SmolLM2:
+    within 6e-5 of logits up to ~30). Always two forwards, whether or not a prompt repeats."""
+    device = model_device(model)
+    if shared_prompt_len > 1 and logits_to_keep == input_ids.shape[1] - shared_prompt_len + 1:
+        p = shared_prompt_len
+        cache = shared_prompt_cache(model, input_ids[:, :p], attention_mask[:, :p], always=True)
+        if cache is not None:
+            input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+            return model(input_ids=input_ids[:, p - 1:], attention_mask=attention_mask,
+                         position_ids=position_ids_from_attention_mask(attention_mask)[:, p - 1:], cache=cache,
+                         use_cache=True).logits
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    keep = logits_to_keep if 0 < logits_to_keep < input_ids.shape[1] else 0
+    extra = {"logits_to_keep": keep} if keep and _takes_logits_to_keep(type(_hf_model(model))) else {}
+    out = model(input_ids=input_ids, attention_mask=attention_mask,
+                position_ids=position_ids_from_attention_mask(attention_mask), use_cache=False, **extra)
+    return out.logits[:, -keep:] if keep and not extra else out.logits
+
+
+def _hf_model(model: nn.Module) -> nn.Module:
+    """The transformers model inside a DeepSpeed engine and/or a peft wrapper."""
+    model = getattr(model, "module", model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+@functools.lru_cache(maxsize=None)
+def _takes_logits_to_keep(model_class: type) -> bool:
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
+
+
+def token_logprobs(model: nn.Module, batch: dict, temperature: float = 1.0, return_entropy: bool = False,
+                   entropy_grad: bool = False, share_prompts: bool = False):
+    """log p(token i+1 | prefix) [B, L-1] fp32 of a packed batch (utils.math.rows.pack: input_ids,
+    attention_mask, prompt_len, ...), in the layout of utils/math/ops.py; optionally with the per-token entropy,
+    detached (a monitor) unless `entropy_grad` (an entropy bonus in the loss: its softmax is kept for
+    the backward, one more [B, L-1, V] fp32 tensor).
+
+    Only the response positions (from `prompt_len` - 1 on, the first that predicts a response token) go
+    through the LM head; the prompt positions before them hold 0, which every reader masks out.
+
+    `temperature` divides the logits first: sampling draws from softmax(logits / T), so the policy
+    whose ratio PPO clips is that one, and the reference is scored the same way so that the KL
+    compares like with like.
+
+    `share_prompts` (no-grad scoring; every rank the same, it is two forwards): a prompt repeated in the
+    batch runs once (causal_lm_logits' `shared_prompt_len`).
+    """
+    input_ids = batch["input_ids"]
+    skipped = max(int(batch.get("prompt_len", 1)) - 1, 0)  # positions before the first prediction of a response token
+    logits = causal_lm_logits(model, input_ids, batch["attention_mask"], input_ids.shape[1] - skipped,
+                              shared_prompt_len=skipped + 1 if share_prompts else 0)[:, :-1]
+    if temperature != 1.0:
+        logits = logits / temperature
+    logprobs = _front_pad(logprobs_from_logits(logits, input_ids[:, 1 + skipped:]), skipped)
+    if return_entropy:
+        return logprobs, _front_pad(entropy_from_logits(logits if entropy_grad else logits.detach()), skipped)
+    return logprobs
+
+
+def _front_pad(per_token: Tensor, n: int) -> Tensor:
+    """[B, T] -> [B, n + T] with zeros in front (the prompt positions token_logprobs leaves out)."""
+    return torch.nn.functional.pad(per_token, (n, 0)) if n else per_token
+
+
+def sequence_logprobs(model: nn.Module, batch: dict) -> tuple[Tensor, Tensor]:
+    """(log p(response | prompt) [B], response tokens [B]) fp32: the token log-probs of ``batch``
+    (input_ids, attention_mask, action_mask on the response tokens) summed over ``action_mask``:
+    DPO's sequence log-probs. Positions from the mask make them independent of the padding."""
+    action_mask = batch["action_mask"]
+    logprobs = token_logprobs(model, batch)
+    return masked_sum(logprobs, action_mask, dim=1), action_mask.to(logprobs.device).sum(dim=1)
+
+
+def lm_nll(model: nn.Module, batch: dict) -> tuple[Tensor, Tensor]:
+    """(sum of next-token NLL over the trained labels of `batch`, their count): step 1, PPO-ptx, perplexity.
+    The LM head runs from the batch's first trained prediction on (prompts before it are skipped)."""
+    labels = batch["labels"]
+    trained = (labels[:, 1:] != IGNORE_INDEX).any(dim=0).nonzero()
+    start = int(trained[0]) if len(trained) else 0  # the first position whose prediction is trained
+    logits = causal_lm_logits(model, batch["input_ids"], batch["attention_mask"], labels.shape[1] - start)
+    return sft_nll(logits, labels[:, start:])
+
+
+def token_values(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """Per-token values [B, L-1] fp32 of a value-head model (the critic), in the layout of utils/math/ops.py.
+
+    Position i is the value of the state in which token i+1 is chosen. The RewardModel's forward
+    derives its position ids from the mask itself (utils/models/reward_model.py).
+    """
+    device = model_device(model)
+    return model(input_ids.to(device), attention_mask.to(device))[:, :-1].float()
+
+
+def sequence_scores(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """[B] fp32: a value-head model's value at each row's last real token (the reward model's score)."""
+    device = model_device(model)
+    attention_mask = attention_mask.to(device)
+    return sequence_score(model(input_ids.to(device), attention_mask).float(), attention_mask)
+
+
+# --------------------------------------------------------------------------- #
+# Generation
+# --------------------------------------------------------------------------- #
+@dataclass
+class GenerationSettings:
+    """How answers are decoded; utils/train/flags.py add_generation_args defines the flags of the sampling part."""
+    max_new_tokens: int
+    do_sample: bool = True
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_new_tokens: int | None = None
+    num_beams: int | None = None
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.do_sample and not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}")
+        if self.num_beams is not None and self.num_beams < 1:
+            raise ValueError(f"num_beams must be >= 1, got {self.num_beams}")
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature of the distribution the answers are drawn from (1 for greedy decoding)."""
+        return self.temperature if self.do_sample else 1.0
+
+
+def generation_kwargs(settings: GenerationSettings, stop_token_ids, pad_token_id: int) -> dict:
+    """`generate` keyword arguments; the sampling knobs are passed only when sampling (None otherwise,
+    so a model's generation_config cannot switch them on behind our back). ``stop_token_ids``: EOS,
+    or a list of the tokens that end a response (EOS and a chat template's end-of-turn token)."""
+    stop = [stop_token_ids] if isinstance(stop_token_ids, int) else list(stop_token_ids)
+    kwargs = {"max_new_tokens": settings.max_new_tokens, "do_sample": settings.do_sample,
+              "eos_token_id": stop[0] if len(stop) == 1 else stop, "pad_token_id": pad_token_id, "use_cache": True}
+    if settings.min_new_tokens is not None:
+        kwargs["min_new_tokens"] = settings.min_new_tokens
+    if settings.num_beams is not None:
+        kwargs["num_beams"] = settings.num_beams
+    if settings.do_sample:
+        kwargs.update(temperature=settings.temperature, top_p=settings.top_p, top_k=settings.top_k)
+    else:
+        kwargs.update(temperature=None, top_p=None, top_k=None)
+    return kwargs
+
+
+@torch.no_grad()
+def generate(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, logprob_temperature: float | None = None,
+             **kwargs):
+    """Sequences [B, P + T] of a plain (unwrapped) causal LM for left-padded prompts [B, P], on its device.
+
+    With `logprob_temperature`: (sequences, the generator's own log-probs [B, T] fp32 of the tokens it
+    chose, under softmax(logits / logprob_temperature)), the distribution the trainer scores
+    (`token_logprobs`; before min-length, top-k and top-p processing, as vLLM's raw log-probs). `generate`
+    is asked for its raw logits (`output_logits`), which it keeps for every step: T x B x V x 4 bytes
+    more while generating (16 rows x 64 tokens x 49152 tokens of SmolLM2: 0.2 GB), freed here. Rows that
+    repeat a prompt share its prefill (shared_prompt_cache; not with beam search or plain ZeRO-3's
+    `synced_gpus`, where every rank must run the same forwards).
+    """
+    device = model_device(model)
+    if not kwargs.get("synced_gpus") and (kwargs.get("num_beams") or 1) == 1:
+        cache = shared_prompt_cache(model, input_ids, attention_mask)
+        if cache is not None:
+            kwargs["cache"] = cache
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    if logprob_temperature is None:
+        return model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, output_logits=True,
+                         return_dict_in_generate=True, **kwargs)
+    return out.sequences, sampled_logprobs(out.logits, out.sequences[:, input_ids.shape[1]:], logprob_temperature)
+
+
+def shared_prompt_cache(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, always: bool = False):
+    """The KV cache of left-padded prompts [B, P] whose rows repeat (a group's n samples of one prompt), for
+    `generate` to continue from: each distinct prompt's first P - 1 tokens run once (position ids from the
+    mask) and its cache rows copied to its repeats; generate then runs the last prompt token of every row and
+    samples on. The prefill of a GRPO rollout of G samples per prompt costs 1/G of a full one; the tokens and
+    their logits are those of the unshared prefill (SmolLM2 and the tiny llama on CPU: bitwise; gpt2 and OPT:
+    log-probs within 1e-6, tests/test_step3_generation.py). None when no row repeats (`always`: the cache
+    anyway), the prompt is one token, or the model's cache cannot be copied by rows."""
+    if input_ids.shape[1] < 2:
+        return None
+    unique, inverse = torch.unique(torch.cat([input_ids, attention_mask.to(input_ids.dtype)], 1), dim=0,
+                                   return_inverse=True)
+    if len(unique) == len(input_ids) and not always:
+        return None
+    rows = torch.arange(len(input_ids), device=input_ids.device)
+    first = torch.full((len(unique),), len(input_ids), device=input_ids.device).scatter_reduce(0, inverse, rows, "amin")
+    device = model_device(model)
+    mask = attention_mask[first, :-1].to(device)
+    extra = {"logits_to_keep": 1} if _takes_logits_to_keep(type(_hf_model(model))) else {}
+    out = model(input_ids=input_ids[first, :-1].to(device), attention_mask=mask,
+                position_ids=position_ids_from_attention_mask(mask), use_cache=True, **extra)
+    cache = getattr(out, "past_key_values", None)
+    if cache is None or not hasattr(cache, "batch_select_indices"):
+        return None
+    cache.batch_select_indices(inverse.to(device))
+    return cache
+
+
+def sampled_logprobs(step_logits, tokens: Tensor, temperature: float = 1.0) -> Tensor:
+    """[B, T] fp32: log softmax(step_logits[t] / temperature) at tokens[:, t], one step at a time (no
+    [B, T, V] stack); `step_logits` is `generate`'s tuple of T raw [B, V] logits."""
+    if len(step_logits) != tokens.shape[1]:
+        raise ValueError(f"{len(step_logits)} steps of logits for {tokens.shape[1]} generated tokens")
+    columns = [logprobs_from_logits(logits.float() / temperature, tokens[:, t].to(logits.device))
+               for t, logits in enumerate(step_logits)]
+    return torch.stack(columns, dim=1) if columns else tokens.new_zeros(tokens.shape, dtype=torch.float32)

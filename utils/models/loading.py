@@ -1,0 +1,300 @@
+"""Loading tokenizers and causal LMs the same way in every step.
+
+The rule that lives here so no step can get it wrong: the pad token is distinct from EOS (else
+masks built from `input_ids != pad` would hide EOS, the action that carries the reward in step 3).
+How models are run (position ids from the attention mask in every forward) is utils/models/forward.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from torch import nn
+
+from utils.errors import ProjectError, one_line
+
+PAD_TOKEN = "<pad>"
+
+_DROPOUT_ATTRS = (
+    "dropout", "attention_dropout", "hidden_dropout", "activation_dropout", "resid_pdrop",
+    "embd_pdrop", "attn_pdrop", "summary_first_dropout", "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+)
+
+
+class ModelLoadError(ProjectError, ValueError):
+    """A model or tokenizer path that cannot be loaded; the message names the path."""
+
+
+class ModelFlagError(ProjectError, ValueError):
+    """A model flag that does not fit the model or the device (--lora_module_name, --dtype); names the flag."""
+
+
+SAFE_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # what from_pretrained(use_safetensors=True) reads
+# Why pickled weights are refused, and the one-liner that converts them (torch.load(weights_only=True) underneath)
+CONVERT_HINT = ("pickled weights can run code when loaded, so only safetensors are read; convert the directory once "
+                "with: python -c \"from transformers import AutoModelForCausalLM as M; "
+                "M.from_pretrained('{src}', use_safetensors=False, weights_only=True)"
+                ".save_pretrained('{dst}', safe_serialization=True)\"")
+
+
+def check_model_path(path: str, what: str = "model") -> None:
+    """Fail early, naming the path, when a local-looking model path does not exist.
+
+    A string that is not an existing directory is still accepted when it looks like a hub name
+    ("org/name") so users with network access can pass one.
+    """
+    if os.path.isdir(path):
+        if not os.path.exists(os.path.join(path, "config.json")):
+            raise ModelLoadError(f"{what} directory {path!r} has no config.json (not a from_pretrained directory)")
+        return
+    looks_like_hub_name = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+    if not looks_like_hub_name or os.path.exists(path):
+        raise ModelLoadError(f"{what} path {path!r} does not exist or is not a directory")
+
+
+def check_weight_files(path: str, what: str = "model") -> None:
+    """Refuse a local directory without safetensors weights: pickled ones (*.bin, a one-line conversion
+    given) or none at all (a config.json alone). A hub name is left to from_pretrained."""
+    if not os.path.isdir(path):
+        return
+    names = os.listdir(path)
+    if any(name in names for name in SAFE_WEIGHTS):
+        return
+    pickled = sorted(name for name in names  # what from_pretrained(use_safetensors=False) would unpickle
+                     if name.startswith("pytorch_model") and name.endswith((".bin", ".bin.index.json")))
+    if pickled:
+        raise ModelLoadError(f"{what} directory {path!r} has only pickled weights ({', '.join(pickled[:3])}"
+                             f"{', ...' if len(pickled) > 3 else ''}); " + CONVERT_HINT.format(src=path, dst=path))
+    raise ModelLoadError(f"{what} directory {path!r} has no weights ({' or '.join(SAFE_WEIGHTS)}): an interrupted "
+                         f"save or copy, or a directory that holds only a config or tokenizer?")
+
+
+def check_remote_code(path: str, trust_remote_code: bool, what: str = "model") -> None:
+    """Refuse a local directory whose config.json or tokenizer_config.json names its own Python code
+    (auto_map), which loading would import and run, unless --trust_remote_code."""
+    if trust_remote_code or not os.path.isdir(path):
+        return
+    for name in ("config.json", "tokenizer_config.json"):
+        auto_map = _json_field(os.path.join(path, name), "auto_map")
+        if auto_map:
+            code = sorted({str(ref).split("--")[-1].split(".")[0] + ".py" for ref in _flat(auto_map) if ref})
+            raise ModelLoadError(f"{what} directory {path!r} ships its own Python code ('auto_map' in {name}: "
+                                 f"{', '.join(code) or '?'}), which loading would run; read it, and pass "
+                                 f"--trust_remote_code if you trust it")
+
+
+def _json_field(file: str, key: str):
+    """``key`` of a JSON object file, None when the file is missing or not such an object."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return obj.get(key) if isinstance(obj, dict) else None
+
+
+def _flat(value) -> list:
+    """The strings of an auto_map value (a class reference, or a list/dict of them)."""
+    if isinstance(value, dict):
+        return [v for item in value.values() for v in _flat(item)]
+    if isinstance(value, (list, tuple)):
+        return [v for item in value for v in _flat(item)]
+    return [value]
+
+
+def check_precision_supported(ds_config: dict | None) -> None:
+    """Refuse --dtype fp16/bf16 on an accelerator that has no such kernels (DeepSpeed's CPU one has no fp16),
+    before a model is loaded for an engine that deepspeed.initialize would then refuse."""
+    if not ds_config:
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    supported = {"fp16": bool(accelerator.is_fp16_supported()), "bf16": bool(accelerator.is_bf16_supported())}
+    for dtype, ok in supported.items():
+        if ds_config.get(dtype, {}).get("enabled") and not ok:
+            others = [d for d, other_ok in supported.items() if other_ok] + ["fp32"]
+            raise ModelFlagError(f"--dtype {dtype} is not supported on this device ({accelerator.device_name()}); "
+                                 f"use --dtype {' or '.join(others)}")
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False, padding_side: str = "right",
+                   chat_template: str | None = None):
+    """Load a tokenizer and give it a pad token distinct from EOS (added if needed).
+
+    ``chat_template`` (a Jinja file, ``--chat_template``) replaces the tokenizer's own template; it
+    is then saved with every output directory's tokenizer, so later steps and tools render alike."""
+    from transformers import AutoTokenizer
+
+    check_model_path(path, "tokenizer")
+    check_remote_code(path, trust_remote_code)  # the model's directory, in every step
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if chat_template:
+        from utils.data.chat import use_chat_template_file
+
+        use_chat_template_file(tokenizer, chat_template)
+    if tokenizer.eos_token_id is None:
+        raise ModelLoadError(f"tokenizer at {path!r} has no EOS token; generation could never stop")
+    if tokenizer.pad_token_id is None or tokenizer.pad_token_id == tokenizer.eos_token_id:
+        tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
+    tokenizer.padding_side = padding_side
+    return tokenizer
+
+
+def configure_dropout(config, dropout: float | None) -> None:
+    """Set every dropout probability the config knows to `dropout` (None keeps the model's)."""
+    if dropout is None:
+        return
+    for attr in _DROPOUT_ATTRS:
+        if hasattr(config, attr):
+            setattr(config, attr, dropout)
+
+
+def zero3_model_context(ds_config: dict | None):
+    """Return the object that makes `from_pretrained` build a ZeRO-3 partitioned model.
+
+    Measured (shared/notes): keep the HfDeepSpeedConfig alive while the model exists, and unset
+    it before building a non-ZeRO-3 model in the same process, or that one is partitioned too.
+    """
+    from transformers.integrations import HfDeepSpeedConfig
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    if ds_config is not None and ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
+        return HfDeepSpeedConfig(ds_config)
+    unset_hf_deepspeed_config()
+    return None
+
+
+def load_causal_lm(path: str, tokenizer=None, ds_config: dict | None = None, dropout: float | None = None,
+                   trust_remote_code: bool = False, base_model_only: bool = False,
+                   attn_implementation: str | None = None) -> nn.Module:
+    """Load a causal LM (or only its backbone, for reward/critic models) from a directory.
+
+    Built partitioned when `ds_config` is ZeRO-3. Embeddings are resized when the tokenizer has
+    more tokens than the model (an added pad token). `attn_implementation` (None: transformers'
+    default) picks the attention kernel (--attn_implementation). Weights are read from safetensors only
+    (pickled .bin files can run code); custom model code only with `trust_remote_code`.
+    """
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    check_model_path(path)
+    check_remote_code(path, trust_remote_code)
+    check_weight_files(path)
+    check_precision_supported(ds_config)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    configure_dropout(config, dropout)
+    hf_ds_config = zero3_model_context(ds_config)
+    cls = AutoModel if base_model_only else AutoModelForCausalLM
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    try:
+        model = cls.from_pretrained(path, config=config, trust_remote_code=trust_remote_code, dtype=torch.float32,
+                                    use_safetensors=True, **extra)
+    except Exception as exc:
+        unreadable = unreadable_weight_files(path)
+        if unreadable:
+            raise ModelLoadError(f"model directory {path!r}: {unreadable[0][0]} cannot be read ({unreadable[0][1]}); "
+                                 f"the file is truncated or corrupt (an interrupted save or copy?)") from exc
+        if not os.path.isdir(path) and "use_safetensors" in str(exc):  # a hub model with pickled weights only
+            raise ModelLoadError(f"model {path!r} has no safetensors weights; "
+                                 + CONVERT_HINT.format(src=path, dst=path.rsplit("/", 1)[-1])) from exc
+        raise
+    model._hf_ds_config = hf_ds_config  # keep alive: ZeRO-3 hooks refer to it through a weakref
+    if tokenizer is not None:
+        if embedding_rows(model) < len(tokenizer):
+            model.resize_token_embeddings(len(tokenizer), mean_resizing=True)
+        model.config.pad_token_id = tokenizer.pad_token_id
+        model.config.eos_token_id = tokenizer.eos_token_id
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.pad_token_id = tokenizer.pad_token_id
+            model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.config.use_cache = False
+    return model
+
+
+def unreadable_weight_files(path: str) -> list[tuple[str, str]]:
+    """[(file name, reason)] of the .safetensors files of a local directory whose header does not read."""
+    if not os.path.isdir(path):
+        return []
+    from safetensors import safe_open
+
+    bad = []
+    for name in sorted(os.listdir(path)):
+        if name.endswith(".safetensors"):
+            try:
+                with safe_open(os.path.join(path, name), framework="pt") as f:
+                    f.keys()
+            except Exception as exc:  # noqa: BLE001 - any reason it cannot be read is reported
+                bad.append((name, one_line(exc)))
+    return bad
+
+
+def embedding_rows(model: nn.Module) -> int:
+    """Vocabulary rows of the input embedding, also when ZeRO-3 has partitioned it."""
+    weight = model.get_input_embeddings().weight
+    return weight.ds_shape[0] if hasattr(weight, "ds_shape") else weight.shape[0]
+
+
+_NEVER_LORA = ("lm_head", "embed_out", "score")  # output heads
+
+
+def lora_target_modules(model: nn.Module, module_name_filter: str) -> list[str]:
+    """Names of the Linear/Conv1D layers whose name contains `module_name_filter` (never the LM head).
+
+    DeepSpeed-Chat's `--lora_module_name` is a substring; peft wants explicit layer names.
+    """
+    from transformers.pytorch_utils import Conv1D
+
+    names = [name for name, module in model.named_modules()
+             if isinstance(module, (nn.Linear, Conv1D)) and module_name_filter in name
+             and not name.endswith(_NEVER_LORA)]
+    if not names:
+        raise ModelFlagError(f"--lora_module_name {module_name_filter!r} matches no Linear layer of the model "
+                             f"(layer names look like {_linear_names_sample(model)})")
+    return names
+
+
+def _linear_names_sample(model: nn.Module, shown: int = 4) -> str:
+    """A few distinct Linear/Conv1D layer names (their last part), to show what --lora_module_name can match."""
+    from transformers.pytorch_utils import Conv1D
+
+    names = dict.fromkeys(name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                          if isinstance(module, (nn.Linear, Conv1D)) and not name.endswith(_NEVER_LORA))
+    return ", ".join(list(names)[:shown]) or "none"
+
+
+def apply_lora(model: nn.Module, lora_dim: int, module_name_filter: str, lora_alpha: float | None = None,
+               only_optimize_lora: bool = False, modules_to_save: list[str] | None = None) -> nn.Module:
+    """Wrap `model` with peft LoRA adapters; base weights stay trainable unless `only_optimize_lora`."""
+    from peft import LoraConfig, get_peft_model
+    from transformers.pytorch_utils import Conv1D
+
+    targets = lora_target_modules(model, module_name_filter)
+    fan_in_fan_out = isinstance(model.get_submodule(targets[0]), Conv1D)
+    config = LoraConfig(r=lora_dim, lora_alpha=lora_alpha or lora_dim, target_modules=targets, lora_dropout=0.0,
+                        fan_in_fan_out=fan_in_fan_out, modules_to_save=modules_to_save)
+    peft_model = get_peft_model(model, config)
+    if not only_optimize_lora:
+        for name, param in peft_model.named_parameters():
+            param.requires_grad = True
+    return peft_model
+
+
+class hf_zero3_disabled:
+    """Temporarily switch off transformers' global ZeRO-3 flag (to build a plain model on one rank)."""
+
+    def __enter__(self):
+        from transformers.integrations import deepspeed as hf_ds
+
+        ref = hf_ds._hf_deepspeed_config_weak_ref
+        self.saved = ref() if ref is not None else None
+        hf_ds.unset_hf_deepspeed_config()
+        return self
+
+    def __exit__(self, *exc):
+        from transformers.integrations.deepspeed import set_hf_deepspeed_config
+
+        if self.saved is not None:
+            set_hf_deepspeed_config(self.saved)
+        return False

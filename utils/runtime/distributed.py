@@ -1,0 +1,175 @@
+"""Process-group set-up that works with the `deepspeed` launcher, torchrun, or no launcher at all."""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import datetime
+import os
+import random
+
+import numpy as np
+import torch
+
+from utils.runtime.ports import free_port
+
+
+def init_distributed(timeout_s: int = 600) -> None:
+    """Initialise torch.distributed through DeepSpeed, on the backend the accelerator names (gloo on
+    CPU, nccl on CUDA), with this rank bound to its own device first (utils/runtime/accelerator.py).
+
+    Without a launcher the rank variables are missing and DeepSpeed falls back to MPI discovery,
+    which fails without mpi4py (shared/notes); a lone process therefore becomes rank 0 of 1.
+    `timeout_s` bounds how long a rank waits on a dead peer before raising.
+    """
+    import deepspeed
+
+    from utils.runtime import accelerator, extensions
+
+    if "RANK" not in os.environ:
+        os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+    tune_malloc()
+    accelerator.set_local_device()
+    extensions.load_comm_op()  # per-checkout build, our own lock, no silent wait on a stale one
+    deepspeed.init_distributed(dist_backend=accelerator.communication_backend(),
+                               timeout=datetime.timedelta(seconds=timeout_s), auto_mpi_discovery=False)
+    _share_failures()
+    _unlink_shm_buffer()
+
+
+def start_process(args) -> None:
+    """What every step does first: process group (--dist_timeout), seeds (--seed), TF32 (--no_tf32)."""
+    from utils.runtime import accelerator
+
+    init_distributed(args.dist_timeout)
+    set_seed(args.seed)
+    accelerator.configure_tf32(not args.no_tf32)
+
+
+# glibc mallopt parameters (malloc.h) and the values `tune_malloc` sets (mallopt takes C ints).
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4
+MALLOC_TUNING = {"MALLOC_MMAP_MAX_": (_M_MMAP_MAX, 0),
+                 "MALLOC_TRIM_THRESHOLD_": (_M_TRIM_THRESHOLD, 2**31 - 1),
+                 "MALLOC_TOP_PAD_": (_M_TOP_PAD, 1 << 30)}
+
+
+def malloc_tuning_wanted(env=os.environ) -> bool:
+    """False when the user chose: RLHF_MALLOC_TUNING=0, or any of the MALLOC_* variables set."""
+    return env.get("RLHF_MALLOC_TUNING", "1") != "0" and not any(name in env for name in MALLOC_TUNING)
+
+
+def malloc_tuning_env() -> dict:
+    """The same settings as MALLOC_* environment variables (for processes that are not ours)."""
+    return {name: str(value) for name, (_, value) in MALLOC_TUNING.items()}
+
+
+def tune_malloc() -> bool:
+    """Keep freed memory in the heap for reuse instead of unmapping it (glibc only).
+
+    ZeRO-3 gathers and frees parameter and gradient buffers of tens of MB on every forward and
+    backward. glibc serves blocks over 32 MB with a fresh mmap and unmaps them on free, so every
+    gather page-faults and zero-fills its memory again (shared/notes/peer-trl.md). Serving all
+    blocks from the heap and never trimming it removes those faults once the heap has grown to
+    the working set (a bounded plateau, not a leak). Skipped when the user set any of these
+    MALLOC_* variables or RLHF_MALLOC_TUNING=0. Returns whether it was applied.
+    """
+    if not malloc_tuning_wanted():
+        return False
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):  # not glibc (musl, macOS)
+        return False
+    return all(mallopt(param, value) == 1 for param, value in MALLOC_TUNING.values())
+
+
+def _share_failures() -> None:
+    """Hand the process group's store to utils.errors: the first rank of a job to fail claims the one
+    report there, so N ranks meeting the same bad input print one line, not N."""
+    from utils import errors
+
+    if torch.distributed.get_world_size() > 1:
+        errors.use_store(torch.distributed.distributed_c10d._get_default_store())
+
+
+def _unlink_shm_buffer() -> None:
+    """Remove the name of DeepSpeed's shared-memory all-reduce buffer once every rank has mapped it.
+
+    On CPU, DeepSpeed's shm comm op creates a 69 MB `/dev/shm/deepspeed_allreduce_buffer_*` file per
+    rank and never removes it: each run leaked 140 MB of RAM (tmpfs) per 2 ranks, even on a clean
+    exit, until the machine ran out of memory. The mappings stay valid after the name is unlinked.
+    """
+    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{torch.distributed.get_rank()}")
+    if not os.path.exists(name):
+        return
+    torch.distributed.barrier()  # every rank has opened every other rank's buffer
+    os.remove(name)
+
+
+def rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def world_size() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def is_rank0() -> bool:
+    return rank() == 0
+
+
+def barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def _reduced(values: list[float], op) -> list[float]:
+    """`values` reduced over all ranks, float64 (token counts stay exact), on the rank's own device
+    (NCCL reduces only accelerator tensors; gloo takes CPU ones)."""
+    if not torch.distributed.is_initialized():
+        return [float(v) for v in values]
+    from utils.runtime.accelerator import local_device
+
+    tensor = torch.tensor(values, dtype=torch.float64, device=local_device())
+    torch.distributed.all_reduce(tensor, op=op)
+    return tensor.tolist()
+
+
+def all_reduce_sum(values: list[float]) -> list[float]:
+    """Sum a few floats over all ranks."""
+    return _reduced(values, torch.distributed.ReduceOp.SUM)
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rank_batches(examples: list, batch_size: int, max_batches: int = 0) -> list[tuple[list, float]]:
+    """This rank's share of `examples` in batches, the SAME number of batches on every rank (at most
+    `max_batches` when > 0: an evaluation on part of a held-out split).
+
+    ZeRO-3 forwards are collective, so a rank with fewer examples still runs a forward: it gets
+    a copy of a real batch with weight 0. Unlike DistributedSampler's padding, no example is
+    counted twice, so evaluation figures are exact.
+    """
+    n_ranks, r = world_size(), rank()
+    shard = examples[r::n_ranks]
+    per_rank = -(-len(examples) // n_ranks)
+    n_batches = -(-per_rank // batch_size)
+    batches = [(shard[i * batch_size:(i + 1) * batch_size], 1.0) for i in range(n_batches)]
+    filler = examples[:batch_size]
+    if max_batches > 0:
+        batches = batches[:max_batches]
+    return [(b, w) if b else (filler, 0.0) for b, w in batches]
+
+
+def all_reduce_max(value: float) -> float:
+    """The largest of one float over all ranks."""
+    return _reduced([value], torch.distributed.ReduceOp.MAX)[0]
+
+
+def all_reduce_max_list(values: list[float]) -> list[float]:
+    """Each float's largest value over all ranks, in one collective."""
+    return _reduced(values, torch.distributed.ReduceOp.MAX) if values else []
