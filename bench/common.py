@@ -20,12 +20,26 @@ import sys
 import time
 from dataclasses import dataclass
 
+from utils.errors import ProjectError, run_main
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = os.path.join(REPO, "bench", "runs")
 SMOL = os.path.join(REPO, ".cache", "models", "SmolLM2-135M-Instruct")
 # the environment of every launched run: one thread per process (2 ranks on 2 cores), offline, quiet
 BENCH_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
              "PYTHONWARNINGS": "ignore"}
+
+
+class BenchError(ProjectError):
+    """A benchmark that cannot run as asked or whose launch failed: shown as one `error:` line by
+    utils.errors.run_main (every benchmark's main goes through it), exit status 1."""
+
+
+def launch_failed(message: str, log_tail: str) -> BenchError:
+    """The error of a failed launch: its log's tail goes to stderr first (the lines that say why), then the
+    one-line `message`."""
+    sys.stderr.write(log_tail.rstrip("\n") + "\n")
+    return BenchError(message)
 
 
 def bench_model(args) -> str:
@@ -44,6 +58,26 @@ def cpu_name() -> str:
             return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     except OSError:
         return platform.processor() or ""
+
+
+def sgemm_gflops(n: int = 1024, repeats: int = 5) -> float:
+    """How fast one core multiplies right now (fp32 n x n matmul, 1 thread, best of `repeats`, GFLOP/s): a saved
+    result's host figure, since the same CPU model reads 80-160 on a shared VM from one hour to the next."""
+    import torch  # imported here to keep --help fast
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return round(2 * n ** 3 / best / 1e9, 1)
 
 
 def cpu_busy_fraction(seconds: float = 2.0) -> float:
@@ -155,12 +189,13 @@ def add_run_args(p: argparse.ArgumentParser, port: int, timeout: int | None,
 # ---------------------------------------------------------------------------------------------- launch
 def main_or_worker(main, worker, flag: str = "--worker") -> None:
     """The entry point of a benchmark that re-launches itself (under `deepspeed` or torchrun) with `flag`:
-    the launched copies run worker(argv), the command line a person types runs main()."""
+    the launched copies run worker(argv), the command line a person types runs main() (one `error:` line and exit
+    status 1 on a BenchError or another ProjectError, utils.errors.run_main)."""
     argv = sys.argv[1:]
     if flag in argv:
         worker(argv)
     else:
-        main()
+        run_main(main)
 
 
 def worker_argv(argv: list[str], flag: str, *options: str) -> tuple[list[str], dict[str, str]]:
@@ -282,5 +317,4 @@ def launch(cmd: list[str], env: dict, timeout: int, log_path: str) -> None:
     print(f"  [{time.time() - start:.0f} s] {' '.join(cmd[:8])} ... (log {log_path})", file=sys.stderr, flush=True)
     if rc != 0:
         with open(log_path) as f:
-            sys.stderr.write(f.read()[-6000:])
-        raise SystemExit(f"error: {' '.join(cmd[:6])} ... exited with {rc}")
+            raise launch_failed(f"{' '.join(cmd[:6])} ... exited with {rc} (log {log_path})", f.read()[-6000:])

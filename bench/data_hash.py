@@ -21,10 +21,10 @@ if REPO not in sys.path:
 from bench.common import machine_line  # noqa: E402
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", default=os.path.join(REPO, "data", "demo"), help="demo data directory")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     from utils.data.sources import content_hashes  # after --help: it imports torch
 
     if not os.path.isdir(args.data):
@@ -44,4 +44,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from utils.errors import run_main
+
+    run_main(main)

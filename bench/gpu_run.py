@@ -20,7 +20,7 @@ Every run is the real entry point in its own process; its figures come from its 
 s/step and samples/s (steps 1-2: time/train_s over the steps, first step included; step 3: the
 median iteration after the first), generated tokens/s (step 3: generated tokens / generation time)
 and the peak memory of each phase (mem/*: accelerator memory allocated on a GPU, peak RSS on CPU).
-The report is printed and written to bench/results/DATE-gpu[-cpu-fallback].txt (+ .json), and to
+The report is printed and written to bench/results/gpu/DATE-gpu[-cpu-fallback].txt (+ .json), and to
 $OUT when set (the device tool brings $OUT back).
 """
 from __future__ import annotations
@@ -318,7 +318,7 @@ def main(argv=None):
                    help="no run starts after this many seconds; each is cut at what is left (seconds)")
     p.add_argument("--only", default="", help="comma-separated substrings: run only the runs whose name has one")
     p.add_argument("--save", default=None,
-                   help="report file, and its .json beside it (path; default: bench/results/DATE-gpu[-cpu-fallback].txt)")
+                   help="report file, and its .json beside it (path; default: bench/results/gpu/DATE-gpu[-cpu-fallback].txt)")
     args = p.parse_args(argv)
     import torch  # imported here to keep --help fast
 
@@ -354,7 +354,7 @@ def main(argv=None):
         results.append(run)
         print(f"[gpu_run] {run['name']}: rc {run['rc']} in {run['wall_s']:.0f} s {run['summary']}", flush=True)
     lines = report(results, env_lines, time.time() - start)
-    save = args.save or os.path.join(REPO, "bench", "results", f"{datetime.date.today().isoformat()}-gpu"
+    save = args.save or os.path.join(REPO, "bench", "results", "gpu", f"{datetime.date.today().isoformat()}-gpu"
                                      f"{'' if mode == 'gpu' else '-cpu-fallback'}.txt")
     finish_report(save, [], lines)
     save_json(save, [{k: v for k, v in r.items() if k not in ("env",)} for r in results])

@@ -39,8 +39,9 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from bench import step3  # noqa: E402
-from bench.common import (RUNS, add_run_args, bench_env, bench_model, end_report, fresh_dir, machine_line,  # noqa: E402
-                          main_or_worker, malloc_line, read_jsonl, run_logged, start_report, title, worker_argv)
+from bench.common import (RUNS, BenchError, add_run_args, bench_env, bench_model, end_report, fresh_dir,  # noqa: E402
+                          launch_failed, machine_line, main_or_worker, malloc_line, read_jsonl, run_logged,
+                          start_report, title, worker_argv)
 
 GIB = 2**30
 
@@ -239,7 +240,7 @@ def run_variant(args, model_dir, prompts, variant: str, port: int) -> dict:
     elif variant.startswith("env:"):
         env.update(dict(kv.split("=", 1) for kv in variant[4:].split(",") if kv))
     elif variant != "tuned":
-        raise SystemExit(f"error: unknown variant {variant!r} (tuned, glibc, env:NAME=VALUE,...)")
+        raise BenchError(f"unknown variant {variant!r} (tuned, glibc, env:NAME=VALUE,...)")
     cmd = step3.step3_command(args, model_dir, prompts, 3, True, out_dir, port, module="bench.memory_step3")
     record_path = os.path.join(out_dir, "memory.json")
     cmd += ["--worker", "--memory_out", record_path]
@@ -252,7 +253,7 @@ def run_variant(args, model_dir, prompts, variant: str, port: int) -> dict:
                 records.append(json.load(f))
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
     if run.returncode != 0 or not records or not os.path.exists(metrics_path):
-        raise SystemExit(f"error: variant {variant}: exit {run.returncode}; log tail:\n{run.tail()}")
+        raise launch_failed(f"variant {variant}: exit {run.returncode}; log tail above", run.tail())
     rows = read_jsonl(metrics_path)
     for sub in ("actor", "critic"):
         shutil.rmtree(os.path.join(out_dir, sub), ignore_errors=True)

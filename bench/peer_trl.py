@@ -46,7 +46,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from bench import step3  # noqa: E402
-from bench.common import (RUNS, add_run_args, alternate, bench_env, bench_model, end_report,  # noqa: E402
+from bench.common import (RUNS, BenchError, add_run_args, alternate, bench_env, bench_model, end_report,  # noqa: E402
                           machine_line, main_or_worker, malloc_line, median_result, rounds_lines, run_logged,
                           start_report, title, torchrun_cmd)
 
@@ -91,7 +91,8 @@ def worker(argv) -> None:
     # before the config and the models (shared/notes); without backend="gloo" it reports 1 process on CPU
     state = PartialState(backend="gloo")
     if state.num_processes != int(os.environ.get("WORLD_SIZE", "1")):
-        raise SystemExit(f"accelerate sees {state.num_processes} process(es), WORLD_SIZE is {os.environ.get('WORLD_SIZE')}")
+        raise BenchError(f"accelerate sees {state.num_processes} process(es), "
+                         f"WORLD_SIZE is {os.environ.get('WORLD_SIZE')}")
     from datasets import Dataset
     from transformers import DataCollatorWithPadding
     from trl.experimental.ppo import PPOTrainer
@@ -341,7 +342,7 @@ def parse_args(argv=None):
     add_run_args(p, 29561, 600)
     args = p.parse_args(argv)
     if args.batch_size % args.train_batch_size:
-        raise SystemExit("error: --train_batch_size must divide --batch_size")
+        raise BenchError("--train_batch_size must divide --batch_size")
     return args
 
 
@@ -384,7 +385,7 @@ def main(argv=None):
     prompts = step3.write_prompts(os.path.join(RUNS, "prompts.jsonl"), args.num_prompts)
     if args.malloc_trim_threshold is not None:
         if not args.malloc_tuning:
-            raise SystemExit("error: --malloc_trim_threshold needs --malloc_tuning")
+            raise BenchError("--malloc_trim_threshold needs --malloc_tuning")
         malloc_env()["MALLOC_TRIM_THRESHOLD_"] = str(args.malloc_trim_threshold)
     if args.malloc_tuning:
         os.environ.update(malloc_env())  # inherited by our step 3 launch too

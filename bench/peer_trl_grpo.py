@@ -65,9 +65,9 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from bench import step3  # noqa: E402
-from bench.common import (RUNS, add_model_args, add_run_args, alternate, bench_model, deepspeed_cmd,  # noqa: E402
-                          end_report, main_or_worker, malloc_line, median_result, rounds_lines, run_logged,
-                          start_report, torchrun_cmd)
+from bench.common import (RUNS, BenchError, add_model_args, add_run_args, alternate, bench_model,  # noqa: E402
+                          deepspeed_cmd, end_report, main_or_worker, malloc_line, median_result, rounds_lines,
+                          run_logged, start_report, torchrun_cmd)
 from bench.peer_trl import ds_config_file, first_error_line, malloc_env, peer_header, trl_env  # noqa: E402
 
 TRL_VENV = os.path.join(REPO, "bench", ".venv-trl-grpo")
@@ -116,7 +116,7 @@ def worker(argv) -> None:
     state = PartialState(backend="gloo")  # before the config and the models (shared/notes/peer-trl.md)
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if state.num_processes != launched:
-        raise SystemExit(f"error: accelerate counts {state.num_processes} process(es) of the {launched} launched")
+        raise BenchError(f"accelerate counts {state.num_processes} process(es) of the {launched} launched")
     from trl.trainer import grpo_trainer as trl_grpo
 
     from step3_ppo.rewards.functions import math_exact
@@ -270,7 +270,7 @@ def policy_model(args, tokenizer):
     model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path, dtype=torch.float32)
     rows = model.get_input_embeddings().num_embeddings  # (the weight is a ZeRO-3 partition here)
     if rows < len(tokenizer):
-        raise SystemExit(f"{args.model_name_or_path}: {rows} embedding rows "
+        raise BenchError(f"{args.model_name_or_path}: {rows} embedding rows "
                          f"< {len(tokenizer)} tokens (the orchestrator passes a resized copy)")
     return model
 
@@ -516,9 +516,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     rollout = args.prompts_per_rank * args.group
     if rollout % args.train_batch_size:
-        raise SystemExit(f"error: --train_batch_size {args.train_batch_size} must divide the rollout of {rollout} rows")
+        raise BenchError(f"--train_batch_size {args.train_batch_size} must divide the rollout of {rollout} rows")
     if not os.path.exists(args.data):
-        raise SystemExit(f"error: {args.data} is missing (python -m data.make_arithmetic_data --out data/arithmetic)")
+        raise BenchError(f"{args.data} is missing (python -m data.make_arithmetic_data --out data/arithmetic)")
     return args
 
 

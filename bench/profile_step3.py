@@ -18,8 +18,8 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from bench import step3  # noqa: E402
-from bench.common import (RUNS, add_model_args, add_run_args, bench_env, bench_model, finish_report,  # noqa: E402
-                          machine_line, main_or_worker, malloc_line, run_logged, worker_argv)
+from bench.common import (RUNS, BenchError, add_model_args, add_run_args, bench_env, bench_model,  # noqa: E402
+                          finish_report, machine_line, main_or_worker, malloc_line, run_logged, worker_argv)
 
 
 def worker(argv) -> None:
@@ -67,7 +67,7 @@ def main(argv=None) -> None:
     print("\n".join(header), flush=True)
     run = run_logged(cmd, bench_env(), os.path.join(out_dir, "launch.log"), 900)
     if run.returncode != 0 or not os.path.exists(report):
-        raise SystemExit(f"error: profile run exited {run.returncode}; see {out_dir}/launch.log")
+        raise BenchError(f"profile run exited {run.returncode}; see {out_dir}/launch.log")
     with open(report) as f:
         body = f.read()
     finish_report(args.save, header, [body])

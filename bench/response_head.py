@@ -123,4 +123,6 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    from utils.errors import run_main
+
+    run_main(main)

@@ -36,9 +36,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.common import (RUNS, add_model_args, add_run_args, bench_env, bench_model, deepspeed_cmd,  # noqa: E402
-                          end_report, fresh_dir, machine_line, main_or_worker, malloc_line, read_jsonl, run_logged,
-                          start_report, title, worker_argv)
+from bench.common import (RUNS, BenchError, add_model_args, add_run_args, bench_env, bench_model,  # noqa: E402
+                          deepspeed_cmd, end_report, fresh_dir, launch_failed, machine_line, main_or_worker,
+                          malloc_line, read_jsonl, run_logged, start_report, title, worker_argv)
 
 DEMO_PAIRS = os.path.join(REPO, "data", "demo_raw", "pairs", "train.jsonl")  # raw rows: the figures in bench/results
 CONFIGS = {  # name: (actor/critic ZeRO stage, --enable_hybrid_engine)
@@ -52,7 +52,7 @@ CONFIGS = {  # name: (actor/critic ZeRO stage, --enable_hybrid_engine)
 def write_prompts(path: str, n: int) -> str:
     """The first n prompts of the demo pairs as {"prompt"} rows (shared with bench/peer_trl.py)."""
     if not os.path.exists(DEMO_PAIRS):
-        raise SystemExit(f"error: {DEMO_PAIRS} is missing "
+        raise BenchError(f"{DEMO_PAIRS} is missing "
                          "(python -m data.make_demo_data --out data/demo_raw --seed 0 --format raw)")
     rows = []
     with open(DEMO_PAIRS) as f:
@@ -216,7 +216,7 @@ def run_ab(args, model_dir, prompts) -> list[str]:
     run = run_logged(cmd, bench_env(), os.path.join(out_dir, "launch.log"), args.timeout)
     rows = read_jsonl(ab_out) if os.path.exists(ab_out) else []
     if len(rows) < 4:
-        raise SystemExit(f"error: A/B run: {len(rows)} iterations (exit {run.returncode}); log tail:\n{run.tail()}")
+        raise launch_failed(f"A/B run: {len(rows)} iterations (exit {run.returncode}; log tail above)", run.tail())
     return ab_report(args, rows, run)
 
 
@@ -262,7 +262,7 @@ def run_config(args, model_dir, prompts, name, port, command=None) -> dict:
     if not os.path.exists(metrics_path) or os.path.getsize(metrics_path) == 0:
         tail = run.tail()
         oom = " (a rank was KILLED, signal 9: out of memory?)" if "return code = -9" in tail else ""
-        raise SystemExit(f"error: {name}: no metrics (exit {run.returncode}){oom}; log tail:\n{tail}")
+        raise launch_failed(f"{name}: no metrics (exit {run.returncode}){oom}; log tail above", tail)
     rows = read_jsonl(metrics_path)
     for sub in ("actor", "critic"):  # the exported models are not needed here (hundreds of MB each)
         shutil.rmtree(os.path.join(out_dir, sub), ignore_errors=True)
@@ -315,7 +315,7 @@ def parse_args(argv=None):
     args.names = [n for n in args.configs.split(",") if n]
     for n in args.names:
         if n not in CONFIGS:
-            raise SystemExit(f"error: unknown configuration {n!r}; choose from {list(CONFIGS)}")
+            raise BenchError(f"unknown configuration {n!r}; choose from {list(CONFIGS)}")
     return args
 
 

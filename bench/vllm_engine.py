@@ -148,12 +148,12 @@ def report(r: dict) -> list[str]:
     return lines
 
 
-def main():
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(p)
     add_run_args(p, port=29731, timeout=1800)
     add_call_args(p)
-    args = p.parse_args()
+    args = p.parse_args(argv)
     model = bench_model(args)
     header = start_report([title("vllm_engine.py"), machine_line(), malloc_line(),
                            f"model {model}; 2 ranks, ZeRO-3, fp32, greedy; {args.batch_size} prompts/rank of "
