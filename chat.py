@@ -217,9 +217,15 @@ def main(argv=None) -> int:
     return 0
 
 
+def cli() -> int:
+    """`python chat.py` and the `rlhf-chat` command: main() ended by run_main (a chat template that fails or loops:
+    one `error:` line, not a traceback)."""
+    from utils.errors import run_main
+
+    return run_main(main)
+
+
 if __name__ == "__main__":
     if os.path.dirname(os.path.abspath(__file__)) not in sys.path:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from utils.errors import run_main  # a chat template that fails or loops: one `error:` line, not a traceback
-
-    sys.exit(run_main(main))
+    sys.exit(cli())

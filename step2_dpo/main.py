@@ -522,7 +522,13 @@ def check_both_labels(args, stats: dict) -> None:
          f"'{args.label_key}' {have} ({stats['examples']} examples); it needs rows labelled {missing} too")
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """`python -m step2_dpo.main` and the `rlhf-dpo` command: main() ended by run_main (the project's errors as one
+    `error:` line)."""
     from utils.errors import run_main
 
     run_main(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -126,7 +126,13 @@ def main(argv=None):
                            collator(eval_pairs[:4] or train_pairs[:4])))
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """`python -m step2_reward.main` and the `rlhf-rm` command: main() ended by run_main (the project's errors as one
+    `error:` line)."""
     from utils.errors import run_main
 
     run_main(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -183,7 +183,13 @@ def write_result(path: str | None, result: dict) -> None:
         print(f"\n[eval] wrote {path}", flush=True)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """`python -m step3_ppo.eval` and the `rlhf-eval` command: main() ended by run_main (the project's errors as one
+    `error:` line)."""
     from utils.errors import run_main
 
     run_main(main)
+
+
+if __name__ == "__main__":
+    cli()

@@ -602,7 +602,13 @@ def _print_answer(tokenizer, row, step: int) -> None:
           flush=True)
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """`python -m step3_ppo.main` and the `rlhf-rl` command: main() ended by run_main (the project's errors as one
+    `error:` line)."""
     from utils.errors import run_main
 
     run_main(main)
+
+
+if __name__ == "__main__":
+    cli()

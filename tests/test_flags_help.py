@@ -6,6 +6,8 @@ added with `**spec`) nor a flag of a module that is not imported anywhere slips 
   (`help=argparse.SUPPRESS` hides a flag on purpose and must stay rare);
 - at run time: each entry point's parser is built (its `parse_args` is intercepted, so no main
   runs and no model loads) and every action has a help; `--help` then prints them, exits 0.
+Every command README.md documents stays among those entry points (`python chat.py`, run as a file, once more as
+a process); the rlhf-* console scripts are tests/test_package.py's.
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ import contextlib
 import importlib
 import io
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -96,10 +100,25 @@ def entry_points() -> list[str]:
 ENTRY_POINTS = entry_points()
 
 
+# The commands README.md and scripts/ tell users to run (`python -m MODULE`, `python chat.py`): each must stay among
+# the entry points found above, so that the tests below keep checking its --help
+DOCUMENTED_COMMANDS = ("step1_sft.main", "step2_reward.main", "step2_dpo.main", "step3_ppo.main", "step3_ppo.eval",
+                       "step2_reward.eval", "step1_sft.prompt_eval", "step3_ppo.plot", "step3_ppo.generation_check",
+                       "step3_ppo.agents.eval", "utils.models.tiny", "utils.models.default", "data.make_demo_data",
+                       "data.make_arithmetic_data", "data.make_tool_data", "chat")
+
+
 def test_entry_points_found():
-    for module in ("step1_sft.main", "step2_reward.main", "step2_dpo.main", "step3_ppo.main", "step3_ppo.eval",
-                   "step3_ppo.plot", "chat", "data.make_demo_data", "data.make_arithmetic_data"):
-        assert module in ENTRY_POINTS
+    missing = [module for module in DOCUMENTED_COMMANDS if module not in ENTRY_POINTS]
+    assert not missing, f"documented commands no longer entry points (a __main__ guard and a parser): {missing}"
+
+
+def test_chat_script_answers_help_from_another_directory(tmp_path):
+    """`python chat.py` is the one documented command run as a file, not with -m: its __main__ block (the
+    repository on sys.path, run_main) is not what the in-process tests below call."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "chat.py"), "--help"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert proc.returncode == 0 and "--model_name_or_path" in proc.stdout, proc.stdout + proc.stderr
 
 
 class _Captured(Exception):
