@@ -1,6 +1,7 @@
 """Nothing silent, nothing lost, errors a person can read (issue 14): flags out of range, runs that would train
 nothing, an output directory that is an input or holds a previous run, an empty eval split, rows all
 skipped as empty, and one `error:` line (no traceback, once for two ranks) for the project's own errors."""
+import ast
 import json
 import os
 
@@ -10,6 +11,8 @@ from tests.launch import run_deepspeed, tail
 from tests.test_step1_run import common_args, sft_data  # noqa: F401 (fixture)
 from tests.test_step3_lr0 import write_prompts
 from utils.errors import UsageError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def step1_args(model, data, out, *extra):
@@ -180,3 +183,62 @@ def test_errors_module_imports_nothing_of_the_project():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, check=True).stdout
     assert out.strip() == "['utils', 'utils.errors']"
 
+
+def starts_with_text(node) -> str | None:
+    """The literal text an expression starts with, however the source spells it: "a", f"a{x}", "a" + x,
+    "a %s" % x, "a {}".format(x); None when it starts with no literal."""
+    if isinstance(node, ast.Constant):
+        return node.value if isinstance(node.value, str) else None
+    if isinstance(node, ast.JoinedStr):
+        return starts_with_text(node.values[0]) if node.values else ""
+    if isinstance(node, ast.BinOp):
+        return starts_with_text(node.left)
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+        return starts_with_text(node.func.value)
+    return None
+
+
+def error_exits(source: str, name: str = "<source>") -> list[str]:
+    """`name:line` of each `SystemExit("error...")` or `sys.exit("error...")` in `source`."""
+    def is_error_exit(node) -> bool:
+        if not isinstance(node, ast.Call) or not node.args:
+            return False
+        func = node.func
+        exits = (isinstance(func, ast.Name) and func.id == "SystemExit") or (
+            isinstance(func, ast.Attribute) and func.attr == "exit" and isinstance(func.value, ast.Name)
+            and func.value.id == "sys")
+        return exits and (starts_with_text(node.args[0]) or "").lower().startswith("error")
+
+    lines = sorted(node.lineno for node in ast.walk(ast.parse(source, name)) if is_error_exit(node))
+    return [f"{name}:{line}" for line in lines]
+
+
+def project_python_files() -> list[str]:
+    """The repository's .py files, without hidden folders (.venv, .cache, .git) or other virtual environments."""
+    found = []
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"
+                   and not os.path.exists(os.path.join(folder, d, "pyvenv.cfg"))]
+        found += [os.path.relpath(os.path.join(folder, f), ROOT) for f in files if f.endswith(".py")]
+    return sorted(found)
+
+
+@pytest.mark.parametrize("source, found", [
+    ('raise SystemExit("error: x")', True), ("raise SystemExit(f'error: {x}')", True),
+    ('sys.exit("error: " + x)', True), ('raise SystemExit("Error: %s" % x)', True),
+    ('raise SystemExit("""error: {}""".format(x)) from None', True),
+    ("raise SystemExit(2)", False), ('raise SystemExit(f"{x}: error")', False), ("raise SystemExit(message)", False),
+])
+def test_error_exits_reads_every_spelling(source, found):
+    assert bool(error_exits(source)) == found
+
+
+def test_no_code_stops_with_a_systemexit_error_string():
+    """Known failures are ProjectErrors printed by run_main, the one path (utils/errors.py): a new
+    `raise SystemExit("error: ...")` would be a second one."""
+    found = []
+    for rel in project_python_files():
+        with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
+            found += error_exits(f.read(), rel)
+    assert not found, "raise a ProjectError (utils.errors.UsageError, or utils.train.flags.fail) instead:\n" + \
+        "\n".join(found)
