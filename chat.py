@@ -25,6 +25,7 @@ import argparse
 import os
 import sys
 
+from utils.errors import UsageError
 from utils.train.flags import add_device_arg, add_generation_args, resolve_generation_args
 
 TEMPLATES = ("auto", "chat", "human_assistant")
@@ -61,7 +62,7 @@ def resolve_template(tokenizer, template: str) -> str:
     has_chat = bool(getattr(tokenizer, "chat_template", None))
     if template == "chat" and not has_chat:
         where = getattr(tokenizer, "name_or_path", "") or "this tokenizer"
-        raise SystemExit(f"error: --template chat: the tokenizer of {where} has no chat template "
+        raise UsageError(f"--template chat: the tokenizer of {where} has no chat template "
                          f"(use --template human_assistant)")
     if template == "auto":
         return "chat" if has_chat else "human_assistant"
@@ -111,7 +112,7 @@ class Conversation:
 
         examples, stats = tokenize_prompts([{"prompt": self.prompt()}], self.tokenizer, max_len)
         if not examples:
-            raise SystemExit(f"error: the conversation does not fit the context ({stats['skipped']})")
+            raise UsageError(f"the conversation does not fit the context ({stats['skipped']})")
         return examples[0]["input_ids"]
 
     def stop_ids(self) -> list[int]:
@@ -142,7 +143,7 @@ def run_episode(args, agent, model, tokenizer, text: str, number: int) -> None:
     room = max(1, context_length(model, tokenizer) - args.max_trajectory_len)
     examples, stats = tokenize_prompts(rows, tokenizer, room, tools=schemas)
     if not examples:
-        raise SystemExit(f"error: the prompt does not fit the context ({stats['skipped']})")
+        raise UsageError(f"the prompt does not fit the context ({stats['skipped']})")
     stops = stop_token_ids(tokenizer, chat=True)
     settings = GenerationSettings(args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
                                   top_p=args.top_p, top_k=args.top_k)

@@ -15,6 +15,8 @@ import json
 import os
 import random
 
+from utils.errors import UsageError, run_main
+
 # name -> (what it is, term ranges, operators); every answer is a non-negative integer, so "the last
 # number of the completion" never has to decide whether a leading "-" belongs to it
 DIFFICULTIES = {
@@ -78,7 +80,7 @@ def build(seed: int, n_train: int, n_eval: int, difficulty: str = DEFAULT_DIFFIC
     rng = random.Random(f"arithmetic-{difficulty}-{seed}")
     space = problem_space(difficulty)
     if n_eval > space // 2:
-        raise SystemExit(f"--eval {n_eval} is more than half of the {space} {difficulty} problems")
+        raise UsageError(f"--eval {n_eval} is more than half of the {space} {difficulty} problems")
     eval_rows: dict = {}
     while len(eval_rows) < n_eval:
         q, a = make_problem(rng, difficulty)
@@ -125,4 +127,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

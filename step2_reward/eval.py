@@ -21,6 +21,7 @@ import torch
 
 from utils.data import (DEFAULT_FORMAT, DataError, PairCollator, PromptCollator, RowFormat, SkipRow, normalize_row,
                         read_rows, scored_sequences, split_pair_batch, tokenize_pairs)
+from utils.errors import UsageError
 from utils.train.flags import add_format_args
 from utils.models.forward import sequence_scores
 from utils.math.losses import pair_metrics
@@ -96,7 +97,7 @@ def score_texts(model, tokenizer, items: list[tuple[str, str]], max_seq_len: int
                 row = {"prompt": row["messages"][:-1], "chosen": row["messages"][-1:], "origin": row["origin"]}
             sequences += scored_sequences(row, tokenizer, ("chosen",), max_seq_len, stats)
         except SkipRow:
-            raise SystemExit("error: empty prompt or response cannot be scored") from None
+            raise UsageError("empty prompt or response cannot be scored") from None
     collator = PromptCollator(tokenizer.pad_token_id)  # left padding: the score is read at the last real token
     scores = []
     for i in range(0, len(sequences), batch_size):
@@ -110,7 +111,7 @@ def evaluate_pair_file(model, tokenizer, source: str, max_seq_len: int, batch_si
     rows, split = read_rows(source, 2, fmt)
     pairs, stats = tokenize_pairs(rows, tokenizer, max_seq_len)
     if not pairs:
-        raise SystemExit(f"error: {source}: no usable pairs ({stats})")
+        raise DataError(f"{source}: no usable pairs ({stats})")
     collator = PairCollator(tokenizer.pad_token_id)
     chosen, rejected = [], []
     for i in range(0, len(pairs), batch_size):
@@ -151,11 +152,8 @@ def main(argv=None) -> dict:
         print(format_table(items, scores))
         result["scores"] = scores
     if args.pairs:
-        try:
-            metrics = evaluate_pair_file(model, tokenizer, args.pairs, args.max_seq_len, args.batch_size,
-                                         RowFormat.from_args(args))
-        except DataError as e:
-            raise SystemExit(f"error: {e}") from None
+        metrics = evaluate_pair_file(model, tokenizer, args.pairs, args.max_seq_len, args.batch_size,
+                                     RowFormat.from_args(args))
         print(f"pairs {metrics['pairs']} ({args.pairs}, split {metrics['split']}; "
               f"skipped_bad_pairs {metrics['skipped_bad_pairs']}): accuracy {metrics['accuracy']:.4f}, "
               f"chosen {metrics['chosen_mean']:.4f}, rejected {metrics['rejected_mean']:.4f}, "

@@ -401,7 +401,7 @@ def load_reward_functions(args) -> dict:
         try:
             functions[spec] = load_reward_function(spec, **vars(args))  # a built-in takes the options it declares
         except RewardFunctionError as e:
-            raise SystemExit(f"error: --reward_funcs: {e}") from None
+            fail(f"--reward_funcs: {e}")
     return functions
 
 
@@ -467,8 +467,8 @@ def setup(args) -> Setup:
     for path in dict.fromkeys(critic + args.reward_model_paths):
         other = load_tokenizer(path, args.trust_remote_code)
         if len(other) != len(tokenizer) or other.eos_token_id != tokenizer.eos_token_id:
-            raise SystemExit(f"error: the actor's tokenizer ({args.actor_model_name_or_path}, {len(tokenizer)} tokens) "
-                             f"and that of {path} ({len(other)} tokens) differ")
+            fail(f"the actor's tokenizer ({args.actor_model_name_or_path}, {len(tokenizer)} tokens) "
+                 f"and that of {path} ({len(other)} tokens) differ")
     def tokenize(rows):  # with --tools, each prompt offers them (the template's tools, or the project's block)
         rows, schemas = prompts_with_tools(rows, tokenizer, args.tool_list)
         return tokenize_prompts(rows, tokenizer, args.max_prompt_seq_len, tools=schemas)
@@ -482,20 +482,20 @@ def setup(args) -> Setup:
                                           "eval_fraction": 0.0})
         eval_prompts = step_examples(eval_args, tokenizer, 3, tokenize, settings, with_eval=False)[0]
     if not prompts and stats["skipped"]:
-        raise SystemExit(f"error: every prompt was skipped ({describe_skips(stats['skipped'])}); too_long: not even "
-                         f"the chat template's frame fits --max_prompt_seq_len {args.max_prompt_seq_len}")
+        fail(f"every prompt was skipped ({describe_skips(stats['skipped'])}); too_long: not even "
+             f"the chat template's frame fits --max_prompt_seq_len {args.max_prompt_seq_len}")
     sampler, loader = distributed_loader(prompts, args.per_device_generation_batch_size,
                                          PromptCollator(tokenizer.pad_token_id), args.seed, drop_last=True)
     steps_per_epoch = len(loader) // args.generation_batches
     if steps_per_epoch == 0:
-        raise SystemExit(f"error: {len(prompts)} prompts are too few for one PPO iteration of "
-                         f"{args.per_device_generation_batch_size} x {args.generation_batches} per rank on "
-                         f"{world_size()} ranks")
+        fail(f"{len(prompts)} prompts are too few for one PPO iteration of "
+             f"{args.per_device_generation_batch_size} x {args.generation_batches} per rank on "
+             f"{world_size()} ranks")
     total_steps = total_training_steps(steps_per_epoch * args.num_train_epochs, args)
     engines = build_engines(args, tokenizer, total_steps, args.reward_model_paths)
     if (args.env or args.tools) and not stats["chat"]:
-        raise SystemExit("error: --env/--tools need conversational prompts (message lists, or --apply_chat_template): "
-                         "turns and replies are rendered by the chat template")
+        fail("--env/--tools need conversational prompts (message lists, or --apply_chat_template): "
+             "turns and replies are rendered by the chat template")
     stop_ids = stop_token_ids(tokenizer, chat=stats["chat"])
     print_rank0(f"[step3] responses end at {tokenizer.convert_ids_to_tokens(stop_ids)}")
     config = PPOConfig.from_args(args, stop_token_ids=tuple(stop_ids), pad_token_id=tokenizer.pad_token_id,
@@ -516,8 +516,8 @@ def eval_batches(args, examples: list, tokenizer) -> list:
     ranks = world_size()
     count = min(args.eval_num_prompts, len(examples)) // ranks * ranks
     if count == 0:
-        raise SystemExit(f"error: --eval_interval: {len(examples)} held-out prompts are too few for {ranks} ranks "
-                         f"(give --eval_data_path, or raise --eval_fraction)")
+        fail(f"--eval_interval: {len(examples)} held-out prompts are too few for {ranks} ranks "
+             f"(give --eval_data_path, or raise --eval_fraction)")
     mine = examples[:count][rank()::ranks]
     # by default as many rows per generate call as a rollout's (its prompts x samples): the same memory
     size = args.per_device_eval_batch_size or args.per_device_generation_batch_size * args.n_samples_per_prompt

@@ -4,6 +4,7 @@ the CUDA-only flags refused with one readable line where they cannot work."""
 import pytest
 import torch
 
+from utils.errors import UsageError
 from utils.runtime import accelerator
 from utils.train.ds_config import eval_ds_config
 
@@ -57,7 +58,7 @@ def test_flash_attention_without_the_package_is_refused_before_loading(monkeypat
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn"
                         else real_find_spec(name, *a))
-    with pytest.raises(SystemExit, match="flash_attn package"):
+    with pytest.raises(UsageError, match="flash_attn package"):
         parse_args(step1_args(tmp_path, "--attn_implementation", "flash_attention_2", "--dtype", "bf16"))
 
 

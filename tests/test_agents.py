@@ -8,6 +8,7 @@ import torch
 from step3_ppo.agents.environments import EnvironmentSpec
 from step3_ppo.agents.loop import OBSERVATION_CUT_MARK, AgentError, AgentLimits, MultiTurn, ReplyRenderer
 from utils.data.chat import render, stop_token_ids
+from utils.errors import UsageError
 from utils.models.forward import GenerationSettings, generate, generation_kwargs
 from utils.models.loading import load_tokenizer
 from utils.math.rows import pack
@@ -405,7 +406,7 @@ def test_tools_demo_table_and_curves(tmp_path, capsys):
     assert table[3].split()[-5:] == ["0.750", "1.000", "1.250", "0.200", "2.250"] and "(step 0)" in table[3]
     assert table[4].split()[-5:] == ["0.875", "1.000", "1.250", "0.200", "2.250"] and "(step 4)" in table[4]
     (run / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
-    with pytest.raises(SystemExit, match="no evaluation with tools"):
+    with pytest.raises(UsageError, match="no evaluation with tools"):
         main(["--without_tools", str(tmp_path / "base.json"), "--run", str(run)])
 
     single = tmp_path / "single.jsonl"

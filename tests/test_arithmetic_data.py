@@ -7,6 +7,7 @@ import re
 import pytest
 
 from data import make_arithmetic_data as A
+from utils.errors import UsageError
 
 EXPR = re.compile(r"^What is (\d+(?: [-+*] \d+)+)\?")
 
@@ -58,7 +59,7 @@ def test_train_distinct_when_space_allows():
 
 
 def test_too_many_eval_problems_is_an_error():
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError):
         A.build(0, 10, A.problem_space("add1"), "add1")
 
 

@@ -16,6 +16,7 @@ from tests.test_resume import comparable, max_relative_difference
 from tests.test_step3_grpo import grpo_args, write_rows
 from tests.test_training_loop import Sampler, make_run
 from utils.data import PromptCollator
+from utils.errors import UsageError
 
 # constant on the prompts of even id (their groups carry no signal); on odd ids a different score for every
 # different answer (a hash of its tokens), so those groups vary
@@ -114,10 +115,10 @@ def test_extra_batches_count_in_the_resume_position(tmp_path):
 
 def test_flags(tiny_llama, tmp_path):
     write_rows(tmp_path)
-    with pytest.raises(SystemExit, match="--dynamic_sampling keeps the prompts whose answers' rewards differ"):
+    with pytest.raises(UsageError, match="--dynamic_sampling keeps the prompts whose answers' rewards differ"):
         parse_args(dynamic_args(tiny_llama, tmp_path, "--n_samples_per_prompt", 1, "--advantage_estimator",
                                 "reinforce_pp"))
-    with pytest.raises(SystemExit, match="--max_sampling_rounds"):
+    with pytest.raises(UsageError, match="--max_sampling_rounds"):
         parse_args(dynamic_args(tiny_llama, tmp_path, "--max_sampling_rounds", 0))
 
 

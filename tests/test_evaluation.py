@@ -15,6 +15,7 @@ import torch
 from utils.math.ops import sequence_score
 from utils.math.rows import pack
 from utils.data import bos_prefix, encode
+from utils.errors import UsageError
 from utils.evaluation import (METRIC_COLUMNS, ComparisonSpec, SentimentJudge, compare_policies, format_table,
                               generate_answers, kl_to_reference, load_policy, load_prompts, load_reward_model,
                               reward_scores, sequence_logprobs)
@@ -595,6 +596,6 @@ def test_chat_template_requested_but_missing_names_the_model(tiny_gpt2):
     from chat import resolve_template
     from utils.models.loading import load_tokenizer
 
-    with pytest.raises(SystemExit, match="has no chat template") as error:
+    with pytest.raises(UsageError, match="has no chat template") as error:
         resolve_template(load_tokenizer(tiny_gpt2), "chat")
     assert tiny_gpt2 in str(error.value)

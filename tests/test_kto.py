@@ -13,6 +13,7 @@ from tests.launch import metrics
 from tests.test_step2_dpo import _dpo_args
 from tests.test_step2_run import _pairs
 from utils.data import DataError, RowFormat, normalize_row
+from utils.errors import UsageError
 from utils.math.losses import (PAIR_LOSSES, PairLogps, UnpairedLogps, kto_loss, kto_reference_point, pair_loss,
                           unpaired_loss)
 
@@ -147,7 +148,7 @@ def test_flags(tmp_path):
                            (["--loss_type", "kto", "--per_device_train_batch_size", 1], "must be >= 2"),
                            (["--loss_type", "kto", "--kto_desirable_weight", 0], "must be > 0"),
                            (["--kto_desirable_weight", 2.0], "does not take it")]:
-        with pytest.raises(SystemExit, match=message):
+        with pytest.raises(UsageError, match=message):
             _parse(tmp_path, *flags)
 
 
@@ -192,7 +193,7 @@ def test_kto_with_one_kind_of_label_stops_before_loading_a_model(tiny_gpt2, tmp_
     data.mkdir()
     rows = [{"prompt": f"Human: {i}?\n\nAssistant:", "completion": " good", "label": True} for i in range(40)]
     (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(SystemExit, match=r"every usable training row of .*thumbs_up has 'label' true \(.* examples\); "
+    with pytest.raises(UsageError, match=r"every usable training row of .*thumbs_up has 'label' true \(.* examples\); "
                                          r"it needs rows labelled false too"):
         main([str(a) for a in _dpo_args(tiny_gpt2, str(data), str(tmp_path / "out"), extra=[
             "--loss_type", "kto", "--eval_fraction", 0.2])])

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from utils.errors import UsageError
 from utils.train.metrics_logger import WANDB_ID_FILE, MetricsLogger, logger_from_args, read_metrics
 
 
@@ -187,9 +188,9 @@ def test_wandb_offline_receives_the_scalars(tmp_path, wandb_offline):
 
 def test_wandb_missing_stops_with_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` now raises ImportError
-    with pytest.raises(SystemExit) as stop:
+    with pytest.raises(UsageError) as stop:
         logger_from_args(_args(tmp_path, enable_wandb=True))
-    assert str(stop.value) == "error: --enable_wandb needs the wandb package (pip install wandb==0.31.0)"
+    assert str(stop.value) == "--enable_wandb needs the wandb package (pip install wandb==0.31.0)"
     assert stop.value.__cause__ is None and stop.value.__suppress_context__
     assert not os.path.exists(tmp_path / "metrics.jsonl")  # stopped before writing anything
     logger = logger_from_args(_args(tmp_path, enable_wandb=False))  # disabled: wandb never imported

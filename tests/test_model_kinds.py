@@ -7,6 +7,7 @@ import re
 import pytest
 import torch
 
+from utils.errors import UsageError
 from utils.models.loading import ModelLoadError, load_tokenizer
 from utils.models.reward_model import (CAUSAL_LM_KIND, REWARD_MODEL_FILE, REWARD_MODEL_KIND, VALUE_HEAD_FILE, RewardModel,
                                 check_policy_dir, check_reward_model_dir, model_dir_kind)
@@ -125,7 +126,7 @@ def no_model_loading(monkeypatch):
 def test_step3_refuses_a_causal_lm_as_critic(tiny_gpt2, step3_argv, no_model_loading):
     from step3_ppo.main import parse_args, setup
 
-    with pytest.raises((ModelLoadError, SystemExit)) as error:
+    with pytest.raises((ModelLoadError, UsageError)) as error:
         setup(parse_args(step3_argv(tiny_gpt2, tiny_gpt2)))
     message = str(error.value)
     assert "--critic_model_name_or_path" in message and repr(tiny_gpt2) in message and VALUE_HEAD_FILE in message
@@ -134,7 +135,7 @@ def test_step3_refuses_a_causal_lm_as_critic(tiny_gpt2, step3_argv, no_model_loa
 def test_step3_refuses_a_reward_model_as_actor(tiny_gpt2_reward, step3_argv, no_model_loading):
     from step3_ppo.main import parse_args, setup
 
-    with pytest.raises((ModelLoadError, SystemExit)) as error:
+    with pytest.raises((ModelLoadError, UsageError)) as error:
         setup(parse_args(step3_argv(tiny_gpt2_reward, tiny_gpt2_reward)))
     message = str(error.value)
     assert "--actor_model_name_or_path" in message and repr(tiny_gpt2_reward) in message

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from tests.launch import ROOT, subprocess_env
+from utils.errors import UsageError
 
 HOLDER = """import sys, time
 from utils.train.output_dir import lock_output_dir
@@ -94,7 +95,7 @@ def test_step3_input_actor_inside_the_output_dir_is_refused(tiny_gpt2, tmp_path)
     out = tmp_path / "out"
     shutil.copytree(tiny_gpt2, out / "actor")
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
-    with pytest.raises(SystemExit, match=f"--output_dir {out} holds {out}/actor, the input model of "
+    with pytest.raises(UsageError, match=f"--output_dir {out} holds {out}/actor, the input model of "
                                          f"--actor_model_name_or_path"):
         parse_args(step3_args(str(out / "actor"), out, "--reward_funcs", "format", "--overwrite_output_dir"))
     assert (out / "metrics.jsonl").exists() and not (out / ".run.lock").exists()
@@ -107,9 +108,9 @@ def test_a_reward_model_directory_as_output_dir_is_refused(tiny_gpt2, tiny_gpt2_
     reward = tmp_path / "reward"
     shutil.copytree(tiny_gpt2_reward, reward)
     (reward / "metrics.jsonl").write_text('{"step": 1}\n')
-    with pytest.raises(SystemExit, match=f"--output_dir {reward} is the input model of --reward_model_name_or_path"):
+    with pytest.raises(UsageError, match=f"--output_dir {reward} is the input model of --reward_model_name_or_path"):
         parse_args(step3_args(tiny_gpt2, reward, "--reward_model_name_or_path", reward, "--overwrite_output_dir"))
-    with pytest.raises(SystemExit, match=f"--output_dir {reward} is the input model of --reward_funcs"):
+    with pytest.raises(UsageError, match=f"--output_dir {reward} is the input model of --reward_funcs"):
         parse_args(step3_args(tiny_gpt2, reward, "--reward_funcs", reward, "format", "--overwrite_output_dir"))
     assert (reward / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
@@ -121,13 +122,13 @@ def test_data_and_template_inside_the_output_dir_are_refused(tiny_gpt2, tmp_path
     out.mkdir()
     (out / "sft.jsonl").write_text(json.dumps({"prompt": "a", "chosen": "b"}) + "\n")
     (out / "t.jinja").write_text("{{ messages }}")
-    with pytest.raises(SystemExit, match=r"holds .*sft.jsonl, the input data of --data_path"):
+    with pytest.raises(UsageError, match=r"holds .*sft.jsonl, the input data of --data_path"):
         parse_args(step1_args(tiny_gpt2, out, data=str(out / "sft.jsonl")))
-    with pytest.raises(SystemExit, match=r"holds .*t.jinja, the input file of --chat_template"):
+    with pytest.raises(UsageError, match=r"holds .*t.jinja, the input file of --chat_template"):
         parse_args(step1_args(tiny_gpt2, out, "--chat_template", out / "t.jinja"))
     link = tmp_path / "link"  # the same directory reached through a symlink
     link.symlink_to(out)
-    with pytest.raises(SystemExit, match="the input data of --data_path"):
+    with pytest.raises(UsageError, match="the input data of --data_path"):
         parse_args(step1_args(tiny_gpt2, link, data=str(out / "sft.jsonl")))
     parse_args(step1_args(tiny_gpt2, tmp_path / "other", data=str(out / "sft.jsonl")))  # elsewhere: fine
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from step3_ppo.algo.advantages import combine, group_normalized
+from utils.errors import UsageError
 from utils.math import losses
 from utils.math.ops import entropy_from_logits
 
@@ -309,7 +310,7 @@ def rl_args(*extra):
 def test_impossible_policy_loss_settings_stop_before_any_model_loads(flags, message):
     from step3_ppo.main import parse_args
 
-    with pytest.raises(SystemExit) as info:
+    with pytest.raises(UsageError) as info:
         parse_args(rl_args(*flags))
     assert message in str(info.value)
 

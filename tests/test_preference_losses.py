@@ -9,6 +9,7 @@ import torch
 from tests.launch import metrics
 from tests.test_step2_dpo import _dpo_args
 from tests.test_step2_run import pair_data  # noqa: F401  (fixture)
+from utils.errors import UsageError
 from utils.math.losses import PAIR_LOSSES, PairLogps, orpo_pair_loss, pair_loss, simpo_pair_loss
 
 # one pair: the chosen response 4 tokens with log-prob -2 (-0.5 per token), the rejected 2 tokens with -3 (-1.5)
@@ -81,7 +82,7 @@ def test_flags_beta_defaults_and_refusals(tmp_path):
                            (["--loss_type", "orpo", "--orpo_lambda", 0], "--orpo_lambda must be > 0"),
                            (["--loss_type", "simpo", "--simpo_gamma", -1], "--simpo_gamma must be >= 0"),
                            (["--loss_type", "simpo", "--precompute_ref_log_probs"], "reference-free")]:
-        with pytest.raises(SystemExit, match=message):
+        with pytest.raises(UsageError, match=message):
             _parse(tmp_path, *flags)
 
 

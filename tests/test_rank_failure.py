@@ -85,7 +85,7 @@ def test_first_failing_rank_shows_its_error_tagged_the_others_stay_silent(rank_o
     assert capsys.readouterr().err == "error: [rank 1] data.jsonl:3: field 'prompt' is missing\n"
     rank_of_two(0, store)  # the same bad input on rank 0, a moment later
     with pytest.raises(Exited) as exited:
-        errors.run_main(fails_with(SystemExit("error: data.jsonl:3: field 'prompt' is missing")))
+        errors.run_main(fails_with(DataError("data.jsonl:3: field 'prompt' is missing")))
     assert exited.value.code == 1 and capsys.readouterr().err == ""
 
 
@@ -113,11 +113,11 @@ def test_before_the_process_group_rank_n_shows_its_error_after_a_grace(rank_of_t
     monkeypatch.setattr(errors.time, "sleep", slept.append)
     rank_of_two(0, None)
     with pytest.raises(Exited):
-        errors.run_main(fails_with(SystemExit("error: --cliprange must be > 0")))
+        errors.run_main(fails_with(errors.UsageError("--cliprange must be > 0")))
     assert capsys.readouterr().err == "error: [rank 0] --cliprange must be > 0\n" and slept == []
     rank_of_two(1, None)
     with pytest.raises(Exited):
-        errors.run_main(fails_with(SystemExit("error: --cliprange must be > 0")))
+        errors.run_main(fails_with(errors.UsageError("--cliprange must be > 0")))
     assert capsys.readouterr().err == "error: [rank 1] --cliprange must be > 0\n" and slept == [errors._NO_STORE_GRACE_S]
 
 
@@ -130,6 +130,14 @@ def test_a_plain_exit_status_of_a_rank_leaves_at_once_too(rank_of_two):
     with pytest.raises(SystemExit) as normal:
         errors.run_main(fails_with(SystemExit(0)))
     assert normal.value.code == 0
+
+
+def test_a_library_exit_with_a_message_is_shown_as_python_would(rank_of_two, capsys):
+    """sys.exit("message") in code not the project's: the message as Python prints it, exit 1, at once."""
+    rank_of_two(1, DictStore())
+    with pytest.raises(Exited) as exited:
+        errors.run_main(fails_with(SystemExit("a library gave up")))
+    assert exited.value.code == 1 and capsys.readouterr().err == "a library gave up\n"
 
 
 def test_one_process_keeps_pythons_exit(monkeypatch, capsys):

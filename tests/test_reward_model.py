@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from utils.data import pad_batch
+from utils.data import DataError, pad_batch
 from utils.models.loading import apply_lora, load_tokenizer
 from utils.math.losses import pair_metrics, pairwise_loss
 from utils.math.ops import sequence_score
@@ -252,7 +252,7 @@ def test_eval_cli_errors(tiny_gpt2, tiny_gpt2_reward, tmp_path):
         rw_eval.parse_args(["--model_name_or_path", path])
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "p", "chosen": "c", "rejected": "r"}\n{"prompt": "p", "chosen": "c"}\n')
-    with pytest.raises(SystemExit, match="bad.jsonl:2"):
+    with pytest.raises(DataError, match="bad.jsonl:2"):
         rw_eval.main(["--model_name_or_path", path, "--pairs", str(bad)])
 
 

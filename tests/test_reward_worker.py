@@ -20,6 +20,7 @@ from tests.launch import run_module, tail
 from tests.test_step3_grpo import grpo_args, write_rows
 from utils.math.rows import Row
 from step3_ppo.function_worker import FunctionWorker
+from utils.errors import UsageError
 
 SLACK_S = 3.0  # killing and reaping a worker, on a loaded machine
 
@@ -210,7 +211,7 @@ def test_reward_specs_are_checked_before_any_model_is_loaded(tiny_llama, tmp_pat
     monkeypatch.setattr(step3_main, "build_engines", lambda *a, **k: loaded.append("engines"))
     args = grpo_args(tiny_llama, tmp_path)
     args[args.index("--reward_funcs") + 1] = f"{tmp_path / 'missing.py'}:reward"
-    with pytest.raises(SystemExit, match="error: --reward_funcs: .*missing.py:reward: no such file"):
+    with pytest.raises(UsageError, match="^--reward_funcs: .*missing.py:reward: no such file"):
         step3_main.setup(step3_main.parse_args(args))
     assert loaded == []
 

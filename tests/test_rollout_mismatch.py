@@ -10,6 +10,7 @@ from step3_ppo.rollout import engines as rollout_engines
 from step3_ppo.main import parse_args, setup
 from tests.test_step3_grpo import grpo_args, write_rows
 from tests.test_step3_lr0 import prompt_batches
+from utils.errors import UsageError
 from utils.math import losses
 from utils.math.ops import ROLLOUT_CORRECTIONS, rollout_correction_weights
 
@@ -123,22 +124,22 @@ def test_lr0_logprob_diff_stays_flat_and_small_over_5_iterations(grpo_run):
 
 def test_a_correction_needs_the_generators_log_probs(grpo_run, tiny_llama, tmp_path, monkeypatch):
     tmp, _ = grpo_run
-    with pytest.raises(SystemExit, match="--no_rollout_logprobs leaves out"):
+    with pytest.raises(UsageError, match="--no_rollout_logprobs leaves out"):
         parse_args(grpo_args(tiny_llama, tmp, "--rollout_correction", "icepop", "--no_rollout_logprobs"))
-    with pytest.raises(SystemExit, match="--rollout_correction_threshold must be > 1"):
+    with pytest.raises(UsageError, match="--rollout_correction_threshold must be > 1"):
         parse_args(grpo_args(tiny_llama, tmp, "--rollout_correction", "tis", "--rollout_correction_threshold", "1"))
     monkeypatch.setitem(rollout_engines.ROLLOUT_ENGINES, "plain",
                         rollout_engines.RolloutEngineEntry(rollout_engines.ActorGenerate, "no log-probs"))
-    with pytest.raises(SystemExit, match="--rollout_engine plain gives no log-probs"):
+    with pytest.raises(UsageError, match="--rollout_engine plain gives no log-probs"):
         parse_args(grpo_args(tiny_llama, tmp, "--rollout_engine", "plain", "--rollout_correction", "seq_mask_tis"))
     args = parse_args(grpo_args(tiny_llama, tmp, "--rollout_engine", "plain"))  # no correction: fine, no metrics
     assert args.rollout_correction == "none"
     # --old_logprobs rollout reads the same log-probs, and makes a correction's weights all 1
-    with pytest.raises(SystemExit, match="--old_logprobs rollout reads the generator's log-probs, which "
+    with pytest.raises(UsageError, match="--old_logprobs rollout reads the generator's log-probs, which "
                                          "--rollout_engine plain does not give"):
         parse_args(grpo_args(tiny_llama, tmp, "--rollout_engine", "plain", "--old_logprobs", "rollout"))
-    with pytest.raises(SystemExit, match="which --no_rollout_logprobs leaves out"):
+    with pytest.raises(UsageError, match="which --no_rollout_logprobs leaves out"):
         parse_args(grpo_args(tiny_llama, tmp, "--old_logprobs", "rollout", "--no_rollout_logprobs"))
-    with pytest.raises(SystemExit, match="--rollout_correction tis weighs the forward's old log-probs"):
+    with pytest.raises(UsageError, match="--rollout_correction tis weighs the forward's old log-probs"):
         parse_args(grpo_args(tiny_llama, tmp, "--old_logprobs", "rollout", "--rollout_correction", "tis"))
     assert parse_args(grpo_args(tiny_llama, tmp, "--old_logprobs", "rollout")).old_logprobs == "rollout"

@@ -19,6 +19,7 @@ from step3_ppo.rollout.vllm_engine import RolloutEngineError, VLLMRollout, VLLMS
 from tests.launch import metrics, run_deepspeed, tail, vllm_python
 from tests.test_step3_grpo import grpo_args, write_rows
 from tests.test_step3_lr0 import prompt_batches
+from utils.errors import UsageError
 from utils.models.forward import GenerationSettings
 
 if os.environ.get("RLHF_TESTS_NEED_VLLM") != "1":
@@ -242,7 +243,7 @@ def test_a_missing_vllm_is_one_line_before_any_model_is_built(tiny_llama_32, tmp
     bare = os.path.join(sys.base_prefix, "bin", "python3")  # the interpreter under the venv: no vLLM there
     for python, message in (("/no/such/python", "--vllm_python /no/such/python: no such executable"),
                             (bare, f"vLLM is not installed for {bare}")):
-        with pytest.raises(SystemExit, match=re.escape(f"error: --rollout_engine vllm: {message}")):
+        with pytest.raises(UsageError, match=re.escape(f"--rollout_engine vllm: {message}")):
             main(grpo_args(tiny_llama_32, tmp_path, "--rollout_engine", "vllm", "--vllm_python", python))
 
 

@@ -11,6 +11,7 @@ import torch
 from tests.launch import metrics, tail
 from tests.test_resume import comparable, kill_after_row_and_resume, max_relative_difference
 from tests.test_step2_run import pair_data  # noqa: F401  (fixture)
+from utils.errors import UsageError
 
 LN2 = math.log(2.0)
 ROWS = [{"prompt": "Human: What about the plot?\n\nAssistant:", "chosen": " good fine", "rejected": " bad"},
@@ -192,7 +193,7 @@ def test_a_registered_reference_free_loss_runs_with_lengths_and_its_own_flag(tin
 def test_contradictory_dpo_settings_stop_before_any_model_loads(flags, message, tmp_path):
     from step2_dpo.main import parse_args
 
-    with pytest.raises(SystemExit, match=message.replace("[", r"\[").replace(")", r"\)")):
+    with pytest.raises(UsageError, match=message.replace("[", r"\[").replace(")", r"\)")):
         parse_args([str(a) for a in ["--model_name_or_path", str(tmp_path), "--data_path", str(tmp_path),
                                      "--output_dir", str(tmp_path / "out"), *flags]])
 

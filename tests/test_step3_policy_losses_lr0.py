@@ -10,6 +10,7 @@ from step3_ppo.main import parse_args, setup
 from step3_ppo.trainer import PPOConfig, PPOTrainer
 from tests.launch import metrics, run_deepspeed, tail
 from tests.test_step3_lr0 import prompt_batches, write_prompts
+from utils.errors import UsageError
 
 # two rewards on different scales that vary between the samples of a prompt (non-zero advantages)
 REWARDS = '''
@@ -81,7 +82,7 @@ def test_log_ratio_is_zero_at_lr0_for_every_policy_loss_and_option(lr0_run):
         maxima[loss, option] = metrics["ppo/log_ratio_max_abs"]
     print(f"lr=0 max |log_ratio| per (policy loss, option): {maxima}")
     assert max(maxima.values()) <= 1e-4, maxima
-    with pytest.raises(SystemExit, match="--dual_clip does nothing with --policy_loss cispo"):
+    with pytest.raises(UsageError, match="--dual_clip does nothing with --policy_loss cispo"):
         parse_args(rl_args(model, tmp, "--policy_loss", "cispo", "--dual_clip", "3"))
 
 

@@ -9,7 +9,8 @@ from step3_ppo.main import parse_args, setup
 from tests.launch import metrics, tail
 from tests.test_resume import comparable, kill_after_row_and_resume, max_relative_difference
 from tests.test_step3_lr0 import prompt_batches, write_prompts
-from utils.train.checkpoint import BadStepGuard, LoopState
+from utils.errors import UsageError
+from utils.train.checkpoint import BadStepGuard, LoopState, NonFiniteUpdates
 
 
 def ppo_args(model, prompts, out, *extra, critic=None):
@@ -65,7 +66,7 @@ def test_consecutive_nan_rewards_stop_the_run(nan_run, monkeypatch):
     run.trainer.guard = BadStepGuard(LoopState(), max_in_a_row=2)
     poison_reward(monkeypatch, run)
     run.trainer.step(prompt_batches(run, 4), step=0)
-    with pytest.raises(SystemExit, match="2 consecutive updates had a non-finite loss or reward"):
+    with pytest.raises(NonFiniteUpdates, match="2 consecutive updates had a non-finite loss or reward"):
         run.trainer.step(prompt_batches(run, 4), step=1)
 
 
@@ -76,7 +77,7 @@ def test_consecutive_nan_rewards_stop_the_run(nan_run, monkeypatch):
     (["--only_optimize_lora"], "--only_optimize_lora needs"),
 ])
 def test_incompatible_flags_fail_before_any_model_is_loaded(tiny_gpt2, tiny_gpt2_reward, tmp_path, flags, message):
-    with pytest.raises(SystemExit, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_args(ppo_args(tiny_gpt2, tmp_path / "p.jsonl", tmp_path / "out", *flags, critic=tiny_gpt2_reward))
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from data import make_tool_data as T
 from step3_ppo.agents.tools import calculator, load_tools, parse_hermes, tool_system_prompt
+from utils.errors import UsageError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLAIN = re.compile(r"^What is \d+ [*+] \d+( \+ \d+ \+ \d+)?\?$")
@@ -122,7 +123,7 @@ def test_wordings(data):
 
 
 def test_too_many_problems_is_an_error():
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError):
         T.build(0, 0, T.problem_space("mul") + 2, 0)  # one product more than half
 
 

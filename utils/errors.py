@@ -1,13 +1,18 @@
 """How an entry point ends on an error the program raised itself: ONE `error: ...` line, printed once
 per job, and a non-zero exit; tracebacks are kept for bugs.
 
-Known errors are the project's own, every one a `ProjectError`: bad data (utils.data.DataError), a
-model path or directory that is not what a flag expects (utils.models.loading.ModelLoadError), a bad checkpoint
-(utils.train.checkpoint.CheckpointError), a reward function that does not load or misbehaves
-(step3_ppo.rewards.functions.RewardFunctionError), a step-3 iteration that --skip_bad_rewards left with
-nothing to train (step3_ppo.trainer.NothingToTrain); and the `SystemExit("error: ...")` of the flag checks.
-Under the `deepspeed` launcher every rank usually meets the same bad input; without this each printed a
-20-line `[rankN]: Traceback` whose last line was the only useful one.
+There is one path: every known failure raises a `ProjectError`, and the entry point's `run_main` prints its
+str() as the one line (adding the `error:` prefix) and exits 1. The subclasses are defined where they are
+raised: a flag or command line that asks for what cannot be done (`UsageError`, here; utils.train.flags.fail
+raises it), bad data (utils.data.DataError), a model path or directory that is not what a flag expects
+(utils.models.loading.ModelLoadError), a bad checkpoint (utils.train.checkpoint.CheckpointError), a run whose
+updates keep going non-finite (utils.train.checkpoint.NonFiniteUpdates), a reward function that does not load
+or misbehaves (step3_ppo.rewards.functions.RewardFunctionError), a step-3 iteration that --skip_bad_rewards
+left with nothing to train (step3_ppo.trainer.NothingToTrain). A `SystemExit` is Python's own exit
+(argparse's status 2 for a bad flag, 0 for --help) and keeps its status; no code of the project raises
+`SystemExit("error: ...")` (tests/test_errors.py checks). Under the `deepspeed` launcher every rank usually
+meets the same bad input; without this each printed a 20-line `[rankN]: Traceback` whose last line was the
+only useful one.
 
 A job of several ranks ends as a whole within seconds when any rank fails, whatever the error: the
 failing rank exits at once (`os._exit`, so no atexit hook, process-group destructor or stray thread
@@ -38,6 +43,11 @@ class ProjectError(Exception):
     """An error the program raises itself about its input (data, a model directory, a checkpoint, a
     reward function): its str() is the one line the user reads, so `run_main` prints it without a
     traceback. Subclasses keep their built-in base where they had one (DataError is also a ValueError)."""
+
+
+class UsageError(ProjectError):
+    """A command line that asks for what cannot be done: a flag out of range, flags that contradict each other
+    or the input they name, a flag whose package is missing (utils.train.flags.fail raises it)."""
 
 
 def one_line(text, limit: int | None = None) -> str:
@@ -74,10 +84,10 @@ def run_main(main, argv=None):
     finished leaves at once too (`_finish_now`)."""
     try:
         result = main(argv)
-    except SystemExit as exc:
-        if isinstance(exc.code, str):  # SystemExit("error: ..."): a flag or input check
-            _fail(lambda: report(exc.code))
+    except SystemExit as exc:  # Python's own exit (argparse: 2 for a bad flag, 0 for --help): its status kept
         if _world_size() > 1 and exc.code not in (0, None):
+            if not isinstance(exc.code, int):
+                print(exc.code, file=sys.stderr)  # what Python prints for sys.exit("message")
             _exit_now(exc.code if isinstance(exc.code, int) else 1)
         raise
     except ProjectError as exc:

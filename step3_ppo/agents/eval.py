@@ -19,6 +19,7 @@ import torch
 
 from step3_ppo.agents.loop import AgentLimits, EnvReward, MultiTurn, agent_rates, agent_sums, prompts_with_tools
 from utils.data.chat import render
+from utils.errors import UsageError, run_main
 
 
 class ModelGenerate:
@@ -145,7 +146,7 @@ def main(argv=None) -> str:
     metrics = os.path.join(args.run, "metrics.jsonl")
     evaluations = [row for row in read_rows(metrics) if "eval/tool_call_rate" in row]
     if not evaluations:
-        raise SystemExit(f"error: {metrics} holds no evaluation with tools (was the run made with --tools and "
+        raise UsageError(f"{metrics} holds no evaluation with tools (was the run made with --tools and "
                          f"--eval_interval?)")
     table = format_tools_demo_table(without_tools, evaluations)
     print(table)
@@ -153,4 +154,4 @@ def main(argv=None) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -716,6 +716,10 @@ class Checkpointing:
         self.last_path = self.store.save(loop.step, self.engines, shared, rank_state)
 
 
+class NonFiniteUpdates(ProjectError):
+    """--max_bad_steps consecutive updates were skipped as non-finite: the run stops, naming its last checkpoint."""
+
+
 class BadStepGuard:
     """Skips updates whose loss or reward is NaN/inf on ANY rank (ranks must agree under ZeRO),
     counts them, and stops the run after `max_in_a_row` consecutive ones."""
@@ -734,6 +738,7 @@ class BadStepGuard:
         self.loop.bad_in_a_row += 1
         if self.loop.bad_in_a_row >= self.max_in_a_row:
             where = self.checkpointing.last_path if self.checkpointing else None
-            raise SystemExit(f"error: {self.loop.bad_in_a_row} consecutive updates had a non-finite loss or reward "
-                             f"(--max_bad_steps {self.max_in_a_row}); stopping. Last checkpoint: {where or 'none'}")
+            raise NonFiniteUpdates(f"{self.loop.bad_in_a_row} consecutive updates had a non-finite loss or reward "
+                                   f"(--max_bad_steps {self.max_in_a_row}); stopping. Last checkpoint: "
+                                   f"{where or 'none'}")
         return False

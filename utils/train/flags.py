@@ -14,6 +14,8 @@ import json
 import os
 from typing import Sequence
 
+from utils.errors import UsageError
+
 SCHEDULER_TYPES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 
 # name -> add_argument keywords; one flag per model prefix ("" in steps 1-2; "actor_", "critic_" in step 3)
@@ -40,8 +42,9 @@ def add_per_model(group, names: Sequence[str], prefixes: Sequence[str], defaults
 
 
 def fail(message: str):
-    """Stop with one readable line (the entry points print it once: utils/errors.py)."""
-    raise SystemExit(f"error: {message}")
+    """Stop with one readable line: a UsageError, which the entry points print once (utils/errors.py); the
+    message is the whole story, so an exception being handled is not chained to it."""
+    raise UsageError(message) from None
 
 
 # The flags (parsed names) a --resume may change: from then on its value is used, not the checkpoint's.

@@ -8,6 +8,8 @@ from typing import Iterable, Iterator
 
 import torch
 
+from utils.errors import UsageError
+
 
 def optimizer_param_groups(model: torch.nn.Module, weight_decay: float, learning_rate: float,
                            lora_learning_rate: float) -> list[dict]:
@@ -136,13 +138,13 @@ def step_examples(args, tokenizer, step: int, tokenize, settings: dict, with_eva
 
 def check_pair_splits(train_pairs: list, train_stats: dict, eval_pairs: list) -> None:
     """The step-2 trainers (reward model, DPO) stop before any model loads when a split is empty."""
-    from utils.data import describe_skips
+    from utils.data import DataError, describe_skips
 
     if not train_pairs:
-        raise SystemExit(f"error: no usable training pairs (skipped_bad_pairs {train_stats['skipped_bad_pairs']}, "
-                         f"other skips: {describe_skips(train_stats['skipped'])})")
+        raise DataError(f"no usable training pairs (skipped_bad_pairs {train_stats['skipped_bad_pairs']}, "
+                        f"other skips: {describe_skips(train_stats['skipped'])})")
     if not eval_pairs:
-        raise SystemExit("error: no held-out pairs to evaluate (the eval split is empty: --eval_fraction 0, or "
+        raise UsageError("no held-out pairs to evaluate (the eval split is empty: --eval_fraction 0, or "
                          "too few rows); give --eval_fraction > 0 or a source with an eval/test file")
 
 
@@ -162,7 +164,7 @@ def micro_batch_schedule(examples: list, collator, args):
     sampler, loader = distributed_loader(examples, args.per_device_train_batch_size, collator, args.seed)
     updates = len(loader) * args.num_train_epochs // args.gradient_accumulation_steps
     if updates == 0:
-        raise SystemExit(f"error: no optimizer step would be taken: {len(loader)} micro-batches per rank per epoch x "
+        raise UsageError(f"no optimizer step would be taken: {len(loader)} micro-batches per rank per epoch x "
                          f"{args.num_train_epochs} epochs is less than --gradient_accumulation_steps "
                          f"{args.gradient_accumulation_steps} ({len(examples)} examples, --per_device_train_batch_size "
                          f"{args.per_device_train_batch_size})")

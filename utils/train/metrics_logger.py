@@ -16,6 +16,7 @@ import os
 import uuid
 from typing import Protocol
 
+from utils.errors import UsageError
 from utils.runtime.distributed import is_rank0
 
 WANDB_VERSION = "0.31.0"  # the version pinned in requirements.txt (named in the missing-package error)
@@ -96,8 +97,7 @@ def import_wandb():
     try:
         import wandb
     except ImportError:
-        message = f"error: --enable_wandb needs the wandb package (pip install wandb=={WANDB_VERSION})"
-        raise SystemExit(message if is_rank0() else 1) from None
+        raise UsageError(f"--enable_wandb needs the wandb package (pip install wandb=={WANDB_VERSION})") from None
     return wandb
 
 
