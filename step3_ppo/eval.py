@@ -19,8 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
+from utils.train.flags import fail
 from utils.models.loading import ModelLoadError, check_model_path, check_remote_code, check_weight_files
 
 
@@ -72,11 +72,6 @@ def parse_args(argv=None):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     return args
-
-
-def fail(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
 
 
 def other_policies(args) -> list[tuple[str, str]]:

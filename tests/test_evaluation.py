@@ -15,7 +15,7 @@ import torch
 from utils.math.ops import sequence_score
 from utils.math.rows import pack
 from utils.data import bos_prefix, encode
-from utils.errors import UsageError
+from utils.errors import UsageError, run_main
 from utils.evaluation import (METRIC_COLUMNS, ComparisonSpec, SentimentJudge, compare_policies, format_table,
                               generate_answers, kl_to_reference, load_policy, load_prompts, load_reward_model,
                               reward_scores, sequence_logprobs)
@@ -437,9 +437,9 @@ def test_eval_cli_policy_errors_in_one_line(tiny_gpt2, tmp_path, capsys):
         ([], "give --rlhf_model DIR and/or --policy NAME=DIR"),
     ]:
         with pytest.raises(SystemExit) as exc:
-            step3_eval.main(["--sft_model", tiny_gpt2, "--reward_model", tiny_gpt2, *extra])
+            run_main(step3_eval.main, ["--sft_model", tiny_gpt2, "--reward_model", tiny_gpt2, *extra])
         err = capsys.readouterr().err
-        assert exc.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, (extra, err)
+        assert exc.value.code == 1 and err.startswith("error: ") and err.count("\n") == 1, (extra, err)
         assert expected in err, (extra, err)
 
 

@@ -106,13 +106,14 @@ def test_a_directory_with_a_config_but_no_weights_is_one_line(tiny_gpt2, tmp_pat
 
 def test_the_evaluation_refuses_a_pickled_directory_before_loading_anything(tiny_gpt2, tmp_path, capsys):
     from step3_ppo.eval import main
+    from utils.errors import run_main
 
     path = copy_without_weights(tiny_gpt2, tmp_path / "bin")
     open(os.path.join(path, "pytorch_model.bin"), "w").close()
     with pytest.raises(SystemExit) as exc:
-        main(["--sft_model", tiny_gpt2, "--rlhf_model", path, "--reward_model", tiny_gpt2])
+        run_main(main, ["--sft_model", tiny_gpt2, "--rlhf_model", path, "--reward_model", tiny_gpt2])
     err = capsys.readouterr().err
-    assert exc.value.code == 2 and "--rlhf_model directory" in err and "pickled" in err, err
+    assert exc.value.code == 1 and "--rlhf_model directory" in err and "pickled" in err, err
 
 
 # ------------------------------------------------------------------ custom code
