@@ -76,7 +76,7 @@ class PPOConfig:
     dual_clip: float | None = None
     entropy_coef: float = 0.0
     rollout_engine: str = "hf"  # an entry of step3_ppo.rollout.engines.ROLLOUT_ENGINES
-    vllm: object = None  # step3_ppo.rollout.vllm_engine.VLLMSettings of --rollout_engine vllm (None: its defaults)
+    engine_settings: object = None  # the rollout engine's own flags (its entry's settings(args); None: defaults)
     async_rollout: bool = False  # the engine generates iteration k+1 while iteration k trains (one step stale)
     loss_agg: str | None = None  # None: the policy loss's default, else the estimator's
     reward_weights: tuple | None = None  # one per reward component; None: 1 each
