@@ -23,13 +23,12 @@ from step3_ppo.agents.flags import add_agent_args, check_agent_args
 from step3_ppo.agents.loop import EnvReward, build_agent, prompts_with_tools
 from step3_ppo.algo.advantages import ALIASES, ESTIMATORS, REWARD_NORMS, estimator_name, get_estimator
 from step3_ppo.deepspeed_models import build_engines
-from step3_ppo.rollout.engines import ROLLOUT_ENGINES
+from step3_ppo.rollout.engines import ROLLOUT_ENGINES, check_engine_args, engine_settings
 from step3_ppo.rewards.functions import (BUILTINS, RewardFunctionError, builtins_help, is_function_spec,
                                     load_reward_function)
 from step3_ppo.rewards.components import FunctionReward, RewardModelReward, reward_model_name, unique_names
 from step3_ppo.algo.shaping import AdaptiveKLController, FixedKLController
 from step3_ppo.trainer import PPOConfig, PPOTrainer
-from step3_ppo.rollout.vllm_engine import VLLMSettings, vllm_missing
 from utils.train.checkpoint import data_layout
 from utils.models.export import export_hf_model
 from utils.data import (PromptCollator, SFTCollator, describe_skips, distributed_loader, read_texts, stop_token_ids,
@@ -301,14 +300,12 @@ def validate_args(args) -> None:
 def check_rollout_args(args) -> None:
     """--dynamic_sampling compares the answers to a prompt; --rollout_correction and --old_logprobs rollout need
     the generator's own log-probs (an engine that gives them, not turned off), the correction C > 1 and the
-    forward's old log-probs; --rollout_engine vllm needs vLLM."""
-    if args.rollout_engine == "vllm" and (missing := vllm_missing(args.vllm_python)):
-        fail(f"--rollout_engine vllm: {missing}")
+    forward's old log-probs; the chosen engine checks its own flags."""
+    check_engine_args(args)
     if args.async_rollout:
         if not ROLLOUT_ENGINES[args.rollout_engine].prefetch:
-            fail(f"--async_rollout: --rollout_engine {args.rollout_engine} cannot generate ahead (use vllm)")
-        if args.vllm_sleep:
-            fail("--async_rollout generates while the ranks train: the worker cannot sleep then (--vllm_sleep)")
+            ahead = ", ".join(name for name, e in ROLLOUT_ENGINES.items() if e.prefetch)
+            fail(f"--async_rollout: --rollout_engine {args.rollout_engine} cannot generate ahead (use {ahead})")
         if args.dynamic_sampling or args.env or args.tools:
             fail("--async_rollout generates the next iteration's prompts ahead in one round; it does not combine "
                  "with --dynamic_sampling or multi-turn rollouts (--env/--tools)")
@@ -500,7 +497,7 @@ def setup(args) -> Setup:
     print_rank0(f"[step3] responses end at {tokenizer.convert_ids_to_tokens(stop_ids)}")
     config = PPOConfig.from_args(args, stop_token_ids=tuple(stop_ids), pad_token_id=tokenizer.pad_token_id,
                                  reward_weights=tuple(args.reward_weights) if args.reward_weights else None,
-                                 vllm=VLLMSettings.from_args(args))
+                                 engine_settings=engine_settings(args))
     trainer = PPOTrainer(engines, config, kl_controller(args), build_rewards(args, tokenizer, engines, functions),
                          unsupervised_batches(args, tokenizer), agent=build_agent(args, tokenizer))
     if not ROLLOUT_ENGINES[args.rollout_engine].logprobs:

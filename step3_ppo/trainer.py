@@ -21,14 +21,16 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from step3_ppo import metrics as step_metrics
 from step3_ppo.agents.loop import agent_rates, agent_sums
 from step3_ppo.algo.advantages import advantages_and_returns, combine, get_estimator, zero_variance_groups
 from step3_ppo.rollout.hybrid import gathered
 from step3_ppo.rollout.engines import ROLLOUT_ENGINES
 from step3_ppo.algo.shaping import RunningMoments, clip_scores, compute_rewards, length_penalty
+from step3_ppo.metrics import component_sums
 from utils.runtime import accelerator
 from utils.math import losses
-from utils.runtime.distributed import all_reduce_max, all_reduce_max_list, all_reduce_sum, world_size
+from utils.runtime.distributed import all_reduce_max, all_reduce_sum, world_size
 from utils.errors import ProjectError
 from utils.models.export import is_zero3
 from utils.models.forward import (GenerationSettings, eval_mode, lm_nll, model_device, to_device,
@@ -38,21 +40,8 @@ from utils.math.rows import Row, from_token_layout, pack, split_generation, to_t
 from utils.train.loop import OVERFLOW, accumulation_windows, backward_and_step, step_normalised_loss, window_totals
 
 
-# the loss figures logged as their optimizer steps' mean (each mini-batch logs its part of its step's loss)
-STEP_LOSSES = ("loss/actor", "loss/kl", "loss/critic")
-
-
 class NothingToTrain(ProjectError):
     """An iteration with no row left to train on: every rank decides it together, rank 0 prints it."""
-
-
-def component_sums(rows: list[Row], names: list[str]) -> dict:
-    """Per reward component: the sum of its finite scores and how many there are (for its mean)."""
-    out = {}
-    for name in names:
-        values = [v for v in (r.score_parts[name] for r in rows) if v == v]  # NaN: skipped
-        out[f"part/{name}_sum"], out[f"part/{name}_count"] = sum(values), len(values)
-    return out
 
 
 @dataclass
@@ -76,7 +65,7 @@ class PPOConfig:
     dual_clip: float | None = None
     entropy_coef: float = 0.0
     rollout_engine: str = "hf"  # an entry of step3_ppo.rollout.engines.ROLLOUT_ENGINES
-    vllm: object = None  # step3_ppo.rollout.vllm_engine.VLLMSettings of --rollout_engine vllm (None: its defaults)
+    engine_settings: object = None  # the rollout engine's own flags (its entry's settings(args); None: defaults)
     async_rollout: bool = False  # the engine generates iteration k+1 while iteration k trains (one step stale)
     loss_agg: str | None = None  # None: the policy loss's default, else the estimator's
     reward_weights: tuple | None = None  # one per reward component; None: 1 each
@@ -639,8 +628,7 @@ class PPOTrainer:
             scores = scores[~torch.isnan(scores)]
         if not self.finite(scores):
             # a NaN/inf reward would poison advantages and every update: skip the whole iteration
-            return {"ppo/skipped_non_finite": 1.0, "time/generation_s": generation_s,
-                    "time/experience_s": experience_s}, rows
+            return step_metrics.skipped_metrics(generation_s, experience_s), rows
         t0 = time.time()
         exp_stats = self.compute_advantages(rows)
         if c.skip_bad_rewards:
@@ -657,83 +645,29 @@ class PPOTrainer:
             train_stats, optimizer_steps = self.train_epochs(rows, step)
         if self.ema is not None:
             self.ema.update(self.actor)
-        t3 = time.time()
-
-        n = len(rows)
-        diff_max = exp_stats.pop("logprob_diff_max", None)
-        local = {
-            "rows": n,
-            **{k: v for k, v in exp_stats.items() if k != "explained_variance"},
-            **{f"dynamic/{k}": v for k, v in sampling.items() if k != "rounds"},
-            "kl_seq_sum": exp_stats["kl_seq_sum"],
-            "response_len_sum": sum(r.response_ids.numel() for r in rows),
-            "eos_sum": sum(r.ended_with_eos for r in rows),
-            "explained_variance_sum": exp_stats["explained_variance"],
-            "trained_tokens": sum(r.action_count for r in rows if r.trained),
-            **(agent_sums(rows) if self.agent is not None else {}),
-            # a loss is its optimizer steps' mean (each mini-batch holds its part of its step's loss, summed over
-            # ranks below); every other figure the mini-batches' mean, averaged over ranks
-            **{k + "_sum": sum(s[k] for s in train_stats) / (optimizer_steps if k in STEP_LOSSES else len(train_stats))
-               for k in train_stats[0]},
-        }
-        keys = list(local)
-        totals = dict(zip(keys, all_reduce_sum([local[k] for k in keys])))
-        ranks, rows_total = world_size(), totals["rows"]
-        log_ratio_max, diff_max = all_reduce_max_list([max(s["ppo/log_ratio_max_abs"] for s in train_stats),
-                                                       diff_max or 0.0])
-        kl_mean = totals["kl_seq_sum"] / rows_total
-        metrics = {
-            "reward/score_mean": totals["score_sum"] / max(totals["scored_rows"], 1),
-            "reward/total_mean": totals["total_reward_sum"] / rows_total,
-            "kl/ref_mean": kl_mean,
-            "kl/coef": self.kl_ctl.value,
-            **{f"reward/{comp.name}_mean": totals[f"part/{comp.name}_sum"] / max(totals[f"part/{comp.name}_count"], 1)
-               for comp in self.rewards},
-            "ppo/log_ratio_max_abs": log_ratio_max,
-            "gen/response_len_mean": totals["response_len_sum"] / rows_total,
-            "gen/eos_fraction": totals["eos_sum"] / rows_total,
-            "time/generation_s": generation_s,
-            "time/experience_s": experience_s,
-            "time/train_s": t3 - t2,
-            "samples_per_s": rows_total / (generation_s + experience_s + t3 - t2),
-            "ppo/skipped_non_finite": 0.0,
-            "train/overflow_skipped": float(self.overflow_skipped),  # the same on every rank
-        }
-        if c.overlong_buffer_len or c.truncation_penalty:
-            metrics["reward/length_penalty_mean"] = totals["length_penalty_sum"] / rows_total
-        if c.skip_bad_rewards:
-            metrics["reward/skipped_rows"] = totals["bad_rows"]
-        if c.skip_bad_rewards or c.mask_truncated_completions or c.filter_zero_variance_groups or c.dynamic_sampling:
-            metrics["train/dropped_rows"] = totals["dropped_rows"]
-            metrics["train/trained_tokens"] = totals["trained_tokens"]
-        if c.n_samples_per_prompt > 1:
-            metrics["reward/zero_variance_group_fraction"] = totals["zero_variance_rows"] / rows_total
-        if sampling:  # groups over all ranks; rounds the same on every rank
-            generated, kept = totals["dynamic/generated_groups"], totals["dynamic/kept_groups"]
-            metrics.update({"dynamic/generated_groups": generated, "dynamic/kept_groups": kept,
-                            "dynamic/dropped_groups": generated - kept,
-                            "dynamic/missing_groups": totals["dynamic/missing_groups"],
-                            "dynamic/rounds": sampling["rounds"]})
-        if diff_max is not None and "logprob_diff_count" in totals:  # the generator's log-probs against the trainer's
-            metrics["rollout/logprob_diff_mean"] = totals["logprob_diff_sum"] / max(totals["logprob_diff_count"], 1)
-            metrics["rollout/logprob_diff_max"] = diff_max
-        if c.rollout_correction != "none":
-            trained = max(totals["rollout_weight_count"], 1)
-            metrics["rollout/correction_weight_mean"] = totals["rollout_weight_sum"] / trained
-            metrics["rollout/correction_masked_fraction"] = totals["rollout_masked_sum"] / trained
-        if self.critic is not None:
-            metrics["value/explained_variance"] = totals["explained_variance_sum"] / ranks
-        if self.agent is not None:  # per trajectory; the environment's and tools' time apart from generation's
-            env_s = self.agent.env_s - env_s0
-            metrics.update({f"rollout/{name}_mean": totals[f"agent/{name}_sum"] / rows_total
-                            for name in ("turns", "tool_calls", "tool_errors", "env_tokens", "action_tokens")})
-            metrics.update(agent_rates(totals, "rollout/"))
-            metrics.update({f"rollout/{name}": totals[f"agent/{name}_sum"]
-                            for name in ("tool_errors", "truncated", "env_failures")})
-            metrics.update({"time/env_s": env_s, "time/generation_s": generation_s - env_s})
-        for key in train_stats[0]:
-            if key != "ppo/log_ratio_max_abs":
-                metrics[key] = totals[key + "_sum"] / (1 if key in STEP_LOSSES else ranks)
-        metrics.update(self.rollout.metrics())
-        self.kl_ctl.update(kl_mean, rows_total)
+        seconds = {"generation_s": generation_s, "experience_s": experience_s, "train_s": time.time() - t2,
+                   "env_s": self.agent.env_s - env_s0 if self.agent is not None else None}
+        metrics, rows_total = self.iteration_metrics(rows, exp_stats, sampling, train_stats, optimizer_steps, seconds)
+        self.kl_ctl.update(metrics["kl/ref_mean"], rows_total)
         return metrics, rows
+
+    def iteration_metrics(self, rows: list[Row], exp_stats: dict, sampling: dict, train_stats: list[dict],
+                          optimizer_steps: int, seconds: dict) -> tuple[dict, float]:
+        """The iteration's metrics over all ranks, family by family (step3_ppo/metrics.py), and the rows of all
+        ranks (for the KL controller)."""
+        c = self.config
+        local = step_metrics.local_sums(rows, exp_stats, sampling, train_stats, optimizer_steps, self.agent is not None)
+        totals, (log_ratio_max, diff_max) = step_metrics.all_ranks(
+            local, [max(s["ppo/log_ratio_max_abs"] for s in train_stats), exp_stats.get("logprob_diff_max", 0.0)])
+        ranks = world_size()
+        return {**step_metrics.reward_metrics(totals, [comp.name for comp in self.rewards], c),
+                **step_metrics.kl_metrics(totals, self.kl_ctl.value),
+                **step_metrics.length_metrics(totals),
+                **step_metrics.policy_metrics(totals, train_stats[0], log_ratio_max, self.overflow_skipped, ranks),
+                **step_metrics.value_metrics(totals, ranks, self.critic is not None),
+                **step_metrics.selection_metrics(totals, c),
+                **step_metrics.dynamic_metrics(totals, sampling),
+                **step_metrics.rollout_metrics(totals, diff_max, c.rollout_correction),
+                **step_metrics.agent_metrics(totals, self.agent is not None),
+                **step_metrics.timing_metrics(totals["rows"], **seconds),
+                **self.rollout.metrics()}, totals["rows"]

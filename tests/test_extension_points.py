@@ -2,8 +2,10 @@
 registered (here, for the test's duration) is offered by its flag with its help and is used by the
 run. The pair-loss registry's end-to-end case is in tests/test_step2_dpo.py, the reward functions' in
 tests/test_reward_funcs.py, the policy losses' math in tests/test_losses.py."""
+import ast
 import contextlib
 import io
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -13,6 +15,7 @@ from step3_ppo.rollout import engines as rollout_engines
 from step3_ppo.algo.advantages import ESTIMATORS
 from step3_ppo.algo.shaping import FixedKLController
 from step3_ppo.trainer import PPOConfig, PPOTrainer
+from tests.launch import ROOT
 from utils.math import losses
 
 
@@ -73,3 +76,47 @@ def test_a_registered_rollout_engine_generates_the_trainers_rows(monkeypatch):
     assert calls == [((4, 3), [0, 0, 1, 1], 3)]
     assert [r.response_ids.tolist() for r in rows] == [[7, 8, 2], [9, 2]] * 2
     assert [r.group for r in rows] == [0, 0, 1, 1] and [r.prompt_ids.tolist() for r in rows][::2] == [[5, 6], [4, 5, 6]]
+
+
+ENGINE_FOLDER = "step3_ppo/rollout/"
+
+
+def docstrings(tree: ast.Module) -> set[int]:
+    """The ids of the docstring constants of a module, its classes and functions (they may name a product)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                out.add(id(first.value))
+    return out
+
+
+def names_and_strings(tree: ast.Module):
+    """(line, text) of every imported module, identifier, attribute, keyword, parameter and string constant."""
+    skip = docstrings(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):  # its names (and an import's) are ast.alias nodes, walked too
+            texts = [node.module or ""]
+        elif isinstance(node, ast.Constant):
+            texts = [node.value] if isinstance(node.value, str) and id(node) not in skip else []
+        else:
+            texts = [getattr(node, field) for field in ("id", "attr", "arg", "name")
+                     if isinstance(getattr(node, field, None), str)]
+        yield from ((getattr(node, "lineno", 0), text) for text in texts)
+
+
+def test_only_the_rollout_folder_names_a_rollout_engine():
+    """A server-type rollout engine lives in step3_ppo/rollout/ (its module and its registry line): no step or
+    utils module outside it imports vLLM or names it in an identifier, a flag or a string (comments and docstrings
+    may mention the product)."""
+    from tests.test_layering import STEPS, python_files
+
+    found = []
+    for path in [p for folder in (*STEPS, "utils") for p in python_files(folder)]:
+        if path.replace(os.sep, "/").startswith(ENGINE_FOLDER):
+            continue
+        with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+            tree = ast.parse(f.read(), path)
+        found += [f"{path}:{line}: {text!r}" for line, text in names_and_strings(tree) if "vllm" in text.lower()]
+    assert not found, "\n".join(found)

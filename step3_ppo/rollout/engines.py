@@ -28,7 +28,7 @@ from typing import Callable, Protocol
 import torch
 
 from step3_ppo.rollout.hybrid import generate
-from step3_ppo.rollout.vllm_engine import VLLMRollout, add_vllm_args
+from step3_ppo.rollout.vllm_engine import VLLMRollout, VLLMSettings, add_vllm_args, check_vllm_args
 from utils.models.forward import GenerationSettings, generation_kwargs
 
 
@@ -80,23 +80,42 @@ class ActorGenerate:
 class RolloutEngineEntry:
     """`build(actor, config) -> RolloutEngine`; `help`: the flag's one line; `logprobs`: whether its engine
     offers `generate_with_logprobs` (the generator's own log-probs of the sampled tokens); `add_args(parser)`:
-    the engine's own flags."""
+    the engine's own flags (step 3 adds every engine's); `check_args(args)`: stops the run on a bad setting of
+    them when the engine is chosen; `settings(args)`: what build reads of them, as the config's `engine_settings`
+    (so a trainer built from a PPOConfig alone still gets them)."""
     build: Callable[..., RolloutEngine]
     help: str
     logprobs: bool = False
     add_args: Callable | None = None
     prefetch: bool = False  # offers prefetch(ids, mask, settings, logprobs): --async_rollout
+    check_args: Callable | None = None
+    settings: Callable | None = None
+
+
+def check_engine_args(args) -> None:
+    """The chosen `--rollout_engine`'s checks of its own flags, before any model is built."""
+    entry = ROLLOUT_ENGINES[args.rollout_engine]
+    if entry.check_args is not None:
+        entry.check_args(args)
+
+
+def engine_settings(args):
+    """The chosen `--rollout_engine`'s settings from its own flags (None: it has none)."""
+    entry = ROLLOUT_ENGINES[args.rollout_engine]
+    return entry.settings(args) if entry.settings is not None else None
 
 
 def _vllm(actor, config):
-    return VLLMRollout(actor, config, config.vllm)
+    return VLLMRollout(actor, config, config.engine_settings)
 
 
-# A new engine (vLLM, ...) is one entry here and its class (with a test that its tokens train at lr=0).
+# A new engine is one entry here and its own module: its class, flags, their checks and settings (with a test that
+# its tokens train at lr=0).
 ROLLOUT_ENGINES: dict[str, RolloutEngineEntry] = {
     "hf": RolloutEngineEntry(ActorGenerate, "transformers' generate on the actor (with --enable_hybrid_engine: "
                                             "ZeRO-3 parameters gathered once, KV cache, LoRA merged)", logprobs=True),
     "vllm": RolloutEngineEntry(_vllm, "a vLLM worker process per node (its own cores; token ids in and out), the "
                                       "actor's weights synced to it after each optimizer step through shared memory",
-                               logprobs=True, add_args=add_vllm_args, prefetch=True),
+                               logprobs=True, add_args=add_vllm_args, prefetch=True, check_args=check_vllm_args,
+                               settings=VLLMSettings.from_args),
 }

@@ -40,6 +40,7 @@ import torch
 from step3_ppo.rollout.hybrid import partitioned_params
 from utils.errors import ProjectError
 from utils.models.forward import GenerationSettings, _hf_model
+from utils.train.flags import fail
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_worker.py")
 GATHER_BYTES = 256 * 2**20  # parameters gathered from ZeRO-3 at a time
@@ -105,6 +106,15 @@ def add_vllm_args(parser) -> None:
                         "KV cache freed) and wakes for the next rollout; GPU only (vLLM refuses it on CPU)")
     g.add_argument("--vllm_max_model_len", type=int, default=None,
                    help="longest prompt + answer the worker serves (default: the model's, at most 8192)")
+
+
+def check_vllm_args(args) -> None:
+    """`--rollout_engine vllm`'s own checks, before any model is built: vLLM runs under --vllm_python, and the
+    worker does not sleep through the training that --async_rollout generates beside."""
+    if missing := vllm_missing(args.vllm_python):
+        fail(f"--rollout_engine vllm: {missing}")
+    if args.async_rollout and args.vllm_sleep:
+        fail("--async_rollout generates while the ranks train: the worker cannot sleep then (--vllm_sleep)")
 
 
 def _last_error(path: str, limit: int = 400) -> str:
