@@ -18,9 +18,6 @@ import sys
 
 from utils.data import RowFormat, normalize_row, prompt_text
 from utils.train.flags import add_device_arg, add_format_args, add_generation_args, resolve_generation_args
-from utils.evaluation import generate_answers, load_policy, load_prompts
-from utils.models.forward import GenerationSettings
-from utils.models.loading import ModelLoadError
 
 DEFAULT_PROMPTS = (
     "Human: Continue this movie review: The acting in this film\n\nAssistant:",
@@ -80,6 +77,8 @@ def resolve_prompts(args) -> list:
     (and --apply_chat_template), from the command line as user turns with --apply_chat_template."""
     fmt = RowFormat.from_args(args)
     if args.prompts and len(args.prompts) == 1 and os.path.exists(os.path.expanduser(args.prompts[0])):
+        from utils.evaluation import load_prompts  # lazy: +0.16 s on --help
+
         return load_prompts(args.prompts[0], args.num_prompts, args.seed, fmt)
     texts = [p.replace("\\n", "\n") for p in args.prompts] if args.prompts else list(DEFAULT_PROMPTS)
     if fmt.apply_chat_template:
@@ -89,6 +88,10 @@ def resolve_prompts(args) -> list:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    from utils.evaluation import generate_answers, load_policy  # lazy: +0.16 s on --help
+    from utils.models.forward import GenerationSettings  # lazy: +0.16 s on --help
+    from utils.models.loading import ModelLoadError  # lazy: +0.16 s on --help
+
     prompts = resolve_prompts(args)
     models = {}
     for name, path in (("Baseline", args.model_name_or_path_baseline), ("Finetune", args.model_name_or_path_finetune)):
