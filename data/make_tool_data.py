@@ -34,6 +34,7 @@ import random
 
 from data.make_arithmetic_data import write  # the same JSONL writer: one file per split
 from utils.errors import UsageError, run_main
+from step3_ppo.agents.tools import calculator, load_tools, tool_system_prompt
 
 QUESTION = "What is {expr}?"
 ANSWER = "The answer is {answer}."
@@ -105,15 +106,11 @@ def tool_call(expression: str) -> str:
 
 def system_prompt() -> str:
     """Step 3's tool block for the calculator (tool_system_prompt of load_tools' schema; imports transformers)."""
-    from step3_ppo.agents.tools import load_tools, tool_system_prompt
-
     return tool_system_prompt([load_tools([TOOL])[0].schema])
 
 
 def sft_row(question: str, expression: str, answer: str, system: str) -> dict:
     """One tool-use trace; the tool turn is the calculator's own output, which must be the answer."""
-    from step3_ppo.agents.tools import calculator
-
     result = calculator(expression)
     if result != answer:  # the trace would teach a wrong answer
         raise AssertionError(f"calculator({expression!r}) gave {result!r}, expected {answer!r}")

@@ -26,7 +26,7 @@ from utils.runtime.distributed import is_rank0, world_size
 from utils.train.ds_config import eval_ds_config, train_ds_config
 from utils.models.loading import load_causal_lm
 from utils.models.reward_model import RewardModel
-from utils.train.loop import build_frozen_engine, build_trained_engine, initialize_engine, spec_from_args
+from utils.train.loop import add_lora, build_frozen_engine, build_trained_engine, initialize_engine, spec_from_args
 
 
 @dataclass
@@ -50,7 +50,7 @@ class ActorEMA:
 
     @torch.no_grad()
     def update(self, actor_engine) -> None:
-        import deepspeed
+        import deepspeed  # lazy: +0.5 s on every --help (deepspeed)
 
         zero3 = actor_engine.zero_optimization_stage() == 3
         pairs = zip(self.engine.module.named_parameters(), actor_engine.module.named_parameters())
@@ -110,8 +110,6 @@ def build_engines(args, tokenizer, total_steps: int, reward_model_paths=()) -> E
         ema_model = load_causal_lm(args.actor_model_name_or_path, tokenizer, ema_config, 0.0, args.trust_remote_code,
                                    attn_implementation=attn)
         if actor_spec.lora_dim > 0:  # same structure as the actor, so parameters pair up by name
-            from utils.train.loop import add_lora
-
             ema_model = add_lora(ema_model, actor_spec)
         ema = ActorEMA(initialize_engine(ema_model, ema_config))
         ema.engine.eval()

@@ -19,15 +19,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 
 from utils.train.flags import fail
 from utils.models.loading import ModelLoadError, check_model_path, check_remote_code, check_weight_files
+from step3_ppo.agents.eval import evaluate_policy, format_agent_table
+from step3_ppo.agents.flags import add_agent_args, check_agent_args
+from step3_ppo.rewards.functions import RewardFunctionError, load_reward_function
+from utils.data import DataError, RowFormat, read_rows
+from utils.evaluation import (DEFAULT_PROMPTS, ComparisonSpec, check_policy_names, compare_policies, default_judges,
+                              format_table, load_prompts)
+from utils.evaluation.loading import default_device
+from utils.models.forward import GenerationSettings
+from utils.train.flags import add_device_arg, add_format_args, add_generation_args, resolve_generation_args
 
 
 def parse_args(argv=None):
-    from utils.evaluation import DEFAULT_PROMPTS
-    from utils.train.flags import add_device_arg, add_format_args, add_generation_args, resolve_generation_args
-
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sft_model", required=True, help="step 1 output directory (also the KL reference)")
     p.add_argument("--rlhf_model", default=None,
@@ -52,8 +59,6 @@ def parse_args(argv=None):
     p.add_argument("--out", default=None, help="write the full result (with per-prompt rows) as JSON")
     add_generation_args(p, do_sample=None)  # sampling by default, as in PPO rollouts; greedy with --env/--tools
     add_format_args(p.add_argument_group("prompt format (as in training)"), template_file=False)
-    from step3_ppo.agents.flags import add_agent_args, check_agent_args
-
     add_agent_args(p)
     p.add_argument("--reward_funcs", nargs="+", default=None, metavar="SPEC",
                    help="score the policies with these reward functions instead of a reward model and judges "
@@ -76,8 +81,6 @@ def parse_args(argv=None):
 
 def other_policies(args) -> list[tuple[str, str]]:
     """(name, directory) of each --policy NAME=DIR, names checked along with --rlhf_model's "rlhf"."""
-    from utils.evaluation import check_policy_names
-
     others = []
     for value in args.policy:
         name, sep, path = value.partition("=")
@@ -98,11 +101,6 @@ def other_policies(args) -> list[tuple[str, str]]:
 def agent_main(args, policies: list[tuple[str, str]]) -> dict:
     """--env/--tools (or --reward_funcs): each policy through the training loop's multi-turn rollout, scored by
     reward functions (step3_ppo/agents/eval.py)."""
-    from step3_ppo.agents.eval import evaluate_policy, format_agent_table
-    from step3_ppo.rewards.functions import RewardFunctionError, load_reward_function
-    from utils.data import DataError, RowFormat, read_rows
-    from utils.evaluation.loading import default_device
-
     try:
         functions = [load_reward_function(spec, **vars(args)) for spec in args.reward_funcs or ["math_exact"]]
     except RewardFunctionError as e:
@@ -111,8 +109,6 @@ def agent_main(args, policies: list[tuple[str, str]]) -> dict:
         rows, _ = read_rows(args.prompts, 3, RowFormat.from_args(args))
     except (DataError, OSError, ValueError) as e:
         fail(f"--prompts: {e}")
-    import random
-
     random.Random(args.prompt_seed).shuffle(rows)
     rows = rows[:args.num_prompts]
     results = {}
@@ -145,10 +141,6 @@ def main(argv=None) -> dict:
     if args.scored_by_functions:
         return agent_main(args, [("sft", args.sft_model)] + ([("rlhf", args.rlhf_model)] if args.rlhf_model else [])
                           + others)
-    from utils.data import DataError, RowFormat
-    from utils.evaluation import ComparisonSpec, compare_policies, default_judges, format_table, load_prompts
-    from utils.models.forward import GenerationSettings
-
     try:
         prompts = load_prompts(args.prompts, args.num_prompts, args.prompt_seed, RowFormat.from_args(args))
     except (DataError, OSError, ValueError) as e:

@@ -17,6 +17,7 @@ forked. It dies with the process that started it.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import importlib
 import os
 import pickle
@@ -167,8 +168,6 @@ def _rebuilt(data: bytes, message: str) -> ProjectError:
 def _die_with_parent(parent_pid: int) -> None:
     """SIGKILL this worker when the trainer's process dies (even by SIGKILL, while a call hangs)."""
     if sys.platform.startswith("linux"):
-        import ctypes
-
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent_pid:
         os._exit(1)

@@ -66,14 +66,14 @@ def make_prompts(tokenizer, batch_size: int, prompt_len: int, seed: int) -> dict
 
 def partitioned(engine) -> bool:
     """True when every ZeRO-3 parameter that is not persistent holds no local data (released)."""
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  # lazy: +0.5 s on --help (deepspeed)
 
     params = [p for p in engine.module.parameters() if hasattr(p, "ds_status") and not getattr(p, "ds_persist", False)]
     return bool(params) and all(p.ds_status == ZeroParamStatus.NOT_AVAILABLE and p.data.numel() == 0 for p in params)
 
 
 def full_weights(engine) -> list[torch.Tensor]:
-    import deepspeed
+    import deepspeed  # lazy: +0.5 s on --help (deepspeed)
 
     params = list(engine.module.parameters())
     with deepspeed.zero.GatheredParameters(params, enabled=engine.zero_optimization_stage() == 3):
@@ -90,7 +90,7 @@ def zero3_hook_state(engine):
 
 def module_tree_state(engine) -> dict:
     """What the actor runs per token: peft LoRA wrappers, ZeRO-3 parameter dicts, merged adapters."""
-    from peft.tuners.lora import LoraLayer
+    from peft.tuners.lora import LoraLayer  # lazy: +3 s on --help (peft)
 
     modules = list(engine.module.modules())
     return {"lora_wrappers": sum(isinstance(m, LoraLayer) for m in modules),
@@ -137,7 +137,7 @@ def main(argv=None):
             engine.step()
     if args.lora_dim:  # non-zero LoRA weights, so merging really changes the weights (set after the steps:
         # the optimizer's fp32 copy would undo them)
-        import deepspeed
+        import deepspeed  # lazy: +0.5 s on --help (deepspeed)
 
         with torch.no_grad():
             for name, p in engine.module.named_parameters():

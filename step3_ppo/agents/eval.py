@@ -20,6 +20,12 @@ import torch
 from step3_ppo.agents.loop import AgentLimits, EnvReward, MultiTurn, agent_rates, agent_sums, prompts_with_tools
 from utils.data.chat import render
 from utils.errors import UsageError, run_main
+from step3_ppo.agents.tools import Toolbox
+from step3_ppo.plot import read_rows
+from step3_ppo.rewards.components import FunctionReward
+from utils.data import PromptCollator, stop_token_ids, tokenize_prompts
+from utils.evaluation.loading import load_policy
+from utils.models.forward import GenerationSettings, generate, generation_kwargs, model_device
 
 
 class ModelGenerate:
@@ -29,8 +35,6 @@ class ModelGenerate:
         self.model, self.stop_token_ids, self.pad_token_id = model, stop_token_ids, pad_token_id
 
     def generate(self, input_ids, attention_mask, settings):
-        from utils.models.forward import generate, generation_kwargs, model_device
-
         device = model_device(self.model)
         return generate(self.model, input_ids.to(device), attention_mask.to(device),
                         **generation_kwargs(settings, self.stop_token_ids, self.pad_token_id)).cpu()
@@ -50,12 +54,6 @@ def retokenisation_changes(rows, tokenizer) -> int:
 
 def evaluate_policy(model_dir: str, prompt_rows: list[dict], args, reward_functions: list, device: str) -> dict:
     """One policy's figures (see the module docstring) on `prompt_rows` (read_rows' rows, with their fields)."""
-    from step3_ppo.rewards.components import FunctionReward
-    from step3_ppo.agents.tools import Toolbox
-    from utils.data import PromptCollator, stop_token_ids, tokenize_prompts
-    from utils.evaluation.loading import load_policy
-    from utils.models.forward import GenerationSettings
-
     model, tokenizer = load_policy(model_dir, device)
     rows, schemas = prompts_with_tools(prompt_rows, tokenizer, args.tool_list)
     examples, _ = tokenize_prompts(rows, tokenizer, args.max_prompt_len, tools=schemas)
@@ -139,8 +137,6 @@ def main(argv=None) -> str:
     p.add_argument("--run", required=True, metavar="STEP3_DIR", help="a step-3 output directory (metrics.jsonl) "
                                                                     "run with --tools and --eval_interval")
     args = p.parse_args(argv)
-    from step3_ppo.plot import read_rows
-
     with open(args.without_tools) as f:
         without_tools = next(iter(json.load(f).values()))
     metrics = os.path.join(args.run, "metrics.jsonl")

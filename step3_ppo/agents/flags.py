@@ -3,14 +3,15 @@ and their checks before any model loads. Imports no torch, so --help and flag er
 loop itself is step3_ppo/agents/loop.py."""
 from __future__ import annotations
 
+from step3_ppo.agents.environments import EnvError, environments_help, load_environment
+from step3_ppo.agents.tools import TOOL_CALL_PARSERS, TOOLS, ToolError, landlock_missing, load_tools
+from utils.train.flags import fail
+
 AGENT_DEFAULTS = {"max_turns": 4, "max_observation_len": 128, "tool_timeout": 10.0, "tool_parser": "hermes"}
 
 
 def add_agent_args(parser) -> None:
     """--env, --tools and the multi-turn limits (step 3's training and evaluation, chat.py)."""
-    from step3_ppo.agents.environments import environments_help
-    from step3_ppo.agents.tools import TOOL_CALL_PARSERS, TOOLS
-
     g = parser.add_argument_group("agents: multi-turn rollouts with an environment and tools")
     g.add_argument("--env", default=None, metavar="SPEC",
                    help="the environment that answers the policy between turns: a built-in ("
@@ -43,10 +44,6 @@ def check_agent_args(args) -> None:
     """The multi-turn flags, before any model is loaded: the environment and tools load (one line if not),
     the limits are positive, and none is given without --env or --tools (it would change nothing).
     Sets `args.environment` (a loaded EnvironmentSpec or None), `args.tool_list` and the limits' defaults."""
-    from step3_ppo.agents.environments import EnvError, load_environment
-    from step3_ppo.agents.tools import ToolError, landlock_missing, load_tools
-    from utils.train.flags import fail
-
     args.environment, args.tool_list = None, []
     multi_turn = bool(args.env or args.tools)
     if not multi_turn:

@@ -29,6 +29,7 @@ from utils.data.chat import end_of_turn_id, render, require_template
 from utils.runtime.distributed import all_reduce_max
 from utils.errors import ProjectError
 from utils.math.rows import Row
+from step3_ppo.agents.tools import Toolbox, template_supports_tools, tool_system_prompt
 
 # a conversation the reply suffix is measured after: its assistant turn ends where a generated turn does
 _PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
@@ -326,8 +327,6 @@ def build_agent(args, tokenizer) -> MultiTurn | None:
     """The run's MultiTurn (None without --env / --tools); its tools' workers start at their first call."""
     if args.environment is None and not args.tool_list:
         return None
-    from step3_ppo.agents.tools import Toolbox
-
     toolbox = Toolbox(args.tool_list, args.tool_timeout, args.tool_parser) if args.tool_list else None
     return MultiTurn(tokenizer, limits_of(args), args.environment, toolbox, getattr(args, "skip_bad_rewards", False))
 
@@ -338,8 +337,6 @@ def prompts_with_tools(rows: list[dict], tokenizer, tool_list) -> tuple[list[dic
     of) its system message. Without tools, the rows as they are."""
     if not tool_list:
         return rows, None
-    from step3_ppo.agents.tools import template_supports_tools, tool_system_prompt
-
     schemas = [tool.schema for tool in tool_list]
     if template_supports_tools(tokenizer):
         return rows, schemas

@@ -349,7 +349,7 @@ def tool_function(spec: str) -> Callable:
 
 def tool_schema(spec: str, fn: Callable) -> dict:
     """`fn`'s JSON schema as TRL makes it; one line naming `spec` and what is missing where there is none."""
-    from transformers.utils import get_json_schema  # here: the worker process imports this module, not transformers
+    from transformers.utils import get_json_schema  # lazy: +0.75 s on each tool worker's start
 
     try:
         return get_json_schema(fn)

@@ -25,6 +25,8 @@ import signal
 import threading
 import weakref
 
+import jinja2
+
 from utils.data.formats import SkipRow, common_prefix_len
 from utils.data.sources import DataError
 from utils.errors import one_line
@@ -128,8 +130,6 @@ def render(tokenizer, messages: list, add_generation_prompt: bool = False) -> li
 
 def _describe(exc: Exception) -> str:
     """One line for what a template raised: Jinja's kind of error (SecurityError: the sandbox refused) and text."""
-    import jinja2
-
     text = one_line(exc, 300) or "(no message)"
     if isinstance(exc, RecursionError):
         return f"RecursionError: {text} (a macro that calls itself without end?)"

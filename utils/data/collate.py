@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler
 
 from utils.data.tokenize import IGNORE_INDEX
 
@@ -142,9 +144,6 @@ def distributed_loader(examples: Sequence, batch_size: int, collate_fn, seed: in
     torch RNG each time an epoch's iterator is created, which would shift dropout and sampling
     randomness after a resume.
     """
-    import torch.distributed as dist
-    from torch.utils.data import DataLoader, DistributedSampler
-
     ranks = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     sampler = DistributedSampler(examples, num_replicas=ranks, rank=rank, shuffle=True, seed=seed)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import codecs
 import csv
 import gzip
+import hashlib
 import io
 import json
 import os
@@ -210,7 +211,7 @@ def _read_csv(path: str) -> list:
 def _read_parquet(path: str) -> list:
     """Records of a .parquet file (rows as dicts); origins are "path:row N"."""
     try:
-        import pyarrow.parquet as pq  # lazily: only Parquet sources need it
+        import pyarrow.parquet as pq  # lazy: optional (pyarrow), only Parquet sources need it
     except ImportError:
         raise DataError(f"{path}: reading .parquet files needs pyarrow (pip install pyarrow)") from None
     try:
@@ -354,7 +355,7 @@ def _read_hf_dataset(source: str) -> tuple[list, list | None]:
     """Records of a ``datasets`` dataset (hub name, local datasets folder or
     ``save_to_disk`` output).  Imported lazily: most runs use local JSON."""
     try:
-        import datasets
+        import datasets  # lazy: +1 s on every --help (datasets)
 
         if os.path.isdir(source) and any(
             os.path.exists(os.path.join(source, m)) for m in ("dataset_dict.json", "state.json")
@@ -453,8 +454,6 @@ def content_hashes(sources: list[str]) -> dict[str, str]:
     """{file: sha256 of its bytes} of the files the ``sources`` are read from (``source_files``): what a
     resumed run compares to its checkpoint's, since an in-place edit can keep the size and row count.
     One streaming read per file, no parsing (2.2 MB of demo data: a few ms)."""
-    import hashlib
-
     hashes = {}
     for source in sources:
         for path in source_files(source):

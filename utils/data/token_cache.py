@@ -35,6 +35,7 @@ from typing import Callable
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 from utils.runtime import distributed as dist
 from utils.runtime.cache_dir import relax_permissions
@@ -149,8 +150,6 @@ def _make_temp(cache_dir: str, name: str) -> str:
 
 
 def _write_files(folder: str, examples: Examples, stats: dict) -> None:
-    from safetensors.torch import save_file
-
     fields = _field_names(examples)
     tensors, missing = {}, {}
     for field in fields:
@@ -208,8 +207,6 @@ def _publish(tmp: str, entry: str) -> None:
 # --------------------------------------------------------------------------- reading
 def load_entry(entry: str) -> Built:
     """The examples and stats of a complete entry, equal to what was built."""
-    from safetensors.torch import load_file
-
     try:
         with open(os.path.join(entry, META), encoding="utf-8") as f:
             meta = json.load(f)

@@ -17,6 +17,7 @@ from utils.evaluation.loading import default_device, load_policy, load_reward_mo
 from utils.evaluation.scoring import kl_to_reference, reward_scores
 from utils.models.forward import GenerationSettings
 from utils.models.loading import load_tokenizer
+from utils.models.reward_model import check_policy_dir
 
 # a policy's name is a result key (`<name>_vs_sft`) and, upper-cased, a table row
 POLICY_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -84,8 +85,6 @@ def _check_policies(sft_path: str, policies: Sequence[tuple[str, str]]) -> None:
     """Before any model loads (a bad last policy would otherwise surface after generating with all the
     others): each policy is a causal LM, not a reward model, with the SFT tokenizer, else its KL to
     SFT is undefined."""
-    from utils.models.reward_model import check_policy_dir
-
     sft_tok = load_tokenizer(sft_path, padding_side="left")
     for name, path in policies:
         check_policy_dir(path, f"{name.upper()} policy")

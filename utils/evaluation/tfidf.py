@@ -16,6 +16,7 @@ from itertools import chain
 from typing import Callable, Sequence
 
 import numpy as np
+import torch
 
 _TAG = re.compile(r"<[^>]*>")  # IMDB texts hold `<br />` line breaks
 _WORD = re.compile(r"[a-z0-9]+(?:'[a-z]+)?")  # keeps "don't", "isn't": negations carry sentiment
@@ -51,8 +52,6 @@ class Csr:
 
     def _tensors(self):
         if self._t is None:
-            import torch
-
             crow = np.concatenate([[0], np.cumsum(np.bincount(self.rows, minlength=self.shape[0]))])
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "sparse CSR support is in beta"
@@ -65,8 +64,6 @@ class Csr:
     def _product(self, which: int, v: np.ndarray, n_out: int) -> np.ndarray:
         if self.data.size == 0:
             return np.zeros(n_out)
-        import torch
-
         return (self._tensors()[which] @ torch.from_numpy(np.ascontiguousarray(v, dtype=np.float64))).numpy()
 
     def matvec(self, w: np.ndarray) -> np.ndarray:

@@ -70,8 +70,8 @@ def _strip_quantization(model) -> None:
 
 def convert(out_dir: str) -> None:
     """Convert the GGUF into `out_dir` (which must not exist yet, or be empty). No marker written."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    import torch  # lazy: +1.7 s on a cached --print_path (torch)
+    from transformers import AutoModelForCausalLM  # lazy: +2.5 s on a cached --print_path (transformers)
 
     tokenizer = convert_tokenizer(out_dir)
     model = AutoModelForCausalLM.from_pretrained(gguf_package_dir(), gguf_file=GGUF_FILE, dtype=torch.float32)
@@ -90,7 +90,7 @@ def convert_tokenizer(out_dir: str, with_config: bool = False):
     """The GGUF's tokenizer, saved into `out_dir` as `convert` saves it beside the weights (with `with_config`,
     the model's config.json too: a directory load_tokenizer takes, without weights); returned. Seconds
     instead of the weights' conversion, for what needs only the tokenizer (the tests)."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer  # lazy: +2.5 s on a cached --print_path (transformers)
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_package_dir(), gguf_file=GGUF_FILE)
     tokenizer.model_max_length = MAX_POSITIONS
@@ -138,10 +138,10 @@ def ensure_default_model(out_dir: str | None = None) -> str:
 
 def verify(path: str, question: str = "What is the capital of France?", max_new_tokens: int = 32) -> str:
     """Greedy-generate an answer from the converted directory with the chat template; return it."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    import torch  # lazy: +1.7 s on a cached --print_path (torch)
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: +2.5 s on a cached --print_path (transformers)
 
-    from utils.models.forward import GenerationSettings, eval_mode, generate, generation_kwargs
+    from utils.models.forward import GenerationSettings, eval_mode, generate, generation_kwargs  # lazy: as torch above
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
@@ -158,7 +158,7 @@ def verify(path: str, question: str = "What is the capital of France?", max_new_
 
 def describe(path: str) -> dict:
     """Tokenizer/config facts of the converted directory (for logs and reports)."""
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer  # lazy: +2.5 s on a cached --print_path (transformers)
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     config = AutoConfig.from_pretrained(path)

@@ -14,8 +14,9 @@ import os
 import torch
 from torch import nn
 
-from utils.runtime.distributed import barrier, is_rank0
+from utils.runtime.distributed import all_reduce_sum, barrier, is_rank0
 from utils.models.loading import hf_zero3_disabled
+from utils.models.forward import eval_mode
 
 
 def is_zero3(engine) -> bool:
@@ -39,7 +40,7 @@ def _fresh_hf_model(hf_model: nn.Module) -> nn.Module:
 
 def plain_copy(module: nn.Module, state_dict: dict) -> nn.Module:
     """A plain HF model holding `state_dict`, with LoRA adapters merged when `module` is a PeftModel."""
-    from peft import PeftModel, get_peft_model
+    from peft import PeftModel, get_peft_model  # lazy: +3 s on every --help (peft)
 
     if isinstance(module, PeftModel):
         fresh = _fresh_hf_model(module.get_base_model())
@@ -69,9 +70,6 @@ def export_hf_model(engine, tokenizer, out_dir: str) -> None:
 def reload_max_abs_diff(engine, reload, forward, batch: dict) -> float:
     """Max |forward(reloaded) - forward(engine)| on `batch`: does the exported directory hold the engine's
     model (LoRA merged)? `reload()` builds it on rank 0 only, unpartitioned. Call on ALL ranks."""
-    from utils.runtime.distributed import all_reduce_sum
-    from utils.models.forward import eval_mode
-
     with eval_mode(engine):
         expected = forward(engine, batch).float()
     diff = 0.0

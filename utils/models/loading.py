@@ -10,9 +10,11 @@ import json
 import os
 
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from utils.errors import ProjectError, one_line
+from utils.data.chat import use_chat_template_file
 
 PAD_TOKEN = "<pad>"
 
@@ -109,7 +111,7 @@ def check_precision_supported(ds_config: dict | None) -> None:
     before a model is loaded for an engine that deepspeed.initialize would then refuse."""
     if not ds_config:
         return
-    from deepspeed.accelerator import get_accelerator
+    from deepspeed.accelerator import get_accelerator  # lazy: +0.5 s on every --help (deepspeed)
 
     accelerator = get_accelerator()
     supported = {"fp16": bool(accelerator.is_fp16_supported()), "bf16": bool(accelerator.is_bf16_supported())}
@@ -126,14 +128,12 @@ def load_tokenizer(path: str, trust_remote_code: bool = False, padding_side: str
 
     ``chat_template`` (a Jinja file, ``--chat_template``) replaces the tokenizer's own template; it
     is then saved with every output directory's tokenizer, so later steps and tools render alike."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: +0.8 s on every --help (transformers)
 
     check_model_path(path, "tokenizer")
     check_remote_code(path, trust_remote_code)  # the model's directory, in every step
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if chat_template:
-        from utils.data.chat import use_chat_template_file
-
         use_chat_template_file(tokenizer, chat_template)
     if tokenizer.eos_token_id is None:
         raise ModelLoadError(f"tokenizer at {path!r} has no EOS token; generation could never stop")
@@ -158,8 +158,8 @@ def zero3_model_context(ds_config: dict | None):
     Measured (shared/notes): keep the HfDeepSpeedConfig alive while the model exists, and unset
     it before building a non-ZeRO-3 model in the same process, or that one is partitioned too.
     """
-    from transformers.integrations import HfDeepSpeedConfig
-    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+    from transformers.integrations import HfDeepSpeedConfig  # lazy: +0.8 s on every --help (transformers)
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config  # lazy: +0.8 s on every --help
 
     if ds_config is not None and ds_config.get("zero_optimization", {}).get("stage", 0) == 3:
         return HfDeepSpeedConfig(ds_config)
@@ -177,7 +177,7 @@ def load_causal_lm(path: str, tokenizer=None, ds_config: dict | None = None, dro
     default) picks the attention kernel (--attn_implementation). Weights are read from safetensors only
     (pickled .bin files can run code); custom model code only with `trust_remote_code`.
     """
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM  # lazy: +0.8 s on every --help (transformers)
 
     check_model_path(path)
     check_remote_code(path, trust_remote_code)
@@ -217,8 +217,6 @@ def unreadable_weight_files(path: str) -> list[tuple[str, str]]:
     """[(file name, reason)] of the .safetensors files of a local directory whose header does not read."""
     if not os.path.isdir(path):
         return []
-    from safetensors import safe_open
-
     bad = []
     for name in sorted(os.listdir(path)):
         if name.endswith(".safetensors"):
@@ -244,7 +242,7 @@ def lora_target_modules(model: nn.Module, module_name_filter: str) -> list[str]:
 
     DeepSpeed-Chat's `--lora_module_name` is a substring; peft wants explicit layer names.
     """
-    from transformers.pytorch_utils import Conv1D
+    from transformers.pytorch_utils import Conv1D  # lazy: +0.8 s on every --help (transformers)
 
     names = [name for name, module in model.named_modules()
              if isinstance(module, (nn.Linear, Conv1D)) and module_name_filter in name
@@ -257,7 +255,7 @@ def lora_target_modules(model: nn.Module, module_name_filter: str) -> list[str]:
 
 def _linear_names_sample(model: nn.Module, shown: int = 4) -> str:
     """A few distinct Linear/Conv1D layer names (their last part), to show what --lora_module_name can match."""
-    from transformers.pytorch_utils import Conv1D
+    from transformers.pytorch_utils import Conv1D  # lazy: +0.8 s on every --help (transformers)
 
     names = dict.fromkeys(name.rsplit(".", 1)[-1] for name, module in model.named_modules()
                           if isinstance(module, (nn.Linear, Conv1D)) and not name.endswith(_NEVER_LORA))
@@ -267,8 +265,8 @@ def _linear_names_sample(model: nn.Module, shown: int = 4) -> str:
 def apply_lora(model: nn.Module, lora_dim: int, module_name_filter: str, lora_alpha: float | None = None,
                only_optimize_lora: bool = False, modules_to_save: list[str] | None = None) -> nn.Module:
     """Wrap `model` with peft LoRA adapters; base weights stay trainable unless `only_optimize_lora`."""
-    from peft import LoraConfig, get_peft_model
-    from transformers.pytorch_utils import Conv1D
+    from peft import LoraConfig, get_peft_model  # lazy: +3 s on every --help (peft)
+    from transformers.pytorch_utils import Conv1D  # lazy: +0.8 s on every --help (transformers)
 
     targets = lora_target_modules(model, module_name_filter)
     fan_in_fan_out = isinstance(model.get_submodule(targets[0]), Conv1D)
@@ -285,7 +283,7 @@ class hf_zero3_disabled:
     """Temporarily switch off transformers' global ZeRO-3 flag (to build a plain model on one rank)."""
 
     def __enter__(self):
-        from transformers.integrations import deepspeed as hf_ds
+        from transformers.integrations import deepspeed as hf_ds  # lazy: +0.8 s on every --help (transformers)
 
         ref = hf_ds._hf_deepspeed_config_weak_ref
         self.saved = ref() if ref is not None else None
@@ -293,7 +291,7 @@ class hf_zero3_disabled:
         return self
 
     def __exit__(self, *exc):
-        from transformers.integrations.deepspeed import set_hf_deepspeed_config
+        from transformers.integrations.deepspeed import set_hf_deepspeed_config  # lazy: +0.8 s on every --help
 
         if self.saved is not None:
             set_hf_deepspeed_config(self.saved)

@@ -27,11 +27,14 @@ import math
 import os
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from utils.models.export import gather_full_state_dict, plain_copy
-from utils.models.loading import ModelLoadError, load_causal_lm
+from utils.models.loading import ModelLoadError, load_causal_lm, load_tokenizer
 from utils.math.ops import position_ids_from_attention_mask
+from utils.models.forward import sequence_scores
+from utils.runtime.distributed import barrier, is_rank0
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 REWARD_MODEL_FILE = "reward_model.json"
@@ -81,7 +84,7 @@ def backbone_hidden_size(config) -> int:
 
 def _plain_backbone(backbone: nn.Module) -> nn.Module:
     """The transformers model under a peft wrapper (for its config)."""
-    from peft import PeftModel
+    from peft import PeftModel  # lazy: +3 s on every --help (peft)
 
     return backbone.get_base_model() if isinstance(backbone, PeftModel) else backbone
 
@@ -129,8 +132,6 @@ class RewardModel(nn.Module):
         v_head = None
         head_file = os.path.join(path, VALUE_HEAD_FILE)
         if os.path.isfile(head_file):
-            from safetensors.torch import load_file
-
             try:
                 weight = load_file(head_file)["weight"].float()
             except Exception as exc:
@@ -150,8 +151,6 @@ class RewardModel(nn.Module):
 
     def score(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """[B] sequence scores (utils.models.forward.sequence_scores: the value at the last real token)."""
-        from utils.models.forward import sequence_scores
-
         return sequence_scores(self, input_ids, attention_mask)
 
 
@@ -159,8 +158,6 @@ class RewardModel(nn.Module):
 # Saving
 # --------------------------------------------------------------------------- #
 def _write_reward_dir(backbone: nn.Module, v_head_weight: torch.Tensor, tokenizer, out_dir: str) -> None:
-    from safetensors.torch import save_file
-
     os.makedirs(out_dir, exist_ok=True)
     backbone.save_pretrained(out_dir)
     if tokenizer is not None:
@@ -177,7 +174,7 @@ def _write_reward_dir(backbone: nn.Module, v_head_weight: torch.Tensor, tokenize
 
 def save_reward_model(model: RewardModel, tokenizer, out_dir: str) -> None:
     """Save an UNPARTITIONED RewardModel (LoRA merged into a copy). For engines use export_reward_model."""
-    from peft import PeftModel
+    from peft import PeftModel  # lazy: +3 s on every --help (peft)
 
     backbone = model.backbone
     if isinstance(backbone, PeftModel):
@@ -188,8 +185,6 @@ def save_reward_model(model: RewardModel, tokenizer, out_dir: str) -> None:
 
 def export_reward_model(engine, tokenizer, out_dir: str) -> None:
     """Write engine.module (a RewardModel, any ZeRO stage, LoRA or not) to `out_dir`. Call on ALL ranks."""
-    from utils.runtime.distributed import barrier, is_rank0
-
     state_dict = gather_full_state_dict(engine)  # collective under ZeRO-3
     if is_rank0():
         backbone_state = {k[len("backbone."):]: v for k, v in state_dict.items() if k.startswith("backbone.")}
@@ -206,8 +201,6 @@ def make_reward_model_dir(model_dir: str, out_dir: str) -> str:
     """A reward-model directory from a causal LM: its backbone and a fresh (seeded) value head, saved as
     step 2 saves one. For tests and benchmarks that need step 3's critic without training step 2; the
     scores equal those of the fresh head `RewardModel.from_pretrained(model_dir)` builds."""
-    from utils.models.loading import load_tokenizer
-
     tokenizer = load_tokenizer(model_dir)
     save_reward_model(RewardModel.from_pretrained(model_dir, tokenizer), tokenizer, out_dir)
     return out_dir

@@ -11,6 +11,9 @@ import numpy as np
 import torch
 
 from utils.runtime.ports import free_port
+from utils import errors
+from utils.runtime import accelerator, extensions
+from utils.runtime.accelerator import local_device
 
 
 def init_distributed(timeout_s: int = 600) -> None:
@@ -21,9 +24,7 @@ def init_distributed(timeout_s: int = 600) -> None:
     which fails without mpi4py (shared/notes); a lone process therefore becomes rank 0 of 1.
     `timeout_s` bounds how long a rank waits on a dead peer before raising.
     """
-    import deepspeed
-
-    from utils.runtime import accelerator, extensions
+    import deepspeed  # lazy: +0.5 s on every --help (deepspeed)
 
     if "RANK" not in os.environ:
         os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
@@ -39,8 +40,6 @@ def init_distributed(timeout_s: int = 600) -> None:
 
 def start_process(args) -> None:
     """What every step does first: process group (--dist_timeout), seeds (--seed), TF32 (--no_tf32)."""
-    from utils.runtime import accelerator
-
     init_distributed(args.dist_timeout)
     set_seed(args.seed)
     accelerator.configure_tf32(not args.no_tf32)
@@ -85,8 +84,6 @@ def tune_malloc() -> bool:
 def _share_failures() -> None:
     """Hand the process group's store to utils.errors: the first rank of a job to fail claims the one
     report there, so N ranks meeting the same bad input print one line, not N."""
-    from utils import errors
-
     if torch.distributed.get_world_size() > 1:
         errors.use_store(torch.distributed.distributed_c10d._get_default_store())
 
@@ -128,8 +125,6 @@ def _reduced(values: list[float], op) -> list[float]:
     (NCCL reduces only accelerator tensors; gloo takes CPU ones)."""
     if not torch.distributed.is_initialized():
         return [float(v) for v in values]
-    from utils.runtime.accelerator import local_device
-
     tensor = torch.tensor(values, dtype=torch.float64, device=local_device())
     torch.distributed.all_reduce(tensor, op=op)
     return tensor.tolist()

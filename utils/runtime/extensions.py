@@ -86,8 +86,8 @@ def _acquire(fd: int, build_dir: str, say: Callable[[str], None], say_after_s: f
 
 def comm_op_builder():
     """DeepSpeed's shared-memory comm op builder on this accelerator (None where there is none: CUDA)."""
-    import deepspeed.ops
-    from deepspeed.accelerator import get_accelerator
+    import deepspeed.ops  # lazy: +0.5 s on every --help (deepspeed)
+    from deepspeed.accelerator import get_accelerator  # lazy: +0.5 s on every --help (deepspeed)
 
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if builder is None or not deepspeed.ops.__compatible_ops__.get(builder.NAME, False):
@@ -98,7 +98,7 @@ def comm_op_builder():
 def load_comm_op(say: Callable[[str], None] = print) -> str | None:
     """Build (first time) and load the op DeepSpeed's process group will use, under our lock; DeepSpeed
     then finds it loaded. Returns its build folder (None: nothing to build here)."""
-    from torch.utils.cpp_extension import _get_build_directory
+    from torch.utils.cpp_extension import _get_build_directory  # lazy: +0.15 s on every --help
 
     use_checkout_dir()
     use_interpreter_tools()

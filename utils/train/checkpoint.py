@@ -5,23 +5,30 @@ Exporting the trained model as a `from_pretrained` directory is utils/models/exp
 from __future__ import annotations
 
 import argparse
+import errno
 import glob
 import json
 import os
 import pickle
 import random
 import re
+import resource
 import shutil
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 
 from utils.runtime import accelerator
-from utils.runtime.distributed import barrier, is_rank0, rank, world_size
+from utils.runtime.distributed import all_reduce_max, barrier, is_rank0, rank, world_size
 from utils.errors import ProjectError, one_line
 from utils.models.export import gather_full_state_dict, is_zero3
+from utils.data.sources import content_hashes
+from utils.train.flags import DERIVED_ATTRIBUTES, RESUMABLE_FLAGS
+from utils.train.metrics_logger import logger_from_args, print_rank0
+from utils.train.output_dir import remove_entry
 
 LATEST_FILE = "latest"
 COMPLETE_FILE = "COMPLETE"
@@ -54,9 +61,9 @@ def _deepspeed_state_classes() -> list:
     - ZeroStageEnum: an int Enum, the ZeRO optimizers' `zero_stage`.
     - fragment_address: a dataclass of two ints (`numel`, `start`), ZeRO 1-2's param slice mappings.
     Unpickling one only calls the class with those values or sets its attributes: no code runs."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler  # lazy: +0.5 s on every --help
+    from deepspeed.runtime.zero.config import ZeroStageEnum  # lazy: +0.5 s on every --help (deepspeed)
+    from deepspeed.utils.tensor_fragment import fragment_address  # lazy: +0.5 s on every --help (deepspeed)
 
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
@@ -311,8 +318,6 @@ class TrainingCheckpoints:
         """Remove the checkpoints beyond `keep`, never through a symlink out of the output directory: a
         linked step folder is unlinked, its target kept; a linked checkpoints/ is not pruned at all (what
         it points at may be another run's), said once."""
-        from utils.train.output_dir import remove_entry
-
         if os.path.islink(self.root):
             if not getattr(self, "_said_link", False):
                 print(f"[checkpoint] {self.root} is a symlink to {os.path.realpath(self.root)}: old checkpoints "
@@ -344,9 +349,6 @@ def _convert_to_universal(engine_dir: str) -> str:
     wait. Every file read goes through `safe_torch_load` first (the converter and DeepSpeed's universal
     loader use torch.load(weights_only=False)): the source files before converting, the converted ones
     before any rank loads them. A missing or unreadable source file raises BrokenCheckpoint on every rank."""
-    from utils.runtime.distributed import all_reduce_max
-    from utils.train.metrics_logger import print_rank0
-
     source, target = os.path.join(engine_dir, DS_TAG), os.path.join(engine_dir, UNIVERSAL_TAG)
     failure, message = 0.0, ""
     if is_rank0():
@@ -359,7 +361,7 @@ def _convert_to_universal(engine_dir: str) -> str:
                 tmp = os.path.join(engine_dir, f".tmp-{UNIVERSAL_TAG}")
                 shutil.rmtree(tmp, ignore_errors=True)
                 print_rank0(f"[checkpoint] converting {source} to DeepSpeed's universal checkpoint format in {target}")
-                from deepspeed.checkpoint import ds_to_universal
+                from deepspeed.checkpoint import ds_to_universal  # lazy: +0.5 s on every --help (deepspeed)
 
                 # one process (no worker pool forked from a rank); the ZeRO info DeepSpeed only writes for
                 # tensor-parallel models is injected
@@ -438,9 +440,6 @@ def _writing(what: str, path: str):
 
 def _why_not_written(exc: BaseException, path: str) -> str:
     """The OS's reason, else the likely one: a disk with no space left, or a file size limit."""
-    import errno
-    import resource
-
     limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
     limited = f"files are limited to {limit} bytes here (ulimit -f)" if limit != resource.RLIM_INFINITY else ""
     if isinstance(exc, OSError) and exc.errno is not None:
@@ -494,14 +493,12 @@ def keeping_write_failures(engine, what: str, folder: str):
 
 def _has_optimizer(engine) -> bool:
     """DeepSpeed checkpoints need an optimizer; weights-only engines (the actor's EMA) are saved directly."""
-    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload  # lazy: +0.5 s on every --help
 
     return engine.optimizer is not None and not isinstance(engine.optimizer, DeepSpeedZeRoOffload)
 
 
 def _save_weights(engine, path: str) -> None:
-    from safetensors.torch import save_file
-
     state_dict = gather_full_state_dict(engine)
     if is_rank0():  # tied weights share storage, which safetensors refuses: store copies
         save_file({k: v.detach().clone().contiguous() for k, v in state_dict.items()}, path)
@@ -509,9 +506,7 @@ def _save_weights(engine, path: str) -> None:
 
 @torch.no_grad()
 def _load_weights(engine, path: str) -> None:
-    import deepspeed
-    from safetensors.torch import load_file
-
+    import deepspeed  # lazy: +0.5 s on every --help (deepspeed)
     zero3 = is_zero3(engine)
     state_dict = load_file(path) if is_rank0() or not zero3 else None
     for name, param in engine.module.named_parameters():
@@ -565,8 +560,6 @@ def run_flags(args) -> dict:
 def changed_flags(saved: dict | None, given: dict | None) -> list[str]:
     """`--name saved (this run: given)` for each flag both runs have whose value differs, but for
     utils.train.flags.RESUMABLE_FLAGS and the attributes derived from flags."""
-    from utils.train.flags import DERIVED_ATTRIBUTES, RESUMABLE_FLAGS
-
     if not saved or not given:
         return []
     skip = RESUMABLE_FLAGS | DERIVED_ATTRIBUTES
@@ -580,8 +573,6 @@ DATA_FILE_FLAGS = ("data_path", "sft_only_data_path", "unsupervised_dataset_name
 
 def data_hashes(args) -> dict[str, str]:
     """{file: sha256} of the local files the run's training data is read from (a hub data set has none)."""
-    from utils.data.sources import content_hashes
-
     sources = []
     for name in DATA_FILE_FLAGS:
         value = getattr(args, name, None) or []
@@ -622,9 +613,6 @@ class Checkpointing:
     def restore(self) -> tuple[LoopState, dict, dict]:
         """The latest checkpoint, or, when one of its files is missing or unreadable, the newest intact
         one before it (every rank agrees on which: a file missing on one rank moves all of them)."""
-        from utils.runtime.distributed import all_reduce_max
-        from utils.train.metrics_logger import print_rank0
-
         if self.interval > 0 or self.resume:
             self.data = data_hashes(self.args)
         pointed = self.store.pointed() if self.resume else None
@@ -693,8 +681,6 @@ class Checkpointing:
             layout = {k: v for k, v in layout.items() if k != "training rows"}
         loaded = self.store.load(self.engines, path, layout, self.universal, self.flags)
         if changed:
-            from utils.train.metrics_logger import print_rank0
-
             print_rank0(f"[checkpoint] --resume_ignore_data_change: resuming {path} on changed training data "
                         f"({', '.join(changed)})")
         return loaded
@@ -702,8 +688,6 @@ class Checkpointing:
     def metrics_logger(self, args, loop: LoopState):
         """The run's MetricsLogger (metrics.jsonl, TensorBoard, W&B): a resumed run keeps the jsonl rows up
         to the step it resumed from and continues the same W&B run."""
-        from utils.train.metrics_logger import logger_from_args
-
         return logger_from_args(args, keep_until_step=loop.step if self.last_path else None)
 
     def maybe_save(self, loop: LoopState, shared: dict | None = None, rank_state: dict | None = None,
@@ -728,8 +712,6 @@ class BadStepGuard:
         self.loop, self.max_in_a_row, self.checkpointing = loop, max_in_a_row, checkpointing
 
     def all_finite(self, *values: torch.Tensor) -> bool:
-        from utils.runtime.distributed import all_reduce_max
-
         bad = any(not torch.isfinite(torch.as_tensor(v)).all() for v in values)
         if all_reduce_max(float(bad)) == 0.0:
             self.loop.bad_in_a_row = 0

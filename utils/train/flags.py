@@ -15,6 +15,7 @@ import os
 from typing import Sequence
 
 from utils.errors import UsageError
+from utils.train.output_dir import is_within, lock_output_dir, remove_entry
 
 SCHEDULER_TYPES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
 
@@ -317,8 +318,6 @@ def check_output_dir(args, inputs: Sequence[str]) -> None:
     (RUN_OUTPUTS) is refused unless --resume finds a checkpoint there or --overwrite_output_dir asks to
     start clean: then the lock holder deletes the old metrics.jsonl, checkpoints and tensorboard, never
     through a symlink (a linked folder is unlinked, its target kept)."""
-    from utils.train.output_dir import is_within, lock_output_dir, remove_entry
-
     out = os.path.realpath(args.output_dir)
     for flag, path, kind in run_inputs(args, inputs):
         if is_within(path, out):

@@ -9,6 +9,13 @@ from typing import Iterable, Iterator
 import torch
 
 from utils.errors import UsageError
+from utils.data import (DataError, RowFormat, build_step_rows, cached_examples, describe_skips, distributed_loader,
+                        source_fingerprint, tokenizer_fingerprint)
+from utils.models.loading import apply_lora, load_tokenizer
+from utils.runtime.distributed import all_reduce_sum, start_process, world_size
+from utils.train.ds_config import train_ds_config
+from utils.train.flags import PER_MODEL_FLAGS
+from utils.train.metrics_logger import print_rank0
 
 
 def optimizer_param_groups(model: torch.nn.Module, weight_decay: float, learning_rate: float,
@@ -39,7 +46,7 @@ def build_optimizer(param_groups: list[dict], learning_rate: float, offload: boo
     """
     betas = (0.9, 0.95)
     if offload:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # lazy: +0.5 s on every --help (deepspeed)
 
         return DeepSpeedCPUAdam(param_groups, lr=learning_rate, betas=betas, adamw_mode=True)
     try:
@@ -49,14 +56,14 @@ def build_optimizer(param_groups: list[dict], learning_rate: float, offload: boo
 
 
 def build_scheduler(optimizer, name: str, num_warmup_steps: int, num_training_steps: int):
-    from transformers import get_scheduler
+    from transformers import get_scheduler  # lazy: +0.8 s on every --help (transformers)
 
     return get_scheduler(name, optimizer=optimizer, num_warmup_steps=num_warmup_steps,
                          num_training_steps=max(num_training_steps, 1))
 
 
 def initialize_engine(model, ds_config: dict, optimizer=None, lr_scheduler=None):
-    import deepspeed
+    import deepspeed  # lazy: +0.5 s on every --help (deepspeed)
 
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
                                       config=ds_config, dist_init_required=False)
@@ -96,9 +103,6 @@ class EngineSpec:
 def start_single_model_run(args, step: int, tokenize, settings: dict):
     """Steps 1-2: process group, seeds, the model's tokenizer and this step's tokenised examples;
     returns (tokenizer, train examples, their stats, eval examples, their stats)."""
-    from utils.runtime.distributed import start_process
-    from utils.models.loading import load_tokenizer
-
     start_process(args)
     tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code, chat_template=args.chat_template)
     return (tokenizer, *step_examples(args, tokenizer, step, lambda rows: tokenize(rows, tokenizer), settings))
@@ -109,10 +113,6 @@ def step_examples(args, tokenizer, step: int, tokenize, settings: dict, with_eva
     through ``tokenize(rows) -> (examples, stats)``, cached in ``--data_output_path`` when given
     (one rank builds, every rank and later run reads). ``settings``: what else changes the
     result (lengths, options), part of the cache key."""
-    from utils.data import (RowFormat, build_step_rows, cached_examples, source_fingerprint,
-                            tokenizer_fingerprint)
-    from utils.train.metrics_logger import print_rank0
-
     fmt = RowFormat.from_args(args)
     sft_only = list(getattr(args, "sft_only_data_path", []) or []) if step == 1 else []
     cache_dir = getattr(args, "data_output_path", None)
@@ -138,8 +138,6 @@ def step_examples(args, tokenizer, step: int, tokenize, settings: dict, with_eva
 
 def check_pair_splits(train_pairs: list, train_stats: dict, eval_pairs: list) -> None:
     """The step-2 trainers (reward model, DPO) stop before any model loads when a split is empty."""
-    from utils.data import DataError, describe_skips
-
     if not train_pairs:
         raise DataError(f"no usable training pairs (skipped_bad_pairs {train_stats['skipped_bad_pairs']}, "
                         f"other skips: {describe_skips(train_stats['skipped'])})")
@@ -159,8 +157,6 @@ def micro_batch_schedule(examples: list, collator, args):
     DeepSpeed's accumulation counter runs on across epochs, so the run takes exactly
     (micro-batches per epoch x epochs) // accumulation steps updates; none at all is refused here,
     before any model loads, instead of a run that trains nothing and exits 0."""
-    from utils.data import distributed_loader
-
     sampler, loader = distributed_loader(examples, args.per_device_train_batch_size, collator, args.seed)
     updates = len(loader) * args.num_train_epochs // args.gradient_accumulation_steps
     if updates == 0:
@@ -173,9 +169,6 @@ def micro_batch_schedule(examples: list, collator, args):
 
 def train_ds_config_from_args(args) -> dict:
     """Steps 1-2: the DeepSpeed config of the one trained engine, from the common flags."""
-    from utils.runtime.distributed import world_size
-    from utils.train.ds_config import train_ds_config
-
     return train_ds_config(args.zero_stage, world_size(), args.per_device_train_batch_size,
                            args.gradient_accumulation_steps, args.dtype, args.offload, args.gradient_clipping)
 
@@ -183,16 +176,12 @@ def train_ds_config_from_args(args) -> dict:
 def spec_from_args(args, prefix: str = "") -> EngineSpec:
     """The EngineSpec of one trained model: its own flags (utils.train.flags.PER_MODEL_FLAGS, read as
     `--{prefix}name`: step 3's actor_/critic_) and the run's shared ones (`--name`)."""
-    from utils.train.flags import PER_MODEL_FLAGS
-
     return EngineSpec(**{f.name: getattr(args, (prefix if f.name in PER_MODEL_FLAGS else "") + f.name)
                          for f in fields(EngineSpec)})
 
 
 def add_lora(model: torch.nn.Module, spec: EngineSpec) -> torch.nn.Module:
     """LoRA on a causal LM, or on the backbone of a reward model/critic (its v_head stays plain)."""
-    from utils.models.loading import apply_lora
-
     if spec.lora_dim <= 0:
         return model
     if hasattr(model, "backbone"):
@@ -257,8 +246,6 @@ def window_totals(counts: list[dict]) -> dict:
     """{unit: count} of each micro-batch of a window (the units its loss terms are averaged over: trained
     tokens, trained sequences, pairs) summed over the window and over every rank, in ONE all-reduce
     (every rank passes the same units in the same window)."""
-    from utils.runtime.distributed import all_reduce_sum
-
     units = sorted(counts[0]) if counts else []
     return dict(zip(units, all_reduce_sum([sum(c[u] for c in counts) for u in units])))
 
@@ -304,9 +291,6 @@ def train_micro_batches(run, engine, loader, sampler, micro_step, step_metrics, 
     still closes its window: the first finite one of the window is replayed with weight 0. Without
     `counts`, each micro-batch's loss weighs the same (DeepSpeed's 1 / accumulation steps, the ranks'
     mean) and DeepSpeed's counter sets the boundaries."""
-    from utils.runtime.distributed import all_reduce_sum, world_size
-    from utils.train.metrics_logger import print_rank0
-
     loop, accumulated, ranks = run.loop, [], world_size()
     size = engine.gradient_accumulation_steps() if counts else 1
     for window in accumulation_windows(run.steps(loader, sampler), size):
