@@ -13,7 +13,7 @@ import torch
 from utils.train.checkpoint import data_layout
 from utils.models.export import export_hf_model
 from utils.data import SFTCollator, tokenize_sft
-from utils.errors import UsageError
+from utils.errors import UsageError, run_main
 from utils.runtime.distributed import all_reduce_sum, rank_batches
 from utils.train.flags import BATCH_FLAGS, check_range, single_model_parser, validate_training_args
 from utils.models.forward import causal_lm_logits, eval_mode, lm_nll
@@ -117,8 +117,6 @@ def main(argv=None):
 def cli() -> None:
     """`python -m step1_sft.main` and the `rlhf-sft` command: main() ended by run_main (the project's errors as one
     `error:` line)."""
-    from utils.errors import run_main
-
     run_main(main)
 
 

@@ -50,6 +50,7 @@ from utils.models.loading import load_causal_lm
 from utils.train.run import ReloadCheck, Run
 from utils.train.loop import (build_frozen_engine, build_trained_engine, check_pair_splits, micro_batch_schedule,
                             spec_from_args, start_single_model_run, train_ds_config_from_args, train_micro_batches)
+from utils.errors import run_main
 
 SIDES = ("chosen", "rejected")
 
@@ -525,8 +526,6 @@ def check_both_labels(args, stats: dict) -> None:
 def cli() -> None:
     """`python -m step2_dpo.main` and the `rlhf-dpo` command: main() ended by run_main (the project's errors as one
     `error:` line)."""
-    from utils.errors import run_main
-
     run_main(main)
 
 

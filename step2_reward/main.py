@@ -26,6 +26,7 @@ from utils.models.reward_model import RewardModel, export_reward_model
 from utils.train.run import ReloadCheck, Run
 from utils.train.loop import (build_trained_engine, check_pair_splits, micro_batch_schedule, spec_from_args,
                             start_single_model_run, train_ds_config_from_args, train_micro_batches)
+from utils.errors import run_main
 
 
 def parse_args(argv=None):
@@ -129,8 +130,6 @@ def main(argv=None):
 def cli() -> None:
     """`python -m step2_reward.main` and the `rlhf-rm` command: main() ended by run_main (the project's errors as one
     `error:` line)."""
-    from utils.errors import run_main
-
     run_main(main)
 
 

@@ -32,6 +32,7 @@ from utils.evaluation import (DEFAULT_PROMPTS, ComparisonSpec, check_policy_name
 from utils.evaluation.loading import default_device
 from utils.models.forward import GenerationSettings
 from utils.train.flags import add_device_arg, add_format_args, add_generation_args, resolve_generation_args
+from utils.errors import run_main
 
 
 def parse_args(argv=None):
@@ -173,8 +174,6 @@ def write_result(path: str | None, result: dict) -> None:
 def cli() -> None:
     """`python -m step3_ppo.eval` and the `rlhf-eval` command: main() ended by run_main (the project's errors as one
     `error:` line)."""
-    from utils.errors import run_main
-
     run_main(main)
 
 

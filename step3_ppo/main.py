@@ -44,6 +44,7 @@ from utils.math.ops import KL_ESTIMATORS, LOSS_AGGREGATIONS, ROLLOUT_CORRECTIONS
 from utils.models.reward_model import check_policy_dir, check_reward_model_dir, export_reward_model
 from utils.train.run import Run
 from utils.train.loop import step_examples, total_training_steps
+from utils.errors import run_main
 
 MODELS = ("actor_", "critic_")
 # step 3's own defaults for the per-model flags of utils/train/flags.py (DeepSpeed-Chat's values; dropout off,
@@ -602,8 +603,6 @@ def _print_answer(tokenizer, row, step: int) -> None:
 def cli() -> None:
     """`python -m step3_ppo.main` and the `rlhf-rl` command: main() ended by run_main (the project's errors as one
     `error:` line)."""
-    from utils.errors import run_main
-
     run_main(main)
 
 

@@ -23,6 +23,7 @@ the generator-trainer mismatch (`rollout/logprob_diff_*`) and feed `--rollout_co
 from __future__ import annotations
 
 import atexit
+import ctypes
 import json
 import os
 import re
@@ -34,6 +35,8 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, fields
+from multiprocessing import shared_memory
+from multiprocessing.connection import Client
 
 import torch
 
@@ -132,7 +135,6 @@ def _last_error(path: str, limit: int = 400) -> str:
 
 def _set_parent_death_signal() -> None:
     """The worker ends with the rank that started it, even when that rank leaves by os._exit or SIGKILL."""
-    import ctypes
 
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
@@ -218,7 +220,6 @@ class VLLMRollout:
 
     def _connect(self) -> None:
         """Wait for the worker's socket (it appears once the model is built), then connect and read hello."""
-        from multiprocessing.connection import Client
 
         sock, deadline = os.path.join(self.dir, "worker.sock"), time.time() + self.settings.start_timeout_s
         while not os.path.exists(sock):
@@ -286,7 +287,7 @@ class VLLMRollout:
     # ------------------------------------------------------------------ weight sync
     def _weights_to_send(self) -> list[tuple[str, torch.nn.Parameter, object]]:
         """(checkpoint name, parameter, the LoRA layer to merge into it or None) for this sync."""
-        from peft.tuners.lora import LoraLayer
+        from peft.tuners.lora import LoraLayer  # lazy: +3 s on step 3's --help (peft)
 
         lora_of = {}
         for name, m in self.model.named_modules():
@@ -308,7 +309,7 @@ class VLLMRollout:
         step = self.actor.global_steps
         if step == self.synced_step:
             return
-        import deepspeed
+        import deepspeed  # lazy: +0.5 s on step 3's --help (deepspeed)
 
         if self.conn is None:
             t0 = time.time()
@@ -327,7 +328,6 @@ class VLLMRollout:
             offset += param.element_size() * torch.Size(shape).numel()
         if self.owner:
             if self.shm is None:
-                from multiprocessing import shared_memory
 
                 self.shm = shared_memory.SharedMemory(create=True, size=max(offset, 1))
                 self.flat = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
