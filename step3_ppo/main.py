@@ -21,7 +21,8 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from step3_ppo.agents.flags import add_agent_args, check_agent_args
 from step3_ppo.agents.loop import EnvReward, build_agent, prompts_with_tools
-from step3_ppo.algo.advantages import ALIASES, ESTIMATORS, REWARD_NORMS, estimator_name, get_estimator
+from step3_ppo.algo.advantages import ALIASES, ESTIMATORS, estimator_name, get_estimator
+from step3_ppo.rewards.combine import REWARD_NORMS
 from step3_ppo.deepspeed_models import build_engines
 from step3_ppo.rollout.engines import ROLLOUT_ENGINES, check_engine_args, engine_settings
 from step3_ppo.rewards.functions import (BUILTINS, RewardFunctionError, builtins_help, is_function_spec,

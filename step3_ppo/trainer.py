@@ -23,7 +23,8 @@ import torch
 
 from step3_ppo import metrics as step_metrics
 from step3_ppo.agents.loop import agent_rates, agent_sums
-from step3_ppo.algo.advantages import advantages_and_returns, combine, get_estimator, zero_variance_groups
+from step3_ppo.algo.advantages import advantages_and_returns, get_estimator
+from step3_ppo.rewards.combine import combine, zero_variance_groups
 from step3_ppo.rollout.hybrid import gathered
 from step3_ppo.rollout.engines import ROLLOUT_ENGINES
 from step3_ppo.algo.shaping import RunningMoments, clip_scores, compute_rewards, length_penalty
@@ -69,7 +70,7 @@ class PPOConfig:
     async_rollout: bool = False  # the engine generates iteration k+1 while iteration k trains (one step stale)
     loss_agg: str | None = None  # None: the policy loss's default, else the estimator's
     reward_weights: tuple | None = None  # one per reward component; None: 1 each
-    reward_norm: str = "sum_then_normalize"  # step3_ppo.algo.advantages.REWARD_NORMS
+    reward_norm: str = "sum_then_normalize"  # step3_ppo.rewards.combine.REWARD_NORMS
     overlong_buffer_len: int = 0
     overlong_penalty_factor: float = 1.0
     truncation_penalty: float = 0.0

@@ -29,7 +29,7 @@ ALLOWED = {
     "step3_ppo.specs": {"utils.errors"},
     "step3_ppo.function_worker": {"utils.errors"},
     "step3_ppo.rollout": {"utils"},
-    "step3_ppo.rewards": {"utils", "step3_ppo.specs", "step3_ppo.function_worker", "step3_ppo.algo"},
+    "step3_ppo.rewards": {"utils", "step3_ppo.specs", "step3_ppo.function_worker", "step3_ppo.algo"},  # algo: combine
     "step3_ppo.agents": {"utils", "step3_ppo.specs", "step3_ppo.function_worker", "step3_ppo.rewards",
                          "step3_ppo.plot"},
     "step3_ppo.deepspeed_models": {"utils", "step3_ppo.algo"},

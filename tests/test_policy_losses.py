@@ -10,7 +10,9 @@ import os
 import pytest
 import torch
 
-from step3_ppo.algo.advantages import combine, group_normalized
+from step3_ppo.algo.advantages import group_normalized
+
+from step3_ppo.rewards.combine import combine
 from utils.errors import UsageError
 from utils.math import losses
 from utils.math.ops import entropy_from_logits

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from step3_ppo.algo.advantages import gae_advantages_and_returns
+
 from step3_ppo.algo.shaping import AdaptiveKLController, FixedKLController, RunningMoments, clip_scores, compute_rewards
 from utils.math.losses import kl_penalty_loss
 from utils.math.losses import policy_loss as actor_loss
@@ -375,7 +376,8 @@ def test_running_moments():
 
 # --------------------------------------------------------------------------- critic-free estimators (pure)
 def test_grpo_dr_grpo_and_rloo_by_hand():
-    from step3_ppo.algo.advantages import group_normalized, leave_one_out, zero_variance_groups
+    from step3_ppo.algo.advantages import group_normalized, leave_one_out
+    from step3_ppo.rewards.combine import zero_variance_groups
 
     # group 5: four samples [1, 0, 0, 1]; group 9: equal rewards; group 7: two samples [2, 0]
     scores = torch.tensor([1.0, 0.0, 0.0, 1.0, 3.0, 3.0, 2.0, 0.0])

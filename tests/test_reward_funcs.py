@@ -16,7 +16,7 @@ import torch
 
 from step3_ppo.rewards.functions import (BUILTINS, Builtin, RewardFunction, RewardFunctionError, final_answer,
                                     is_function_spec, load_reward_function, math_exact, score_batch)
-from step3_ppo.algo.advantages import combine
+from step3_ppo.rewards.combine import combine
 from step3_ppo.rewards.components import FunctionReward, RewardModelReward
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")

@@ -18,7 +18,7 @@ counts them. A function that itself raises RewardFunctionError (math_exact witho
 the setup is wrong: that always stops the run.
 
 A built-in is one `BUILTINS` entry (its factory, one line of help, whether it is an accuracy) next to its
-function; the weighted sum of the rewards is `step3_ppo.algo.advantages.combine`.
+function; the weighted sum of the rewards is `step3_ppo.rewards.combine.combine`.
 """
 from __future__ import annotations
 
