@@ -11,7 +11,8 @@ import shutil
 import pytest
 import torch
 
-from utils.train.checkpoint import CheckpointError, TrainingCheckpoints, WeightsOnlyCheckpointEngine
+from utils.train.checkpoint import TrainingCheckpoints
+from utils.train.safe_loading import CheckpointError, WeightsOnlyCheckpointEngine
 
 STEPS = {"step1": {"model": "lm"}, "step2": {"model": "rm"}, "step3": {"actor": "lm", "critic": "rm"}}
 
@@ -126,7 +127,7 @@ def test_planted_pickle_in_any_checkpoint_file_is_refused(dist, tiny_gpt2, tmp_p
 
 def test_refusal_names_the_file_on_one_line(tmp_path):
     """The error a user sees: which file, and that it was not loaded (no torch advice, no traceback text)."""
-    from utils.train.checkpoint import safe_torch_load
+    from utils.train.safe_loading import safe_torch_load
 
     file = str(tmp_path / "mp_rank_00_model_states.pt")
     plant(file, str(tmp_path / "pwned"), raw=False)

@@ -149,7 +149,7 @@ def test_resume_on_another_world_size_through_the_universal_checkpoint(tiny_gpt2
 
     from safetensors.torch import load_file
 
-    from utils.train.checkpoint import safe_torch_load
+    from utils.train.safe_loading import safe_torch_load
 
     out = str(tmp_path / "out")
     args = common_args(tiny_gpt2, sft_data, out, steps=4) + ["--zero_stage", 2, "--save_interval", 2]
