@@ -40,8 +40,20 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.common import (add_model_args, add_run_args, bench_env, bench_model, deepspeed_cmd,  # noqa: E402
-                          end_report, launch, machine_line, main_or_worker, malloc_line, start_report, title)
+from bench.common import (  # noqa: E402
+    add_model_args,
+    add_run_args,
+    bench_env,
+    bench_model,
+    deepspeed_cmd,
+    end_report,
+    launch,
+    machine_line,
+    main_or_worker,
+    malloc_line,
+    start_report,
+    title,
+)
 
 MODE_LABELS = {"limit_1proc": "(1)  limit: unsharded plain generate, 1 process",
                "unsharded": "(1b) limit side by side: unsharded copy on each rank",
@@ -190,9 +202,9 @@ def build_models(args, modes: list[str], tokenizer):
     generation_check builds it (LoRA with non-zero lora_B, lr 0); None where no mode needs one."""
     import torch  # torch, deepspeed and the project: imported here to keep --help fast
 
+    from utils.models.loading import load_causal_lm
     from utils.runtime.distributed import world_size
     from utils.train.ds_config import train_ds_config
-    from utils.models.loading import load_causal_lm
 
     plain_model = None
     if "unsharded" in modes:  # built first, with transformers' ZeRO-3 flag off (load_causal_lm unsets it)
@@ -223,9 +235,9 @@ class GenerationWorker:
 
     def __init__(self, args):
         from step3_ppo.generation_check import full_weights, make_prompts  # imported here to keep --help fast
-        from utils.runtime.distributed import init_distributed, set_seed
         from utils.models.forward import GenerationSettings, generation_kwargs
         from utils.models.loading import load_tokenizer
+        from utils.runtime.distributed import init_distributed, set_seed
 
         self.args, self.modes, self.split = args, [m for m in args.modes.split(",") if m], {}
         init_distributed()

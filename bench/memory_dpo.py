@@ -19,8 +19,20 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import (REPO, RUNS, add_model_args, add_run_args, alternate, bench_env, bench_model,  # noqa: E402
-                          end_report, fresh_dir, read_jsonl, run_logged, start_report, title)
+from bench.common import (  # noqa: E402
+    RUNS,
+    add_model_args,
+    add_run_args,
+    alternate,
+    bench_env,
+    bench_model,
+    end_report,
+    fresh_dir,
+    read_jsonl,
+    run_logged,
+    start_report,
+    title,
+)
 
 LOSSES = ("sigmoid", "ipo", "simpo", "orpo", "kto")  # run_cpu.sh's LOSS_TYPE: it gives each loss its flags
 

@@ -39,9 +39,24 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from bench import step3  # noqa: E402
-from bench.common import (RUNS, BenchError, add_run_args, bench_env, bench_model, end_report, fresh_dir,  # noqa: E402
-                          launch_failed, machine_line, main_or_worker, malloc_line, read_jsonl, run_logged,
-                          start_report, title, worker_argv)
+from bench.common import (  # noqa: E402
+    RUNS,
+    BenchError,
+    add_run_args,
+    bench_env,
+    bench_model,
+    end_report,
+    fresh_dir,
+    launch_failed,
+    machine_line,
+    main_or_worker,
+    malloc_line,
+    read_jsonl,
+    run_logged,
+    start_report,
+    title,
+    worker_argv,
+)
 
 GIB = 2**30
 

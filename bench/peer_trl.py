@@ -46,9 +46,24 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from bench import step3  # noqa: E402
-from bench.common import (RUNS, BenchError, add_run_args, alternate, bench_env, bench_model, end_report,  # noqa: E402
-                          machine_line, main_or_worker, malloc_line, median_result, rounds_lines, run_logged,
-                          start_report, title, torchrun_cmd)
+from bench.common import (  # noqa: E402
+    RUNS,
+    BenchError,
+    add_run_args,
+    alternate,
+    bench_env,
+    bench_model,
+    end_report,
+    machine_line,
+    main_or_worker,
+    malloc_line,
+    median_result,
+    rounds_lines,
+    run_logged,
+    start_report,
+    title,
+    torchrun_cmd,
+)
 
 TRL_VENV = os.path.join(REPO, "bench", ".venv-trl")
 MALLOC_ENV: dict[str, str] = {}  # tune_malloc's settings as MALLOC_* variables, for TRL's processes too
@@ -254,7 +269,7 @@ def ds_config_file(path: str, stage: int) -> str:
 
 def first_error_line(text: str) -> str:
     """The line naming the exception of the first traceback (else the last non-empty line)."""
-    lines = [l.rstrip() for l in text.splitlines() if l.strip()]
+    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
     for i, line in enumerate(lines):
         if line.startswith("Traceback"):
             for later in lines[i + 1:]:

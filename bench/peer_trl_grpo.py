@@ -65,9 +65,23 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from bench import step3  # noqa: E402
-from bench.common import (RUNS, BenchError, add_model_args, add_run_args, alternate, bench_model,  # noqa: E402
-                          deepspeed_cmd, end_report, main_or_worker, malloc_line, median_result, rounds_lines,
-                          run_logged, start_report, torchrun_cmd)
+from bench.common import (  # noqa: E402
+    RUNS,
+    BenchError,
+    add_model_args,
+    add_run_args,
+    alternate,
+    bench_model,
+    deepspeed_cmd,
+    end_report,
+    main_or_worker,
+    malloc_line,
+    median_result,
+    rounds_lines,
+    run_logged,
+    start_report,
+    torchrun_cmd,
+)
 from bench.peer_trl import ds_config_file, first_error_line, malloc_env, peer_header, trl_env  # noqa: E402
 
 TRL_VENV = os.path.join(REPO, "bench", ".venv-trl-grpo")
@@ -186,7 +200,10 @@ def grpo_config(args, steps_per_generation: int, updates: int):
 
 def phase_boundary(peaks: dict, ended: str, reset: bool = True) -> None:
     """Read the phase that just ended (VmHWM since its start), then start a new peak."""
-    from utils.runtime.accelerator import peak_memory_bytes, reset_peak_memory  # torch: imported here to keep --help fast
+    from utils.runtime.accelerator import (  # torch: imported here to keep --help fast
+        peak_memory_bytes,
+        reset_peak_memory,
+    )
 
     peaks[ended] = max(peaks.get(ended, 0), peak_memory_bytes())
     if reset:

@@ -18,8 +18,20 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from bench import step3  # noqa: E402
-from bench.common import (RUNS, BenchError, add_model_args, add_run_args, bench_env, bench_model,  # noqa: E402
-                          finish_report, machine_line, main_or_worker, malloc_line, run_logged, worker_argv)
+from bench.common import (  # noqa: E402
+    RUNS,
+    BenchError,
+    add_model_args,
+    add_run_args,
+    bench_env,
+    bench_model,
+    finish_report,
+    machine_line,
+    main_or_worker,
+    malloc_line,
+    run_logged,
+    worker_argv,
+)
 
 
 def worker(argv) -> None:

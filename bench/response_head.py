@@ -20,8 +20,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import (REPO, RUNS, add_model_args, alternate, bench_model, end_report, read_jsonl,  # noqa: E402
-                          start_report, title)
+from bench.common import REPO, RUNS, add_model_args, alternate, bench_model, end_report, read_jsonl, start_report, title  # noqa: E402
 
 
 def tool_traces() -> str:
@@ -65,8 +64,8 @@ def main(argv=None):
     args = parse_args(argv)
     import torch
 
-    from utils.models.forward import causal_lm_logits, lm_nll, token_logprobs
     from utils.math.losses import sft_nll
+    from utils.models.forward import causal_lm_logits, lm_nll, token_logprobs
     from utils.models.loading import load_causal_lm, load_tokenizer
 
     torch.set_num_threads(args.threads)

@@ -36,9 +36,26 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.common import (RUNS, BenchError, add_model_args, add_run_args, bench_env, bench_model,  # noqa: E402
-                          deepspeed_cmd, end_report, fresh_dir, launch_failed, machine_line, main_or_worker,
-                          malloc_line, read_jsonl, run_logged, start_report, title, worker_argv)
+from bench.common import (  # noqa: E402
+    RUNS,
+    BenchError,
+    add_model_args,
+    add_run_args,
+    bench_env,
+    bench_model,
+    deepspeed_cmd,
+    end_report,
+    fresh_dir,
+    launch_failed,
+    machine_line,
+    main_or_worker,
+    malloc_line,
+    read_jsonl,
+    run_logged,
+    start_report,
+    title,
+    worker_argv,
+)
 
 DEMO_PAIRS = os.path.join(REPO, "data", "demo_raw", "pairs", "train.jsonl")  # raw rows: the figures in bench/results
 CONFIGS = {  # name: (actor/critic ZeRO stage, --enable_hybrid_engine)
@@ -135,8 +152,8 @@ def logits_to_keep_logprobs(model, batch: dict, temperature: float, return_entro
     `logits_to_keep`), not for the prompt. Same contract as utils.models.forward.token_logprobs."""
     import torch  # imported here to keep --help fast
 
-    from utils.models.forward import model_device
     from utils.math.ops import entropy_from_logits, logprobs_from_logits, position_ids_from_attention_mask
+    from utils.models.forward import model_device
 
     device = model_device(model)
     input_ids, attention_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
@@ -163,8 +180,8 @@ def ab_worker(argv) -> None:
     given to the trainer through its logprobs_fn seam."""
     from step3_ppo.main import parse_args as parse_step3_args  # torch: imported here to keep --help fast
     from step3_ppo.main import setup
-    from utils.runtime.distributed import is_rank0
     from utils.models.forward import token_logprobs
+    from utils.runtime.distributed import is_rank0
 
     argv, options = worker_argv(argv, "--ab_worker", "--ab_out", "--ab_variant")
     out, variant = options["--ab_out"], options["--ab_variant"]
@@ -194,8 +211,8 @@ def logprobs_max_abs_diff(run) -> float:
     step 3's `run` (largest absolute difference over the action positions)."""
     import torch  # imported here to keep --help fast
 
-    from utils.models.forward import token_logprobs
     from utils.math.rows import pack
+    from utils.models.forward import token_logprobs
 
     rows = run.trainer.generate_rows(next(iter(run.loader)))
     batch = pack(rows, run.trainer.config.pad_token_id)

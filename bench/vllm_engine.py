@@ -27,8 +27,20 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.common import (add_model_args, add_run_args, bench_env, bench_model, deepspeed_cmd,  # noqa: E402
-                          end_report, launch, machine_line, main_or_worker, malloc_line, start_report, title)
+from bench.common import (  # noqa: E402
+    add_model_args,
+    add_run_args,
+    bench_env,
+    bench_model,
+    deepspeed_cmd,
+    end_report,
+    launch,
+    machine_line,
+    main_or_worker,
+    malloc_line,
+    start_report,
+    title,
+)
 
 
 def add_call_args(p) -> None:
@@ -80,9 +92,9 @@ def worker(argv):
     from step3_ppo.generation_check import make_prompts
     from step3_ppo.rollout.engines import ActorGenerate
     from step3_ppo.rollout.vllm_engine import VLLMRollout, VLLMSettings
-    from utils.runtime.distributed import init_distributed, is_rank0, set_seed
     from utils.models.forward import GenerationSettings
     from utils.models.loading import load_tokenizer
+    from utils.runtime.distributed import init_distributed, is_rank0, set_seed
 
     args = worker_args(argv)
     init_distributed()

@@ -32,8 +32,19 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from bench.common import (add_model_args, add_run_args, bench_env, bench_model, deepspeed_cmd,  # noqa: E402
-                          end_report, launch, main_or_worker, malloc_line, start_report, title)
+from bench.common import (  # noqa: E402
+    add_model_args,
+    add_run_args,
+    bench_env,
+    bench_model,
+    deepspeed_cmd,
+    end_report,
+    launch,
+    main_or_worker,
+    malloc_line,
+    start_report,
+    title,
+)
 
 WAYS = ("hooked", "gathered", "re-registered")
 COUNTED = ("all_gather_into_tensor", "all_gather_coalesced", "reduce_scatter_tensor", "all_reduce")
@@ -80,10 +91,10 @@ def worker(argv) -> None:
     import torch.distributed as dist
 
     from step3_ppo.rollout.hybrid import gathered
-    from utils.runtime.distributed import init_distributed, is_rank0
-    from utils.train.ds_config import train_ds_config
     from utils.models.forward import causal_lm_logits, eval_mode
     from utils.models.loading import load_causal_lm
+    from utils.runtime.distributed import init_distributed, is_rank0
+    from utils.train.ds_config import train_ds_config
     from utils.train.loop import build_optimizer, initialize_engine
 
     args = parse_args(argv)

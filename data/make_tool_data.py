@@ -33,8 +33,8 @@ import os
 import random
 
 from data.make_arithmetic_data import write  # the same JSONL writer: one file per split
-from utils.errors import UsageError, run_main
 from step3_ppo.agents.tools import calculator, load_tools, tool_system_prompt
+from utils.errors import UsageError, run_main
 
 QUESTION = "What is {expr}?"
 ANSWER = "The answer is {answer}."

@@ -10,19 +10,26 @@ import math
 
 import torch
 
-from utils.train.checkpoint import data_layout
-from utils.models.export import export_hf_model
 from utils.data import SFTCollator, tokenize_sft
 from utils.errors import UsageError, run_main
-from utils.runtime.distributed import all_reduce_sum, rank_batches
-from utils.train.flags import BATCH_FLAGS, check_range, single_model_parser, validate_training_args
-from utils.models.forward import causal_lm_logits, eval_mode, lm_nll
-from utils.train.metrics_logger import print_rank0
 from utils.math.losses import IGNORE_INDEX
+from utils.models.export import export_hf_model
+from utils.models.forward import causal_lm_logits, eval_mode, lm_nll
 from utils.models.loading import load_causal_lm
+from utils.runtime.distributed import all_reduce_sum, rank_batches
+from utils.train.checkpoint import data_layout
+from utils.train.flags import BATCH_FLAGS, check_range, single_model_parser, validate_training_args
+from utils.train.loop import (
+    build_trained_engine,
+    micro_batch_schedule,
+    spec_from_args,
+    start_single_model_run,
+    train_ds_config_from_args,
+    train_micro_batches,
+)
+from utils.train.metrics_logger import print_rank0
 from utils.train.run import ReloadCheck, Run
-from utils.train.loop import (build_trained_engine, micro_batch_schedule, spec_from_args, start_single_model_run,
-                            train_ds_config_from_args, train_micro_batches)
+
 
 def parse_args(argv=None):
     parser = single_model_parser(__doc__.splitlines()[0], "local from_pretrained directory or hub name")

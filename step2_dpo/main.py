@@ -34,23 +34,50 @@ import time
 
 import torch
 
-from utils.train.checkpoint import data_layout
-from utils.models.export import export_hf_model
-from utils.data import (PreferenceCollator, UnpairedCollator, split_pair_batch, tokenize_preference_pairs,
-                        tokenize_unpaired)
-from utils.runtime.distributed import all_reduce_sum, rank_batches, world_size
-from utils.train.ds_config import eval_ds_config
-from utils.train.flags import (BATCH_FLAGS, add_offload_reference_arg, add_pair_eval_args, check_range, fail,
-                         single_model_parser, validate_training_args)
-from utils.models.forward import eval_mode, sequence_logprobs
-from utils.train.metrics_logger import print_rank0
-from utils.math.losses import (PAIR_LOSSES, PairLogps, UnpairedLogps, kto_reference_point, pair_loss, response_nll,
-                          unpaired_loss)
-from utils.models.loading import load_causal_lm
-from utils.train.run import ReloadCheck, Run
-from utils.train.loop import (build_frozen_engine, build_trained_engine, check_pair_splits, micro_batch_schedule,
-                            spec_from_args, start_single_model_run, train_ds_config_from_args, train_micro_batches)
+from utils.data import (
+    PreferenceCollator,
+    UnpairedCollator,
+    split_pair_batch,
+    tokenize_preference_pairs,
+    tokenize_unpaired,
+)
 from utils.errors import run_main
+from utils.math.losses import (
+    PAIR_LOSSES,
+    PairLogps,
+    UnpairedLogps,
+    kto_reference_point,
+    pair_loss,
+    response_nll,
+    unpaired_loss,
+)
+from utils.models.export import export_hf_model
+from utils.models.forward import eval_mode, sequence_logprobs
+from utils.models.loading import load_causal_lm
+from utils.runtime.distributed import all_reduce_sum, rank_batches, world_size
+from utils.train.checkpoint import data_layout
+from utils.train.ds_config import eval_ds_config
+from utils.train.flags import (
+    BATCH_FLAGS,
+    add_offload_reference_arg,
+    add_pair_eval_args,
+    check_range,
+    fail,
+    single_model_parser,
+    validate_training_args,
+)
+from utils.train.loop import (
+    build_frozen_engine,
+    build_trained_engine,
+    check_pair_splits,
+    micro_batch_schedule,
+    spec_from_args,
+    start_single_model_run,
+    train_ds_config_from_args,
+    train_micro_batches,
+)
+from utils.train.metrics_logger import print_rank0
+from utils.train.run import ReloadCheck, Run
 
 SIDES = ("chosen", "rejected")
 

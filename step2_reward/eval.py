@@ -19,15 +19,25 @@ import sys
 
 import torch
 
-from utils.data import (DEFAULT_FORMAT, DataError, PairCollator, PromptCollator, RowFormat, SkipRow, normalize_row,
-                        read_rows, scored_sequences, split_pair_batch, tokenize_pairs)
+from utils.data import (
+    DEFAULT_FORMAT,
+    DataError,
+    PairCollator,
+    PromptCollator,
+    RowFormat,
+    SkipRow,
+    normalize_row,
+    read_rows,
+    scored_sequences,
+    split_pair_batch,
+    tokenize_pairs,
+)
 from utils.errors import UsageError
-from utils.train.flags import add_format_args
-from utils.models.forward import sequence_scores
 from utils.math.losses import pair_metrics
+from utils.models.forward import sequence_scores
 from utils.models.loading import hf_zero3_disabled, load_tokenizer
 from utils.models.reward_model import RewardModel
-
+from utils.train.flags import add_format_args
 
 _ESCAPES = {"n": "\n", "t": "\t", "\\": "\\"}
 

@@ -14,19 +14,26 @@ import time
 
 import torch
 
-from utils.train.checkpoint import data_layout
 from utils.data import PairCollator, split_pair_batch, tokenize_pairs
-from utils.runtime.distributed import all_reduce_sum, rank_batches
-from utils.train.flags import BATCH_FLAGS, add_pair_eval_args, check_range, single_model_parser, validate_training_args
-from utils.models.forward import eval_mode, sequence_scores
-from utils.train.metrics_logger import print_rank0
+from utils.errors import run_main
 from utils.math.losses import pair_metrics, pairwise_loss
+from utils.models.forward import eval_mode, sequence_scores
 from utils.models.loading import load_tokenizer
 from utils.models.reward_model import RewardModel, export_reward_model
+from utils.runtime.distributed import all_reduce_sum, rank_batches
+from utils.train.checkpoint import data_layout
+from utils.train.flags import BATCH_FLAGS, add_pair_eval_args, check_range, single_model_parser, validate_training_args
+from utils.train.loop import (
+    build_trained_engine,
+    check_pair_splits,
+    micro_batch_schedule,
+    spec_from_args,
+    start_single_model_run,
+    train_ds_config_from_args,
+    train_micro_batches,
+)
+from utils.train.metrics_logger import print_rank0
 from utils.train.run import ReloadCheck, Run
-from utils.train.loop import (build_trained_engine, check_pair_splits, micro_batch_schedule, spec_from_args,
-                            start_single_model_run, train_ds_config_from_args, train_micro_batches)
-from utils.errors import run_main
 
 
 def parse_args(argv=None):

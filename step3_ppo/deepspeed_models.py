@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import torch
 
 from step3_ppo.algo.advantages import needs_critic
-from utils.runtime.distributed import is_rank0, world_size
-from utils.train.ds_config import eval_ds_config, train_ds_config
 from utils.models.loading import load_causal_lm
 from utils.models.reward_model import RewardModel
+from utils.runtime.distributed import is_rank0, world_size
+from utils.train.ds_config import eval_ds_config, train_ds_config
 from utils.train.loop import add_lora, build_frozen_engine, build_trained_engine, initialize_engine, spec_from_args
 
 

@@ -21,18 +21,24 @@ import json
 import os
 import random
 
-from utils.train.flags import fail
-from utils.models.loading import ModelLoadError, check_model_path, check_remote_code, check_weight_files
 from step3_ppo.agents.eval import evaluate_policy, format_agent_table
 from step3_ppo.agents.flags import add_agent_args, check_agent_args
 from step3_ppo.rewards.functions import RewardFunctionError, load_reward_function
 from utils.data import DataError, RowFormat, read_rows
-from utils.evaluation import (DEFAULT_PROMPTS, ComparisonSpec, check_policy_names, compare_policies, default_judges,
-                              format_table, load_prompts)
+from utils.errors import run_main
+from utils.evaluation import (
+    DEFAULT_PROMPTS,
+    ComparisonSpec,
+    check_policy_names,
+    compare_policies,
+    default_judges,
+    format_table,
+    load_prompts,
+)
 from utils.evaluation.loading import default_device
 from utils.models.forward import GenerationSettings
-from utils.train.flags import add_device_arg, add_format_args, add_generation_args, resolve_generation_args
-from utils.errors import run_main
+from utils.models.loading import ModelLoadError, check_model_path, check_remote_code, check_weight_files
+from utils.train.flags import add_device_arg, add_format_args, add_generation_args, fail, resolve_generation_args
 
 
 def parse_args(argv=None):

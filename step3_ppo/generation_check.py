@@ -22,10 +22,10 @@ import time
 import torch
 
 from step3_ppo.rollout.hybrid import gathered, generate, generation_mode
-from utils.runtime.distributed import init_distributed, is_rank0, set_seed, world_size
-from utils.train.ds_config import train_ds_config
 from utils.models.forward import GenerationSettings, causal_lm_logits, eval_mode, generation_kwargs
 from utils.models.loading import load_causal_lm, load_tokenizer
+from utils.runtime.distributed import init_distributed, is_rank0, set_seed, world_size
+from utils.train.ds_config import train_ds_config
 from utils.train.loop import EngineSpec, build_trained_engine
 
 

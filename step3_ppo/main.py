@@ -22,30 +22,54 @@ from torch.utils.data import DataLoader, DistributedSampler
 from step3_ppo.agents.flags import add_agent_args, check_agent_args
 from step3_ppo.agents.loop import EnvReward, build_agent, prompts_with_tools
 from step3_ppo.algo.advantages import ALIASES, ESTIMATORS, estimator_name, get_estimator
-from step3_ppo.rewards.combine import REWARD_NORMS
-from step3_ppo.deepspeed_models import build_engines
-from step3_ppo.rollout.engines import ROLLOUT_ENGINES, check_engine_args, engine_settings
-from step3_ppo.rewards.functions import (BUILTINS, RewardFunctionError, builtins_help, is_function_spec,
-                                    load_reward_function)
-from step3_ppo.rewards.components import FunctionReward, RewardModelReward, reward_model_name, unique_names
 from step3_ppo.algo.shaping import AdaptiveKLController, FixedKLController
+from step3_ppo.deepspeed_models import build_engines
+from step3_ppo.rewards.combine import REWARD_NORMS
+from step3_ppo.rewards.components import FunctionReward, RewardModelReward, reward_model_name, unique_names
+from step3_ppo.rewards.functions import (
+    BUILTINS,
+    RewardFunctionError,
+    builtins_help,
+    is_function_spec,
+    load_reward_function,
+)
+from step3_ppo.rollout.engines import ROLLOUT_ENGINES, check_engine_args, engine_settings
 from step3_ppo.trainer import PPOConfig, PPOTrainer
-from utils.train.checkpoint import data_layout
-from utils.models.export import export_hf_model
-from utils.data import (PromptCollator, SFTCollator, describe_skips, distributed_loader, read_texts, stop_token_ids,
-                        tokenize_prompts, tokenize_texts)
-from utils.runtime.distributed import is_rank0, rank, start_process, world_size
-from utils.train.flags import (add_checkpoint_args, add_data_args, add_generation_args, add_model_args,
-                         add_offload_reference_arg, add_output_args, add_training_args, check_range,
-                         check_sequence_fits, fail, resolve_generation_args, validate_training_args)
-from utils.train.metrics_logger import print_rank0
-from utils.math.losses import GSPO_CLIPRANGE_HIGH, GSPO_CLIPRANGE_LOW, KL_LOSS_ESTIMATORS, POLICY_LOSSES
-from utils.models.loading import check_model_path, load_tokenizer
-from utils.math.ops import KL_ESTIMATORS, LOSS_AGGREGATIONS, ROLLOUT_CORRECTIONS
-from utils.models.reward_model import check_policy_dir, check_reward_model_dir, export_reward_model
-from utils.train.run import Run
-from utils.train.loop import step_examples, total_training_steps
+from utils.data import (
+    PromptCollator,
+    SFTCollator,
+    describe_skips,
+    distributed_loader,
+    read_texts,
+    stop_token_ids,
+    tokenize_prompts,
+    tokenize_texts,
+)
 from utils.errors import run_main
+from utils.math.losses import GSPO_CLIPRANGE_HIGH, GSPO_CLIPRANGE_LOW, KL_LOSS_ESTIMATORS, POLICY_LOSSES
+from utils.math.ops import KL_ESTIMATORS, LOSS_AGGREGATIONS, ROLLOUT_CORRECTIONS
+from utils.models.export import export_hf_model
+from utils.models.loading import check_model_path, load_tokenizer
+from utils.models.reward_model import check_policy_dir, check_reward_model_dir, export_reward_model
+from utils.runtime.distributed import is_rank0, rank, start_process, world_size
+from utils.train.checkpoint import data_layout
+from utils.train.flags import (
+    add_checkpoint_args,
+    add_data_args,
+    add_generation_args,
+    add_model_args,
+    add_offload_reference_arg,
+    add_output_args,
+    add_training_args,
+    check_range,
+    check_sequence_fits,
+    fail,
+    resolve_generation_args,
+    validate_training_args,
+)
+from utils.train.loop import step_examples, total_training_steps
+from utils.train.metrics_logger import print_rank0
+from utils.train.run import Run
 
 MODELS = ("actor_", "critic_")
 # step 3's own defaults for the per-model flags of utils/train/flags.py (DeepSpeed-Chat's values; dropout off,
@@ -316,7 +340,7 @@ def check_rollout_args(args) -> None:
              f">= 2, got {args.n_samples_per_prompt}")
     if args.old_logprobs == "rollout":
         if not ROLLOUT_ENGINES[args.rollout_engine].logprobs or not args.rollout_logprobs:
-            fail(f"--old_logprobs rollout reads the generator's log-probs, which "
+            fail("--old_logprobs rollout reads the generator's log-probs, which "
                  + (f"--rollout_engine {args.rollout_engine} does not give" if args.rollout_logprobs
                     else "--no_rollout_logprobs leaves out"))
         if args.rollout_correction != "none":

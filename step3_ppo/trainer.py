@@ -24,20 +24,27 @@ import torch
 from step3_ppo import metrics as step_metrics
 from step3_ppo.agents.loop import agent_rates, agent_sums
 from step3_ppo.algo.advantages import advantages_and_returns, get_estimator
-from step3_ppo.rewards.combine import combine, zero_variance_groups
-from step3_ppo.rollout.hybrid import gathered
-from step3_ppo.rollout.engines import ROLLOUT_ENGINES
 from step3_ppo.algo.shaping import RunningMoments, clip_scores, compute_rewards, length_penalty
 from step3_ppo.metrics import component_sums
-from utils.runtime import accelerator
-from utils.math import losses
-from utils.runtime.distributed import all_reduce_max, all_reduce_sum, world_size
+from step3_ppo.rewards.combine import combine, zero_variance_groups
+from step3_ppo.rollout.engines import ROLLOUT_ENGINES
+from step3_ppo.rollout.hybrid import gathered
 from utils.errors import ProjectError
-from utils.models.export import is_zero3
-from utils.models.forward import (GenerationSettings, eval_mode, lm_nll, model_device, to_device,
-                           token_logprobs, token_values)
+from utils.math import losses
 from utils.math.ops import explained_variance, masked_mean, masked_whiten, rollout_correction_weights, select
 from utils.math.rows import Row, from_token_layout, pack, split_generation, to_token_layout
+from utils.models.export import is_zero3
+from utils.models.forward import (
+    GenerationSettings,
+    eval_mode,
+    lm_nll,
+    model_device,
+    to_device,
+    token_logprobs,
+    token_values,
+)
+from utils.runtime import accelerator
+from utils.runtime.distributed import all_reduce_max, all_reduce_sum, world_size
 from utils.train.loop import OVERFLOW, accumulation_windows, backward_and_step, step_normalised_loss, window_totals
 
 

@@ -72,8 +72,8 @@ class Sampler:
 
 def train_steps(engine, work: str, name: str, batches: list, micro_step, counts, steps: int) -> list[float]:
     """`steps` optimizer steps of utils.train.loop.train_micro_batches over this rank's `batches`; the logged losses."""
-    from utils.train.run import Run
     from utils.train.loop import train_micro_batches
+    from utils.train.run import Run
 
     logged = []
 
@@ -190,8 +190,8 @@ def case_dpo(engine, plain, capture, tokenizer, work, rank, ranks, generator) ->
 def ppo_rows(n: int, generator: torch.Generator, vocab: int, plain, pad_id: int):
     """Ragged rollout rows; every 4th left out of the loss; old log-probs = the model's + noise (some ratios
     clipped), random per-token advantages."""
-    from utils.models.forward import token_logprobs
     from utils.math.rows import Row, from_token_layout, pack
+    from utils.models.forward import token_logprobs
 
     rows = []
     for i in range(n):
@@ -213,9 +213,9 @@ def case_ppo(engine, plain, capture, tokenizer, rank, ranks, generator, loss_agg
     from step3_ppo.algo.shaping import FixedKLController
     from step3_ppo.trainer import PPOConfig, PPOTrainer
     from utils.math import losses
-    from utils.runtime.distributed import all_reduce_sum
-    from utils.models.forward import token_logprobs
     from utils.math.rows import pack, to_token_layout
+    from utils.models.forward import token_logprobs
+    from utils.runtime.distributed import all_reduce_sum
 
     config = PPOConfig(stop_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id,
                        per_device_training_batch_size=M, advantage_estimator="rloo", n_samples_per_prompt=2,
@@ -265,9 +265,9 @@ def case_ppo(engine, plain, capture, tokenizer, rank, ranks, generator, loss_agg
 
 def main(argv=None):
     model_dir, out_path, work = [a for a in (argv or sys.argv[1:]) if not a.startswith("--local_rank")][:3]
+    from utils.models.loading import load_causal_lm, load_tokenizer
     from utils.runtime.distributed import init_distributed, rank, world_size
     from utils.train.ds_config import train_ds_config
-    from utils.models.loading import load_causal_lm, load_tokenizer
     from utils.train.loop import initialize_engine
 
     init_distributed()

@@ -9,9 +9,9 @@ from step3_ppo.agents.environments import EnvironmentSpec
 from step3_ppo.agents.loop import OBSERVATION_CUT_MARK, AgentError, AgentLimits, MultiTurn, ReplyRenderer
 from utils.data.chat import render, stop_token_ids
 from utils.errors import UsageError
+from utils.math.rows import pack
 from utils.models.forward import GenerationSettings, generate, generation_kwargs
 from utils.models.loading import load_tokenizer
-from utils.math.rows import pack
 
 
 class RecordingEngine:
@@ -184,8 +184,8 @@ class ScriptedEngine:
 
 
 def test_a_tool_call_is_answered_by_the_tool_and_the_reward_reads_the_final_answer(chat_model):
-    from step3_ppo.rewards.functions import completion_text, math_exact
     from step3_ppo.agents.tools import Toolbox, load_tools
+    from step3_ppo.rewards.functions import completion_text, math_exact
 
     tokenizer, _ = chat_model
     call = '<tool_call>{"name": "calculator", "arguments": {"expression": "123 * 45"}}</tool_call>'

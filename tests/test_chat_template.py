@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from utils import data as D
-from utils.data import DataError, IGNORE_INDEX, RowFormat
+from utils.data import IGNORE_INDEX, DataError, RowFormat
 from utils.math.rows import split_generation
 
 

@@ -45,9 +45,9 @@ def dist():
 
 
 def build_engines(kinds: dict, model_dir: str, stage: int) -> dict:
-    from utils.train.ds_config import train_ds_config
     from utils.models.loading import load_causal_lm
     from utils.models.reward_model import RewardModel
+    from utils.train.ds_config import train_ds_config
     from utils.train.loop import EngineSpec, build_trained_engine
 
     engines = {}

@@ -10,6 +10,7 @@ import pytest
 from utils import data as D
 from utils.data import DataError
 
+
 def rows(n, tag="r"):
     return [{"prompt": f"{tag} prompt {i}", "chosen": f"{tag} good {i}", "rejected": f"{tag} bad {i}"}
             for i in range(n)]

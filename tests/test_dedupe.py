@@ -81,8 +81,8 @@ def test_the_flag_reaches_every_entry_point_the_layout_and_the_cache_key(source,
 
 
 def test_the_tokenised_cache_keeps_deduped_and_whole_data_apart(source, tiny_gpt2, tmp_path):
-    from utils.train.flags import add_data_args
     from utils.models.loading import load_tokenizer
+    from utils.train.flags import add_data_args
     from utils.train.loop import step_examples
 
     parser = argparse.ArgumentParser()

@@ -4,8 +4,15 @@ import sys
 
 import pytest
 
-from step3_ppo.agents.environments import (ENVIRONMENTS, EnvError, EnvFailed, MathRetry, environments_help,
-                                    load_environment, normalise_reply)
+from step3_ppo.agents.environments import (
+    ENVIRONMENTS,
+    EnvError,
+    EnvFailed,
+    MathRetry,
+    environments_help,
+    load_environment,
+    normalise_reply,
+)
 
 ENVS = '''
 class Echo:

@@ -152,10 +152,10 @@ def test_project_errors_share_one_base_that_run_main_catches(capsys):
     """Every error of the project is a ProjectError (keeping its built-in base: callers catching ValueError or
     RuntimeError still do), so run_main needs no list of them; a reward function's error is one line too."""
     from step3_ppo.rewards.functions import RewardFunctionError
-    from utils.train.checkpoint import BrokenCheckpoint, CheckpointError, NonFiniteUpdates
     from utils.data import DataError
     from utils.errors import ProjectError, run_main
     from utils.models.loading import ModelLoadError
+    from utils.train.checkpoint import BrokenCheckpoint, CheckpointError, NonFiniteUpdates
 
     for error, builtin in ((CheckpointError, RuntimeError), (BrokenCheckpoint, RuntimeError), (DataError, ValueError),
                            (ModelLoadError, ValueError), (RewardFunctionError, Exception), (UsageError, Exception),

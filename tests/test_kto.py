@@ -14,8 +14,15 @@ from tests.test_step2_dpo import _dpo_args
 from tests.test_step2_run import _pairs
 from utils.data import DataError, RowFormat, normalize_row
 from utils.errors import UsageError
-from utils.math.losses import (PAIR_LOSSES, PairLogps, UnpairedLogps, kto_loss, kto_reference_point, pair_loss,
-                          unpaired_loss)
+from utils.math.losses import (
+    PAIR_LOSSES,
+    PairLogps,
+    UnpairedLogps,
+    kto_loss,
+    kto_reference_point,
+    pair_loss,
+    unpaired_loss,
+)
 
 UNPAIRED = RowFormat(unpaired=True)
 

@@ -11,7 +11,8 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from utils.models import default as default_model
-from utils.models.tiny import ARCHS, make_tiny_model, make_tiny_model_cached, main as tiny_main
+from utils.models.tiny import ARCHS, make_tiny_model, make_tiny_model_cached
+from utils.models.tiny import main as tiny_main
 
 
 def mask_positions(attention_mask):

@@ -9,8 +9,16 @@ import torch
 
 from utils.errors import UsageError
 from utils.models.loading import ModelLoadError, load_tokenizer
-from utils.models.reward_model import (CAUSAL_LM_KIND, REWARD_MODEL_FILE, REWARD_MODEL_KIND, VALUE_HEAD_FILE, RewardModel,
-                                check_policy_dir, check_reward_model_dir, model_dir_kind)
+from utils.models.reward_model import (
+    CAUSAL_LM_KIND,
+    REWARD_MODEL_FILE,
+    REWARD_MODEL_KIND,
+    VALUE_HEAD_FILE,
+    RewardModel,
+    check_policy_dir,
+    check_reward_model_dir,
+    model_dir_kind,
+)
 
 
 def _named(path: str) -> str:

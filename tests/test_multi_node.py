@@ -107,7 +107,9 @@ def test_step1_two_nodes_match_one_node(cluster, tiny_gpt2, sft_data, tmp_path):
     """The two nodes are started through scripts/step1_sft/run_multi_node.sh (MULTI_NODE_MODE=no_ssh),
     which runs `deepspeed --hostfile H --no_ssh --node_rank i ... --module step1_sft.main` with its
     defaults followed by our arguments (the later flag wins), i.e. the same arguments as the 1-node run."""
-    args = lambda out: common_args(tiny_gpt2, sft_data, out, steps=4) + ["--zero_stage", 3, "--dtype", "fp32"]
+    def args(out):
+        return common_args(tiny_gpt2, sft_data, out, steps=4) + ["--zero_stage", 3, "--dtype", "fp32"]
+
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     env = base_env(MODEL=tiny_gpt2, DATA=sft_data, DTYPE="fp32")
     single, run = one_and_two_nodes(cluster, tmp_path, "step1_sft.main", args(one), [two, *args(two)],

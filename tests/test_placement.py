@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from tests.test_layering import python_files  # the project's .py files, not a venv kept under bench/
-from utils.models import forward
 from utils.math.rows import Row, pack
+from utils.models import forward
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VOCAB = 11

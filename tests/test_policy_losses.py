@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from step3_ppo.algo.advantages import group_normalized
-
 from step3_ppo.rewards.combine import combine
 from utils.errors import UsageError
 from utils.math import losses

@@ -12,13 +12,21 @@ import pytest
 import torch
 
 from step3_ppo.algo.advantages import gae_advantages_and_returns
-
 from step3_ppo.algo.shaping import AdaptiveKLController, FixedKLController, RunningMoments, clip_scores, compute_rewards
 from utils.math.losses import kl_penalty_loss
 from utils.math.losses import policy_loss as actor_loss
 from utils.math.losses import value_loss as critic_loss
-from utils.math.ops import (entropy_from_logits, explained_variance, kl_estimate, last_one_index, logprobs_from_logits,
-                       masked_mean, masked_sum, masked_var, masked_whiten)
+from utils.math.ops import (
+    entropy_from_logits,
+    explained_variance,
+    kl_estimate,
+    last_one_index,
+    logprobs_from_logits,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+)
 
 NAN = float("nan")
 

@@ -3,10 +3,10 @@ log-probs, loss and gradients as the head over the whole sequence, with the head
 import pytest
 import torch
 
-from utils.models.forward import causal_lm_logits, lm_nll, token_logprobs
 from utils.math.losses import IGNORE_INDEX, sft_nll
-from utils.models.loading import load_causal_lm, load_tokenizer
 from utils.math.rows import Row, pack
+from utils.models.forward import causal_lm_logits, lm_nll, token_logprobs
+from utils.models.loading import load_causal_lm, load_tokenizer
 
 
 @pytest.fixture(scope="module")

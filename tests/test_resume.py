@@ -163,7 +163,9 @@ def test_resume_on_another_world_size_through_the_universal_checkpoint(tiny_gpt2
         f.write("step-00000002")
     engine_dir = os.path.join(checkpoints, "step-00000002", "model")
 
-    from utils.train.checkpoint import CheckpointError  # without --universal_checkpoint: refused, naming the way through
+    from utils.train.checkpoint import (
+        CheckpointError,  # without --universal_checkpoint: refused, naming the way through
+    )
 
     with pytest.raises(CheckpointError, match=r"written by 2 ranks but this run has 1(.|\n)*--universal_checkpoint"):
         step1(args + ["--resume", "--max_steps", 2])

@@ -20,8 +20,16 @@ import resource
 import pytest
 import torch
 
-from utils.train.checkpoint import (CheckpointError, Checkpointing, CheckpointWriteError, LoopState, TrainingCheckpoints,
-                              data_layout, run_flags, changed_flags)
+from utils.train.checkpoint import (
+    CheckpointError,
+    Checkpointing,
+    CheckpointWriteError,
+    LoopState,
+    TrainingCheckpoints,
+    changed_flags,
+    data_layout,
+    run_flags,
+)
 from utils.train.run import Run
 
 ROWS = [{"prompt": f"Human: {i}\n\nAssistant:", "response": f" {i % 7}"} for i in range(12)]

@@ -14,10 +14,19 @@ import numpy as np
 import pytest
 import torch
 
-from step3_ppo.rewards.functions import (BUILTINS, Builtin, RewardFunction, RewardFunctionError, final_answer,
-                                    is_function_spec, load_reward_function, math_exact, score_batch)
 from step3_ppo.rewards.combine import combine
 from step3_ppo.rewards.components import FunctionReward, RewardModelReward
+from step3_ppo.rewards.functions import (
+    BUILTINS,
+    Builtin,
+    RewardFunction,
+    RewardFunctionError,
+    final_answer,
+    is_function_spec,
+    load_reward_function,
+    math_exact,
+    score_batch,
+)
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
 README_LIST = "The built-in reward functions (`BUILTINS`"  # the line that opens the README's list

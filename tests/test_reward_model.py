@@ -7,11 +7,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from utils.data import DataError, pad_batch
-from utils.models.loading import apply_lora, load_tokenizer
+from utils.data import DataError, pad_batch, split_pair_batch
 from utils.math.losses import pair_metrics, pairwise_loss
 from utils.math.ops import sequence_score
-from utils.data import split_pair_batch
+from utils.models.loading import apply_lora, load_tokenizer
 from utils.models.reward_model import REWARD_MODEL_FILE, VALUE_HEAD_FILE, RewardModel, save_reward_model
 
 PAD, EOS = 50257, 50256

@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from step3_ppo import main as step3_main
-from step3_ppo.rewards.functions import RewardFunctionError, load_reward_function
-from step3_ppo.rewards.components import FunctionReward
 from step3_ppo.algo.shaping import FixedKLController
+from step3_ppo.function_worker import FunctionWorker
+from step3_ppo.rewards.components import FunctionReward
+from step3_ppo.rewards.functions import RewardFunctionError, load_reward_function
 from step3_ppo.trainer import NothingToTrain, PPOConfig, PPOTrainer
 from tests.launch import run_module, tail
 from tests.test_step3_grpo import grpo_args, write_rows
-from utils.math.rows import Row
-from step3_ppo.function_worker import FunctionWorker
 from utils.errors import UsageError
+from utils.math.rows import Row
 
 SLACK_S = 3.0  # killing and reaping a worker, on a loaded machine
 

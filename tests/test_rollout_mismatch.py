@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from step3_ppo.rollout import engines as rollout_engines
 from step3_ppo.main import parse_args, setup
+from step3_ppo.rollout import engines as rollout_engines
 from tests.test_step3_grpo import grpo_args, write_rows
 from tests.test_step3_lr0 import prompt_batches
 from utils.errors import UsageError

@@ -6,7 +6,6 @@ process in eager mode); the 2-rank ZeRO-3 run through the launcher is at the end
 vLLM is installed by `scripts/setup.sh --with-vllm`, which scripts/test.sh runs: there (RLHF_TESTS_NEED_VLLM=1)
 a missing vLLM fails these tests; a bare `pytest` without it skips them.
 """
-import json
 import os
 import signal
 import time
@@ -150,7 +149,9 @@ def test_async_rollout_at_lr0_gives_the_synchronous_run(vllm_run):
         trainer.rollout.seeds.manual_seed(77)
         out = []
         for k in range(3):
-            upcoming = (lambda k=k: batches[k + 1] if k + 1 < 3 else None)
+            def upcoming(k=k):
+                return batches[k + 1] if k + 1 < 3 else None
+
             metrics_, rows = trainer.step(batches[k], step=k, next_prompts=upcoming)
             out.append((metrics_["reward/score_mean"], [r.response_ids.tolist() for r in rows],
                         metrics_["rollout/staleness"], metrics_["ppo/log_ratio_max_abs"]))

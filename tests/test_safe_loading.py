@@ -151,8 +151,8 @@ def test_a_trusted_custom_code_model_finishes_step1(custom_code_dir, tmp_path):
 def test_fp16_on_a_device_without_it_is_one_line_before_loading(tiny_gpt2):
     from deepspeed.accelerator import get_accelerator
 
-    from utils.train.ds_config import train_ds_config
     from utils.models.loading import ModelFlagError, load_causal_lm
+    from utils.train.ds_config import train_ds_config
 
     if get_accelerator().is_fp16_supported():
         pytest.skip("this accelerator has fp16")

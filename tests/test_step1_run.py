@@ -3,7 +3,6 @@ import json
 import os
 
 import pytest
-import torch
 
 from tests.launch import metrics, run_deepspeed, run_module, tail
 

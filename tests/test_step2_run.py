@@ -61,10 +61,9 @@ def test_two_rank_zero3_reward_model_learns_and_exports(tiny_gpt2, pair_data, tm
     assert diff and diff[0] <= 1e-5, diff
 
     # the exported directory is a complete, unpartitioned reward model that ranks held-out pairs
-    from utils.data import PairCollator, tokenize_pairs
-    from utils.models.loading import load_tokenizer
+    from utils.data import PairCollator, split_pair_batch, tokenize_pairs
     from utils.math.losses import pair_metrics
-    from utils.data import split_pair_batch
+    from utils.models.loading import load_tokenizer
     from utils.models.reward_model import RewardModel
 
     tokenizer = load_tokenizer(out)

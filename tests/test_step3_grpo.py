@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from step3_ppo.main import parse_args, setup
-from step3_ppo.rewards.functions import RewardFunctionError, load_reward_function
 from step3_ppo.rewards.components import FunctionReward
+from step3_ppo.rewards.functions import RewardFunctionError, load_reward_function
 from tests.launch import metrics, run_deepspeed, tail
 from tests.test_step3_lr0 import PROMPT_WORDS, prompt_batches
 from utils.errors import UsageError

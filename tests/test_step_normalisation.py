@@ -31,9 +31,10 @@ def test_accumulation_windows_keep_the_last_partial_one():
 
 
 def test_sft_and_dpo_counts_are_the_units_their_losses_average_over():
+    from types import SimpleNamespace
+
     from step1_sft.main import trained_tokens
     from step2_dpo.main import PreferenceLoss
-    from types import SimpleNamespace
     from utils.data import PreferenceCollator, SFTCollator
     from utils.math.losses import sft_nll
 

@@ -5,17 +5,25 @@ sandbox (step3_ppo/agents/python_sandbox.py): no writes outside its folder, no T
 process or folder left behind, and nothing run at all without Landlock."""
 import json
 import os
-import signal
 import socket
-import sys
 import time
 from types import SimpleNamespace
 
 import pytest
 
 from step3_ppo.agents import python_sandbox
-from step3_ppo.agents.tools import (TOOL_CALL_PARSERS, TOOLS, Toolbox, ToolCall, ToolError, calculator, load_tools, python,
-                             run_python, template_supports_tools, tool_system_prompt)
+from step3_ppo.agents.tools import (
+    TOOL_CALL_PARSERS,
+    Toolbox,
+    ToolCall,
+    ToolError,
+    calculator,
+    load_tools,
+    python,
+    run_python,
+    template_supports_tools,
+    tool_system_prompt,
+)
 
 HAS_LANDLOCK = python_sandbox.landlock_abi() >= 1
 needs_landlock = pytest.mark.skipif(not HAS_LANDLOCK, reason="no Landlock here: the python tool refuses to run")

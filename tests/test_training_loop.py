@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from utils.runtime.accelerator import PhaseMemory
+from utils.train.loop import APPLIED, OVERFLOW, backward_and_step, train_micro_batches
 from utils.train.metrics_logger import read_metrics
 from utils.train.run import Run, memory_postfix
-from utils.train.loop import APPLIED, OVERFLOW, backward_and_step, train_micro_batches
 
 
 class StubEngine:

@@ -91,11 +91,13 @@ def run_main(main, argv=None):
             _exit_now(exc.code if isinstance(exc.code, int) else 1)
         raise
     except ProjectError as exc:
-        _fail(lambda: report(str(exc)))
+        message = str(exc)
+        _fail(lambda: report(message))
     except Exception as exc:  # a bug: its traceback, as Python (and torch's [rankN] hook) shows it
         if _world_size() == 1:
             raise
-        _fail(lambda: sys.excepthook(type(exc), exc, exc.__traceback__))
+        error = exc  # bound outside the except's own name, which Python unbinds when the clause ends
+        _fail(lambda: sys.excepthook(type(error), error, error.__traceback__))
     if _world_size() > 1:
         _finish_now(result if isinstance(result, int) else 0)
     return result

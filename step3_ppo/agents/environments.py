@@ -23,8 +23,8 @@ import numbers
 from dataclasses import dataclass
 
 from step3_ppo.rewards.functions import answers_match, final_answer
-from utils.errors import ProjectError, one_line
 from step3_ppo.specs import load_object
+from utils.errors import ProjectError, one_line
 
 _MESSAGE_LIMIT = 200
 _FLOAT32_MAX = 3.4028234663852886e38  # a reward becomes a float32 tensor

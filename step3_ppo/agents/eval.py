@@ -18,12 +18,12 @@ import os
 import torch
 
 from step3_ppo.agents.loop import AgentLimits, EnvReward, MultiTurn, agent_rates, agent_sums, prompts_with_tools
-from utils.data.chat import render
-from utils.errors import UsageError, run_main
 from step3_ppo.agents.tools import Toolbox
 from step3_ppo.plot import read_rows
 from step3_ppo.rewards.components import FunctionReward
 from utils.data import PromptCollator, stop_token_ids, tokenize_prompts
+from utils.data.chat import render
+from utils.errors import UsageError, run_main
 from utils.evaluation.loading import load_policy
 from utils.models.forward import GenerationSettings, generate, generation_kwargs, model_device
 

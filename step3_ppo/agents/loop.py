@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 import torch
 
 from step3_ppo.agents.environments import EnvFailed
+from step3_ppo.agents.tools import Toolbox, template_supports_tools, tool_system_prompt
 from utils.data.chat import end_of_turn_id, render, require_template
-from utils.runtime.distributed import all_reduce_max
 from utils.errors import ProjectError
 from utils.math.rows import Row
-from step3_ppo.agents.tools import Toolbox, template_supports_tools, tool_system_prompt
+from utils.runtime.distributed import all_reduce_max
 
 # a conversation the reply suffix is measured after: its assistant turn ends where a generated turn does
 _PROBE = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]

@@ -33,9 +33,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from step3_ppo.agents import python_sandbox
-from utils.errors import ProjectError, one_line
-from step3_ppo.specs import load_object
 from step3_ppo.function_worker import CallFailed, FunctionWorker
+from step3_ppo.specs import load_object
+from utils.errors import ProjectError, one_line
 
 RESULT_LIMIT = 2000  # characters of a tool's result (or error) sent back to the model
 _MESSAGE_LIMIT = 300

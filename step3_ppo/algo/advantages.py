@@ -10,7 +10,7 @@ reward components (`--reward_weights`, `--reward_norm`).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Sequence, Tuple
+from typing import Callable, Tuple
 
 import torch
 from torch import Tensor

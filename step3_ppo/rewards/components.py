@@ -20,8 +20,8 @@ import torch
 
 from step3_ppo.rewards.functions import RewardFunction, score_batch
 from step3_ppo.rewards.reward_worker import RewardWorker
-from utils.models.forward import eval_mode, sequence_scores
 from utils.math.rows import Row, pack
+from utils.models.forward import eval_mode, sequence_scores
 
 
 class Reward(Protocol):

@@ -7,9 +7,9 @@ does not load there is a RewardFunctionError saying so, and a deadline is `--rew
 """
 from __future__ import annotations
 
+from step3_ppo.function_worker import CallFailed, FunctionWorker
 from step3_ppo.rewards.functions import BUILTINS, RewardFunction, RewardFunctionError, load_reward_function
 from utils.errors import one_line
-from step3_ppo.function_worker import CallFailed, FunctionWorker
 
 _MESSAGE_LIMIT = 200
 

@@ -56,7 +56,9 @@ def _hooks_lifted(offload):
 def partitioned_params(module_or_params) -> list:
     """The ZeRO-3 parameters of a module (or among a list of parameters, each once) whose data lives split
     across ranks now (not gathered, not persistent)."""
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  # lazy: +0.5 s on step 3's --help (deepspeed)
+    from deepspeed.runtime.zero.partition_parameters import (
+        ZeroParamStatus,  # lazy: +0.5 s on step 3's --help (deepspeed)
+    )
 
     params = module_or_params.parameters() if hasattr(module_or_params, "parameters") else module_or_params
     unique = {id(p): p for p in params}.values()

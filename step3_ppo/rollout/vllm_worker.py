@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 import traceback
 
@@ -113,8 +112,9 @@ _blocks = {}  # shared-memory blocks by name, mapped once: the trainer unlinks t
 def load(llm, request: dict) -> dict:
     """Weights from the trainer's shared memory block into the model in place (checkpoint names and layout:
     vLLM fuses and repacks them itself), then the prefix cache dropped (its KV came from the old weights)."""
-    import torch
     from multiprocessing import resource_tracker, shared_memory
+
+    import torch
 
     t0 = time.perf_counter()
     if request["shm"] not in _blocks:
@@ -195,9 +195,8 @@ def main(argv=None) -> None:
     key = os.environ.pop(args.authkey_env).encode()
     t0 = time.perf_counter()
     llm = build_llm(args)
-    import vllm
-
     import torch
+    import vllm
 
     hello = {"vllm": vllm.__version__, "start_s": round(time.perf_counter() - t0, 2), "threads": torch.get_num_threads(),
              "affinity": sorted(os.sched_getaffinity(0))}

@@ -27,17 +27,49 @@ Nothing is dropped silently: skipped or truncated rows are counted in the
 returned stats and summarised through ``log``.
 """
 
-from utils.data.sources import EVAL_SPLIT_NAMES, JSON_EXTS, DataError, Source, load_source, source_fingerprint
-from utils.data.formats import DEFAULT_FORMAT, RowFormat, SkipRow, is_chat, normalize_row, prompt_text
-from utils.data.splits import (STEP_NAMES, StepRows, build_step_rows, describe_skips, eval_size, parse_data_split,
-                             read_rows, split_bounds, split_source)
 from utils.data.chat import load_chat_template, require_template, stop_token_ids
+from utils.data.collate import (
+                             PairCollator,
+                             PreferenceCollator,
+                             PromptCollator,
+                             SFTCollator,
+                             UnpairedCollator,
+                             distributed_loader,
+                             pad_batch,
+                             response_rows,
+                             split_pair_batch,
+)
+from utils.data.formats import DEFAULT_FORMAT, RowFormat, SkipRow, is_chat, normalize_row, prompt_text
+from utils.data.sources import EVAL_SPLIT_NAMES, JSON_EXTS, DataError, Source, load_source, source_fingerprint
+from utils.data.splits import (
+                             STEP_NAMES,
+                             StepRows,
+                             build_step_rows,
+                             describe_skips,
+                             eval_size,
+                             parse_data_split,
+                             read_rows,
+                             split_bounds,
+                             split_source,
+)
 from utils.data.token_cache import cached_examples
-from utils.data.tokenize import (IGNORE_INDEX, bos_prefix, encode, fit_prompt, fit_tail, prompt_parts, read_texts,
-                                 scored_sequences, tokenize_pairs, tokenize_preference_pairs, tokenize_prompts,
-                                 tokenize_sft, tokenize_texts, tokenize_unpaired, tokenizer_fingerprint)
-from utils.data.collate import (PairCollator, PreferenceCollator, PromptCollator, SFTCollator, UnpairedCollator,
-                                distributed_loader, pad_batch, response_rows, split_pair_batch)
+from utils.data.tokenize import (
+                             IGNORE_INDEX,
+                             bos_prefix,
+                             encode,
+                             fit_prompt,
+                             fit_tail,
+                             prompt_parts,
+                             read_texts,
+                             scored_sequences,
+                             tokenize_pairs,
+                             tokenize_preference_pairs,
+                             tokenize_prompts,
+                             tokenize_sft,
+                             tokenize_texts,
+                             tokenize_unpaired,
+                             tokenizer_fingerprint,
+)
 
 __all__ = [
     "EVAL_SPLIT_NAMES", "JSON_EXTS", "DataError", "Source", "load_source", "source_fingerprint", "cached_examples",

@@ -37,9 +37,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from utils.data.sources import DataError
 from utils.runtime import distributed as dist
 from utils.runtime.cache_dir import relax_permissions
-from utils.data.sources import DataError
 
 FORMAT_VERSION = 2
 TENSORS, META, MARKER = "tensors.safetensors", "meta.json", "COMPLETE"

@@ -7,8 +7,8 @@ from typing import Sequence
 import torch
 
 from utils.data import PromptCollator, encode, is_chat, stop_token_ids, tokenize_prompts
-from utils.models.forward import GenerationSettings, eval_mode, generate, generation_kwargs, model_device
 from utils.math.rows import Row, split_generation
+from utils.models.forward import GenerationSettings, eval_mode, generate, generation_kwargs, model_device
 
 _NO_PROMPT_LIMIT = 1 << 30
 

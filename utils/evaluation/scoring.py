@@ -5,9 +5,9 @@ from typing import Sequence
 
 import torch
 
-from utils.models.forward import eval_mode, sequence_scores, token_logprobs
 from utils.math.ops import masked_sum
 from utils.math.rows import Row, pack, to_token_layout
+from utils.models.forward import eval_mode, sequence_scores, token_logprobs
 
 
 def _batches(rows: Sequence[Row], batch_size: int):

@@ -14,9 +14,9 @@ import os
 import torch
 from torch import nn
 
-from utils.runtime.distributed import all_reduce_sum, barrier, is_rank0
-from utils.models.loading import hf_zero3_disabled
 from utils.models.forward import eval_mode
+from utils.models.loading import hf_zero3_disabled
+from utils.runtime.distributed import all_reduce_sum, barrier, is_rank0
 
 
 def is_zero3(engine) -> bool:

@@ -23,8 +23,13 @@ import torch
 from torch import Tensor, nn
 
 from utils.math.losses import IGNORE_INDEX, sft_nll
-from utils.math.ops import (entropy_from_logits, logprobs_from_logits, masked_sum, position_ids_from_attention_mask,
-                       sequence_score)
+from utils.math.ops import (
+    entropy_from_logits,
+    logprobs_from_logits,
+    masked_sum,
+    position_ids_from_attention_mask,
+    sequence_score,
+)
 
 
 # --------------------------------------------------------------------------- #

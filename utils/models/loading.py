@@ -13,8 +13,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from utils.errors import ProjectError, one_line
 from utils.data.chat import use_chat_template_file
+from utils.errors import ProjectError, one_line
 
 PAD_TOKEN = "<pad>"
 

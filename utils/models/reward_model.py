@@ -30,10 +30,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from utils.models.export import gather_full_state_dict, plain_copy
-from utils.models.loading import ModelLoadError, load_causal_lm, load_tokenizer
 from utils.math.ops import position_ids_from_attention_mask
+from utils.models.export import gather_full_state_dict, plain_copy
 from utils.models.forward import sequence_scores
+from utils.models.loading import ModelLoadError, load_causal_lm, load_tokenizer
 from utils.runtime.distributed import barrier, is_rank0
 
 VALUE_HEAD_FILE = "value_head.safetensors"

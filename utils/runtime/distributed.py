@@ -10,10 +10,10 @@ import random
 import numpy as np
 import torch
 
-from utils.runtime.ports import free_port
 from utils import errors
 from utils.runtime import accelerator, extensions
 from utils.runtime.accelerator import local_device
+from utils.runtime.ports import free_port
 
 
 def init_distributed(timeout_s: int = 600) -> None:

@@ -20,11 +20,11 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from utils.runtime import accelerator
-from utils.runtime.distributed import all_reduce_max, is_rank0, rank, world_size
+from utils.data.sources import content_hashes
 from utils.errors import ProjectError, one_line
 from utils.models.export import gather_full_state_dict, is_zero3
-from utils.data.sources import content_hashes
+from utils.runtime import accelerator
+from utils.runtime.distributed import all_reduce_max, is_rank0, rank, world_size
 from utils.train.flags import DERIVED_ATTRIBUTES, RESUMABLE_FLAGS
 from utils.train.metrics_logger import logger_from_args, print_rank0
 from utils.train.output_dir import remove_entry

@@ -8,9 +8,17 @@ from typing import Iterable, Iterator
 
 import torch
 
+from utils.data import (
+    DataError,
+    RowFormat,
+    build_step_rows,
+    cached_examples,
+    describe_skips,
+    distributed_loader,
+    source_fingerprint,
+    tokenizer_fingerprint,
+)
 from utils.errors import UsageError
-from utils.data import (DataError, RowFormat, build_step_rows, cached_examples, describe_skips, distributed_loader,
-                        source_fingerprint, tokenizer_fingerprint)
 from utils.models.loading import apply_lora, load_tokenizer
 from utils.runtime.distributed import all_reduce_sum, start_process, world_size
 from utils.train.ds_config import train_ds_config

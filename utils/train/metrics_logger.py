@@ -16,9 +16,9 @@ import os
 import uuid
 from typing import Protocol
 
-from utils.errors import UsageError
 from tqdm import tqdm
 
+from utils.errors import UsageError
 from utils.runtime.distributed import is_rank0
 
 WANDB_VERSION = "0.31.0"  # the version pinned in requirements.txt (named in the missing-package error)

@@ -20,10 +20,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from utils.runtime.accelerator import PhaseMemory
-from utils.train.checkpoint import BadStepGuard, Checkpointing, LoopState
-from utils.runtime.distributed import all_reduce_max_list
 from utils.models.export import reload_max_abs_diff
+from utils.runtime.accelerator import PhaseMemory
+from utils.runtime.distributed import all_reduce_max_list
+from utils.train.checkpoint import BadStepGuard, Checkpointing, LoopState
 from utils.train.metrics_logger import print_rank0, progress_bar
 from utils.train.output_dir import release as release_output_dir
 
