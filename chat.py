@@ -19,6 +19,7 @@ Commands: `clear` resets the history, `quit` / `exit` / end of input (Ctrl-D) en
 When stdin is not a terminal (piped), each input line is one user turn and is echoed.
 Greedy decoding by default; `--do_sample` samples.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,17 +34,22 @@ TEMPLATES = ("auto", "chat", "human_assistant")
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model_name_or_path", required=True,
-                   help="the policy to chat with: a from_pretrained directory (step 1 or 3 output) or hub name")
-    p.add_argument("--max_new_tokens", type=int, default=128,
-                   help="max new tokens per reply (default %(default)s)")
+    p.add_argument(
+        "--model_name_or_path",
+        required=True,
+        help="the policy to chat with: a from_pretrained directory (step 1 or 3 output) or hub name",
+    )
+    p.add_argument("--max_new_tokens", type=int, default=128, help="max new tokens per reply (default %(default)s)")
     p.add_argument("--system", default=None, help="system message prepended to the conversation")
-    p.add_argument("--template", choices=TEMPLATES, default="auto",
-                   help="prompt format: chat (the tokenizer's chat template), human_assistant (the demo data's), "
-                        "auto: chat when the tokenizer has a template, else human_assistant (default %(default)s)")
+    p.add_argument(
+        "--template",
+        choices=TEMPLATES,
+        default="auto",
+        help="prompt format: chat (the tokenizer's chat template), human_assistant (the demo data's), "
+        "auto: chat when the tokenizer has a template, else human_assistant (default %(default)s)",
+    )
     add_generation_args(p, do_sample=False)
-    p.add_argument("--seed", type=int, default=0,
-                   help="random seed of the sampling (turn t uses this + t)")
+    p.add_argument("--seed", type=int, default=0, help="random seed of the sampling (turn t uses this + t)")
     add_device_arg(p)
     p.add_argument("--trust_remote_code", action="store_true", help="allow model code shipped with the model")
     from step3_ppo.agents.flags import add_agent_args, check_agent_args  # no torch: --help stays fast
@@ -62,8 +68,9 @@ def resolve_template(tokenizer, template: str) -> str:
     has_chat = bool(getattr(tokenizer, "chat_template", None))
     if template == "chat" and not has_chat:
         where = getattr(tokenizer, "name_or_path", "") or "this tokenizer"
-        raise UsageError(f"--template chat: the tokenizer of {where} has no chat template "
-                         f"(use --template human_assistant)")
+        raise UsageError(
+            f"--template chat: the tokenizer of {where} has no chat template (use --template human_assistant)"
+        )
     if template == "auto":
         return "chat" if has_chat else "human_assistant"
     return template
@@ -99,7 +106,8 @@ class Conversation:
         or the Human/Assistant string ending with the cue for the assistant's next turn."""
         if self.template == "chat":
             return ([{"role": "system", "content": self.system}] if self.system else []) + [
-                {"role": role, "content": text} for role, text in self.turns]
+                {"role": role, "content": text} for role, text in self.turns
+            ]
         parts = [self.system] if self.system else []
         for role, text in self.turns:
             parts.append(f"Human: {text}" if role == "user" else f"Assistant: {text}")
@@ -145,10 +153,17 @@ def run_episode(args, agent, model, tokenizer, text: str, number: int) -> None:
     if not examples:
         raise UsageError(f"the prompt does not fit the context ({stats['skipped']})")
     stops = stop_token_ids(tokenizer, chat=True)
-    settings = GenerationSettings(args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
-                                  top_p=args.top_p, top_k=args.top_k)
-    (row,) = agent.rollout(ModelGenerate(model, stops, tokenizer.pad_token_id), PromptCollator(tokenizer.pad_token_id)(
-        examples), settings, 1, stops, tokenizer.pad_token_id)
+    settings = GenerationSettings(
+        args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k
+    )
+    (row,) = agent.rollout(
+        ModelGenerate(model, stops, tokenizer.pad_token_id),
+        PromptCollator(tokenizer.pad_token_id)(examples),
+        settings,
+        1,
+        stops,
+        tokenizer.pad_token_id,
+    )
     for message in row.agent["messages"]:
         role = {"assistant": "Assistant", "tool": "Tool", "user": "Environment"}[message["role"]]
         print(f"{role}: {message['content'].strip()}", flush=True)
@@ -171,8 +186,11 @@ def main(argv=None) -> int:
     max_prompt = max(1, context_length(model, tokenizer) - args.max_new_tokens)
     interactive = sys.stdin.isatty()
     if interactive:
-        print(f"Chatting with {args.model_name_or_path} (template: {template}, "
-              f"{'sampling' if args.do_sample else 'greedy'}). 'clear' resets, 'quit' or Ctrl-D ends.", flush=True)
+        print(
+            f"Chatting with {args.model_name_or_path} (template: {template}, "
+            f"{'sampling' if args.do_sample else 'greedy'}). 'clear' resets, 'quit' or Ctrl-D ends.",
+            flush=True,
+        )
     from step3_ppo.agents.loop import build_agent
 
     agent = build_agent(args, tokenizer)  # None without --env/--tools; its tools' workers serve the whole chat
@@ -204,10 +222,21 @@ def main(argv=None) -> int:
                 turn += 1
                 continue
             conversation.add("user", text)
-            settings = GenerationSettings(args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
-                                          top_p=args.top_p, top_k=args.top_k)
-            answer = generate_answers_from_ids(model, tokenizer, [conversation.prompt_ids(max_prompt)], settings,
-                                               seed=args.seed + turn, stop_ids=conversation.stop_ids())[0]
+            settings = GenerationSettings(
+                args.max_new_tokens,
+                do_sample=args.do_sample,
+                temperature=args.temperature,
+                top_p=args.top_p,
+                top_k=args.top_k,
+            )
+            answer = generate_answers_from_ids(
+                model,
+                tokenizer,
+                [conversation.prompt_ids(max_prompt)],
+                settings,
+                seed=args.seed + turn,
+                stop_ids=conversation.stop_ids(),
+            )[0]
             reply = conversation.clean_reply(answer.text)
             conversation.add("assistant", reply)
             turn += 1

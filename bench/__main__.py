@@ -1,5 +1,6 @@
 """`python -m bench`: list the benchmarks, run one (and save its result), regenerate the results' index.
 The command lines are in bench/runner/cli.py, the benchmarks in bench/runner/registry.py."""
+
 import os
 import sys
 

@@ -5,6 +5,7 @@ file under bench/results, end_report).
 
 Heavy modules (torch, deepspeed, transformers and the project's modules that import them) are imported
 inside the functions that need them, so that every benchmark's --help stays fast."""
+
 from __future__ import annotations
 
 import argparse
@@ -26,8 +27,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUNS = os.path.join(REPO, "bench", "runs")
 SMOL = os.path.join(REPO, ".cache", "models", "SmolLM2-135M-Instruct")
 # the environment of every launched run: one thread per process (2 ranks on 2 cores), offline, quiet
-BENCH_ENV = {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-             "PYTHONWARNINGS": "ignore"}
+BENCH_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONWARNINGS": "ignore",
+}
 
 
 class BenchError(ProjectError):
@@ -77,11 +82,12 @@ def sgemm_gflops(n: int = 1024, repeats: int = 5) -> float:
             best = min(best, time.perf_counter() - start)
     finally:
         torch.set_num_threads(threads)
-    return round(2 * n ** 3 / best / 1e9, 1)
+    return round(2 * n**3 / best / 1e9, 1)
 
 
 def cpu_busy_fraction(seconds: float = 2.0) -> float:
     """Fraction of all cores busy over `seconds` (from /proc/stat), measured before a run starts."""
+
     def sample():
         with open("/proc/stat") as f:
             fields = [int(x) for x in f.readline().split()[1:]]
@@ -111,8 +117,9 @@ def malloc_line(env: dict | None = None) -> str:
     env = os.environ if env is None else env
     set_vars = " ".join(f"{k}={v}" for k, v in env.items() if k.startswith("MALLOC_"))
     if malloc_tuning_wanted(env):
-        return ("malloc: the project's tune_malloc (mallopt at init: no mmap, no trim, 1 GB top pad)"
-                + (f"; also in the environment: {set_vars}" if set_vars else ""))
+        return "malloc: the project's tune_malloc (mallopt at init: no mmap, no trim, 1 GB top pad)" + (
+            f"; also in the environment: {set_vars}" if set_vars else ""
+        )
     return f"malloc: {set_vars or 'glibc defaults'} (tune_malloc off: the environment chose)"
 
 
@@ -126,8 +133,10 @@ def machine_lines(label: str) -> list[str]:
                 mem[k] = int(v.split()[0]) // 1024
     except OSError:
         pass
-    return [f"load average {label}: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (1/5/15 min); "
-            f"memory available {mem.get('MemAvailable', '?')} MiB of {mem.get('MemTotal', '?')} MiB"]
+    return [
+        f"load average {label}: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} (1/5/15 min); "
+        f"memory available {mem.get('MemAvailable', '?')} MiB of {mem.get('MemTotal', '?')} MiB"
+    ]
 
 
 def finish_report(path: str | None, header: list[str], body: list[str]) -> None:
@@ -169,18 +178,28 @@ def end_report(save: str | None, header: list[str], body: list[str], tail: list[
 
 
 # ----------------------------------------------------------------------------------------------- flags
-def add_model_args(p: argparse.ArgumentParser,
-                   tiny_help: str = "a tiny random 2-layer llama (utils.models.tiny) instead of the default model") -> None:
+def add_model_args(
+    p: argparse.ArgumentParser,
+    tiny_help: str = "a tiny random 2-layer llama (utils.models.tiny) instead of the default model",
+) -> None:
     """--tiny and --model_name_or_path (bench_model reads them)."""
     p.add_argument("--tiny", action="store_true", help=tiny_help)
     p.add_argument("--model_name_or_path", default=None, help=f"model directory to run (default: {SMOL})")
 
 
-def add_run_args(p: argparse.ArgumentParser, port: int, timeout: int | None,
-                 save_help: str = "also write the printed report to this file (path)") -> None:
+def add_run_args(
+    p: argparse.ArgumentParser,
+    port: int,
+    timeout: int | None,
+    save_help: str = "also write the printed report to this file (path)",
+) -> None:
     """--master_port, --timeout (when the script has one) and --save."""
-    p.add_argument("--master_port", type=int, default=port,
-                   help="TCP port the launched ranks meet on (port number; further launches of the run add to it)")
+    p.add_argument(
+        "--master_port",
+        type=int,
+        default=port,
+        help="TCP port the launched ranks meet on (port number; further launches of the run add to it)",
+    )
     if timeout is not None:
         p.add_argument("--timeout", type=int, default=timeout, help="limit of each launch (seconds)")
     p.add_argument("--save", default=None, help=save_help)
@@ -203,8 +222,11 @@ def worker_argv(argv: list[str], flag: str, *options: str) -> tuple[list[str], d
     (each with its value) and the launcher's --local_rank (step 3's own command line, for its parse_args); and
     those options' values."""
     values = {option: argv[argv.index(option) + 1] for option in options}
-    rest = [a for i, a in enumerate(argv) if a != flag and a not in options
-            and not (i and argv[i - 1] in options) and not a.startswith("--local_rank")]
+    rest = [
+        a
+        for i, a in enumerate(argv)
+        if a != flag and a not in options and not (i and argv[i - 1] in options) and not a.startswith("--local_rank")
+    ]
     return rest, values
 
 
@@ -212,8 +234,15 @@ def deepspeed_cmd(module: str, port: int) -> list[str]:
     """`deepspeed` launching `python -m module` on 2 ranks (the script's own arguments follow): the launcher
     of this interpreter's venv, so `.venv/bin/python bench/...` works without an activated venv."""
     own = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    return [own if os.path.exists(own) else "deepspeed", "--num_gpus", "2", "--master_port", str(port),
-            "--module", module]
+    return [
+        own if os.path.exists(own) else "deepspeed",
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(port),
+        "--module",
+        module,
+    ]
 
 
 def alternate(rounds: int, first, second) -> tuple[list, list]:
@@ -240,11 +269,15 @@ def rounds_lines(ours: list, theirs: list, peer: str) -> list[str]:
     for i, (a, b) in enumerate(zip(ours, theirs)):
         if a and b and "samples_per_s" in a and "samples_per_s" in b:
             ratios.append(a["samples_per_s"] / b["samples_per_s"])
-            out.append(f"round {i + 1} ({'ours first' if i % 2 == 0 else peer + ' first'}): ours "
-                       f"{a['step_s']:.2f} s/iteration, {peer} {b['step_s']:.2f}: ratio {ratios[-1]:.2f}x")
+            out.append(
+                f"round {i + 1} ({'ours first' if i % 2 == 0 else peer + ' first'}): ours "
+                f"{a['step_s']:.2f} s/iteration, {peer} {b['step_s']:.2f}: ratio {ratios[-1]:.2f}x"
+            )
     if ratios:
-        out.append(f"ratio ours/{peer} samples/s over {len(ratios)} alternating round(s): median "
-                   f"{statistics.median(ratios):.2f}x, spread {min(ratios):.2f}x-{max(ratios):.2f}x")
+        out.append(
+            f"ratio ours/{peer} samples/s over {len(ratios)} alternating round(s): median "
+            f"{statistics.median(ratios):.2f}x, spread {min(ratios):.2f}x-{max(ratios):.2f}x"
+        )
     return out
 
 
@@ -275,6 +308,7 @@ def read_jsonl(path: str) -> list[dict]:
 class Launch:
     """One finished launch: exit status, wall seconds, CPU seconds of its processes, the largest child
     process's peak RSS so far (MiB, RUSAGE_CHILDREN's ru_maxrss) and its log file."""
+
     returncode: int
     wall_s: float
     cpu_s: float

@@ -19,6 +19,7 @@ prints the entry's size on disk and checks that (c) returns exactly (a)'s exampl
 With several ranks, rank 0 does (b) once and every other rank only does (c), so on N ranks the
 cache turns N x (a) of tokenising into one (b) plus (N-1) x (c) of reading.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -76,8 +77,12 @@ def write_rows(path: str, n_rows: int, seed: int = 0) -> None:
     rng = random.Random(seed)
     with open(path, "w", encoding="utf-8") as f:
         for _ in range(n_rows):
-            row = {"messages": [{"role": "user", "content": paragraph(rng)},
-                                {"role": "assistant", "content": paragraph(rng)}]}
+            row = {
+                "messages": [
+                    {"role": "user", "content": paragraph(rng)},
+                    {"role": "assistant", "content": paragraph(rng)},
+                ]
+            }
             f.write(json.dumps(row) + "\n")
 
 
@@ -123,9 +128,15 @@ def tokenise(path: str, tokenizer) -> tuple[list, dict]:
 
 def cache_key(path: str, tokenizer) -> dict:
     st = os.stat(path)
-    return {"step": 1, "sources": [[os.path.abspath(path), st.st_size, st.st_mtime_ns]], "data_split": "1,0,0",
-            "seed": 0, "eval_fraction": 0, "max_seq_len": 512,
-            "tokenizer": [tokenizer.name_or_path, len(tokenizer), tokenizer.chat_template or ""]}
+    return {
+        "step": 1,
+        "sources": [[os.path.abspath(path), st.st_size, st.st_mtime_ns]],
+        "data_split": "1,0,0",
+        "seed": 0,
+        "eval_fraction": 0,
+        "max_seq_len": 512,
+        "tokenizer": [tokenizer.name_or_path, len(tokenizer), tokenizer.chat_template or ""],
+    }
 
 
 def fingerprint(examples: list) -> str:
@@ -145,8 +156,10 @@ def run(n_rows: int, out: str) -> None:
     data, cache_dir = os.path.join(out, "sft.jsonl"), os.path.join(out, "cache")
     start = time.perf_counter()
     write_rows(data, n_rows)
-    print(f"wrote {n_rows} rows ({os.path.getsize(data) / 2**20:.1f} MiB) in {time.perf_counter() - start:.1f} s: "
-          f"{data}", flush=True)
+    print(
+        f"wrote {n_rows} rows ({os.path.getsize(data) / 2**20:.1f} MiB) in {time.perf_counter() - start:.1f} s: {data}",
+        flush=True,
+    )
     tokenizer = load_tokenizer(ensure_default_model())
     key = cache_key(data, tokenizer)
     lines: list[str] = []
@@ -175,9 +188,10 @@ def run(n_rows: int, out: str) -> None:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=100_000, help="conversational SFT rows to write and tokenise (rows)")
-    parser.add_argument("--out", default=None,
-                        help="work folder, kept (path; default: a temp folder, removed after)")
+    parser.add_argument(
+        "--rows", type=int, default=100_000, help="conversational SFT rows to write and tokenise (rows)"
+    )
+    parser.add_argument("--out", default=None, help="work folder, kept (path; default: a temp folder, removed after)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -6,6 +6,7 @@ A resumed run hashes its data files (`utils.data.sources.content_hashes`) and co
 checkpoint's, since an edit in place can keep a file's size and row count. This prints the files,
 their size and the time of one pass (best of 5), on the demo data (made into DIR first if missing).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,10 +29,17 @@ def main(argv=None) -> None:
     from utils.data.sources import content_hashes  # after --help: it imports torch
 
     if not os.path.isdir(args.data):
-        subprocess.run([sys.executable, "-m", "data.make_demo_data", "--out", args.data], cwd=REPO, check=True,
-                       stdout=subprocess.DEVNULL)
-    sources = [os.path.join(args.data, name) for name in sorted(os.listdir(args.data))
-               if os.path.isdir(os.path.join(args.data, name))]
+        subprocess.run(
+            [sys.executable, "-m", "data.make_demo_data", "--out", args.data],
+            cwd=REPO,
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+    sources = [
+        os.path.join(args.data, name)
+        for name in sorted(os.listdir(args.data))
+        if os.path.isdir(os.path.join(args.data, name))
+    ]
     print(machine_line())
     times = []
     for _ in range(5):
@@ -39,8 +47,10 @@ def main(argv=None) -> None:
         hashes = content_hashes(sources)
         times.append(time.perf_counter() - start)
     size = sum(os.path.getsize(p) for p in hashes)
-    print(f"sha256 of {len(hashes)} files, {size / 1e6:.1f} MB: best {min(times) * 1e3:.1f} ms, "
-          f"worst {max(times) * 1e3:.1f} ms of 5 passes")
+    print(
+        f"sha256 of {len(hashes)} files, {size / 1e6:.1f} MB: best {min(times) * 1e3:.1f} ms, "
+        f"worst {max(times) * 1e3:.1f} ms of 5 passes"
+    )
 
 
 if __name__ == "__main__":

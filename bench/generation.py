@@ -20,6 +20,7 @@ slowest rank's; figures are medians. Hybrid calls are also split into enter (gat
 merge) / decode (HF generate) / exit (unmerge + restore + re-partition). With --profile (default:
 when 3/1 < 0.9) one extra call of the limit and of the hybrid mode runs under cProfile on rank 0.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,13 +56,15 @@ from bench.common import (  # noqa: E402
     title,
 )
 
-MODE_LABELS = {"limit_1proc": "(1)  limit: unsharded plain generate, 1 process",
-               "unsharded": "(1b) limit side by side: unsharded copy on each rank",
-               "plain": "(2)  plain generate, ZeRO-3 (synced_gpus)",
-               "hybrid": "(3)  hybrid mode, LoRA merged",
-               "hybrid_unmerged": "(3u) hybrid mode, LoRA not merged",
-               "hybrid_steps": "(3s) = (3) with 1 new token, steps timed one by one",
-               "hybrid_proposed": "(3p) = (3s) PROPOSED: no save/unmerge/restore"}
+MODE_LABELS = {
+    "limit_1proc": "(1)  limit: unsharded plain generate, 1 process",
+    "unsharded": "(1b) limit side by side: unsharded copy on each rank",
+    "plain": "(2)  plain generate, ZeRO-3 (synced_gpus)",
+    "hybrid": "(3)  hybrid mode, LoRA merged",
+    "hybrid_unmerged": "(3u) hybrid mode, LoRA not merged",
+    "hybrid_steps": "(3s) = (3) with 1 new token, steps timed one by one",
+    "hybrid_proposed": "(3p) = (3s) PROPOSED: no save/unmerge/restore",
+}
 SHORT_MODES = ("hybrid_steps", "hybrid_proposed")  # 1 new token: the fixed cost of a hybrid call
 
 
@@ -72,9 +75,13 @@ def add_call_args(p, plain_repeats: int | None) -> None:
     p.add_argument("--new_tokens", type=int, default=64, help="generated tokens per prompt, min = max (tokens)")
     p.add_argument("--repeats", type=int, default=3, help="timed rounds of the modes after the warm-up (calls)")
     p.add_argument("--overhead_repeats", type=int, default=7, help="timed calls of (3s) and (3p), short calls (calls)")
-    p.add_argument("--plain_repeats", type=int, default=plain_repeats,
-                   help="timed calls of (2), the slow plain ZeRO-3 mode, which gets no warm-up call of its own "
-                        f"(calls; default: {plain_repeats or '--repeats'})")
+    p.add_argument(
+        "--plain_repeats",
+        type=int,
+        default=plain_repeats,
+        help="timed calls of (2), the slow plain ZeRO-3 mode, which gets no warm-up call of its own "
+        f"(calls; default: {plain_repeats or '--repeats'})",
+    )
     p.add_argument("--lora_dim", type=int, default=8, help="LoRA rank of the ZeRO-3 actor (0: no LoRA)")
 
 
@@ -85,8 +92,11 @@ def worker_args(argv):
     p.add_argument("--model_name_or_path", required=True, help="model directory")
     p.add_argument("--zero_stage", type=int, default=3, help="ZeRO stage of the actor engine (0-3)")
     add_call_args(p, plain_repeats=None)
-    p.add_argument("--modes", default="unsharded,plain,hybrid,hybrid_unmerged",
-                   help="modes to time round-robin, comma-separated (keys of MODE_LABELS)")
+    p.add_argument(
+        "--modes",
+        default="unsharded,plain,hybrid,hybrid_unmerged",
+        help="modes to time round-robin, comma-separated (keys of MODE_LABELS)",
+    )
     p.add_argument("--profile", default="", help="modes to run once more under cProfile on rank 0, comma-separated")
     p.add_argument("--count_calls", action="store_true", help="count the Python calls of one decode per mode")
     p.add_argument("--out", required=True, help="rank 0's result file (JSON path)")
@@ -264,9 +274,11 @@ class GenerationWorker:
                 return generate(engine, ids, mask, hybrid=False, **kwargs)
             if mode in SHORT_MODES:  # the per-call overhead: 4 prompt tokens, 1 new token
                 short = {**kwargs, "max_new_tokens": 1, "min_new_tokens": 1}
-                out, steps = hybrid_steps(engine, lambda: forward_generate(
-                    engine.module, ids[:, -4:], mask[:, -4:], synced_gpus=False, **short),
-                    proposed=mode == "hybrid_proposed")
+                out, steps = hybrid_steps(
+                    engine,
+                    lambda: forward_generate(engine.module, ids[:, -4:], mask[:, -4:], synced_gpus=False, **short),
+                    proposed=mode == "hybrid_proposed",
+                )
                 self.split.setdefault(mode, []).append(steps)
                 return out
             # hybrid: the body of step3_ppo.rollout.hybrid.generate, with the three phases timed
@@ -307,12 +319,15 @@ class GenerationWorker:
                 cpu_s = time.process_time() - cpu_start
                 elapsed = _max_over_ranks(time.perf_counter() - start)
                 if is_rank0():
-                    print(f"[bench.generation] round {round_} {mode}: {elapsed:.2f} s (cpu {cpu_s:.2f} s)",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"[bench.generation] round {round_} {mode}: {elapsed:.2f} s (cpu {cpu_s:.2f} s)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 if round_:
                     times[mode].append(elapsed)
                     cpu[mode].append(cpu_s)
-                tokens[mode] = out[:, out.shape[1] - (1 if mode in SHORT_MODES else args.new_tokens):]
+                tokens[mode] = out[:, out.shape[1] - (1 if mode in SHORT_MODES else args.new_tokens) :]
         return times, cpu, tokens
 
     def summary(self, times: dict, cpu: dict) -> dict:
@@ -322,27 +337,43 @@ class GenerationWorker:
         from utils.runtime.distributed import world_size
 
         args, split = self.args, self.split
-        result = {"world_size": world_size(), "zero_stage": args.zero_stage, "lora_dim": args.lora_dim,
-                  "batch_size": args.batch_size, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                  "repeats": args.repeats, "torch_threads": torch.get_num_threads(),
-                  "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "modes": {}}
+        result = {
+            "world_size": world_size(),
+            "zero_stage": args.zero_stage,
+            "lora_dim": args.lora_dim,
+            "batch_size": args.batch_size,
+            "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens,
+            "repeats": args.repeats,
+            "torch_threads": torch.get_num_threads(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+            "modes": {},
+        }
         for mode in [m for m in self.modes if times[m]]:
             seconds = statistics.median(times[mode])
             new = 1 if mode in SHORT_MODES else args.new_tokens
-            entry = {"seconds": seconds, "all_seconds": times[mode], "cpu_seconds_rank0": statistics.median(cpu[mode]),
-                     "tokens_per_s_per_rank": args.batch_size * new / seconds}
+            entry = {
+                "seconds": seconds,
+                "all_seconds": times[mode],
+                "cpu_seconds_rank0": statistics.median(cpu[mode]),
+                "tokens_per_s_per_rank": args.batch_size * new / seconds,
+            }
             if mode in SHORT_MODES and mode in split:
                 timed = split[mode][1:] or split[mode]
                 names = [step[0] for step in timed[0]]
-                entry["steps_s"] = {name: statistics.median(call[i][1] for call in timed)
-                                    for i, name in enumerate(names)}
-                entry["steps_cpu_s"] = {name: statistics.median(call[i][2] for call in timed)
-                                        for i, name in enumerate(names)}
+                entry["steps_s"] = {
+                    name: statistics.median(call[i][1] for call in timed) for i, name in enumerate(names)
+                }
+                entry["steps_cpu_s"] = {
+                    name: statistics.median(call[i][2] for call in timed) for i, name in enumerate(names)
+                }
             elif mode in split:
                 timed = split[mode][1:]  # drop the warm-up
                 entry["enter_exit_decode_s"] = {
-                    "enter": statistics.median(t[0] for t in timed), "decode": statistics.median(t[1] for t in timed),
-                    "exit": statistics.median(t[2] for t in timed)}
+                    "enter": statistics.median(t[0] for t in timed),
+                    "decode": statistics.median(t[1] for t in timed),
+                    "exit": statistics.median(t[2] for t in timed),
+                }
             result["modes"][mode] = entry
         return result
 
@@ -355,7 +386,9 @@ class GenerationWorker:
 
         result, modes, engine = {}, self.modes, self.engine
         if engine is not None and self.weights_before is not None:
-            result["weights_unchanged"] = all(torch.equal(a, b) for a, b in zip(self.weights_before, full_weights(engine)))
+            result["weights_unchanged"] = all(
+                torch.equal(a, b) for a, b in zip(self.weights_before, full_weights(engine))
+            )
         zero_modes = [m for m in modes if m in ("plain", "hybrid", "hybrid_unmerged")]
         if zero_modes:
             first = tokens[zero_modes[0]]
@@ -379,8 +412,10 @@ class GenerationWorker:
         for mode in [m for m in ("unsharded", "hybrid") if m in self.modes]:
             _sync()
             ids, mask = self.prompts["input_ids"], self.prompts["attention_mask"]
-            with torch.no_grad(), (generation_mode(self.engine, hybrid=True) if mode == "hybrid"
-                                   else contextlib.nullcontext()):
+            with (
+                torch.no_grad(),
+                generation_mode(self.engine, hybrid=True) if mode == "hybrid" else contextlib.nullcontext(),
+            ):
                 model = self.engine.module if mode == "hybrid" else self.plain_model
                 prof = cProfile.Profile()
                 prof.enable()
@@ -414,8 +449,9 @@ def _trim_profile(text: str) -> str:
     """pstats output without the site-packages prefixes (shorter lines)."""
     for prefix in sorted(set(site.getsitepackages() + [REPO + "/"]), key=len, reverse=True):
         text = text.replace(prefix.rstrip("/") + "/", "")
-    return "\n".join(line for line in text.splitlines() if line.strip() and "Ordered by" not in line
-                     and "List reduced" not in line)
+    return "\n".join(
+        line for line in text.splitlines() if line.strip() and "Ordered by" not in line and "List reduced" not in line
+    )
 
 
 # ----------------------------------------------------------------------------------------- orchestrator
@@ -429,7 +465,8 @@ def header_lines(args, model_dir: str) -> list[str]:
         cfg = json.load(f)
     return [
         title("generation.py"),
-        machine_line(), malloc_line(),
+        machine_line(),
+        malloc_line(),
         "threads: OMP_NUM_THREADS=1 in every process (1 process for (1), 2 ranks for the rest)",
         f"versions: python {platform.python_version()}, torch {torch.__version__}, deepspeed {deepspeed.__version__}, "
         f"transformers {transformers.__version__}, peft {peft.__version__}",
@@ -440,33 +477,59 @@ def header_lines(args, model_dir: str) -> list[str]:
         f"{args.prompt_len // 2 + 1}..{args.prompt_len}), "
         f"{'/'.join(map(str, args.sweep)) if args.sweep else args.new_tokens} new tokens (min = max), greedy; "
         f"ZeRO-3 actor with LoRA r={args.lora_dim} (lora_B non-zero), lr 0",
-        (f"timing: 1 warm-up round + {args.repeats} rounds, modes (1b) and (3) interleaved in each round; "
-         if args.sweep else
-         f"timing: 1 warm-up round + {args.repeats} rounds, modes (1b)-(3u) interleaved in each round "
-         f"((2) only in the first {args.plain_repeats}, no warm-up of its own); ")
+        (
+            f"timing: 1 warm-up round + {args.repeats} rounds, modes (1b) and (3) interleaved in each round; "
+            if args.sweep
+            else f"timing: 1 warm-up round + {args.repeats} rounds, modes (1b)-(3u) interleaved in each round "
+            f"((2) only in the first {args.plain_repeats}, no warm-up of its own); "
+        )
         + "a call = slowest rank; median; 'cpu s' = CPU seconds of rank 0's process in the call (median): "
-          "wall >> cpu means other processes took the cores",
+        "wall >> cpu means other processes took the cores",
     ]
 
 
 def decode_calls_line(calls: dict) -> str:
-    return (f"Python calls of one decode (cProfile, rank 0, generate alone): hybrid {calls['hybrid']}, unsharded "
-            f"{calls['unsharded']}: {calls['hybrid'] / calls['unsharded']:.3f}x")
+    return (
+        f"Python calls of one decode (cProfile, rank 0, generate alone): hybrid {calls['hybrid']}, unsharded "
+        f"{calls['unsharded']}: {calls['hybrid'] / calls['unsharded']:.3f}x"
+    )
 
 
-def worker_pair(args, env: dict, logs: str, prefix: str, flags: list[str], one: list[str],
-                two: list[str]) -> tuple[dict, dict]:
+def worker_pair(
+    args, env: dict, logs: str, prefix: str, flags: list[str], one: list[str], two: list[str]
+) -> tuple[dict, dict]:
     """The two launches of a measurement, each with `flags`: the limit (1) in one process (`one`: its own flags),
     then the 2-rank ZeRO-3 run of the other modes (`two`); their results. Logs: LOGS/PREFIX*.log."""
     with tempfile.TemporaryDirectory(prefix="bench_gen_") as tmp:
         one_out, two_out = os.path.join(tmp, "one.json"), os.path.join(tmp, "two.json")
-        launch([sys.executable, "-m", "bench.generation", "--worker", "--zero_stage", "0", "--lora_dim", "0",
-                "--modes", "unsharded", "--out", one_out, *flags, *one],
-               {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}, args.timeout,
-               os.path.join(logs, f"{prefix}limit_1proc.log"))
-        launch(deepspeed_cmd("bench.generation", args.master_port)
-               + ["--worker", "--zero_stage", "3", "--lora_dim", str(args.lora_dim), "--out", two_out, *flags, *two],
-               env, args.timeout, os.path.join(logs, f"{prefix}zero3_2ranks.log"))
+        launch(
+            [
+                sys.executable,
+                "-m",
+                "bench.generation",
+                "--worker",
+                "--zero_stage",
+                "0",
+                "--lora_dim",
+                "0",
+                "--modes",
+                "unsharded",
+                "--out",
+                one_out,
+                *flags,
+                *one,
+            ],
+            {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")},
+            args.timeout,
+            os.path.join(logs, f"{prefix}limit_1proc.log"),
+        )
+        launch(
+            deepspeed_cmd("bench.generation", args.master_port)
+            + ["--worker", "--zero_stage", "3", "--lora_dim", str(args.lora_dim), "--out", two_out, *flags, *two],
+            env,
+            args.timeout,
+            os.path.join(logs, f"{prefix}zero3_2ranks.log"),
+        )
         with open(one_out) as f:
             r1 = json.load(f)
         with open(two_out) as f:
@@ -481,37 +544,76 @@ def sweep(args, model_dir: str, env: dict, logs: str) -> list[str]:
     mode interleaved (no plain ZeRO-3, no breakdown); decode Python calls counted in the latter."""
     rows = []
     for new_tokens in args.sweep:
-        flags = ["--model_name_or_path", model_dir, "--batch_size", str(args.batch_size), "--prompt_len",
-                 str(args.prompt_len), "--new_tokens", str(new_tokens), "--repeats", str(args.repeats)]
-        r1, r2 = worker_pair(args, env, logs, f"sweep{new_tokens}_", flags, [],
-                             ["--modes", "unsharded,hybrid", "--count_calls"])
+        flags = [
+            "--model_name_or_path",
+            model_dir,
+            "--batch_size",
+            str(args.batch_size),
+            "--prompt_len",
+            str(args.prompt_len),
+            "--new_tokens",
+            str(new_tokens),
+            "--repeats",
+            str(args.repeats),
+        ]
+        r1, r2 = worker_pair(
+            args, env, logs, f"sweep{new_tokens}_", flags, [], ["--modes", "unsharded,hybrid", "--count_calls"]
+        )
         limit, side, hybrid = r1["modes"]["unsharded"], r2["modes"]["unsharded"], r2["modes"]["hybrid"]
         split = hybrid["enter_exit_decode_s"]
         calls = r2["decode_python_calls"]
-        rows.append(f"{new_tokens:>10d} {limit['tokens_per_s_per_rank']:9.1f} {side['tokens_per_s_per_rank']:9.1f} "
-                    f"{hybrid['tokens_per_s_per_rank']:9.1f} "
-                    f"{hybrid['tokens_per_s_per_rank'] / limit['tokens_per_s_per_rank']:6.2f} "
-                    f"{hybrid['tokens_per_s_per_rank'] / side['tokens_per_s_per_rank']:7.2f} "
-                    f"{split['enter'] + split['exit']:11.2f} {split['decode']:8.2f} {side['seconds']:9.2f} "
-                    f"{calls['hybrid'] / calls['unsharded']:10.3f}")
+        rows.append(
+            f"{new_tokens:>10d} {limit['tokens_per_s_per_rank']:9.1f} {side['tokens_per_s_per_rank']:9.1f} "
+            f"{hybrid['tokens_per_s_per_rank']:9.1f} "
+            f"{hybrid['tokens_per_s_per_rank'] / limit['tokens_per_s_per_rank']:6.2f} "
+            f"{hybrid['tokens_per_s_per_rank'] / side['tokens_per_s_per_rank']:7.2f} "
+            f"{split['enter'] + split['exit']:11.2f} {split['decode']:8.2f} {side['seconds']:9.2f} "
+            f"{calls['hybrid'] / calls['unsharded']:10.3f}"
+        )
         print(rows[-1], file=sys.stderr, flush=True)
-    head = (f"{'new tokens':>10s} {'(1) tok/s':>9s} {'(1b)':>9s} {'(3) tok/s':>9s} {'3/1':>6s} {'3/1b':>7s} "
-            f"{'enter+exit':>11s} {'decode':>8s} {'(1b) call':>9s} {'calls 3/1b':>10s}")
-    return ["", f"sweep over answer lengths (modes (1), (1b), (3) only; {args.repeats} timed calls after a warm-up; "
-                f"tok/s per rank; seconds per call, rank 0; calls = Python calls of one decode, hybrid / unsharded)",
-            head, *rows, "(goal: 3/1 >= 0.9 at 128 new tokens)"]
+    head = (
+        f"{'new tokens':>10s} {'(1) tok/s':>9s} {'(1b)':>9s} {'(3) tok/s':>9s} {'3/1':>6s} {'3/1b':>7s} "
+        f"{'enter+exit':>11s} {'decode':>8s} {'(1b) call':>9s} {'calls 3/1b':>10s}"
+    )
+    return [
+        "",
+        f"sweep over answer lengths (modes (1), (1b), (3) only; {args.repeats} timed calls after a warm-up; "
+        f"tok/s per rank; seconds per call, rank 0; calls = Python calls of one decode, hybrid / unsharded)",
+        head,
+        *rows,
+        "(goal: 3/1 >= 0.9 at 128 new tokens)",
+    ]
 
 
 def measure(args, model_dir: str, env: dict, logs: str) -> tuple[dict, dict]:
     """The full run: the limit (1) in one process, then (1b)-(3u) (and (3s), (3p)) on 2 ranks."""
-    flags = ["--model_name_or_path", model_dir, "--batch_size", str(args.batch_size), "--prompt_len",
-             str(args.prompt_len), "--new_tokens", str(args.new_tokens),
-             "--repeats", str(args.repeats), "--plain_repeats", str(args.plain_repeats),
-             "--overhead_repeats", str(args.overhead_repeats)]
+    flags = [
+        "--model_name_or_path",
+        model_dir,
+        "--batch_size",
+        str(args.batch_size),
+        "--prompt_len",
+        str(args.prompt_len),
+        "--new_tokens",
+        str(args.new_tokens),
+        "--repeats",
+        str(args.repeats),
+        "--plain_repeats",
+        str(args.plain_repeats),
+        "--overhead_repeats",
+        str(args.overhead_repeats),
+    ]
     want_profile = args.profile != "off"  # one extra call after the timed ones, in the same runs
     modes = "unsharded,plain,hybrid,hybrid_unmerged" + ("" if args.no_breakdown else ",hybrid_steps,hybrid_proposed")
-    return worker_pair(args, env, logs, "", flags, ["--profile", "unsharded"] if want_profile else [],
-                       ["--modes", modes] + (["--profile", "hybrid"] if want_profile else []) + ["--count_calls"])
+    return worker_pair(
+        args,
+        env,
+        logs,
+        "",
+        flags,
+        ["--profile", "unsharded"] if want_profile else [],
+        ["--modes", modes] + (["--profile", "hybrid"] if want_profile else []) + ["--count_calls"],
+    )
 
 
 def modes_report(args, r1: dict, r2: dict) -> list[str]:
@@ -534,14 +636,17 @@ def mode_table(modes: dict) -> list[str]:
     for mode, label in MODE_LABELS.items():
         if mode in modes and mode not in SHORT_MODES:
             m = modes[mode]
-            out.append(f"{label:58s} {m['seconds']:8.3f} {m['tokens_per_s_per_rank']:11.1f} "
-                       f"{m['cpu_seconds_rank0']:7.3f}   "
-                       + " ".join(f"{s:.2f}" for s in m["all_seconds"]))
+            out.append(
+                f"{label:58s} {m['seconds']:8.3f} {m['tokens_per_s_per_rank']:11.1f} "
+                f"{m['cpu_seconds_rank0']:7.3f}   " + " ".join(f"{s:.2f}" for s in m["all_seconds"])
+            )
     for mode in ("hybrid", "hybrid_unmerged"):
         if "enter_exit_decode_s" in modes.get(mode, {}):
             s = modes[mode]["enter_exit_decode_s"]
-            out.append(f"  {mode}: enter (gather + lift hooks{' + merge' if mode == 'hybrid' else ''}) {s['enter']:.3f} s, "
-                       f"decode (HF generate) {s['decode']:.3f} s, exit {s['exit']:.3f} s (rank 0, median)")
+            out.append(
+                f"  {mode}: enter (gather + lift hooks{' + merge' if mode == 'hybrid' else ''}) {s['enter']:.3f} s, "
+                f"decode (HF generate) {s['decode']:.3f} s, exit {s['exit']:.3f} s (rank 0, median)"
+            )
     return out
 
 
@@ -551,10 +656,12 @@ def overhead_table(args, modes: dict, r2: dict) -> list[str]:
         return []
     a, b = modes["hybrid_steps"]["steps_s"], modes["hybrid_proposed"]["steps_s"]
     ca, cb = modes["hybrid_steps"]["steps_cpu_s"], modes["hybrid_proposed"]["steps_cpu_s"]
-    out = [f"  per-call overhead of the hybrid mode: (3s) replays step3_ppo.rollout.hybrid's steps one by one on a "
-           f"4-token prompt with 1 new token, (3p) the proposed variant; rank 0, medians of {args.overhead_repeats} calls each, "
-           f"interleaved; wall s and CPU s",
-           f"    {'step':36s} {'(3s) wall':>10s} {'(3p) wall':>10s} {'(3s) cpu':>9s} {'(3p) cpu':>9s}"]
+    out = [
+        f"  per-call overhead of the hybrid mode: (3s) replays step3_ppo.rollout.hybrid's steps one by one on a "
+        f"4-token prompt with 1 new token, (3p) the proposed variant; rank 0, medians of {args.overhead_repeats} calls each, "
+        f"interleaved; wall s and CPU s",
+        f"    {'step':36s} {'(3s) wall':>10s} {'(3p) wall':>10s} {'(3s) cpu':>9s} {'(3p) cpu':>9s}",
+    ]
     for name in a:
         out.append(f"    {name:36s} {a[name]:10.3f} {b[name]:10.3f} {ca[name]:9.3f} {cb[name]:9.3f}")
     na, nb, nca, ncb = (sum(v for k, v in d.items() if not k.startswith("generate")) for d in (a, b, ca, cb))
@@ -567,36 +674,55 @@ def ratio_lines(modes: dict, r1: dict, r2: dict, ratio_31: float) -> list[str]:
     tps = {k: v["tokens_per_s_per_rank"] for k, v in modes.items()}
     cpu_s = {k: v["cpu_seconds_rank0"] for k, v in modes.items()}
     hybrid = modes["hybrid"]
-    return ["",
-            f"ratio 3/2  hybrid / plain ZeRO-3           = {tps['hybrid'] / tps['plain']:.2f}x   (target >= 4x)",
-            f"ratio 3u/2 hybrid unmerged / plain ZeRO-3  = {tps['hybrid_unmerged'] / tps['plain']:.2f}x",
-            f"ratio 3/1  hybrid / limit (1 process)      = {ratio_31:.2f}    (target >= 0.9)",
-            f"ratio 3/1b hybrid / limit side by side     = {tps['hybrid'] / tps['unsharded']:.2f}",
-            f"ratio 1b/1 side-by-side limit / 1-process  = {tps['unsharded'] / tps['limit_1proc']:.2f}   "
-            f"(contention of 2 processes on the shared cores)",
-            f"same ratios by CPU seconds per call (rank 0; less sensitive to other processes taking the cores): "
-            f"3/2 = {cpu_s['plain'] / cpu_s['hybrid']:.2f}x, 3/1 = {cpu_s['limit_1proc'] / cpu_s['hybrid']:.2f}, "
-            f"3/1b = {cpu_s['unsharded'] / cpu_s['hybrid']:.2f}",
-            *([f"enter + exit of the hybrid mode = {sum(v for k, v in hybrid['enter_exit_decode_s'].items() if k != 'decode'):.2f} s "
-               f"= {100 * sum(v for k, v in hybrid['enter_exit_decode_s'].items() if k != 'decode') / hybrid['seconds']:.0f}% "
-               f"of a hybrid call (wall, rank 0)"] if "enter_exit_decode_s" in hybrid else []),
-            *([decode_calls_line(r2["decode_python_calls"])] if "decode_python_calls" in r2 else []),
-            f"tokens equal across the ZeRO-3 modes (2),(3),(3u): {r2.get('tokens_equal_zero3_modes')}; "
-            f"all weights bit for bit unchanged after all calls: {r2.get('weights_unchanged')}; ZeRO-3 params "
-            f"partitioned again after: {r2.get('partitioned_after')}; tokens of (1) == (1b): "
-            f"{r1['tokens']['unsharded'] == r2['tokens']['unsharded']}"]
+    return [
+        "",
+        f"ratio 3/2  hybrid / plain ZeRO-3           = {tps['hybrid'] / tps['plain']:.2f}x   (target >= 4x)",
+        f"ratio 3u/2 hybrid unmerged / plain ZeRO-3  = {tps['hybrid_unmerged'] / tps['plain']:.2f}x",
+        f"ratio 3/1  hybrid / limit (1 process)      = {ratio_31:.2f}    (target >= 0.9)",
+        f"ratio 3/1b hybrid / limit side by side     = {tps['hybrid'] / tps['unsharded']:.2f}",
+        f"ratio 1b/1 side-by-side limit / 1-process  = {tps['unsharded'] / tps['limit_1proc']:.2f}   "
+        f"(contention of 2 processes on the shared cores)",
+        f"same ratios by CPU seconds per call (rank 0; less sensitive to other processes taking the cores): "
+        f"3/2 = {cpu_s['plain'] / cpu_s['hybrid']:.2f}x, 3/1 = {cpu_s['limit_1proc'] / cpu_s['hybrid']:.2f}, "
+        f"3/1b = {cpu_s['unsharded'] / cpu_s['hybrid']:.2f}",
+        *(
+            [
+                f"enter + exit of the hybrid mode = {sum(v for k, v in hybrid['enter_exit_decode_s'].items() if k != 'decode'):.2f} s "
+                f"= {100 * sum(v for k, v in hybrid['enter_exit_decode_s'].items() if k != 'decode') / hybrid['seconds']:.0f}% "
+                f"of a hybrid call (wall, rank 0)"
+            ]
+            if "enter_exit_decode_s" in hybrid
+            else []
+        ),
+        *([decode_calls_line(r2["decode_python_calls"])] if "decode_python_calls" in r2 else []),
+        f"tokens equal across the ZeRO-3 modes (2),(3),(3u): {r2.get('tokens_equal_zero3_modes')}; "
+        f"all weights bit for bit unchanged after all calls: {r2.get('weights_unchanged')}; ZeRO-3 params "
+        f"partitioned again after: {r2.get('partitioned_after')}; tokens of (1) == (1b): "
+        f"{r1['tokens']['unsharded'] == r2['tokens']['unsharded']}",
+    ]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_args(p, tiny_help="a tiny random 2-layer llama (utils.models.tiny) instead of SmolLM2 (seconds)")
     add_call_args(p, plain_repeats=1)
-    p.add_argument("--no_breakdown", action="store_true",
-                   help="skip modes (3s) and (3p) (the hybrid steps timed one by one, and the proposed variant)")
-    p.add_argument("--profile", choices=["auto", "on", "off"], default="auto",
-                   help="cProfile one more limit call and hybrid call after the timed ones (auto: printed when 3/1 < 0.9)")
-    p.add_argument("--sweep", default=None, type=lambda v: [int(x) for x in v.split(",") if x],
-                   help="answer lengths, comma-separated, e.g. 64,128,256 (tokens): only the limit vs hybrid sweep")
+    p.add_argument(
+        "--no_breakdown",
+        action="store_true",
+        help="skip modes (3s) and (3p) (the hybrid steps timed one by one, and the proposed variant)",
+    )
+    p.add_argument(
+        "--profile",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="cProfile one more limit call and hybrid call after the timed ones (auto: printed when 3/1 < 0.9)",
+    )
+    p.add_argument(
+        "--sweep",
+        default=None,
+        type=lambda v: [int(x) for x in v.split(",") if x],
+        help="answer lengths, comma-separated, e.g. 64,128,256 (tokens): only the limit vs hybrid sweep",
+    )
     add_run_args(p, 29531, 600)
     return p.parse_args(argv)
 
@@ -609,8 +735,7 @@ def main(argv=None):
     wall = time.time()
     logs = os.path.join(REPO, "bench", "runs", "generation")
     os.makedirs(logs, exist_ok=True)
-    body = (sweep(args, model_dir, env, logs) if args.sweep
-            else modes_report(args, *measure(args, model_dir, env, logs)))
+    body = sweep(args, model_dir, env, logs) if args.sweep else modes_report(args, *measure(args, model_dir, env, logs))
     end_report(args.save, header, body, tail=[f"total wall time {time.time() - wall:.0f} s"])
 
 

@@ -23,6 +23,7 @@ and the peak memory of each phase (mem/*: accelerator memory allocated on a GPU,
 The report is printed and written to bench/results/gpu/DATE-gpu[-cpu-fallback].txt (+ .json), and to
 $OUT when set (the device tool brings $OUT back).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,8 +55,9 @@ def data_dir() -> str:
         return carried
     local = os.path.join(REPO, "data", "demo_raw")
     if not os.path.isfile(os.path.join(local, "pairs", "eval.jsonl")):
-        subprocess.run([sys.executable, "-m", "data.make_demo_data", "--out", local, "--format", "raw"], check=True,
-                       cwd=REPO)
+        subprocess.run(
+            [sys.executable, "-m", "data.make_demo_data", "--out", local, "--format", "raw"], check=True, cwd=REPO
+        )
     return local
 
 
@@ -85,68 +87,269 @@ def runs(models: dict, data: str, work: str, mode: str) -> list[dict]:
     for name, model in models.items():
         big = name != "tiny"
         d = lambda tag: os.path.join(work, name, tag)  # noqa: E731
-        seq = ["--max_prompt_seq_len", "128", "--max_answer_seq_len", "128", "--min_answer_seq_len", "128"] if big \
+        seq = (
+            ["--max_prompt_seq_len", "128", "--max_answer_seq_len", "128", "--min_answer_seq_len", "128"]
+            if big
             else ["--max_prompt_seq_len", "64", "--max_answer_seq_len", "32", "--min_answer_seq_len", "32"]
+        )
         dtype = ["--dtype", "bf16"]
-        step3 = ["-m", "step3_ppo.main", "--actor_model_name_or_path", d("step1"), "--critic_model_name_or_path",
-                 d("step2"), "--data_path", os.path.join(data, "pairs"), "--data_split", "0,0,10",
-                 "--actor_zero_stage", "3", "--critic_zero_stage", "3", "--enable_hybrid_engine",
-                 "--per_device_generation_batch_size", "8", "--per_device_training_batch_size", "8", *seq,
-                 "--seed", "1234"]
+        step3 = [
+            "-m",
+            "step3_ppo.main",
+            "--actor_model_name_or_path",
+            d("step1"),
+            "--critic_model_name_or_path",
+            d("step2"),
+            "--data_path",
+            os.path.join(data, "pairs"),
+            "--data_split",
+            "0,0,10",
+            "--actor_zero_stage",
+            "3",
+            "--critic_zero_stage",
+            "3",
+            "--enable_hybrid_engine",
+            "--per_device_generation_batch_size",
+            "8",
+            "--per_device_training_batch_size",
+            "8",
+            *seq,
+            "--seed",
+            "1234",
+        ]
         out += [
-            dict(name=f"{name} step1 zero3 bf16", model=name, kind="step1", out=d("step1"), cmd=[
-                py, "-m", "step1_sft.main", "--model_name_or_path", model, "--data_path", os.path.join(data, "sft"),
-                "--data_split", "10,0,0", "--zero_stage", "3", *dtype, "--max_steps", "20" if big else "8",
-                "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "16", "--max_seq_len", "256",
-                "--learning_rate", "1e-4", "--output_dir", d("step1")]),
-            dict(name=f"{name} step2 zero3 bf16", model=name, kind="step2", out=d("step2"), cmd=[
-                py, "-m", "step2_reward.main", "--model_name_or_path", d("step1"), "--data_path",
-                os.path.join(data, "pairs"), "--data_split", "0,10,0", "--zero_stage", "3", *dtype,
-                "--max_steps", "20" if big else "8", "--per_device_train_batch_size", "8",
-                "--per_device_eval_batch_size", "16", "--eval_iters", "4", "--max_seq_len", "256",
-                "--learning_rate", "5e-5", "--output_dir", d("step2")]),
-            dict(name=f"{name} step3 zero3+hybrid bf16", model=name, kind="step3", out=d("step3"), cmd=[
-                py, *step3, *dtype, "--max_steps", "5" if big else "3", "--output_dir", d("step3")]),
-            dict(name=f"{name} step3 lr=0 fp32 no-TF32", model=name, kind="lr0", out=d("lr0"), cmd=[
-                py, *step3, "--dtype", "fp32", "--no_tf32", "--actor_learning_rate", "0", "--critic_learning_rate",
-                "0", "--max_steps", "2", "--output_dir", d("lr0")]),
+            dict(
+                name=f"{name} step1 zero3 bf16",
+                model=name,
+                kind="step1",
+                out=d("step1"),
+                cmd=[
+                    py,
+                    "-m",
+                    "step1_sft.main",
+                    "--model_name_or_path",
+                    model,
+                    "--data_path",
+                    os.path.join(data, "sft"),
+                    "--data_split",
+                    "10,0,0",
+                    "--zero_stage",
+                    "3",
+                    *dtype,
+                    "--max_steps",
+                    "20" if big else "8",
+                    "--per_device_train_batch_size",
+                    "8",
+                    "--per_device_eval_batch_size",
+                    "16",
+                    "--max_seq_len",
+                    "256",
+                    "--learning_rate",
+                    "1e-4",
+                    "--output_dir",
+                    d("step1"),
+                ],
+            ),
+            dict(
+                name=f"{name} step2 zero3 bf16",
+                model=name,
+                kind="step2",
+                out=d("step2"),
+                cmd=[
+                    py,
+                    "-m",
+                    "step2_reward.main",
+                    "--model_name_or_path",
+                    d("step1"),
+                    "--data_path",
+                    os.path.join(data, "pairs"),
+                    "--data_split",
+                    "0,10,0",
+                    "--zero_stage",
+                    "3",
+                    *dtype,
+                    "--max_steps",
+                    "20" if big else "8",
+                    "--per_device_train_batch_size",
+                    "8",
+                    "--per_device_eval_batch_size",
+                    "16",
+                    "--eval_iters",
+                    "4",
+                    "--max_seq_len",
+                    "256",
+                    "--learning_rate",
+                    "5e-5",
+                    "--output_dir",
+                    d("step2"),
+                ],
+            ),
+            dict(
+                name=f"{name} step3 zero3+hybrid bf16",
+                model=name,
+                kind="step3",
+                out=d("step3"),
+                cmd=[py, *step3, *dtype, "--max_steps", "5" if big else "3", "--output_dir", d("step3")],
+            ),
+            dict(
+                name=f"{name} step3 lr=0 fp32 no-TF32",
+                model=name,
+                kind="lr0",
+                out=d("lr0"),
+                cmd=[
+                    py,
+                    *step3,
+                    "--dtype",
+                    "fp32",
+                    "--no_tf32",
+                    "--actor_learning_rate",
+                    "0",
+                    "--critic_learning_rate",
+                    "0",
+                    "--max_steps",
+                    "2",
+                    "--output_dir",
+                    d("lr0"),
+                ],
+            ),
         ]
     # the scripts users run on one small GPU, as they are (only the run length and lengths shortened)
     big = "smollm2" if "smollm2" in models else "tiny"
     model, g = models[big], lambda tag: os.path.join(work, big, tag)
     script_env = {"MODEL": model, "DATA": os.path.join(data, "sft"), "RLHF_USE_CURRENT_ENV": "1"}
     out += [
-        dict(name=f"{big} run_single_gpu.sh step1 (LoRA)", model=big, kind="step1", out=g("gpu1"),
-             cmd=["bash", "scripts/step1_sft/run_single_gpu.sh", g("gpu1"), "--max_steps", "10", "--max_seq_len", "256"],
-             env=script_env),
-        dict(name=f"{big} run_single_gpu.sh step2 (LoRA)", model=big, kind="step2", out=g("gpu2"),
-             cmd=["bash", "scripts/step2_reward/run_single_gpu.sh", g("gpu2"), "--max_steps", "10", "--max_seq_len",
-                  "256", "--eval_iters", "4"],
-             env={**script_env, "MODEL": g("gpu1"), "DATA": os.path.join(data, "pairs")}),
-        dict(name=f"{big} run_single_gpu.sh step3 (LoRA, offloaded ref+reward)", model=big, kind="step3",
-             out=g("gpu3"), cmd=["bash", "scripts/step3_ppo/run_single_gpu.sh", g("gpu3"), "--max_steps", "4",
-                                 "--max_prompt_seq_len", "128", "--max_answer_seq_len", "128",
-                                 "--min_answer_seq_len", "128"],
-             env={"ACTOR": g("gpu1"), "CRITIC": g("gpu2"), "DATA": os.path.join(data, "pairs"),
-                  "RLHF_USE_CURRENT_ENV": "1"}),
-        dict(name=f"{big} run_single_gpu.sh DPO (LoRA, adapters-off reference)", model=big, kind="step2",
-             out=g("gpu_dpo"), cmd=["bash", "scripts/step2_dpo/run_single_gpu.sh", g("gpu_dpo"), "--max_steps", "10",
-                                    "--max_seq_len", "256", "--eval_iters", "4"],
-             env={**script_env, "MODEL": g("gpu1"), "DATA": os.path.join(data, "pairs")}),
-        dict(name=f"{big} run_grpo_single_gpu.sh (GRPO, math_exact, no critic)", model=big, kind="step3",
-             out=g("gpu_grpo"), cmd=["bash", "scripts/step3_ppo/run_grpo_single_gpu.sh", g("gpu_grpo"), "--max_steps",
-                                     "3", "--eval_interval", "0"]
-             + ([] if big != "tiny" else [  # the CPU fallback: its template, and a CPU-sized rollout (2 x 8 rows)
-                 "--chat_template", "utils/chat_templates/chatml.jinja", "--per_device_generation_batch_size", "2",
-                 "--per_device_training_batch_size", "16", "--max_answer_seq_len", "16"]),
-             env={"ACTOR": model, "RLHF_USE_CURRENT_ENV": "1"}),
+        dict(
+            name=f"{big} run_single_gpu.sh step1 (LoRA)",
+            model=big,
+            kind="step1",
+            out=g("gpu1"),
+            cmd=["bash", "scripts/step1_sft/run_single_gpu.sh", g("gpu1"), "--max_steps", "10", "--max_seq_len", "256"],
+            env=script_env,
+        ),
+        dict(
+            name=f"{big} run_single_gpu.sh step2 (LoRA)",
+            model=big,
+            kind="step2",
+            out=g("gpu2"),
+            cmd=[
+                "bash",
+                "scripts/step2_reward/run_single_gpu.sh",
+                g("gpu2"),
+                "--max_steps",
+                "10",
+                "--max_seq_len",
+                "256",
+                "--eval_iters",
+                "4",
+            ],
+            env={**script_env, "MODEL": g("gpu1"), "DATA": os.path.join(data, "pairs")},
+        ),
+        dict(
+            name=f"{big} run_single_gpu.sh step3 (LoRA, offloaded ref+reward)",
+            model=big,
+            kind="step3",
+            out=g("gpu3"),
+            cmd=[
+                "bash",
+                "scripts/step3_ppo/run_single_gpu.sh",
+                g("gpu3"),
+                "--max_steps",
+                "4",
+                "--max_prompt_seq_len",
+                "128",
+                "--max_answer_seq_len",
+                "128",
+                "--min_answer_seq_len",
+                "128",
+            ],
+            env={
+                "ACTOR": g("gpu1"),
+                "CRITIC": g("gpu2"),
+                "DATA": os.path.join(data, "pairs"),
+                "RLHF_USE_CURRENT_ENV": "1",
+            },
+        ),
+        dict(
+            name=f"{big} run_single_gpu.sh DPO (LoRA, adapters-off reference)",
+            model=big,
+            kind="step2",
+            out=g("gpu_dpo"),
+            cmd=[
+                "bash",
+                "scripts/step2_dpo/run_single_gpu.sh",
+                g("gpu_dpo"),
+                "--max_steps",
+                "10",
+                "--max_seq_len",
+                "256",
+                "--eval_iters",
+                "4",
+            ],
+            env={**script_env, "MODEL": g("gpu1"), "DATA": os.path.join(data, "pairs")},
+        ),
+        dict(
+            name=f"{big} run_grpo_single_gpu.sh (GRPO, math_exact, no critic)",
+            model=big,
+            kind="step3",
+            out=g("gpu_grpo"),
+            cmd=[
+                "bash",
+                "scripts/step3_ppo/run_grpo_single_gpu.sh",
+                g("gpu_grpo"),
+                "--max_steps",
+                "3",
+                "--eval_interval",
+                "0",
+            ]
+            + (
+                []
+                if big != "tiny"
+                else [  # the CPU fallback: its template, and a CPU-sized rollout (2 x 8 rows)
+                    "--chat_template",
+                    "utils/chat_templates/chatml.jinja",
+                    "--per_device_generation_batch_size",
+                    "2",
+                    "--per_device_training_batch_size",
+                    "16",
+                    "--max_answer_seq_len",
+                    "16",
+                ]
+            ),
+            env={"ACTOR": model, "RLHF_USE_CURRENT_ENV": "1"},
+        ),
         vllm_grpo(big, model, g, mode),
-        dict(name=f"{big} generation (1 rank: unsharded / plain zero3 / hybrid)", model=big, kind="generation",
-             out=g("generation"), cmd=[
-                 py, "-m", "bench.generation", "--worker", "--model_name_or_path", model, "--zero_stage", "3",
-                 "--lora_dim", "8", "--modes", "unsharded,plain,hybrid", "--batch_size", "8", "--prompt_len", "64",
-                 "--new_tokens", "64", "--repeats", "2", "--plain_repeats", "1",
-                 "--out", os.path.join(g("generation"), "result.json")]),
+        dict(
+            name=f"{big} generation (1 rank: unsharded / plain zero3 / hybrid)",
+            model=big,
+            kind="generation",
+            out=g("generation"),
+            cmd=[
+                py,
+                "-m",
+                "bench.generation",
+                "--worker",
+                "--model_name_or_path",
+                model,
+                "--zero_stage",
+                "3",
+                "--lora_dim",
+                "8",
+                "--modes",
+                "unsharded,plain,hybrid",
+                "--batch_size",
+                "8",
+                "--prompt_len",
+                "64",
+                "--new_tokens",
+                "64",
+                "--repeats",
+                "2",
+                "--plain_repeats",
+                "1",
+                "--out",
+                os.path.join(g("generation"), "result.json"),
+            ],
+        ),
     ]
     return out
 
@@ -158,11 +361,26 @@ def vllm_grpo(big: str, model: str, g, mode: str) -> dict:
     from step3_ppo.rollout.vllm_engine import vllm_missing
 
     python = os.environ.get("GPU_VLLM_PYTHON") or sys.executable
-    run = dict(name=f"{big} run_grpo_single_gpu.sh --rollout_engine vllm", model=big, kind="step3",
-               out=g("gpu_grpo_vllm"), cmd=["bash", "scripts/step3_ppo/run_grpo_single_gpu.sh", g("gpu_grpo_vllm"),
-                                           "--max_steps", "3", "--eval_interval", "0", "--rollout_engine", "vllm",
-                                           "--vllm_python", python],
-               env={"ACTOR": model, "RLHF_USE_CURRENT_ENV": "1"})
+    run = dict(
+        name=f"{big} run_grpo_single_gpu.sh --rollout_engine vllm",
+        model=big,
+        kind="step3",
+        out=g("gpu_grpo_vllm"),
+        cmd=[
+            "bash",
+            "scripts/step3_ppo/run_grpo_single_gpu.sh",
+            g("gpu_grpo_vllm"),
+            "--max_steps",
+            "3",
+            "--eval_interval",
+            "0",
+            "--rollout_engine",
+            "vllm",
+            "--vllm_python",
+            python,
+        ],
+        env={"ACTOR": model, "RLHF_USE_CURRENT_ENV": "1"},
+    )
     reason = "the tiny model's head size 16 (vLLM on CPU: multiples of 32)" if mode == "cpu" else vllm_missing(python)
     if reason:
         run["not_applicable"] = reason
@@ -201,11 +419,15 @@ def summarise(run: dict) -> dict:
             seconds = [r["time/generation_s"] + r["time/experience_s"] + r.get("time/train_s", 0.0) for r in timed]
             rows_per_it = [r["samples_per_s"] * t for r, t in zip(timed, seconds)]
             tokens = [n * r["gen/response_len_mean"] for n, r in zip(rows_per_it, timed)]
-            s.update(steps=len(its), s_per_step=statistics.median(seconds),
-                     samples_per_s=statistics.median(r["samples_per_s"] for r in timed),
-                     gen_tokens_per_s=sum(tokens) / sum(r["time/generation_s"] for r in timed),
-                     split={k: statistics.median(r[f"time/{k}_s"] for r in timed)
-                            for k in ("generation", "experience", "train")})
+            s.update(
+                steps=len(its),
+                s_per_step=statistics.median(seconds),
+                samples_per_s=statistics.median(r["samples_per_s"] for r in timed),
+                gen_tokens_per_s=sum(tokens) / sum(r["time/generation_s"] for r in timed),
+                split={
+                    k: statistics.median(r[f"time/{k}_s"] for r in timed) for k in ("generation", "experience", "train")
+                },
+            )
         if kind == "lr0" and its:
             s["log_ratio_max_abs"] = max(r["ppo/log_ratio_max_abs"] for r in its)
             s["lr0_ok"] = s["log_ratio_max_abs"] <= LR0_LIMIT
@@ -227,8 +449,9 @@ def launch(run: dict, timeout: float) -> dict:
     start = time.time()
     with open(log, "w") as f:
         try:
-            rc = subprocess.run(run["cmd"], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                timeout=timeout).returncode
+            rc = subprocess.run(
+                run["cmd"], cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=timeout
+            ).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
     wall = time.time() - start
@@ -242,9 +465,11 @@ def environment(mode: str) -> list[str]:
 
     from utils.runtime import accelerator
 
-    lines = [f"date: {datetime.datetime.now().isoformat(timespec='seconds')}",
-             f"mode: {mode} ({'one GPU' if mode == 'gpu' else 'CPU fallback: tiny model only'})",
-             f"python {platform.python_version()}, torch {torch.__version__}"]
+    lines = [
+        f"date: {datetime.datetime.now().isoformat(timespec='seconds')}",
+        f"mode: {mode} ({'one GPU' if mode == 'gpu' else 'CPU fallback: tiny model only'})",
+        f"python {platform.python_version()}, torch {torch.__version__}",
+    ]
     versions = []
     for package in ("deepspeed", "transformers", "peft", "accelerate", "tokenizers"):
         try:
@@ -254,12 +479,16 @@ def environment(mode: str) -> list[str]:
     lines.append(", ".join(versions))
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        lines.append(f"device: {props.name}, {props.total_memory / 2**30:.0f} GiB, cuda {torch.version.cuda}, "
-                     f"bf16 {torch.cuda.is_bf16_supported()}")
+        lines.append(
+            f"device: {props.name}, {props.total_memory / 2**30:.0f} GiB, cuda {torch.version.cuda}, "
+            f"bf16 {torch.cuda.is_bf16_supported()}"
+        )
     else:
         lines.append(f"device: cpu, {os.cpu_count()} cores")
-    lines.append(f"accelerator (DeepSpeed): {accelerator.name()}, backend {accelerator.communication_backend()}, "
-                 f"memory figures: {accelerator.memory_kind()}")
+    lines.append(
+        f"accelerator (DeepSpeed): {accelerator.name()}, backend {accelerator.communication_backend()}, "
+        f"memory figures: {accelerator.memory_kind()}"
+    )
     return lines
 
 
@@ -268,28 +497,41 @@ def fmt(value, spec: str = ".2f") -> str:
 
 
 def report(results: list[dict], env_lines: list[str], total_s: float) -> list[str]:
-    lines = ["# bench/gpu.sh", *env_lines, f"total: {total_s:.0f} s", "",
-             f"{'run':<58} {'rc':>7} {'wall s':>7} {'steps':>5} {'s/step':>7} {'samp/s':>7} {'gen tok/s':>9} "
-             f"{'mem gen':>7} {'mem exp':>7} {'mem train':>9}"]
+    lines = [
+        "# bench/gpu.sh",
+        *env_lines,
+        f"total: {total_s:.0f} s",
+        "",
+        f"{'run':<58} {'rc':>7} {'wall s':>7} {'steps':>5} {'s/step':>7} {'samp/s':>7} {'gen tok/s':>9} "
+        f"{'mem gen':>7} {'mem exp':>7} {'mem train':>9}",
+    ]
     for r in results:
         s = r.get("summary", {})
-        lines.append(f"{r['name'][:58]:<58} {str(r.get('rc', 'skipped')):>7} {fmt(r.get('wall_s'), '.0f'):>7} "
-                     f"{str(s.get('steps', '-')):>5} {fmt(s.get('s_per_step')):>7} {fmt(s.get('samples_per_s')):>7} "
-                     f"{fmt(s.get('gen_tokens_per_s'), '.0f'):>9} {fmt(s.get('mem_generation_gb')):>7} "
-                     f"{fmt(s.get('mem_experience_gb')):>7} {fmt(s.get('mem_training_gb')):>9}")
-    lines.append("(mem: peak GB per phase over the run's steps; s/step: steps 1-2 time/train_s per optimizer step, "
-                 "step 3 median iteration after the first)")
+        lines.append(
+            f"{r['name'][:58]:<58} {str(r.get('rc', 'skipped')):>7} {fmt(r.get('wall_s'), '.0f'):>7} "
+            f"{str(s.get('steps', '-')):>5} {fmt(s.get('s_per_step')):>7} {fmt(s.get('samples_per_s')):>7} "
+            f"{fmt(s.get('gen_tokens_per_s'), '.0f'):>9} {fmt(s.get('mem_generation_gb')):>7} "
+            f"{fmt(s.get('mem_experience_gb')):>7} {fmt(s.get('mem_training_gb')):>9}"
+        )
+    lines.append(
+        "(mem: peak GB per phase over the run's steps; s/step: steps 1-2 time/train_s per optimizer step, "
+        "step 3 median iteration after the first)"
+    )
     lines.append("")
     for r in results:
         s = r.get("summary", {})
         if r.get("not_applicable"):
             lines.append(f"{r['name']}: not run: {r['not_applicable']}")
         if "log_ratio_max_abs" in s:
-            lines.append(f"{r['name']}: max |log ratio| {s['log_ratio_max_abs']:.2e} "
-                         f"({'PASS' if s['lr0_ok'] else 'FAIL'}, limit {LR0_LIMIT:g})")
+            lines.append(
+                f"{r['name']}: max |log ratio| {s['log_ratio_max_abs']:.2e} "
+                f"({'PASS' if s['lr0_ok'] else 'FAIL'}, limit {LR0_LIMIT:g})"
+            )
         if "split" in s:
-            lines.append(f"{r['name']}: median seconds generation {s['split']['generation']:.2f}, "
-                         f"experience {s['split']['experience']:.2f}, train {s['split']['train']:.2f}")
+            lines.append(
+                f"{r['name']}: median seconds generation {s['split']['generation']:.2f}, "
+                f"experience {s['split']['experience']:.2f}, train {s['split']['train']:.2f}"
+            )
         if "perplexity" in s and s["perplexity"]:
             lines.append(f"{r['name']}: eval perplexity {' -> '.join(f'{p:.2f}' for p in s['perplexity'])}")
         if s.get("eval_accuracy"):
@@ -298,11 +540,17 @@ def report(results: list[dict], env_lines: list[str], total_s: float) -> list[st
             t = s["tokens_per_s"]
             ratios = ""
             if "hybrid" in t and "plain" in t and "unsharded" in t:
-                ratios = (f"; hybrid/plain {t['hybrid'] / t['plain']:.2f}x, "
-                          f"hybrid/unsharded {t['hybrid'] / t['unsharded']:.2f}x")
-            lines.append(f"{r['name']}: tokens/s " + ", ".join(f"{m} {v:.0f}" for m, v in t.items()) + ratios +
-                         f" (same tokens in the ZeRO-3 modes: {s['tokens_equal_zero3_modes']}, "
-                         f"weights unchanged: {s['weights_unchanged']})")
+                ratios = (
+                    f"; hybrid/plain {t['hybrid'] / t['plain']:.2f}x, "
+                    f"hybrid/unsharded {t['hybrid'] / t['unsharded']:.2f}x"
+                )
+            lines.append(
+                f"{r['name']}: tokens/s "
+                + ", ".join(f"{m} {v:.0f}" for m, v in t.items())
+                + ratios
+                + f" (same tokens in the ZeRO-3 modes: {s['tokens_equal_zero3_modes']}, "
+                f"weights unchanged: {s['weights_unchanged']})"
+            )
         if r.get("rc") not in (0, None, "skipped"):
             lines += [f"--- {r['name']}: rc {r['rc']}, last lines of {r['out']}/run.log:", r["log_tail"], "---"]
     return lines
@@ -310,15 +558,29 @@ def report(results: list[dict], env_lines: list[str], total_s: float) -> list[st
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mode", choices=["gpu", "cpu"], default=None,
-                   help="gpu: both models on the GPU; cpu: the tiny-model fallback (default: gpu when CUDA is available)")
-    p.add_argument("--work", default=os.environ.get("GPU_RUN_WORK", "/tmp/rlhf_gpu_run"),
-                   help="work folder of the runs, emptied first (path; env GPU_RUN_WORK)")
-    p.add_argument("--budget_s", type=float, default=float(os.environ.get("GPU_RUN_BUDGET_S", 330)),
-                   help="no run starts after this many seconds; each is cut at what is left (seconds)")
+    p.add_argument(
+        "--mode",
+        choices=["gpu", "cpu"],
+        default=None,
+        help="gpu: both models on the GPU; cpu: the tiny-model fallback (default: gpu when CUDA is available)",
+    )
+    p.add_argument(
+        "--work",
+        default=os.environ.get("GPU_RUN_WORK", "/tmp/rlhf_gpu_run"),
+        help="work folder of the runs, emptied first (path; env GPU_RUN_WORK)",
+    )
+    p.add_argument(
+        "--budget_s",
+        type=float,
+        default=float(os.environ.get("GPU_RUN_BUDGET_S", 330)),
+        help="no run starts after this many seconds; each is cut at what is left (seconds)",
+    )
     p.add_argument("--only", default="", help="comma-separated substrings: run only the runs whose name has one")
-    p.add_argument("--save", default=None,
-                   help="report file, and its .json beside it (path; default: bench/results/gpu/DATE-gpu[-cpu-fallback].txt)")
+    p.add_argument(
+        "--save",
+        default=None,
+        help="report file, and its .json beside it (path; default: bench/results/gpu/DATE-gpu[-cpu-fallback].txt)",
+    )
     args = p.parse_args(argv)
     import torch  # imported here to keep --help fast
 
@@ -340,8 +602,11 @@ def main(argv=None):
             results.append(run)
             print(f"[gpu_run] {run['name']}: {run['log_tail']}", flush=True)
             continue
-        needs = [o for o in planned[:planned.index(run)] if o["out"] in " ".join(run["cmd"]) or
-                 o["out"] in " ".join(run.get("env", {}).values())]
+        needs = [
+            o
+            for o in planned[: planned.index(run)]
+            if o["out"] in " ".join(run["cmd"]) or o["out"] in " ".join(run.get("env", {}).values())
+        ]
         failed_input = [o["name"] for o in needs if o.get("rc") != 0]
         if left < 20 or failed_input:
             run["rc"] = "skipped"
@@ -354,8 +619,13 @@ def main(argv=None):
         results.append(run)
         print(f"[gpu_run] {run['name']}: rc {run['rc']} in {run['wall_s']:.0f} s {run['summary']}", flush=True)
     lines = report(results, env_lines, time.time() - start)
-    save = args.save or os.path.join(REPO, "bench", "results", "gpu", f"{datetime.date.today().isoformat()}-gpu"
-                                     f"{'' if mode == 'gpu' else '-cpu-fallback'}.txt")
+    save = args.save or os.path.join(
+        REPO,
+        "bench",
+        "results",
+        "gpu",
+        f"{datetime.date.today().isoformat()}-gpu{'' if mode == 'gpu' else '-cpu-fallback'}.txt",
+    )
     finish_report(save, [], lines)
     save_json(save, [{k: v for k, v in r.items() if k not in ("env",)} for r in results])
     if os.environ.get("OUT"):

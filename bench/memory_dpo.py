@@ -10,6 +10,7 @@ reference forward) and `time/train_s` per step. On the demo's settings the refer
 adapters disabled (no second copy), so the difference is the reference forwards' share, not a model copy;
 a full fine-tune's reference would be a frozen engine (a whole fp32 model per rank under ZeRO-2).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,8 +56,12 @@ def run_once(args, loss: str, model: str, index: int) -> dict:
     out = fresh_dir(os.path.join(RUNS, "memory_dpo", f"{loss}_{index}"))
     env = bench_env(MODEL=model, MAX_STEPS=str(args.steps), MASTER_PORT=str(args.master_port + index), LOSS_TYPE=loss)
     extra = ["--chat_template", "utils/chat_templates/chatml.jinja"] if args.tiny else []
-    launch = run_logged(["bash", "scripts/step2_dpo/run_cpu.sh", out, "--eval_iters", "1", *extra], env,
-                        os.path.join(out, "bench.log"), args.timeout)
+    launch = run_logged(
+        ["bash", "scripts/step2_dpo/run_cpu.sh", out, "--eval_iters", "1", *extra],
+        env,
+        os.path.join(out, "bench.log"),
+        args.timeout,
+    )
     if launch.returncode != 0:
         sys.exit(f"the {loss} run failed (exit {launch.returncode}); its log's tail:\n{launch.tail()}")
     rows = read_jsonl(os.path.join(out, "metrics.jsonl"))
@@ -68,17 +73,27 @@ def run_once(args, loss: str, model: str, index: int) -> dict:
 def main(argv=None):
     args = parse_args(argv)
     model = bench_model(args)
-    header = start_report([title("memory_dpo.py"), f"model {model}; the demo's DPO settings "
-                           f"(scripts/step2_dpo/run_cpu.sh), {args.steps} steps, {args.rounds} round(s) per loss"])
+    header = start_report(
+        [
+            title("memory_dpo.py"),
+            f"model {model}; the demo's DPO settings "
+            f"(scripts/step2_dpo/run_cpu.sh), {args.steps} steps, {args.rounds} round(s) per loss",
+        ]
+    )
     counter = iter(range(1000))
     first, second = args.losses
-    a, b = alternate(args.rounds, lambda: run_once(args, first, model, next(counter)),
-                     lambda: run_once(args, second, model, next(counter)))
+    a, b = alternate(
+        args.rounds,
+        lambda: run_once(args, first, model, next(counter)),
+        lambda: run_once(args, second, model, next(counter)),
+    )
     body = ["", "| loss | peak RSS per rank, GiB (median; rounds) | s/step (median; rounds) |", "|---|---|---|"]
     for results in (a, b):
         peaks, steps = [r["peak_gib"] for r in results], [r["step_s"] for r in results]
-        body.append(f"| {results[0]['loss']} | {statistics.median(peaks):.3f} ({', '.join(f'{p:.3f}' for p in peaks)}) "
-                    f"| {statistics.median(steps):.2f} ({', '.join(f'{s:.2f}' for s in steps)}) |")
+        body.append(
+            f"| {results[0]['loss']} | {statistics.median(peaks):.3f} ({', '.join(f'{p:.3f}' for p in peaks)}) "
+            f"| {statistics.median(steps):.2f} ({', '.join(f'{s:.2f}' for s in steps)}) |"
+        )
     ratio = statistics.median(r["peak_gib"] for r in b) / statistics.median(r["peak_gib"] for r in a)
     body.append(f"peak {second} / {first}: {ratio:.3f}")
     end_report(args.save, header, body, data={"runs": a + b})

@@ -22,6 +22,7 @@ Experiments (bench only, as `env:` variants): BENCH_TRIM_AT_PHASE_END=1 calls gl
 after every phase; BENCH_REDUCE_BUCKET_SIZE=N sets DeepSpeed's reduce_bucket_size (default 5e8 elements).
 Seconds per iteration come from metrics.jsonl as in bench/step3.py (first iteration dropped).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -63,8 +64,21 @@ GIB = 2**30
 
 # ----------------------------------------------------------------------------------------------- worker
 class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 @functools.lru_cache(maxsize=1)
@@ -83,8 +97,12 @@ def heap() -> dict:
     if _libc() is None:
         return {}
     m = _libc().mallinfo2()
-    return {"in_use": (m.uordblks + m.hblkhd) / GIB, "free_kept": m.fordblks / GIB, "mmapped": m.hblkhd / GIB,
-            "heap": m.arena / GIB}
+    return {
+        "in_use": (m.uordblks + m.hblkhd) / GIB,
+        "free_kept": m.fordblks / GIB,
+        "mmapped": m.hblkhd / GIB,
+        "heap": m.arena / GIB,
+    }
 
 
 def rss() -> float:
@@ -182,14 +200,14 @@ def instrument_loading(record: dict, step3_main) -> list:
             result = fn(*a, **k)
             milestone(record, f"after {label}")
             return result
+
         return wrapped
 
     engine_module.load_causal_lm = wrap(engine_module.load_causal_lm, "load causal LM")
     engine_module.build_trained_engine = wrap(engine_module.build_trained_engine, "trained engine")
     engine_module.build_frozen_engine = wrap(engine_module.build_frozen_engine, "frozen engine")
     original_from_pretrained = engine_module.RewardModel.from_pretrained.__func__
-    engine_module.RewardModel.from_pretrained = classmethod(
-        wrap(original_from_pretrained, "load value model"))
+    engine_module.RewardModel.from_pretrained = classmethod(wrap(original_from_pretrained, "load value model"))
     original_build = engine_module.build_engines
 
     built = []
@@ -216,8 +234,15 @@ def instrument_phases(record: dict) -> None:
         start = rss()
         with original_phase(self, phase_name):
             yield
-        record["phases"].append({"phase": phase_name, "start_rss": start, "end_rss": rss(),
-                                 "peak": accelerator.peak_memory_bytes() / GIB, "heap_end": heap()})
+        record["phases"].append(
+            {
+                "phase": phase_name,
+                "start_rss": start,
+                "end_rss": rss(),
+                "peak": accelerator.peak_memory_bytes() / GIB,
+                "heap_end": heap(),
+            }
+        )
 
     accelerator.PhaseMemory.phase = phase
     if os.environ.get("BENCH_TRIM_AT_PHASE_END") == "1" and _libc() is not None:  # experiment: free pages back
@@ -240,15 +265,21 @@ def bucket_experiment() -> None:
         original_section = ds_config._zero_section
 
         def zero_section(*a, **k):
-            return {**original_section(*a, **k), "reduce_bucket_size": int(float(os.environ["BENCH_REDUCE_BUCKET_SIZE"]))}
+            return {
+                **original_section(*a, **k),
+                "reduce_bucket_size": int(float(os.environ["BENCH_REDUCE_BUCKET_SIZE"])),
+            }
 
         ds_config._zero_section = zero_section
 
 
 # ----------------------------------------------------------------------------------------- orchestrator
 def run_variant(args, model_dir, prompts, variant: str, port: int) -> dict:
-    out_dir = fresh_dir(os.path.join(RUNS, "memory", f"{os.path.basename(model_dir.rstrip('/'))}-"
-                                                      f"{re.sub(r'[^A-Za-z0-9]+', '_', variant)}"))
+    out_dir = fresh_dir(
+        os.path.join(
+            RUNS, "memory", f"{os.path.basename(model_dir.rstrip('/'))}-{re.sub(r'[^A-Za-z0-9]+', '_', variant)}"
+        )
+    )
     env = bench_env()
     if variant == "glibc":
         env["RLHF_MALLOC_TUNING"] = "0"
@@ -277,9 +308,12 @@ def run_variant(args, model_dir, prompts, variant: str, port: int) -> dict:
 
 
 def report(result: dict) -> list[str]:
-    out = ["", f"=== variant {result['variant']}: {result['step_s']:.2f} s/iteration (median; generation "
-                f"{result['gen_s']:.2f}, experience {result['exp_s']:.2f}, training {result['train_s']:.2f}); "
-                f"launch {result['wall_s']:.0f} s"]
+    out = [
+        "",
+        f"=== variant {result['variant']}: {result['step_s']:.2f} s/iteration (median; generation "
+        f"{result['gen_s']:.2f}, experience {result['exp_s']:.2f}, training {result['train_s']:.2f}); "
+        f"launch {result['wall_s']:.0f} s",
+    ]
     for rec in result["records"]:
         out.append(f"rank {rec['rank']}: RSS (GiB) at each milestone, and the change from the one before")
         prev = None
@@ -302,30 +336,42 @@ def report(result: dict) -> list[str]:
             q["end"].append(p["end_rss"])
             q["in_use"].append(p["heap_end"].get("in_use", float("nan")))
             q["free"].append(p["heap_end"].get("free_kept", float("nan")))
-        out.append(f"  {'phase':12s} {'entries':>7s} {'RSS at start':>12s} {'peak':>6s} {'peak - start':>12s} "
-                   f"{'RSS at end':>10s} {'heap in use':>11s} {'free kept':>9s}   (GiB; max over entries; heap at end)")
+        out.append(
+            f"  {'phase':12s} {'entries':>7s} {'RSS at start':>12s} {'peak':>6s} {'peak - start':>12s} "
+            f"{'RSS at end':>10s} {'heap in use':>11s} {'free kept':>9s}   (GiB; max over entries; heap at end)"
+        )
         for name, q in phases.items():
-            out.append(f"  {name:12s} {len(q['peak']):7d} {max(q['start']):12.2f} {max(q['peak']):6.2f} "
-                       f"{max(p - s for p, s in zip(q['peak'], q['start'])):12.2f} {max(q['end']):10.2f} "
-                       f"{max(q['in_use']):11.2f} {max(q['free']):9.2f}")
+            out.append(
+                f"  {name:12s} {len(q['peak']):7d} {max(q['start']):12.2f} {max(q['peak']):6.2f} "
+                f"{max(p - s for p, s in zip(q['peak'], q['start'])):12.2f} {max(q['end']):10.2f} "
+                f"{max(q['in_use']):11.2f} {max(q['free']):9.2f}"
+            )
     return out
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     step3.add_workload_args(p, "PPO iterations per variant (iterations; default: tiny 4, else 3)")
-    p.add_argument("--variants", default="tuned",
-                   help="allocator variants run one after the other, separated by ';': tuned;glibc;env:K=V,K2=V2")
+    p.add_argument(
+        "--variants",
+        default="tuned",
+        help="allocator variants run one after the other, separated by ';': tuned;glibc;env:K=V,K2=V2",
+    )
     add_run_args(p, 29591, 900)
     args = p.parse_args(argv)
     model_dir = bench_model(args)
     args.steps = args.steps or (4 if args.tiny else 3)
     prompts = step3.write_prompts(os.path.join(RUNS, "prompts.jsonl"), args.num_prompts)
-    header = start_report([
-        title("memory_step3.py"), machine_line(), malloc_line(),
-        f"model: {model_dir}; step 3 PPO with GAE, 4 models (actor, reference, critic, reward), ZeRO-3 + hybrid, "
-        f"fp32, full fine-tuning, 2 ranks; {args.steps} iterations, rollout {args.batch_size} prompts/rank, "
-        f"prompt <= {args.prompt_len}, answer {args.answer_len}, mini-batch {args.train_batch_size}"])
+    header = start_report(
+        [
+            title("memory_step3.py"),
+            machine_line(),
+            malloc_line(),
+            f"model: {model_dir}; step 3 PPO with GAE, 4 models (actor, reference, critic, reward), ZeRO-3 + hybrid, "
+            f"fp32, full fine-tuning, 2 ranks; {args.steps} iterations, rollout {args.batch_size} prompts/rank, "
+            f"prompt <= {args.prompt_len}, answer {args.answer_len}, mini-batch {args.train_batch_size}",
+        ]
+    )
     out = []
     for i, variant in enumerate(v for v in args.variants.split(";") if v):
         out += report(run_variant(args, model_dir, prompts, variant, args.master_port + i))

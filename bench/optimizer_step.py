@@ -6,6 +6,7 @@ Step 3 takes four optimizer steps per PPO mini-batch pair (actor and critic) and
 step; utils/training.build_optimizer uses the fused kernel. Prints seconds per step (median after
 a warm-up step) and the ratio, side by side in one process.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,14 +43,20 @@ def main(argv=None) -> None:
     import torch  # imported here to keep --help fast
 
     print(machine_line())
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, fp32, {args.params / 1e6:.0f}M parameters "
-          f"in tensors of 576x1536")
+    print(
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, fp32, {args.params / 1e6:.0f}M parameters "
+        f"in tensors of 576x1536"
+    )
     gen = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(576 * 1536, generator=gen)) for _ in range(int(args.params // (576 * 1536)))]
+    params = [
+        torch.nn.Parameter(torch.randn(576 * 1536, generator=gen)) for _ in range(int(args.params // (576 * 1536)))
+    ]
     for param in params:
         param.grad = torch.randn(param.shape, generator=gen)
-    results = {name: time_steps(params, args.repeats, **kw)
-               for name, kw in (("for-loop", {"foreach": False}), ("foreach", {"foreach": True}), ("fused", {"fused": True}))}
+    results = {
+        name: time_steps(params, args.repeats, **kw)
+        for name, kw in (("for-loop", {"foreach": False}), ("foreach", {"foreach": True}), ("fused", {"fused": True}))
+    }
     for name, seconds in results.items():
         print(f"{name:9s} {seconds:.4f} s/step")
     print(f"fused over foreach (torch's default): {results['foreach'] / results['fused']:.1f}x")

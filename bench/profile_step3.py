@@ -7,6 +7,7 @@ mode), makes two warm-up iterations, then profiles the PPO mini-batch updates (a
 forward, backward, optimizer step) of one more rollout and prints the operators by self CPU time
 and by total CPU time. This is how the training share was taken apart on 2026-11-30.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,9 +53,12 @@ def worker(argv) -> None:
     if is_rank0():
         table = prof.key_averages()
         with open(options["--report"], "w") as f:
-            f.write("by self CPU time\n" + table.table(sort_by="self_cpu_time_total", row_limit=25) +
-                    "\nby total CPU time (includes children and waits)\n" +
-                    table.table(sort_by="cpu_time_total", row_limit=30))
+            f.write(
+                "by self CPU time\n"
+                + table.table(sort_by="self_cpu_time_total", row_limit=25)
+                + "\nby total CPU time (includes children and waits)\n"
+                + table.table(sort_by="cpu_time_total", row_limit=30)
+            )
 
 
 def main(argv=None) -> None:
@@ -70,12 +74,16 @@ def main(argv=None) -> None:
     out_dir = os.path.join(RUNS, "profile")
     os.makedirs(out_dir, exist_ok=True)
     report = os.path.join(out_dir, "report.txt")
-    cmd = step3.step3_command(args, model_dir, prompts, args.stage, True, out_dir, args.master_port,
-                              module="bench.profile_step3")
+    cmd = step3.step3_command(
+        args, model_dir, prompts, args.stage, True, out_dir, args.master_port, module="bench.profile_step3"
+    )
     cmd += ["--worker", "--report", report]
-    header = [f"# bench/profile_step3.py: PPO training phase of one rollout ({args.batch_size} rows per rank, "
-              f"mini-batch {args.train_batch_size}), ZeRO-{args.stage}, model {model_dir}",
-              machine_line(), malloc_line()]
+    header = [
+        f"# bench/profile_step3.py: PPO training phase of one rollout ({args.batch_size} rows per rank, "
+        f"mini-batch {args.train_batch_size}), ZeRO-{args.stage}, model {model_dir}",
+        machine_line(),
+        malloc_line(),
+    ]
     print("\n".join(header), flush=True)
     run = run_logged(cmd, bench_env(), os.path.join(out_dir, "launch.log"), 900)
     if run.returncode != 0 or not os.path.exists(report):

@@ -9,6 +9,7 @@ between the arms' losses and log-probs (the head is per position, so none is exp
 
     .venv/bin/python bench/response_head.py [--rounds 6] [--batch 8] [--tiny]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,9 @@ def tool_traces() -> str:
     out = os.path.join(RUNS, "tool_data")
     path = os.path.join(out, "sft", "train.jsonl")
     if not os.path.exists(path):
-        subprocess.run([sys.executable, "-m", "data.make_tool_data", "--out", out], cwd=REPO, check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, "-m", "data.make_tool_data", "--out", out], cwd=REPO, check=True, stdout=subprocess.DEVNULL
+        )
     return path
 
 
@@ -79,12 +81,17 @@ def main(argv=None):
     tokenizer = load_tokenizer(path)
     model = load_causal_lm(path, tokenizer).float().train()
     sft, packed = batches(tokenizer, args.batch)
-    prompt_share = 1 - float(packed["attention_mask"][:, packed["prompt_len"]:].sum() / packed["attention_mask"].sum())
-    header = start_report([title("response_head.py"), f"model: {path}; torch threads {args.threads}",
-                           f"step 1 batch {tuple(sft['input_ids'].shape)}, step 3 batch "
-                           f"{tuple(packed['input_ids'].shape)} (prompt_len {packed['prompt_len']}; "
-                           f"{100 * prompt_share:.0f}% of the real tokens are prompt)",
-                           f"{args.rounds} rounds per arm, alternating; forward + backward each"])
+    prompt_share = 1 - float(packed["attention_mask"][:, packed["prompt_len"] :].sum() / packed["attention_mask"].sum())
+    header = start_report(
+        [
+            title("response_head.py"),
+            f"model: {path}; torch threads {args.threads}",
+            f"step 1 batch {tuple(sft['input_ids'].shape)}, step 3 batch "
+            f"{tuple(packed['input_ids'].shape)} (prompt_len {packed['prompt_len']}; "
+            f"{100 * prompt_share:.0f}% of the real tokens are prompt)",
+            f"{args.rounds} rounds per arm, alternating; forward + backward each",
+        ]
+    )
 
     def whole_nll(batch):  # the arm before: the head over every position
         return sft_nll(causal_lm_logits(model, batch["input_ids"], batch["attention_mask"]), batch["labels"])
@@ -103,9 +110,10 @@ def main(argv=None):
     masked = lambda out: (out * packed["action_mask"]).sum()  # noqa: E731
     timed(lambda b: lm_nll(model, b), sft, nll)  # warm-up
     rows, diffs = [], {}
-    for name, whole, ours, batch, reduce in (("step 1 lm_nll", whole_nll, lambda b: lm_nll(model, b), sft, nll),
-                                             ("step 3 token_logprobs", whole_logprobs,
-                                              lambda b: token_logprobs(model, b), packed, masked)):
+    for name, whole, ours, batch, reduce in (
+        ("step 1 lm_nll", whole_nll, lambda b: lm_nll(model, b), sft, nll),
+        ("step 3 token_logprobs", whole_logprobs, lambda b: token_logprobs(model, b), packed, masked),
+    ):
         a, b = alternate(args.rounds, lambda: timed(whole, batch, reduce), lambda: timed(ours, batch, reduce))
         ta, tb = [t for t, _ in a], [t for t, _ in b]
         out_a, out_b = a[0][1], b[0][1]
@@ -114,9 +122,11 @@ def main(argv=None):
         else:
             diff = float(((out_a - out_b).abs() * packed["action_mask"]).max())
         diffs[name] = diff
-        rows.append(f"{name:24s} {statistics.median(ta):8.3f} {statistics.median(tb):8.3f} "
-                    f"{statistics.median(ta) / statistics.median(tb):6.2f}x   "
-                    f"{min(ta):.3f}-{max(ta):.3f} / {min(tb):.3f}-{max(tb):.3f}   {diff:.1e}")
+        rows.append(
+            f"{name:24s} {statistics.median(ta):8.3f} {statistics.median(tb):8.3f} "
+            f"{statistics.median(ta) / statistics.median(tb):6.2f}x   "
+            f"{min(ta):.3f}-{max(ta):.3f} / {min(tb):.3f}-{max(tb):.3f}   {diff:.1e}"
+        )
     body = [f"{'batch':24s} {'whole s':>8s} {'resp. s':>8s}  ratio   spread whole / response-only    max |diff|", *rows]
     end_report(args.save, header, body, data={"diffs": diffs})
 

@@ -23,6 +23,7 @@ Configurations run one after the other (not interleaved): their ratios carry the
 shared machine between runs; 'cpu/wall' (CPU seconds of both ranks / wall seconds of the launch,
 2.0 = both cores ours) shows how much of the machine each run got.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -69,8 +70,9 @@ CONFIGS = {  # name: (actor/critic ZeRO stage, --enable_hybrid_engine)
 def write_prompts(path: str, n: int) -> str:
     """The first n prompts of the demo pairs as {"prompt"} rows (shared with bench/peer_trl.py)."""
     if not os.path.exists(DEMO_PAIRS):
-        raise BenchError(f"{DEMO_PAIRS} is missing "
-                         "(python -m data.make_demo_data --out data/demo_raw --seed 0 --format raw)")
+        raise BenchError(
+            f"{DEMO_PAIRS} is missing (python -m data.make_demo_data --out data/demo_raw --seed 0 --format raw)"
+        )
     rows = []
     with open(DEMO_PAIRS) as f:
         for line in f:
@@ -95,20 +97,66 @@ def reward_model_dir(model_dir: str) -> str:
     return out
 
 
-def step3_command(args, model_dir: str, prompts: str, stage: int, hybrid: bool, out_dir: str, port: int,
-                  module: str = "step3_ppo.main") -> list[str]:
+def step3_command(
+    args,
+    model_dir: str,
+    prompts: str,
+    stage: int,
+    hybrid: bool,
+    out_dir: str,
+    port: int,
+    module: str = "step3_ppo.main",
+) -> list[str]:
     """The launch of step 3 on the benchmark's workload; `module` runs it (step3_ppo.main, or a bench worker
     that calls it: bench.step3 --ab_worker, bench.memory_step3 --worker, bench.profile_step3 --worker)."""
     cmd = deepspeed_cmd(module, port) + [
-           "--actor_model_name_or_path", model_dir, "--critic_model_name_or_path", reward_model_dir(model_dir),
-           "--data_path", prompts, "--data_split", "0,0,1",
-           "--actor_zero_stage", str(stage), "--critic_zero_stage", str(stage), "--dtype", "fp32",
-           "--max_prompt_seq_len", str(args.prompt_len), "--max_answer_seq_len", str(args.answer_len),
-           "--min_answer_seq_len", str(args.answer_len), "--temperature", "1.0", "--top_k", "0", "--top_p", "1.0",
-           "--per_device_generation_batch_size", str(args.batch_size), "--generation_batches", "1",
-           "--per_device_training_batch_size", str(args.train_batch_size), "--ppo_epochs", str(args.ppo_epochs),
-           "--actor_learning_rate", "1e-6", "--critic_learning_rate", "1e-6", "--lr_scheduler_type", "constant",
-           "--max_steps", str(args.steps), "--seed", "1234", "--output_dir", out_dir]
+        "--actor_model_name_or_path",
+        model_dir,
+        "--critic_model_name_or_path",
+        reward_model_dir(model_dir),
+        "--data_path",
+        prompts,
+        "--data_split",
+        "0,0,1",
+        "--actor_zero_stage",
+        str(stage),
+        "--critic_zero_stage",
+        str(stage),
+        "--dtype",
+        "fp32",
+        "--max_prompt_seq_len",
+        str(args.prompt_len),
+        "--max_answer_seq_len",
+        str(args.answer_len),
+        "--min_answer_seq_len",
+        str(args.answer_len),
+        "--temperature",
+        "1.0",
+        "--top_k",
+        "0",
+        "--top_p",
+        "1.0",
+        "--per_device_generation_batch_size",
+        str(args.batch_size),
+        "--generation_batches",
+        "1",
+        "--per_device_training_batch_size",
+        str(args.train_batch_size),
+        "--ppo_epochs",
+        str(args.ppo_epochs),
+        "--actor_learning_rate",
+        "1e-6",
+        "--critic_learning_rate",
+        "1e-6",
+        "--lr_scheduler_type",
+        "constant",
+        "--max_steps",
+        str(args.steps),
+        "--seed",
+        "1234",
+        "--output_dir",
+        out_dir,
+    ]
     if hybrid:
         cmd.append("--enable_hybrid_engine")
     return cmd
@@ -119,23 +167,34 @@ def summarize(rows: list[dict], warmup: int) -> dict:
     parts = {"gen": "time/generation_s", "exp": "time/experience_s", "train": "time/train_s"}
     step_s = [sum(r[k] for k in parts.values()) for r in timed]
     total = sum(step_s)
-    peaks = {phase: max(r[f"mem/{phase}_peak_gb"] for r in rows if f"mem/{phase}_peak_gb" in r)
-             for phase in ("generation", "experience", "training") if any(f"mem/{phase}_peak_gb" in r for r in rows)}
-    return {"steps_timed": len(timed), "step_s": statistics.median(step_s), "all_step_s": step_s,
-            "peak_rss_gib": peaks,  # per phase, the largest rank's, over all iterations (warm-up included)
-            "samples_per_s": statistics.median(r["samples_per_s"] for r in timed),
-            **{f"{name}_s": statistics.median(r[k] for r in timed) for name, k in parts.items()},
-            **{f"{name}_share": sum(r[k] for r in timed) / total for name, k in parts.items()}}
+    peaks = {
+        phase: max(r[f"mem/{phase}_peak_gb"] for r in rows if f"mem/{phase}_peak_gb" in r)
+        for phase in ("generation", "experience", "training")
+        if any(f"mem/{phase}_peak_gb" in r for r in rows)
+    }
+    return {
+        "steps_timed": len(timed),
+        "step_s": statistics.median(step_s),
+        "all_step_s": step_s,
+        "peak_rss_gib": peaks,  # per phase, the largest rank's, over all iterations (warm-up included)
+        "samples_per_s": statistics.median(r["samples_per_s"] for r in timed),
+        **{f"{name}_s": statistics.median(r[k] for r in timed) for name, k in parts.items()},
+        **{f"{name}_share": sum(r[k] for r in timed) / total for name, k in parts.items()},
+    }
 
 
-PHASE_HEAD = (f"{'s/iter':>7s} {'samples/s':>9s} {'gen s':>6s} {'exp s':>6s} {'train s':>7s} "
-              f"{'gen %':>6s} {'exp %':>6s} {'train %':>7s}")
+PHASE_HEAD = (
+    f"{'s/iter':>7s} {'samples/s':>9s} {'gen s':>6s} {'exp s':>6s} {'train s':>7s} "
+    f"{'gen %':>6s} {'exp %':>6s} {'train %':>7s}"
+)
 
 
 def phase_cells(r: dict) -> str:
     """One summarize() result under PHASE_HEAD: medians (s), samples/s, shares (%)."""
-    return (f"{r['step_s']:7.2f} {r['samples_per_s']:9.2f} {r['gen_s']:6.2f} {r['exp_s']:6.2f} {r['train_s']:7.2f} "
-            f"{100 * r['gen_share']:5.1f}% {100 * r['exp_share']:5.1f}% {100 * r['train_share']:6.1f}%")
+    return (
+        f"{r['step_s']:7.2f} {r['samples_per_s']:9.2f} {r['gen_s']:6.2f} {r['exp_s']:6.2f} {r['train_s']:7.2f} "
+        f"{100 * r['gen_share']:5.1f}% {100 * r['exp_share']:5.1f}% {100 * r['train_share']:6.1f}%"
+    )
 
 
 def biggest_share(r: dict) -> tuple[str, float]:
@@ -145,8 +204,9 @@ def biggest_share(r: dict) -> tuple[str, float]:
     return big, shares[big]
 
 
-def logits_to_keep_logprobs(model, batch: dict, temperature: float, return_entropy: bool = False,
-                            entropy_grad: bool = False):
+def logits_to_keep_logprobs(
+    model, batch: dict, temperature: float, return_entropy: bool = False, entropy_grad: bool = False
+):
     """PROPOSED policy forward, passed through PPOTrainer's `logprobs_fn` seam for the A/B only: the
     LM head (and log-softmax) only for the positions that predict response tokens (transformers'
     `logits_to_keep`), not for the prompt. Same contract as utils.models.forward.token_logprobs."""
@@ -158,9 +218,13 @@ def logits_to_keep_logprobs(model, batch: dict, temperature: float, return_entro
     device = model_device(model)
     input_ids, attention_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)
     p, length = batch["prompt_len"], input_ids.shape[1]
-    out = model(input_ids=input_ids, attention_mask=attention_mask,
-                position_ids=position_ids_from_attention_mask(attention_mask), use_cache=False,
-                logits_to_keep=length - p + 1)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_attention_mask(attention_mask),
+        use_cache=False,
+        logits_to_keep=length - p + 1,
+    )
     logits = out.logits[:, :-1]  # positions p-1 .. L-2: they predict the response tokens p .. L-1
     if temperature != 1.0:
         logits = logits / temperature
@@ -201,9 +265,12 @@ def ab_worker(argv) -> None:
         if is_rank0():
             with open(out, "a") as f:
                 f.write(json.dumps({"step": step, "hybrid": arm_b, **extra, **metrics}) + "\n")
-            print(f"[bench.step3 ab] iteration {step} arm {'B' if arm_b else 'A'}: "
-                  f"{sum(metrics[k] for k in ('time/generation_s', 'time/experience_s', 'time/train_s')):.2f} s",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[bench.step3 ab] iteration {step} arm {'B' if arm_b else 'A'}: "
+                f"{sum(metrics[k] for k in ('time/generation_s', 'time/experience_s', 'time/train_s')):.2f} s",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def logprobs_max_abs_diff(run) -> float:
@@ -225,8 +292,9 @@ def logprobs_max_abs_diff(run) -> float:
 
 def run_ab(args, model_dir, prompts) -> list[str]:
     stage = args.ab_stage
-    out_dir = fresh_dir(os.path.join(RUNS, "step3",
-                                     f"{os.path.basename(model_dir.rstrip('/'))}-ab-{args.ab_variant}-z{stage}"))
+    out_dir = fresh_dir(
+        os.path.join(RUNS, "step3", f"{os.path.basename(model_dir.rstrip('/'))}-ab-{args.ab_variant}-z{stage}")
+    )
     ab_out = os.path.join(out_dir, "ab.jsonl")
     cmd = step3_command(args, model_dir, prompts, stage, False, out_dir, args.master_port, module="bench.step3")
     cmd += ["--ab_worker", "--ab_out", ab_out, "--ab_variant", args.ab_variant]
@@ -241,12 +309,17 @@ def ab_report(args, rows: list[dict], run) -> list[str]:
     """The A/B table: one row per arm (the first pair of iterations dropped), their ratios, the biggest share."""
     timed = rows[2:]  # the first plain/hybrid pair is the warm-up
     names = {"hybrid": ("plain", "hybrid"), "logits_to_keep": ("project", "proposed")}[args.ab_variant]
-    what = {"hybrid": "plain / hybrid generation",
-            "logits_to_keep": "the project's token_logprobs / the PROPOSED one with logits_to_keep (hybrid on in both)"}
-    lines = ["", f"A/B in ONE process (ZeRO-{args.ab_stage} actor and critic; iterations alternate "
-                 f"{what[args.ab_variant]}; first pair dropped; {len(timed)} timed; launch {run.wall_s:.0f} s, "
-                 f"exit {run.returncode})",
-             f"{'arm':8s} {PHASE_HEAD}   all iterations (s)"]
+    what = {
+        "hybrid": "plain / hybrid generation",
+        "logits_to_keep": "the project's token_logprobs / the PROPOSED one with logits_to_keep (hybrid on in both)",
+    }
+    lines = [
+        "",
+        f"A/B in ONE process (ZeRO-{args.ab_stage} actor and critic; iterations alternate "
+        f"{what[args.ab_variant]}; first pair dropped; {len(timed)} timed; launch {run.wall_s:.0f} s, "
+        f"exit {run.returncode})",
+        f"{'arm':8s} {PHASE_HEAD}   all iterations (s)",
+    ]
     arms = {}
     for hybrid in (False, True):
         arm = summarize([r for r in timed if r["hybrid"] == hybrid], 0)
@@ -254,11 +327,15 @@ def ab_report(args, rows: list[dict], run) -> list[str]:
         lines.append(f"{names[hybrid]:8s} {phase_cells(arm)}   " + " ".join(f"{x:.2f}" for x in arm["all_step_s"]))
     p, h = arms[False], arms[True]
     if "logprobs_max_abs_diff" in rows[0]:
-        lines.append(f"log-probs of the proposed logits_to_keep_logprobs vs the project's on one rollout batch: max abs diff "
-                     f"{rows[0]['logprobs_max_abs_diff']:.2e} (action positions)")
-    lines.append(f"{names[1]} over {names[0]} (side by side): {p['step_s'] / h['step_s']:.2f}x per iteration, generation "
-                 f"{p['gen_s'] / h['gen_s']:.2f}x, experience {p['exp_s'] / h['exp_s']:.2f}x, training "
-                 f"{p['train_s'] / h['train_s']:.2f}x")
+        lines.append(
+            f"log-probs of the proposed logits_to_keep_logprobs vs the project's on one rollout batch: max abs diff "
+            f"{rows[0]['logprobs_max_abs_diff']:.2e} (action positions)"
+        )
+    lines.append(
+        f"{names[1]} over {names[0]} (side by side): {p['step_s'] / h['step_s']:.2f}x per iteration, generation "
+        f"{p['gen_s'] / h['gen_s']:.2f}x, experience {p['exp_s'] / h['exp_s']:.2f}x, training "
+        f"{p['train_s'] / h['train_s']:.2f}x"
+    )
     big, share = biggest_share(h)
     lines.append(f"biggest share with {names[1]}: {big} ({100 * share:.0f}%)")
     return lines
@@ -271,9 +348,14 @@ def by_name(results):
 def run_config(args, model_dir, prompts, name, port, command=None) -> dict:
     """One launch of step 3 (`command(out_dir, port)`, default: CONFIGS[name]'s step3_command) and its figures."""
     stage, hybrid = CONFIGS.get(name, (None, None))
-    out_dir = fresh_dir(os.path.join(RUNS, "step3", f"{os.path.basename(model_dir.rstrip('/'))}-{name.replace('+', '_')}"))
-    cmd = (command(out_dir, port) if command is not None
-           else step3_command(args, model_dir, prompts, stage, hybrid, out_dir, port))
+    out_dir = fresh_dir(
+        os.path.join(RUNS, "step3", f"{os.path.basename(model_dir.rstrip('/'))}-{name.replace('+', '_')}")
+    )
+    cmd = (
+        command(out_dir, port)
+        if command is not None
+        else step3_command(args, model_dir, prompts, stage, hybrid, out_dir, port)
+    )
     run = run_logged(cmd, bench_env(), os.path.join(out_dir, "launch.log"), args.timeout)
     metrics_path = os.path.join(out_dir, "metrics.jsonl")
     if not os.path.exists(metrics_path) or os.path.getsize(metrics_path) == 0:
@@ -283,13 +365,25 @@ def run_config(args, model_dir, prompts, name, port, command=None) -> dict:
     rows = read_jsonl(metrics_path)
     for sub in ("actor", "critic"):  # the exported models are not needed here (hundreds of MB each)
         shutil.rmtree(os.path.join(out_dir, sub), ignore_errors=True)
-    result = {"name": name, "zero_stage": stage, "hybrid": hybrid, "exit": run.returncode, "wall_s": run.wall_s,
-              "out_dir": out_dir, "rows": rows,
-              "max_rss_mib": run.max_rss_mib,
-              "cpu_s": run.cpu_s, "iterations": len(rows), **summarize(rows, args.warmup)}
-    print(f"  [{run.wall_s:.0f} s] {name}: exit {run.returncode}, {len(rows)} iterations, "
-          f"median {result['step_s']:.2f} s/iteration, largest process so far {result['max_rss_mib']:.0f} MiB",
-          file=sys.stderr, flush=True)
+    result = {
+        "name": name,
+        "zero_stage": stage,
+        "hybrid": hybrid,
+        "exit": run.returncode,
+        "wall_s": run.wall_s,
+        "out_dir": out_dir,
+        "rows": rows,
+        "max_rss_mib": run.max_rss_mib,
+        "cpu_s": run.cpu_s,
+        "iterations": len(rows),
+        **summarize(rows, args.warmup),
+    }
+    print(
+        f"  [{run.wall_s:.0f} s] {name}: exit {run.returncode}, {len(rows)} iterations, "
+        f"median {result['step_s']:.2f} s/iteration, largest process so far {result['max_rss_mib']:.0f} MiB",
+        file=sys.stderr,
+        flush=True,
+    )
     return result
 
 
@@ -297,10 +391,15 @@ def add_ppo_args(p) -> None:
     """The rollout and PPO-update flags that step3_command reads (bench/profile_step3.py has these alone)."""
     p.add_argument("--prompt_len", type=int, default=32, help="longest prompt, step 3's --max_prompt_seq_len (tokens)")
     p.add_argument("--answer_len", type=int, default=24, help="answer length, fixed: min = max (tokens)")
-    p.add_argument("--batch_size", type=int, default=8,
-                   help="rollout prompts per rank, --per_device_generation_batch_size (rows)")
-    p.add_argument("--train_batch_size", type=int, default=4,
-                   help="PPO mini-batch per rank, --per_device_training_batch_size (rows)")
+    p.add_argument(
+        "--batch_size", type=int, default=8, help="rollout prompts per rank, --per_device_generation_batch_size (rows)"
+    )
+    p.add_argument(
+        "--train_batch_size",
+        type=int,
+        default=4,
+        help="PPO mini-batch per rank, --per_device_training_batch_size (rows)",
+    )
     p.add_argument("--ppo_epochs", type=int, default=1, help="passes of PPO updates over each rollout (epochs)")
 
 
@@ -311,22 +410,37 @@ def add_workload_args(p, steps_help: str) -> None:
     p.add_argument("--steps", type=int, default=None, help=steps_help)
     p.add_argument("--warmup", type=int, default=1, help="first iterations left out of the medians (iterations)")
     add_ppo_args(p)
-    p.add_argument("--num_prompts", type=int, default=256,
-                   help="prompts of the demo pairs written to bench/runs/prompts.jsonl (rows)")
+    p.add_argument(
+        "--num_prompts",
+        type=int,
+        default=256,
+        help="prompts of the demo pairs written to bench/runs/prompts.jsonl (rows)",
+    )
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_workload_args(p, "PPO iterations per run (iterations; default: tiny 6, else 3; --ab: tiny 10, else 8)")
-    p.add_argument("--configs", default=",".join(CONFIGS),
-                   help=f"configurations to run one after the other, comma-separated, from {list(CONFIGS)}")
-    p.add_argument("--ab", action="store_true",
-                   help="instead of the four launches: ONE launch whose iterations alternate plain/hybrid generation")
+    p.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help=f"configurations to run one after the other, comma-separated, from {list(CONFIGS)}",
+    )
+    p.add_argument(
+        "--ab",
+        action="store_true",
+        help="instead of the four launches: ONE launch whose iterations alternate plain/hybrid generation",
+    )
     p.add_argument("--ab_stage", type=int, default=3, choices=[2, 3], help="ZeRO stage of the A/B run (2 or 3)")
-    p.add_argument("--ab_variant", choices=["hybrid", "logits_to_keep"], default="hybrid",
-                   help="hybrid: plain vs hybrid generation; logits_to_keep: the proposed logits_to_keep_logprobs vs the project's")
-    add_run_args(p, 29541, 600, save_help="also write the printed report to this file, and the figures as JSON "
-                                          "beside it (path)")
+    p.add_argument(
+        "--ab_variant",
+        choices=["hybrid", "logits_to_keep"],
+        default="hybrid",
+        help="hybrid: plain vs hybrid generation; logits_to_keep: the proposed logits_to_keep_logprobs vs the project's",
+    )
+    add_run_args(
+        p, 29541, 600, save_help="also write the printed report to this file, and the figures as JSON beside it (path)"
+    )
     args = p.parse_args(argv)
     args.steps = args.steps or ((10 if args.tiny else 8) if args.ab else (6 if args.tiny else 3))
     args.names = [n for n in args.configs.split(",") if n]
@@ -343,46 +457,63 @@ def header_lines(args, model_dir: str, prompts: str) -> list[str]:
 
     with open(os.path.join(model_dir, "config.json")) as f:
         cfg = json.load(f)
-    runs = (f"{args.steps} iterations in one run" if args.ab
-            else f"{args.steps} iterations per run (first {args.warmup} dropped)")
-    return [title("step3.py"),
-            machine_line(), malloc_line(),
-            f"launch: deepspeed --num_gpus 2 --module step3_ppo.main (2 CPU ranks, gloo), OMP_NUM_THREADS=1; "
-            f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}",
-            f"model: {model_dir} ({cfg.get('model_type')}, hidden {cfg.get('hidden_size')}, layers "
-            f"{cfg.get('num_hidden_layers')}, vocab {cfg.get('vocab_size')}), fp32, full fine-tuning (no LoRA), "
-            f"actor = reference, critic = reward = backbone + fresh value head",
-            f"PPO: {runs}, rollout {args.batch_size} prompts per "
-            f"rank (x2 ranks), prompt <= {args.prompt_len} tokens, answer exactly {args.answer_len} tokens "
-            f"(sampled, T=1), PPO mini-batch {args.train_batch_size}, {args.ppo_epochs} PPO epoch(s)",
-            f"prompts: {prompts} ({args.num_prompts} rows from data/demo_raw/pairs/train.jsonl), --data_split 0,0,1"]
+    runs = (
+        f"{args.steps} iterations in one run"
+        if args.ab
+        else f"{args.steps} iterations per run (first {args.warmup} dropped)"
+    )
+    return [
+        title("step3.py"),
+        machine_line(),
+        malloc_line(),
+        f"launch: deepspeed --num_gpus 2 --module step3_ppo.main (2 CPU ranks, gloo), OMP_NUM_THREADS=1; "
+        f"torch {torch.__version__}, deepspeed {deepspeed.__version__}, transformers {transformers.__version__}",
+        f"model: {model_dir} ({cfg.get('model_type')}, hidden {cfg.get('hidden_size')}, layers "
+        f"{cfg.get('num_hidden_layers')}, vocab {cfg.get('vocab_size')}), fp32, full fine-tuning (no LoRA), "
+        f"actor = reference, critic = reward = backbone + fresh value head",
+        f"PPO: {runs}, rollout {args.batch_size} prompts per "
+        f"rank (x2 ranks), prompt <= {args.prompt_len} tokens, answer exactly {args.answer_len} tokens "
+        f"(sampled, T=1), PPO mini-batch {args.train_batch_size}, {args.ppo_epochs} PPO epoch(s)",
+        f"prompts: {prompts} ({args.num_prompts} rows from data/demo_raw/pairs/train.jsonl), --data_split 0,0,1",
+    ]
 
 
 def configs_report(results: list[dict]) -> list[str]:
     """The table of the configurations, their peak memory, biggest shares and speed-ups."""
     out = ["", f"{'config':11s} {PHASE_HEAD} {'wall s':>7s} {'cpu/wall':>8s}   all iterations (s)"]
     for r in results:
-        out.append(f"{r['name']:11s} {phase_cells(r)} {r['wall_s']:7.0f} {r['cpu_s'] / r['wall_s']:8.2f}   "
-                   + " ".join(f"{s:.2f}" for s in r["all_step_s"]))
-    out.append("(s/iter, gen/exp/train s: medians of rank 0's iteration times; %: share of the summed timed "
-               "iterations; wall s: whole launch incl. start-up, model loading and the final export)")
-    out.append("peak RSS of the largest rank process after its last phase (MiB; Linux resets ru_maxrss with the "
-               "VmHWM that each phase resets, so this covers the last training phase and the export): "
-               + ", ".join(f"{r['name']} {r['max_rss_mib']:.0f}" for r in results))
-    out.append("peak RSS per phase (GiB, largest rank, max over iterations; utils.runtime.accelerator.PhaseMemory): "
-               + "; ".join(f"{r['name']} " + " / ".join(f"{k} {v:.2f}" for k, v in r["peak_rss_gib"].items())
-                           for r in results))
+        out.append(
+            f"{r['name']:11s} {phase_cells(r)} {r['wall_s']:7.0f} {r['cpu_s'] / r['wall_s']:8.2f}   "
+            + " ".join(f"{s:.2f}" for s in r["all_step_s"])
+        )
+    out.append(
+        "(s/iter, gen/exp/train s: medians of rank 0's iteration times; %: share of the summed timed "
+        "iterations; wall s: whole launch incl. start-up, model loading and the final export)"
+    )
+    out.append(
+        "peak RSS of the largest rank process after its last phase (MiB; Linux resets ru_maxrss with the "
+        "VmHWM that each phase resets, so this covers the last training phase and the export): "
+        + ", ".join(f"{r['name']} {r['max_rss_mib']:.0f}" for r in results)
+    )
+    out.append(
+        "peak RSS per phase (GiB, largest rank, max over iterations; utils.runtime.accelerator.PhaseMemory): "
+        + "; ".join(f"{r['name']} " + " / ".join(f"{k} {v:.2f}" for k, v in r["peak_rss_gib"].items()) for r in results)
+    )
     by = by_name(results)
     if "z2+hybrid" in by and "z2" in by:
-        out.append("note: without LoRA, z2 and z2+hybrid run the SAME code (no ZeRO-3 gather, nothing to merge): "
-                   "their difference is the run-to-run noise of this machine")
+        out.append(
+            "note: without LoRA, z2 and z2+hybrid run the SAME code (no ZeRO-3 gather, nothing to merge): "
+            "their difference is the run-to-run noise of this machine"
+        )
     for r in results:
         big, share = biggest_share(r)
         out.append(f"biggest share in {r['name']}: {big} ({100 * share:.0f}%)")
     for a, b in (("z3+hybrid", "z3"), ("z2+hybrid", "z2"), ("z2+hybrid", "z3+hybrid"), ("z2", "z3")):
         if a in by and b in by:
-            out.append(f"speed-up {a} over {b}: {by[b]['step_s'] / by[a]['step_s']:.2f}x per iteration "
-                       f"(generation {by[b]['gen_s'] / by[a]['gen_s']:.2f}x)")
+            out.append(
+                f"speed-up {a} over {b}: {by[b]['step_s'] / by[a]['step_s']:.2f}x per iteration "
+                f"(generation {by[b]['gen_s'] / by[a]['gen_s']:.2f}x)"
+            )
     return out
 
 

@@ -13,6 +13,7 @@ figures are medians, with the spread. Also: the worker's start-up (process start
 --compiled), the weight sync (gather from ZeRO-3 + shared memory + vLLM's reload) over --syncs forced syncs,
 peak RSS of a rank and of the worker, and whether the two engines' greedy tokens agree.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -101,16 +102,27 @@ def worker(argv):
     set_seed(0)
     tokenizer = load_tokenizer(args.model_name_or_path, padding_side="left")
     prompts = make_prompts(tokenizer, args.batch_size, args.prompt_len, seed=1)
-    build = SimpleNamespace(model_name_or_path=args.model_name_or_path, zero_stage=3, batch_size=args.batch_size,
-                            lora_dim=0)
+    build = SimpleNamespace(
+        model_name_or_path=args.model_name_or_path, zero_stage=3, batch_size=args.batch_size, lora_dim=0
+    )
     _, actor = build_models(build, ["hybrid"], tokenizer)
     lengths = [int(n) for n in args.new_tokens.split(",")]
-    config = SimpleNamespace(stop_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id, seed=0,
-                             enable_hybrid_engine=True, merge_lora_for_generation=True,
-                             generation=GenerationSettings(max(lengths)))
-    engines = {"hybrid": ActorGenerate(actor, config),
-               "vllm": VLLMRollout(actor, config, VLLMSettings(mode="compiled" if args.compiled else "eager",
-                                                               max_model_len=args.prompt_len + max(lengths)))}
+    config = SimpleNamespace(
+        stop_token_ids=(tokenizer.eos_token_id,),
+        pad_token_id=tokenizer.pad_token_id,
+        seed=0,
+        enable_hybrid_engine=True,
+        merge_lora_for_generation=True,
+        generation=GenerationSettings(max(lengths)),
+    )
+    engines = {
+        "hybrid": ActorGenerate(actor, config),
+        "vllm": VLLMRollout(
+            actor,
+            config,
+            VLLMSettings(mode="compiled" if args.compiled else "eager", max_model_len=args.prompt_len + max(lengths)),
+        ),
+    }
     vllm = engines["vllm"]
     start_s, _ = _timed(vllm.sync_weights)  # process start -> ready, then the first sync
     result = {"start_s": vllm.start_s, "first_sync_s": start_s - vllm.start_s, "hello": vllm.hello, "lengths": {}}
@@ -127,7 +139,7 @@ def worker(argv):
         same = float((out["hybrid"] == out["vllm"]).all(dim=1).float().mean())
         times = {name: [] for name in engines}
         for r in range(args.repeats):
-            for name in (("hybrid", "vllm") if r % 2 == 0 else ("vllm", "hybrid")):
+            for name in ("hybrid", "vllm") if r % 2 == 0 else ("vllm", "hybrid"):
                 times[name].append(_timed(calls[name])[0])
         tokens = args.batch_size * n * torch.distributed.get_world_size()
         result["lengths"][n] = {"times": times, "tokens": tokens, "same_rows": same}
@@ -145,18 +157,23 @@ def worker(argv):
 def report(r: dict) -> list[str]:
     med = statistics.median
     hello = r["hello"]
-    lines = [f"vLLM {hello['vllm']}: worker start-up {r['start_s']:.1f} s (vLLM's own {hello['start_s']:.1f} s; "
-             f"{hello['threads']} threads), first sync {r['first_sync_s']:.2f} s",
-             f"weight sync ({r['sync_mb']:.0f} MB: ZeRO-3 gather + shared memory + reload): median "
-             f"{med(r['sync_s']):.2f} s (" + ", ".join(f"{s:.2f}" for s in r["sync_s"]) + ")",
-             f"peak RSS: a rank {r['rank_peak_gib']:.2f} GiB, the worker {r['worker_peak_gib']:.2f} GiB", "",
-             "| new tokens | hybrid tokens/s | vLLM tokens/s | vLLM / hybrid (median; spread over rounds) | greedy rows equal |",
-             "|---|---|---|---|---|"]
+    lines = [
+        f"vLLM {hello['vllm']}: worker start-up {r['start_s']:.1f} s (vLLM's own {hello['start_s']:.1f} s; "
+        f"{hello['threads']} threads), first sync {r['first_sync_s']:.2f} s",
+        f"weight sync ({r['sync_mb']:.0f} MB: ZeRO-3 gather + shared memory + reload): median "
+        f"{med(r['sync_s']):.2f} s (" + ", ".join(f"{s:.2f}" for s in r["sync_s"]) + ")",
+        f"peak RSS: a rank {r['rank_peak_gib']:.2f} GiB, the worker {r['worker_peak_gib']:.2f} GiB",
+        "",
+        "| new tokens | hybrid tokens/s | vLLM tokens/s | vLLM / hybrid (median; spread over rounds) | greedy rows equal |",
+        "|---|---|---|---|---|",
+    ]
     for n, x in r["lengths"].items():
         h, v = x["times"]["hybrid"], x["times"]["vllm"]
         ratios = sorted(a / b for a, b in zip(h, v))
-        lines.append(f"| {n} | {x['tokens'] / med(h):.0f} | {x['tokens'] / med(v):.0f} | {med(h) / med(v):.2f}x "
-                     f"({ratios[0]:.2f}-{ratios[-1]:.2f}) | {x['same_rows']:.2f} |")
+        lines.append(
+            f"| {n} | {x['tokens'] / med(h):.0f} | {x['tokens'] / med(v):.0f} | {med(h) / med(v):.2f}x "
+            f"({ratios[0]:.2f}-{ratios[-1]:.2f}) | {x['same_rows']:.2f} |"
+        )
     return lines
 
 
@@ -167,17 +184,44 @@ def main(argv=None):
     add_call_args(p)
     args = p.parse_args(argv)
     model = bench_model(args)
-    header = start_report([title("vllm_engine.py"), machine_line(), malloc_line(),
-                           f"model {model}; 2 ranks, ZeRO-3, fp32, greedy; {args.batch_size} prompts/rank of "
-                           f"{args.prompt_len} tokens; vLLM {'compiled' if args.compiled else 'eager'}"])
+    header = start_report(
+        [
+            title("vllm_engine.py"),
+            machine_line(),
+            malloc_line(),
+            f"model {model}; 2 ranks, ZeRO-3, fp32, greedy; {args.batch_size} prompts/rank of "
+            f"{args.prompt_len} tokens; vLLM {'compiled' if args.compiled else 'eager'}",
+        ]
+    )
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        cmd = deepspeed_cmd("bench.vllm_engine", args.master_port) + [
-            "--worker", "--model_name_or_path", model, "--out", out, "--batch_size", str(args.batch_size),
-            "--prompt_len", str(args.prompt_len), "--new_tokens", args.new_tokens, "--repeats", str(args.repeats),
-            "--syncs", str(args.syncs)] + (["--compiled"] if args.compiled else [])
-        launch(cmd, bench_env(), args.timeout, os.path.join(tmp, "log.txt") if not args.save else
-               os.path.splitext(args.save)[0] + ".log")
+        cmd = (
+            deepspeed_cmd("bench.vllm_engine", args.master_port)
+            + [
+                "--worker",
+                "--model_name_or_path",
+                model,
+                "--out",
+                out,
+                "--batch_size",
+                str(args.batch_size),
+                "--prompt_len",
+                str(args.prompt_len),
+                "--new_tokens",
+                args.new_tokens,
+                "--repeats",
+                str(args.repeats),
+                "--syncs",
+                str(args.syncs),
+            ]
+            + (["--compiled"] if args.compiled else [])
+        )
+        launch(
+            cmd,
+            bench_env(),
+            args.timeout,
+            os.path.join(tmp, "log.txt") if not args.save else os.path.splitext(args.save)[0] + ".log",
+        )
         with open(out) as f:
             result = json.load(f)
     end_report(args.save, header, report(result), data=result)

@@ -17,6 +17,7 @@ Prints per way the medians of the forward and of each training step, and the all
 each made (DeepSpeed's comm backend is counted). A training step that follows a dropped trace
 runs without prefetching and gathers some parameters more than once.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -121,15 +122,17 @@ def worker(argv) -> None:
     def no_grad_forward(way):
         def run():
             context = {"hooked": contextlib.nullcontext, "gathered": gathered, "re-registered": re_registered}[way]
-            with torch.no_grad(), eval_mode(engine), (context() if way == "hooked" else context(engine)):
+            with torch.no_grad(), eval_mode(engine), context() if way == "hooked" else context(engine):
                 causal_lm_logits(engine, ids, mask)
+
         return run
 
     def train_step(k):
         def run():
-            logits = causal_lm_logits(engine, ids[4 * k:4 * k + 4], mask[4 * k:4 * k + 4])
+            logits = causal_lm_logits(engine, ids[4 * k : 4 * k + 4], mask[4 * k : 4 * k + 4])
             engine.backward(logits.float().logsumexp(-1).mean())
             engine.step()
+
         return run
 
     results = {way: {"forward": [], "train1": [], "train2": []} for way in WAYS}
@@ -145,19 +148,28 @@ def worker(argv) -> None:
 
 
 def report(results: dict) -> list[str]:
-    lines = ["", f"{'no-grad forward':16s} {'forward s':>10s} {'gathers':>8s} {'train 1 s':>10s} {'gathers':>8s} "
-                 f"{'train 2 s':>10s} {'gathers':>8s}   (medians; gathers = all-gather calls per rank)"]
-    med = {way: {k: (statistics.median(t for t, _ in v), statistics.median(n for _, n in v)) for k, v in r.items()}
-           for way, r in results.items()}
+    lines = [
+        "",
+        f"{'no-grad forward':16s} {'forward s':>10s} {'gathers':>8s} {'train 1 s':>10s} {'gathers':>8s} "
+        f"{'train 2 s':>10s} {'gathers':>8s}   (medians; gathers = all-gather calls per rank)",
+    ]
+    med = {
+        way: {k: (statistics.median(t for t, _ in v), statistics.median(n for _, n in v)) for k, v in r.items()}
+        for way, r in results.items()
+    }
     for way in WAYS:
         m = med[way]
-        lines.append(f"{way:16s} {m['forward'][0]:10.3f} {m['forward'][1]:8.0f} {m['train1'][0]:10.3f} "
-                     f"{m['train1'][1]:8.0f} {m['train2'][0]:10.3f} {m['train2'][1]:8.0f}")
+        lines.append(
+            f"{way:16s} {m['forward'][0]:10.3f} {m['forward'][1]:8.0f} {m['train1'][0]:10.3f} "
+            f"{m['train1'][1]:8.0f} {m['train2'][0]:10.3f} {m['train2'][1]:8.0f}"
+        )
     g, r, h = med["gathered"], med["re-registered"], med["hooked"]
-    lines.append(f"first training step after the forward: re-registered / gathered = "
-                 f"{r['train1'][0] / g['train1'][0]:.2f}x; forward + both steps: "
-                 f"{sum(r[k][0] for k in r) / sum(g[k][0] for k in g):.2f}x (re-registered), "
-                 f"{sum(h[k][0] for k in h) / sum(g[k][0] for k in g):.2f}x (hooked) the time of gathered")
+    lines.append(
+        f"first training step after the forward: re-registered / gathered = "
+        f"{r['train1'][0] / g['train1'][0]:.2f}x; forward + both steps: "
+        f"{sum(r[k][0] for k in r) / sum(g[k][0] for k in g):.2f}x (re-registered), "
+        f"{sum(h[k][0] for k in h) / sum(g[k][0] for k in g):.2f}x (hooked) the time of gathered"
+    )
     return lines
 
 
@@ -176,19 +188,36 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     model_dir = bench_model(args)
-    header = start_report([
-        title("zero3_trace.py"),
-        f"model: {model_dir}; ZeRO-3 fp32 actor (utils.train.ds_config), 2 ranks, OMP_NUM_THREADS=1, lr 0; "
-        f"no-grad forward of 8 x {args.seq_len} tokens, then 2 training steps of 4 x {args.seq_len}; "
-        f"{args.rounds} rounds per way (round-robin) after a warm-up round",
-        malloc_line()])
+    header = start_report(
+        [
+            title("zero3_trace.py"),
+            f"model: {model_dir}; ZeRO-3 fp32 actor (utils.train.ds_config), 2 ranks, OMP_NUM_THREADS=1, lr 0; "
+            f"no-grad forward of 8 x {args.seq_len} tokens, then 2 training steps of 4 x {args.seq_len}; "
+            f"{args.rounds} rounds per way (round-robin) after a warm-up round",
+            malloc_line(),
+        ]
+    )
     logs = os.path.join(REPO, "bench", "runs")
     os.makedirs(logs, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="bench_z3trace_") as tmp:
         out = os.path.join(tmp, "result.json")
-        launch(deepspeed_cmd("bench.zero3_trace", args.master_port)
-               + ["--worker", "--out", out, "--model_name_or_path", model_dir, "--seq_len", str(args.seq_len),
-                  "--rounds", str(args.rounds)], bench_env(), args.timeout, os.path.join(logs, "zero3_trace.log"))
+        launch(
+            deepspeed_cmd("bench.zero3_trace", args.master_port)
+            + [
+                "--worker",
+                "--out",
+                out,
+                "--model_name_or_path",
+                model_dir,
+                "--seq_len",
+                str(args.seq_len),
+                "--rounds",
+                str(args.rounds),
+            ],
+            bench_env(),
+            args.timeout,
+            os.path.join(logs, "zero3_trace.log"),
+        )
         with open(out) as f:
             results = json.load(f)
     end_report(args.save, header, report(results))

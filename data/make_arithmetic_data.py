@@ -73,8 +73,7 @@ def row_of(question: str, answer: str, system: str = SYSTEM) -> dict:
     return {"prompt": turns + [{"role": "user", "content": question}], "answer": answer}
 
 
-def build(seed: int, n_train: int, n_eval: int, difficulty: str = DEFAULT_DIFFICULTY,
-          system: str = SYSTEM) -> dict:
+def build(seed: int, n_train: int, n_eval: int, difficulty: str = DEFAULT_DIFFICULTY, system: str = SYSTEM) -> dict:
     """{"train": rows, "eval": rows}. Eval questions are distinct; train questions are drawn apart from
     them (distinct too while the problem space allows, else repeats, never an eval question)."""
     rng = random.Random(f"arithmetic-{difficulty}-{seed}")
@@ -94,8 +93,10 @@ def build(seed: int, n_train: int, n_eval: int, difficulty: str = DEFAULT_DIFFIC
             continue
         seen.add(q)
         train_rows.append((q, a))
-    return {"train": [row_of(q, a, system) for q, a in train_rows],
-            "eval": [row_of(q, a, system) for q, a in eval_rows.items()]}
+    return {
+        "train": [row_of(q, a, system) for q, a in train_rows],
+        "eval": [row_of(q, a, system) for q, a in eval_rows.items()],
+    }
 
 
 def write(out: str, data: dict) -> dict:
@@ -110,19 +111,36 @@ def write(out: str, data: dict) -> dict:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output folder (train.jsonl, eval.jsonl)")
-    ap.add_argument("--train", type=int, default=2000,
-                    help="rows (problems) in train.jsonl; none is an eval question (default %(default)s)")
-    ap.add_argument("--eval", type=int, default=200,
-                    help="rows (distinct problems) in eval.jsonl, at most half the problems of --difficulty "
-                         "(default %(default)s)")
+    ap.add_argument(
+        "--train",
+        type=int,
+        default=2000,
+        help="rows (problems) in train.jsonl; none is an eval question (default %(default)s)",
+    )
+    ap.add_argument(
+        "--eval",
+        type=int,
+        default=200,
+        help="rows (distinct problems) in eval.jsonl, at most half the problems of --difficulty (default %(default)s)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="random seed; the same seed gives the same rows")
-    ap.add_argument("--difficulty", choices=sorted(DIFFICULTIES), default=DEFAULT_DIFFICULTY,
-                    help="; ".join(f"{k}: {v[0]}" for k, v in DIFFICULTIES.items()))
-    ap.add_argument("--system", default=SYSTEM, help="system turn (default: none, the chat template's default system turn then applies)")
+    ap.add_argument(
+        "--difficulty",
+        choices=sorted(DIFFICULTIES),
+        default=DEFAULT_DIFFICULTY,
+        help="; ".join(f"{k}: {v[0]}" for k, v in DIFFICULTIES.items()),
+    )
+    ap.add_argument(
+        "--system",
+        default=SYSTEM,
+        help="system turn (default: none, the chat template's default system turn then applies)",
+    )
     args = ap.parse_args(argv)
     counts = write(args.out, build(args.seed, args.train, args.eval, args.difficulty, args.system))
-    print(f"arithmetic data ({args.difficulty}, seed {args.seed}) in {args.out}: "
-          + ", ".join(f"{k}={v}" for k, v in counts.items()))
+    print(
+        f"arithmetic data ({args.difficulty}, seed {args.seed}) in {args.out}: "
+        + ", ".join(f"{k}={v}" for k, v in counts.items())
+    )
     return counts
 
 

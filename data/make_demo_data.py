@@ -109,8 +109,13 @@ def pair_rows(pools: dict, n: int, rng: random.Random) -> list:
         other = rng.sample(pools[1 - lab], min(k, len(pools[1 - lab])))
         for s, o in zip(own, other):
             pos, neg = (s, o) if lab == 1 else (o, s)
-            rows.append({"prompt": prompt_of(s["prefix"]),
-                         "chosen": response_of(pos["rest"]), "rejected": response_of(neg["rest"])})
+            rows.append(
+                {
+                    "prompt": prompt_of(s["prefix"]),
+                    "chosen": response_of(pos["rest"]),
+                    "rejected": response_of(neg["rest"]),
+                }
+            )
     rng.shuffle(rows)
     return rows
 
@@ -137,8 +142,10 @@ def split_test(rest: dict, n: int, taken: set) -> tuple[dict, dict]:
                 taken.add(s["prefix"])
     test_texts = {s["text"] for pool in test.values() for s in pool}
     test_prefixes = {s["prefix"] for pool in test.values() for s in pool}
-    train = {lab: [s for s in items if s["text"] not in test_texts and s["prefix"] not in test_prefixes]
-             for lab, items in rest.items()}
+    train = {
+        lab: [s for s in items if s["text"] not in test_texts and s["prefix"] not in test_prefixes]
+        for lab, items in rest.items()
+    }
     return test, train
 
 
@@ -171,17 +178,23 @@ def build(seed: int, sizes: dict, path: str | None = None) -> dict:
     texts = {name: {s["text"] for lab in (0, 1) for s in pool[lab]} for name, pool in pools.items()}
     assert not texts["eval"] & texts["train"], "eval sentences leaked into train"
     assert not texts["test"] & (texts["train"] | texts["eval"]), "test sentences leaked into train or eval"
-    data["_info"] = {"eligible": eligible, "eval_pool": len(texts["eval"]), "test_pool": len(texts["test"]),
-                     "train_pool": len(texts["train"])}
+    data["_info"] = {
+        "eligible": eligible,
+        "eval_pool": len(texts["eval"]),
+        "test_pool": len(texts["test"]),
+        "train_pool": len(texts["train"]),
+    }
     return data
 
 
 LAYOUTS = {
     "raw": "as they are ({{prompt, response}} and {{prompt, chosen, rejected}} strings)",
-    "chat": ("as conversations for the model's chat template: an SFT row is {{\"messages\": [system "
-             "\"Continue the movie review.\", user \"{{first k words}}\", assistant rest]}}, a pair is TRL's "
-             "{{\"prompt\": [system turn, user turn], \"chosen\": [assistant turn], \"rejected\": [assistant "
-             "turn]}}"),
+    "chat": (
+        'as conversations for the model\'s chat template: an SFT row is {{"messages": [system '
+        '"Continue the movie review.", user "{{first k words}}", assistant rest]}}, a pair is TRL\'s '
+        '{{"prompt": [system turn, user turn], "chosen": [assistant turn], "rejected": [assistant '
+        "turn]}}"
+    ),
 }
 
 README = """# Demo RLHF data (derived offline)
@@ -209,14 +222,17 @@ written, so no dev or test sentence appears in a train file, and no test sentenc
 def as_chat(row: dict) -> dict:
     """A raw row as conversational rows (the same sentences): an SFT row a two-turn `messages` list,
     a pair TRL's layout (a user-turn prompt, chosen and rejected assistant turns)."""
-    prefix = row["prompt"][len("Human: Continue this movie review: "):-len("\n\nAssistant:")]
+    prefix = row["prompt"][len("Human: Continue this movie review: ") : -len("\n\nAssistant:")]
     turns = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prefix}]
     if set(row) == {"prompt"}:
         return {"prompt": turns}
     if "response" in row:
         return {"messages": turns + [{"role": "assistant", "content": row["response"].strip()}]}
-    return {"prompt": turns, "chosen": [{"role": "assistant", "content": row["chosen"].strip()}],
-            "rejected": [{"role": "assistant", "content": row["rejected"].strip()}]}
+    return {
+        "prompt": turns,
+        "chosen": [{"role": "assistant", "content": row["chosen"].strip()}],
+        "rejected": [{"role": "assistant", "content": row["rejected"].strip()}],
+    }
 
 
 def write(out: str, data: dict, seed: int, fmt: str = "chat") -> dict:
@@ -238,28 +254,45 @@ def write(out: str, data: dict, seed: int, fmt: str = "chat") -> dict:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output folder")
-    ap.add_argument("--seed", type=int, default=0,
-                    help="random seed of the cuts, pools and pairings; the same seed gives the same files")
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="random seed of the cuts, pools and pairings; the same seed gives the same files",
+    )
     ap.add_argument("--sft_train", type=int, default=3000, help="rows in sft/train.jsonl (default %(default)s)")
     ap.add_argument("--sft_eval", type=int, default=300, help="rows in sft/eval.jsonl (default %(default)s)")
-    ap.add_argument("--pairs_train", type=int, default=3000,
-                    help="pairs (rows) in pairs/train.jsonl (default %(default)s)")
-    ap.add_argument("--pairs_eval", type=int, default=300,
-                    help="pairs (rows) in pairs/eval.jsonl (default %(default)s)")
-    ap.add_argument("--test", type=int, default=256,
-                    help="prompts in test/prompts.jsonl, the demo's test split (default %(default)s)")
+    ap.add_argument(
+        "--pairs_train", type=int, default=3000, help="pairs (rows) in pairs/train.jsonl (default %(default)s)"
+    )
+    ap.add_argument(
+        "--pairs_eval", type=int, default=300, help="pairs (rows) in pairs/eval.jsonl (default %(default)s)"
+    )
+    ap.add_argument(
+        "--test",
+        type=int,
+        default=256,
+        help="prompts in test/prompts.jsonl, the demo's test split (default %(default)s)",
+    )
     ap.add_argument("--csv", default=None, help="override the CSV location")
-    ap.add_argument("--format", choices=FORMATS, default="chat",
-                    help="chat: messages rows for the model's chat template (default); raw: DeepSpeed-Chat's "
-                         "Human/Assistant strings (the same sentences)")
+    ap.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="chat",
+        help="chat: messages rows for the model's chat template (default); raw: DeepSpeed-Chat's "
+        "Human/Assistant strings (the same sentences)",
+    )
     args = ap.parse_args(argv)
     sizes = {k: getattr(args, k) for k in ("sft_train", "sft_eval", "pairs_train", "pairs_eval", "test")}
     data = build(args.seed, sizes, args.csv)
     counts = write(args.out, data, args.seed, args.format)
     info = data["_info"]
-    print(f"demo data in {args.out}: " + ", ".join(f"{k}={v}" for k, v in counts.items())
-          + f" (eligible RT sentences {info['eligible']}: eval pool {info['eval_pool']}, test pool {info['test_pool']}, "
-            f"train pool {info['train_pool']})")
+    print(
+        f"demo data in {args.out}: "
+        + ", ".join(f"{k}={v}" for k, v in counts.items())
+        + f" (eligible RT sentences {info['eligible']}: eval pool {info['eval_pool']}, test pool {info['test_pool']}, "
+        f"train pool {info['train_pool']})"
+    )
     return counts
 
 

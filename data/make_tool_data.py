@@ -48,21 +48,29 @@ KINDS = {
 # wordings; half the SFT traces ask "What is 347 * 28?", half are in other wordings (SFT_WORDED): SFT teaches
 # the call, RL to call it from stories it has not seen.
 SFT_WORDED = {
-    "mul": ("There are {a} rows of {b} chairs in a hall. How many chairs are there?",
-            "A printer prints {b} pages a minute. How many pages does it print in {a} minutes?"),
-    "sum4": ("Four trucks carry {a}, {b}, {c} and {d} boxes. How many boxes do they carry in all?",
-             "Ann read {a}, {b}, {c} and {d} pages on four days. How many pages did she read?"),
+    "mul": (
+        "There are {a} rows of {b} chairs in a hall. How many chairs are there?",
+        "A printer prints {b} pages a minute. How many pages does it print in {a} minutes?",
+    ),
+    "sum4": (
+        "Four trucks carry {a}, {b}, {c} and {d} boxes. How many boxes do they carry in all?",
+        "Ann read {a}, {b}, {c} and {d} pages on four days. How many pages did she read?",
+    ),
 }
 WORDED = {
-    "mul": ("A box holds {b} pencils. How many pencils are in {a} boxes?",
-            "Each of the {a} pages of a book has {b} lines. How many lines does the book have?",
-            "A farm packs {a} crates with {b} eggs in each. How many eggs is that?",
-            "A bus ticket costs {b} cents. How many cents do {a} tickets cost?"),
-    "sum4": ("Four classes have {a}, {b}, {c} and {d} students. How many students are there in all?",
-             "A shop sold {a} cups on Monday, {b} on Tuesday, {c} on Wednesday and {d} on Thursday. "
-             "How many cups did it sell?",
-             "Tom scored {a}, {b}, {c} and {d} points in four games. How many points did he score?",
-             "A bus picked up {a}, {b}, {c} and {d} people at four stops. How many people got on?"),
+    "mul": (
+        "A box holds {b} pencils. How many pencils are in {a} boxes?",
+        "Each of the {a} pages of a book has {b} lines. How many lines does the book have?",
+        "A farm packs {a} crates with {b} eggs in each. How many eggs is that?",
+        "A bus ticket costs {b} cents. How many cents do {a} tickets cost?",
+    ),
+    "sum4": (
+        "Four classes have {a}, {b}, {c} and {d} students. How many students are there in all?",
+        "A shop sold {a} cups on Monday, {b} on Tuesday, {c} on Wednesday and {d} on Thursday. "
+        "How many cups did it sell?",
+        "Tom scored {a}, {b}, {c} and {d} points in four games. How many points did he score?",
+        "A bus picked up {a}, {b}, {c} and {d} people at four stops. How many people got on?",
+    ),
 }
 SPLITS = ("eval", "sft", "train")  # the order they are drawn in: eval never depends on the other counts
 
@@ -114,11 +122,15 @@ def sft_row(question: str, expression: str, answer: str, system: str) -> dict:
     result = calculator(expression)
     if result != answer:  # the trace would teach a wrong answer
         raise AssertionError(f"calculator({expression!r}) gave {result!r}, expected {answer!r}")
-    return {"messages": [{"role": "system", "content": system},
-                         {"role": "user", "content": question},
-                         {"role": "assistant", "content": tool_call(expression)},
-                         {"role": "tool", "content": result},
-                         {"role": "assistant", "content": ANSWER.format(answer=result)}]}
+    return {
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": tool_call(expression)},
+            {"role": "tool", "content": result},
+            {"role": "assistant", "content": ANSWER.format(answer=result)},
+        ]
+    }
 
 
 def prompt_row(question: str, answer: str) -> dict:
@@ -131,8 +143,9 @@ def draw(seed: int, counts: dict) -> dict:
     for kind in KINDS:
         need = sum(sum(1 for i in range(n) if kind_of(i) == kind) for n in counts.values())
         if need > problem_space(kind) // 2:  # past that, drawing without repeats would crawl
-            raise UsageError(f"{need} {KINDS[kind][0]} problems asked for, more than half of the "
-                             f"{problem_space(kind)} there are")
+            raise UsageError(
+                f"{need} {KINDS[kind][0]} problems asked for, more than half of the {problem_space(kind)} there are"
+            )
     seen: set = set()
     out: dict = {}
     for split in SPLITS:
@@ -152,27 +165,42 @@ def build(seed: int, n_sft: int, n_train: int, n_eval: int) -> dict:
     """{"sft": messages rows, "train": prompt rows, "eval": prompt rows} for `seed`."""
     problems = draw(seed, {"sft": n_sft, "train": n_train, "eval": n_eval})
     system = system_prompt() if problems["sft"] else ""
-    return {"sft": [sft_row(q, e, a, system) for q, e, a in problems["sft"]],
-            "train": [prompt_row(q, a) for q, _, a in problems["train"]],
-            "eval": [prompt_row(q, a) for q, _, a in problems["eval"]]}
+    return {
+        "sft": [sft_row(q, e, a, system) for q, e, a in problems["sft"]],
+        "train": [prompt_row(q, a) for q, _, a in problems["train"]],
+        "eval": [prompt_row(q, a) for q, _, a in problems["eval"]],
+    }
 
 
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output folder (sft/train.jsonl, rl/train.jsonl, rl/eval.jsonl)")
-    ap.add_argument("--sft", type=int, default=400,
-                    help="tool-use traces (messages rows) in sft/train.jsonl, for step 1 (default %(default)s)")
-    ap.add_argument("--train", type=int, default=2000,
-                    help="prompt rows in rl/train.jsonl, for step 3 with --tools calculator (default %(default)s)")
-    ap.add_argument("--eval", type=int, default=200,
-                    help="held-out prompt rows in rl/eval.jsonl; no eval problem is in sft or train "
-                         "(default %(default)s)")
+    ap.add_argument(
+        "--sft",
+        type=int,
+        default=400,
+        help="tool-use traces (messages rows) in sft/train.jsonl, for step 1 (default %(default)s)",
+    )
+    ap.add_argument(
+        "--train",
+        type=int,
+        default=2000,
+        help="prompt rows in rl/train.jsonl, for step 3 with --tools calculator (default %(default)s)",
+    )
+    ap.add_argument(
+        "--eval",
+        type=int,
+        default=200,
+        help="held-out prompt rows in rl/eval.jsonl; no eval problem is in sft or train (default %(default)s)",
+    )
     ap.add_argument("--seed", type=int, default=0, help="random seed; the same seed gives the same rows")
     args = ap.parse_args(argv)
     data = build(args.seed, args.sft, args.train, args.eval)
     # one folder per step, in the data layer's naming (train.* / eval.*): step 1 reads sft/, step 3 rl/
-    counts = {"sft": write(os.path.join(args.out, "sft"), {"train": data["sft"]})["train"],
-              **write(os.path.join(args.out, "rl"), {"train": data["train"], "eval": data["eval"]})}
+    counts = {
+        "sft": write(os.path.join(args.out, "sft"), {"train": data["sft"]})["train"],
+        **write(os.path.join(args.out, "rl"), {"train": data["train"], "eval": data["eval"]}),
+    }
     print(f"tool-use data (seed {args.seed}) in {args.out}: " + ", ".join(f"{k}={v}" for k, v in counts.items()))
     return counts
 

@@ -4,6 +4,7 @@ Only response tokens (and the EOS that ends them) are trained; prompt and paddin
 (-100), unlike DeepSpeed-Chat, which also trains the prompt. Perplexity on the held-out split is
 reported before and after training. The output directory is a plain `from_pretrained` directory.
 """
+
 from __future__ import annotations
 
 import math
@@ -33,10 +34,17 @@ from utils.train.run import ReloadCheck, Run
 
 def parse_args(argv=None):
     parser = single_model_parser(__doc__.splitlines()[0], "local from_pretrained directory or hub name")
-    parser.add_argument("--train_on_last_turn_only", action="store_true",
-                        help="train only a conversation's last assistant turn (default: every assistant turn)")
-    parser.add_argument("--eval_iters", type=int, default=0,
-                        help="perplexity on at most this many held-out batches per rank (0: all held-out rows)")
+    parser.add_argument(
+        "--train_on_last_turn_only",
+        action="store_true",
+        help="train only a conversation's last assistant turn (default: every assistant turn)",
+    )
+    parser.add_argument(
+        "--eval_iters",
+        type=int,
+        default=0,
+        help="perplexity on at most this many held-out batches per rank (0: all held-out rows)",
+    )
     args = parser.parse_args(argv)
     check_range(args, 0, ("eval_iters",))
     validate_training_args(args, positive=BATCH_FLAGS)
@@ -77,21 +85,36 @@ def logits_of(model, batch: dict) -> torch.Tensor:
 def main(argv=None):
     args = parse_args(argv)
     tokenizer, train_examples, train_stats, eval_examples, eval_stats = start_single_model_run(
-        args, 1, lambda rows, tok: tokenize_sft(rows, tok, args.max_seq_len, args.train_on_last_turn_only),
-        {"max_seq_len": args.max_seq_len, "train_on_last_turn_only": args.train_on_last_turn_only})
-    print_rank0(f"[step1] train examples {len(train_examples)} {train_stats}; eval examples {len(eval_examples)} {eval_stats}")
+        args,
+        1,
+        lambda rows, tok: tokenize_sft(rows, tok, args.max_seq_len, args.train_on_last_turn_only),
+        {"max_seq_len": args.max_seq_len, "train_on_last_turn_only": args.train_on_last_turn_only},
+    )
+    print_rank0(
+        f"[step1] train examples {len(train_examples)} {train_stats}; eval examples {len(eval_examples)} {eval_stats}"
+    )
     if args.eval_iters:
-        print_rank0(f"[step1] perplexity on at most {args.eval_iters} batches of {args.per_device_eval_batch_size} "
-                    f"held-out rows per rank (--eval_iters)")
+        print_rank0(
+            f"[step1] perplexity on at most {args.eval_iters} batches of {args.per_device_eval_batch_size} "
+            f"held-out rows per rank (--eval_iters)"
+        )
     collator = SFTCollator(tokenizer.pad_token_id)
     if not eval_examples:
-        raise UsageError("no held-out examples to evaluate (the eval split is empty: --eval_fraction 0, or "
-                         "too few rows); give --eval_fraction > 0 or a source with an eval/test file")
+        raise UsageError(
+            "no held-out examples to evaluate (the eval split is empty: --eval_fraction 0, or "
+            "too few rows); give --eval_fraction > 0 or a source with an eval/test file"
+        )
 
     sampler, loader, total_steps = micro_batch_schedule(train_examples, collator, args)
     ds_config = train_ds_config_from_args(args)
-    model = load_causal_lm(args.model_name_or_path, tokenizer, ds_config, args.dropout, args.trust_remote_code,
-                           attn_implementation=args.attn_implementation)
+    model = load_causal_lm(
+        args.model_name_or_path,
+        tokenizer,
+        ds_config,
+        args.dropout,
+        args.trust_remote_code,
+        attn_implementation=args.attn_implementation,
+    )
     engine = build_trained_engine(model, ds_config, spec_from_args(args), total_steps)
 
     run = Run(args, "step1", "step1 sft", {"model": engine}, data_layout(args, len(train_examples)), total_steps)
@@ -108,17 +131,29 @@ def main(argv=None):
         return {"train/loss": mean_loss}, {"loss": f"{mean_loss:.4f}"}, f"loss {mean_loss:.4f}"
 
     # the loss is the NLL per trained token of the whole optimizer step (all micro-batches, all ranks)
-    train_micro_batches(run, engine, loader, sampler, lambda batch: sft_loss_terms(engine, batch), step_metrics,
-                        counts=trained_tokens)
+    train_micro_batches(
+        run, engine, loader, sampler, lambda batch: sft_loss_terms(engine, batch), step_metrics, counts=trained_tokens
+    )
 
     ppl_after = evaluate_perplexity(engine, eval_examples, collator, args.per_device_eval_batch_size, args.eval_iters)
-    print_rank0(f"[step1] eval perplexity after {run.loop.step} steps: {ppl_after:.3f} (before {ppl_before:.3f}); "
-                f"training took {run.train_s:.1f} s")
+    print_rank0(
+        f"[step1] eval perplexity after {run.loop.step} steps: {ppl_after:.3f} (before {ppl_before:.3f}); "
+        f"training took {run.train_s:.1f} s"
+    )
     run.log(run.loop.step, {"eval/perplexity": ppl_after, "time/train_s": run.train_s})
-    run.finish(lambda: export_hf_model(engine, tokenizer, args.output_dir), args.output_dir, "the fine-tuned model",
-               ReloadCheck("logits", "logits", engine,
-                           lambda: load_causal_lm(args.output_dir, trust_remote_code=args.trust_remote_code),
-                           logits_of, collator(eval_examples[:4])))
+    run.finish(
+        lambda: export_hf_model(engine, tokenizer, args.output_dir),
+        args.output_dir,
+        "the fine-tuned model",
+        ReloadCheck(
+            "logits",
+            "logits",
+            engine,
+            lambda: load_causal_lm(args.output_dir, trust_remote_code=args.trust_remote_code),
+            logits_of,
+            collator(eval_examples[:4]),
+        ),
+    )
 
 
 def cli() -> None:

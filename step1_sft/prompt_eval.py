@@ -10,6 +10,7 @@ search with 4 beams). Prompts are used
 verbatim and tokenised exactly as in training (no special tokens; BOS only where the tokenizer's
 config adds one); each model uses its own tokenizer.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,18 +33,34 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model_name_or_path_baseline", required=True, help="e.g. the base model")
     p.add_argument("--model_name_or_path_finetune", required=True, help="e.g. the step 1 output")
-    p.add_argument("--prompts", nargs="+", default=None,
-                   help="prompt strings, or one JSON/JSONL file/folder with a 'prompt' field (default: demo-style prompts)")
+    p.add_argument(
+        "--prompts",
+        nargs="+",
+        default=None,
+        help="prompt strings, or one JSON/JSONL file/folder with a 'prompt' field (default: demo-style prompts)",
+    )
     p.add_argument("--num_prompts", type=int, default=8, help="prompts taken from a --prompts file")
     p.add_argument("--max_new_tokens", type=int, default=64, help="max new tokens per answer (default %(default)s)")
-    p.add_argument("--max_prompt_len", type=int, default=256,
-                   help="max prompt length in tokens; a longer prompt keeps its last tokens (default %(default)s)")
-    p.add_argument("--num_beams", type=int, default=None, help=f"beam search width (default {DEFAULT_NUM_BEAMS} "
-                   "when no mode is chosen)")
+    p.add_argument(
+        "--max_prompt_len",
+        type=int,
+        default=256,
+        help="max prompt length in tokens; a longer prompt keeps its last tokens (default %(default)s)",
+    )
+    p.add_argument(
+        "--num_beams",
+        type=int,
+        default=None,
+        help=f"beam search width (default {DEFAULT_NUM_BEAMS} when no mode is chosen)",
+    )
     add_generation_args(p, do_sample=None)  # None: greedy, beam search and sampling unless one is chosen
     add_format_args(p.add_argument_group("prompt format (as in training)"), template_file=False)
-    p.add_argument("--seed", type=int, default=0,
-                   help="random seed of the sampling and of the prompts picked from a --prompts file")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="random seed of the sampling and of the prompts picked from a --prompts file",
+    )
     p.add_argument("--batch_size", type=int, default=8, help="prompts per generation batch (default %(default)s)")
     add_device_arg(p)
     args = p.parse_args(argv)
@@ -67,8 +84,12 @@ def decoding_modes(args) -> list[tuple[str, dict]]:
     if beams is not None and beams > 1:
         modes.append((f"Beam search ({beams} beams)", {"do_sample": False, "num_beams": beams}))
     if sample:
-        modes.append((f"Sampling (temperature {args.temperature}, top_k {args.top_k}, top_p {args.top_p})",
-                      {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p}))
+        modes.append(
+            (
+                f"Sampling (temperature {args.temperature}, top_k {args.top_k}, top_p {args.top_p})",
+                {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p},
+            )
+        )
     return modes
 
 
@@ -104,10 +125,15 @@ def main(argv=None) -> dict:
     modes = decoding_modes(args)
     for title, kwargs in modes:
         for name, (model, tokenizer) in models.items():
-            answers[title, name] = generate_answers(model, tokenizer, prompts,
-                                                    GenerationSettings(args.max_new_tokens, **kwargs),
-                                                    batch_size=args.batch_size, seed=args.seed,
-                                                    max_prompt_len=args.max_prompt_len)
+            answers[title, name] = generate_answers(
+                model,
+                tokenizer,
+                prompts,
+                GenerationSettings(args.max_new_tokens, **kwargs),
+                batch_size=args.batch_size,
+                seed=args.seed,
+                max_prompt_len=args.max_prompt_len,
+            )
     for i, prompt in enumerate(prompts):
         print(f"\n==================== prompt {i + 1}/{len(prompts)} ====================")
         print(prompt_text(prompt))
@@ -118,8 +144,11 @@ def main(argv=None) -> dict:
                 print(f"========== {name}: {title} [{a.response_ids.numel()} tokens, {status}] ==========")
                 print(a.text)
         print("=" * 60, flush=True)
-    return {"prompts": prompts, "modes": [t for t, _ in modes],
-            "answers": {f"{name}/{title}": [a.text for a in rows] for (title, name), rows in answers.items()}}
+    return {
+        "prompts": prompts,
+        "modes": [t for t, _ in modes],
+        "answers": {f"{name}/{title}": [a.text for a in rows] for (title, name), rows in answers.items()},
+    }
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ reward is higher (accuracy; undefined before training, when every implicit rewar
 and the mean sequence log-probs; KTO: each kind's mean implicit reward, their margin and z0, no accuracy.
 The output directory is a plain from_pretrained policy (LoRA merged) that step 3 takes as its actor.
 """
+
 from __future__ import annotations
 
 import time
@@ -83,25 +84,48 @@ SIDES = ("chosen", "rejected")
 
 
 def parse_args(argv=None):
-    parser = single_model_parser(__doc__.splitlines()[0], "causal LM directory (step 1 output) or hub name: "
-                                                         "the starting policy and the reference")
+    parser = single_model_parser(
+        __doc__.splitlines()[0],
+        "causal LM directory (step 1 output) or hub name: the starting policy and the reference",
+    )
     parser.set_defaults(dropout=0.0)
     g = parser.add_argument_group("DPO")
-    g.add_argument("--beta", type=float, default=None,
-                   help="strength of the implicit KL to the reference: the loss reads beta * log-ratio margins "
-                        "(SimPO: beta * per-token log-prob margins); default: the loss's (simpo 2.0), else 0.1")
-    g.add_argument("--loss_type", default="sigmoid", choices=list(PAIR_LOSSES),
-                   help="; ".join(f"{name}: {entry.help}" for name, entry in PAIR_LOSSES.items()))
+    g.add_argument(
+        "--beta",
+        type=float,
+        default=None,
+        help="strength of the implicit KL to the reference: the loss reads beta * log-ratio margins "
+        "(SimPO: beta * per-token log-prob margins); default: the loss's (simpo 2.0), else 0.1",
+    )
+    g.add_argument(
+        "--loss_type",
+        default="sigmoid",
+        choices=list(PAIR_LOSSES),
+        help="; ".join(f"{name}: {entry.help}" for name, entry in PAIR_LOSSES.items()),
+    )
     for name, (option, owners) in pair_loss_options().items():  # each loss's own settings
-        g.add_argument(f"--{name}", type=float, default=option.default,
-                       help=f"{option.help} (--loss_type {' or '.join(owners)} only)")
-    g.add_argument("--nll_loss_coef", type=float, default=0.0,
-                   help="add this times the chosen responses' NLL per token (RPO; 0: off; orpo has its own, weight 1)")
-    g.add_argument("--label_key", default="label",
-                   help="field of an unpaired row's label, true (desirable) or false (--loss_type kto; default "
-                        "'%(default)s')")
-    g.add_argument("--precompute_ref_log_probs", action="store_true",
-                   help="score every pair with the starting policy once before training and hold no reference model")
+        g.add_argument(
+            f"--{name}",
+            type=float,
+            default=option.default,
+            help=f"{option.help} (--loss_type {' or '.join(owners)} only)",
+        )
+    g.add_argument(
+        "--nll_loss_coef",
+        type=float,
+        default=0.0,
+        help="add this times the chosen responses' NLL per token (RPO; 0: off; orpo has its own, weight 1)",
+    )
+    g.add_argument(
+        "--label_key",
+        default="label",
+        help="field of an unpaired row's label, true (desirable) or false (--loss_type kto; default '%(default)s')",
+    )
+    g.add_argument(
+        "--precompute_ref_log_probs",
+        action="store_true",
+        help="score every pair with the starting policy once before training and hold no reference model",
+    )
     add_offload_reference_arg(g)
     add_pair_eval_args(parser)
     args = parser.parse_args(argv)
@@ -116,29 +140,41 @@ def parse_args(argv=None):
         if option.minimum is not None:
             check_range(args, option.minimum, (name,), strict=option.strict)
     if entry.nll_coef and args.nll_loss_coef:
-        fail(f"--nll_loss_coef: --loss_type {args.loss_type} has its own NLL term (weight {entry.nll_coef:g}); "
-             f"leave the flag out")
+        fail(
+            f"--nll_loss_coef: --loss_type {args.loss_type} has its own NLL term (weight {entry.nll_coef:g}); "
+            f"leave the flag out"
+        )
     if not 0 <= args.label_smoothing < 0.5:
         fail(f"--label_smoothing must be in [0, 0.5), got {args.label_smoothing}")
     for name, (option, owners) in pair_loss_options().items():
         if getattr(args, name) != option.default and args.loss_type not in owners:
-            fail(f"--{name} is a setting of --loss_type {' or '.join(owners)}; --loss_type {args.loss_type} does not "
-                 f"take it")
+            fail(
+                f"--{name} is a setting of --loss_type {' or '.join(owners)}; --loss_type {args.loss_type} does not "
+                f"take it"
+            )
     args.unpaired = entry.unpaired  # the data layer reads unpaired rows too (utils.data.RowFormat)
     if entry.unpaired:
         if args.nll_loss_coef:
             fail(f"--nll_loss_coef: --loss_type {args.loss_type} reads unpaired examples, there is no chosen side")
         if args.precompute_ref_log_probs:
-            fail(f"--precompute_ref_log_probs: --loss_type {args.loss_type} scores mismatched (prompt, completion) "
-                 f"rows drawn per batch with the reference; it keeps a reference model")
+            fail(
+                f"--precompute_ref_log_probs: --loss_type {args.loss_type} scores mismatched (prompt, completion) "
+                f"rows drawn per batch with the reference; it keeps a reference model"
+            )
         if args.per_device_train_batch_size < 2:
-            fail(f"--per_device_train_batch_size must be >= 2 with --loss_type {args.loss_type}: its reference "
-                 f"point pairs each prompt with another example's completion of the same micro-batch")
+            fail(
+                f"--per_device_train_batch_size must be >= 2 with --loss_type {args.loss_type}: its reference "
+                f"point pairs each prompt with another example's completion of the same micro-batch"
+            )
     if args.precompute_ref_log_probs and not PAIR_LOSSES[args.loss_type].needs_reference:
-        fail(f"--precompute_ref_log_probs: --loss_type {args.loss_type} is reference-free, there is nothing to precompute")
+        fail(
+            f"--precompute_ref_log_probs: --loss_type {args.loss_type} is reference-free, there is nothing to precompute"
+        )
     if args.offload_reference_model and reference_kind(args) != "engine":
-        fail(f"--offload_reference_model: this run holds no reference model to offload (its reference is "
-             f"{REFERENCE_KINDS[reference_kind(args)]})")
+        fail(
+            f"--offload_reference_model: this run holds no reference model to offload (its reference is "
+            f"{REFERENCE_KINDS[reference_kind(args)]})"
+        )
     validate_training_args(args, positive=BATCH_FLAGS)
     return args
 
@@ -152,10 +188,12 @@ def pair_loss_options() -> dict:
     return options
 
 
-REFERENCE_KINDS = {"precomputed": "log-probs precomputed by the starting policy (--precompute_ref_log_probs)",
-                   "adapters": "the policy with its LoRA adapters disabled (--only_optimize_lora: a frozen base)",
-                   "engine": "a frozen copy of the starting model",
-                   "none": "none (the loss is reference-free)"}
+REFERENCE_KINDS = {
+    "precomputed": "log-probs precomputed by the starting policy (--precompute_ref_log_probs)",
+    "adapters": "the policy with its LoRA adapters disabled (--only_optimize_lora: a frozen base)",
+    "engine": "a frozen copy of the starting model",
+    "none": "none (the loss is reference-free)",
+}
 
 
 def reference_kind(args) -> str:
@@ -226,36 +264,48 @@ class PreferenceLoss:
         self.options = {name: getattr(args, name) for name in self.entry.options}
         # the per-micro-batch stats the training loop averages (step_metrics reads them in this order)
         self.stat_names = ("accuracy", "margin", "chosen_reward", "rejected_reward") + (
-            ("nll",) if self.nll_loss_coef else ())
+            ("nll",) if self.nll_loss_coef else ()
+        )
 
-    def train_terms(self, logps: torch.Tensor, counts: torch.Tensor, ref_logps: torch.Tensor | None,
-                    batch: dict) -> tuple[dict, dict]:
+    def train_terms(
+        self, logps: torch.Tensor, counts: torch.Tensor, ref_logps: torch.Tensor | None, batch: dict
+    ) -> tuple[dict, dict]:
         return self.terms(logps, counts, ref_logps)
 
     def step_metrics(self, means: list) -> tuple:
         """train_micro_batches' (metrics, progress postfix, --print_loss line) of [loss, *stat_names means]."""
         mean_loss, accuracy, margin, *_ = means
-        return ({"train/loss": mean_loss, **{f"train/{name}": v for name, v in zip(self.stat_names, means[1:])}},
-                {"loss": f"{mean_loss:.4f}", "acc": f"{accuracy:.2f}"},
-                f"loss {mean_loss:.4f} accuracy {accuracy:.3f} margin {margin:.4f}")
+        return (
+            {"train/loss": mean_loss, **{f"train/{name}": v for name, v in zip(self.stat_names, means[1:])}},
+            {"loss": f"{mean_loss:.4f}", "acc": f"{accuracy:.2f}"},
+            f"loss {mean_loss:.4f} accuracy {accuracy:.3f} margin {margin:.4f}",
+        )
 
     def evaluate(self, engine, pairs: list, collator, batch_size: int, reference: "Reference") -> dict:
         return evaluate_preferences(engine, pairs, collator, batch_size, self)
 
-    def __call__(self, logps: torch.Tensor, counts: torch.Tensor | None, ref_logps: torch.Tensor | None,
-                 with_nll: bool = True) -> tuple:
+    def __call__(
+        self, logps: torch.Tensor, counts: torch.Tensor | None, ref_logps: torch.Tensor | None, with_nll: bool = True
+    ) -> tuple:
         terms, stats = self.terms(logps, counts, ref_logps, with_nll)
         return sum(terms.values()), stats
 
-    def terms(self, logps: torch.Tensor, counts: torch.Tensor | None, ref_logps: torch.Tensor | None,
-              with_nll: bool = True) -> tuple[dict, dict]:
+    def terms(
+        self, logps: torch.Tensor, counts: torch.Tensor | None, ref_logps: torch.Tensor | None, with_nll: bool = True
+    ) -> tuple[dict, dict]:
         """The loss's terms by the unit each is a mean over (`units`): "pairs", the pair loss; with
         --nll_loss_coef, "chosen_tokens", the NLL term per chosen response token; and the stats."""
         chosen, rejected = split_pair_batch(logps)
-        ref_chosen, ref_rejected = split_pair_batch(ref_logps.to(logps.device)) if ref_logps is not None else (None, None)
+        ref_chosen, ref_rejected = (
+            split_pair_batch(ref_logps.to(logps.device)) if ref_logps is not None else (None, None)
+        )
         chosen_tokens, rejected_tokens = split_pair_batch(counts) if self.entry.needs_lengths else (None, None)
-        loss, stats = pair_loss(PairLogps(chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens),
-                                self.beta, self.loss_type, **self.options)
+        loss, stats = pair_loss(
+            PairLogps(chosen, rejected, ref_chosen, ref_rejected, chosen_tokens, rejected_tokens),
+            self.beta,
+            self.loss_type,
+            **self.options,
+        )
         terms = {"pairs": loss}
         stats["chosen_logp"], stats["rejected_logp"] = chosen.detach().mean(), rejected.detach().mean()
         if self.nll_loss_coef and with_nll:
@@ -286,8 +336,9 @@ class UnpairedLoss:
         self.beta, self.loss_type = args.beta, args.loss_type
         self.options = {name: getattr(args, name) for name in PAIR_LOSSES[args.loss_type].options}
 
-    def train_terms(self, logps: torch.Tensor, counts: torch.Tensor, ref_logps: torch.Tensor,
-                    batch: dict) -> tuple[dict, dict]:
+    def train_terms(
+        self, logps: torch.Tensor, counts: torch.Tensor, ref_logps: torch.Tensor, batch: dict
+    ) -> tuple[dict, dict]:
         return self.terms(logps, ref_logps, batch["desirable"], reduce=all_reduce_sum)
 
     def step_metrics(self, means: list) -> tuple:
@@ -295,21 +346,28 @@ class UnpairedLoss:
         reward from the sums (exact over micro-batches and ranks), the margin where both kinds were seen."""
         mean_loss, z0, *sums = means
         rewards = unpaired_means(dict(zip(UNPAIRED_SUMS, sums)))
-        return ({"train/loss": mean_loss, "train/z0": z0, **{f"train/{k}": v for k, v in rewards.items()}},
-                {"loss": f"{mean_loss:.4f}", "z0": f"{z0:.3f}"},
-                f"loss {mean_loss:.4f} z0 {z0:.4f} margin {_fmt(rewards.get('margin'))}")
+        return (
+            {"train/loss": mean_loss, "train/z0": z0, **{f"train/{k}": v for k, v in rewards.items()}},
+            {"loss": f"{mean_loss:.4f}", "z0": f"{z0:.3f}"},
+            f"loss {mean_loss:.4f} z0 {z0:.4f} margin {_fmt(rewards.get('margin'))}",
+        )
 
     def evaluate(self, engine, examples: list, collator, batch_size: int, reference: "Reference") -> dict:
         return evaluate_unpaired(engine, examples, collator, batch_size, self, reference)
 
-    def terms(self, logps: torch.Tensor, ref_logps: torch.Tensor, desirable: torch.Tensor,
-              reduce=None) -> tuple[dict, dict]:
+    def terms(
+        self, logps: torch.Tensor, ref_logps: torch.Tensor, desirable: torch.Tensor, reduce=None
+    ) -> tuple[dict, dict]:
         """({"examples": the mean loss over the B examples}, stats) from the [2B] log-probs of the batch."""
         n = desirable.shape[0]
         ref_logps = ref_logps.to(logps.device)
         z0 = kto_reference_point(logps[n:], ref_logps[n:], reduce)
-        loss, stats = unpaired_loss(UnpairedLogps(logps[:n], ref_logps[:n], desirable.to(logps.device), z0),
-                                    self.beta, self.loss_type, **self.options)
+        loss, stats = unpaired_loss(
+            UnpairedLogps(logps[:n], ref_logps[:n], desirable.to(logps.device), z0),
+            self.beta,
+            self.loss_type,
+            **self.options,
+        )
         stats["logp"] = logps[:n].detach().float().mean()
         return {"examples": loss}, stats
 
@@ -333,8 +391,9 @@ def unpaired_means(sums: dict) -> dict:
 
 
 @torch.no_grad()
-def evaluate_unpaired(engine, examples: list, collator, batch_size: int, loss_of: UnpairedLoss,
-                      reference: "Reference") -> dict:
+def evaluate_unpaired(
+    engine, examples: list, collator, batch_size: int, loss_of: UnpairedLoss, reference: "Reference"
+) -> dict:
     """Exact held-out metrics of KTO over all ranks: the loss, each kind's mean implicit reward
     beta * (logp - ref_logp), their margin, the reference point z0 (each batch's own) and the examples'
     mean log-prob; no accuracy (there are no pairs to rank)."""
@@ -354,8 +413,10 @@ def evaluate_unpaired(engine, examples: list, collator, batch_size: int, loss_of
     totals = dict(zip(keys, totals))
     n = max(count, 1.0)
     means = {key: totals[key] / n for key in ("loss", "z0", "logp")}
-    return {**{f"eval/{key}": value for key, value in {**means, **unpaired_means(totals)}.items()},
-            "eval/examples": int(count)}
+    return {
+        **{f"eval/{key}": value for key, value in {**means, **unpaired_means(totals)}.items()},
+        "eval/examples": int(count),
+    }
 
 
 EVAL_STATS = ("loss", "accuracy", "chosen_reward", "rejected_reward", "margin", "chosen_logp", "rejected_logp")
@@ -371,7 +432,7 @@ def held_out_pairs(pairs: list, batch_size: int, max_batches: int) -> list:
     all of them, or with --eval_iters k the shortest k batches per rank (rank_batches gives rank r
     every n-th pair), so reference log-probs are computed for those only."""
     pairs = sorted(pairs, key=pair_length)
-    return pairs[:max_batches * batch_size * world_size()] if max_batches else pairs
+    return pairs[: max_batches * batch_size * world_size()] if max_batches else pairs
 
 
 @torch.no_grad()
@@ -413,21 +474,32 @@ def unpaired_reference_metrics(examples: list, loss_of: UnpairedLoss) -> dict:
     zeros = torch.zeros(2 * len(examples))
     terms, stats = loss_of.terms(zeros, zeros, desirable)
     means = unpaired_means({key: stats[key].item() for key in UNPAIRED_SUMS})
-    return {"eval/loss": terms["examples"].item(), "eval/z0": stats["z0"].item(),
-            **{f"eval/{key}": value for key, value in means.items()}, "eval/examples": len(examples)}
+    return {
+        "eval/loss": terms["examples"].item(),
+        "eval/z0": stats["z0"].item(),
+        **{f"eval/{key}": value for key, value in means.items()},
+        "eval/examples": len(examples),
+    }
 
 
 def _format_eval(m: dict) -> str:
     if "eval/examples" in m:  # unpaired (KTO)
-        rewards = ", ".join(f"{kind} reward {m[f'eval/{kind}_reward']:.4f}" for kind in ("desirable", "undesirable")
-                            if f"eval/{kind}_reward" in m)
+        rewards = ", ".join(
+            f"{kind} reward {m[f'eval/{kind}_reward']:.4f}"
+            for kind in ("desirable", "undesirable")
+            if f"eval/{kind}_reward" in m
+        )
         logp = f"logp {m['eval/logp']:.2f}; " if "eval/logp" in m else ""
-        return (f"loss {m['eval/loss']:.4f}, margin {_fmt(m.get('eval/margin'))} ({rewards}; z0 {m['eval/z0']:.4f}; "
-                f"{logp}{m['eval/examples']} examples)")
-    return (f"loss {m['eval/loss']:.4f}, accuracy {_fmt(m.get('eval/accuracy'))}, margin {m['eval/margin']:.4f} "
-            f"(chosen reward {m['eval/chosen_reward']:.4f}, rejected {m['eval/rejected_reward']:.4f}; "
-            f"logp chosen {m['eval/chosen_logp']:.2f}, rejected {m['eval/rejected_logp']:.2f}; "
-            f"{m['eval/pairs']} pairs)")
+        return (
+            f"loss {m['eval/loss']:.4f}, margin {_fmt(m.get('eval/margin'))} ({rewards}; z0 {m['eval/z0']:.4f}; "
+            f"{logp}{m['eval/examples']} examples)"
+        )
+    return (
+        f"loss {m['eval/loss']:.4f}, accuracy {_fmt(m.get('eval/accuracy'))}, margin {m['eval/margin']:.4f} "
+        f"(chosen reward {m['eval/chosen_reward']:.4f}, rejected {m['eval/rejected_reward']:.4f}; "
+        f"logp chosen {m['eval/chosen_logp']:.2f}, rejected {m['eval/rejected_logp']:.2f}; "
+        f"{m['eval/pairs']} pairs)"
+    )
 
 
 def _fmt(value) -> str:
@@ -439,10 +511,17 @@ def build_reference(args, tokenizer, policy) -> Reference:
     kind = reference_kind(args)
     engine = None
     if kind == "engine":
-        config = eval_ds_config(args.zero_stage, world_size(), args.per_device_train_batch_size, args.dtype,
-                                args.offload_reference_model)
-        model = load_causal_lm(args.model_name_or_path, tokenizer, config, 0.0, args.trust_remote_code,
-                               attn_implementation=args.attn_implementation)
+        config = eval_ds_config(
+            args.zero_stage, world_size(), args.per_device_train_batch_size, args.dtype, args.offload_reference_model
+        )
+        model = load_causal_lm(
+            args.model_name_or_path,
+            tokenizer,
+            config,
+            0.0,
+            args.trust_remote_code,
+            attn_implementation=args.attn_implementation,
+        )
         engine = build_frozen_engine(model, config)
     print_rank0(f"[dpo] reference: {REFERENCE_KINDS[kind]}")
     return Reference(kind, policy, engine)
@@ -453,21 +532,33 @@ def main(argv=None):
     unpaired = PAIR_LOSSES[args.loss_type].unpaired
     tokenize = tokenize_unpaired if unpaired else tokenize_preference_pairs
     tokenizer, train_pairs, train_stats, eval_pairs, eval_stats = start_single_model_run(
-        args, 2, lambda rows, tok: tokenize(rows, tok, args.max_seq_len),
-        {"max_seq_len": args.max_seq_len, "pairs": "unpaired" if unpaired else "preference"})
+        args,
+        2,
+        lambda rows, tok: tokenize(rows, tok, args.max_seq_len),
+        {"max_seq_len": args.max_seq_len, "pairs": "unpaired" if unpaired else "preference"},
+    )
     kind = "examples" if unpaired else "pairs"
     print_rank0(f"[dpo] train {kind} {len(train_pairs)} {train_stats}; eval {kind} {len(eval_pairs)} {eval_stats}")
     check_pair_splits(train_pairs, train_stats, eval_pairs)
     if unpaired:
         check_both_labels(args, train_stats)
     eval_pairs = held_out_pairs(eval_pairs, args.per_device_eval_batch_size, args.eval_iters)
-    collator = (UnpairedCollator(tokenizer.pad_token_id, args.max_seq_len) if unpaired
-                else PreferenceCollator(tokenizer.pad_token_id))
+    collator = (
+        UnpairedCollator(tokenizer.pad_token_id, args.max_seq_len)
+        if unpaired
+        else PreferenceCollator(tokenizer.pad_token_id)
+    )
 
     sampler, loader, total_steps = micro_batch_schedule(train_pairs, collator, args)
     ds_config = train_ds_config_from_args(args)
-    model = load_causal_lm(args.model_name_or_path, tokenizer, ds_config, args.dropout, args.trust_remote_code,
-                           attn_implementation=args.attn_implementation)
+    model = load_causal_lm(
+        args.model_name_or_path,
+        tokenizer,
+        ds_config,
+        args.dropout,
+        args.trust_remote_code,
+        attn_implementation=args.attn_implementation,
+    )
     engine = build_trained_engine(model, ds_config, spec_from_args(args), total_steps)
     reference = build_reference(args, tokenizer, engine)
     loss_of = UnpairedLoss(args) if unpaired else PreferenceLoss(args)
@@ -479,8 +570,9 @@ def main(argv=None):
         print_rank0(f"[dpo] eval at step {step}: {_format_eval(metrics)} in {metrics['time/eval_s']:.1f} s")
         return metrics
 
-    run = Run(args, "dpo", "step2 dpo", {"model": engine}, data_layout(args, len(train_pairs)), total_steps,
-              evaluate=run_eval)
+    run = Run(
+        args, "dpo", "step2 dpo", {"model": engine}, data_layout(args, len(train_pairs)), total_steps, evaluate=run_eval
+    )
 
     def attach_all(ref_logps: dict) -> None:
         attach_reference(eval_pairs, ref_logps["eval"])
@@ -511,9 +603,11 @@ def main(argv=None):
     state = run.restore(evaluate_before)
     if run.resumed and reference.kind != "none" and not unpaired:
         if len(state["ref_logps"]["eval"]) != len(eval_pairs):
-            fail(f"the checkpoint holds reference log-probs of {len(state['ref_logps']['eval'])} held-out pairs, this "
-                 f"run evaluates {len(eval_pairs)} (another --eval_iters or --per_device_eval_batch_size): resume "
-                 f"with the checkpoint's settings")
+            fail(
+                f"the checkpoint holds reference log-probs of {len(state['ref_logps']['eval'])} held-out pairs, this "
+                f"run evaluates {len(eval_pairs)} (another --eval_iters or --per_device_eval_batch_size): resume "
+                f"with the checkpoint's settings"
+            )
         attach_all(state["ref_logps"])
     before = state["before"]
 
@@ -528,16 +622,29 @@ def main(argv=None):
 
     step = run.loop.step
     after = run.evaluate_now()
-    first = "" if unpaired else (f"accuracy {_fmt(after.get('eval/accuracy'))} (before "
-                                 f"{_fmt(before.get('eval/accuracy'))}), ")
-    print_rank0(f"[dpo] eval after {step} steps: {first}margin {_fmt(after.get('eval/margin'))} (before "
-                f"{_fmt(before.get('eval/margin'))}); training took {run.train_s:.1f} s")
+    first = (
+        ""
+        if unpaired
+        else (f"accuracy {_fmt(after.get('eval/accuracy'))} (before {_fmt(before.get('eval/accuracy'))}), ")
+    )
+    print_rank0(
+        f"[dpo] eval after {step} steps: {first}margin {_fmt(after.get('eval/margin'))} (before "
+        f"{_fmt(before.get('eval/margin'))}); training took {run.train_s:.1f} s"
+    )
     run.log(step, {"time/train_s": run.train_s})
-    run.finish(lambda: export_hf_model(engine, tokenizer, args.output_dir), args.output_dir, "the policy",
-               ReloadCheck("logp", "sequence log-probs", engine,
-                           lambda: load_causal_lm(args.output_dir, trust_remote_code=args.trust_remote_code),
-                           lambda model, batch: sequence_logprobs(model, batch)[0],
-                           collator(eval_pairs[:4] or train_pairs[:4])))
+    run.finish(
+        lambda: export_hf_model(engine, tokenizer, args.output_dir),
+        args.output_dir,
+        "the policy",
+        ReloadCheck(
+            "logp",
+            "sequence log-probs",
+            engine,
+            lambda: load_causal_lm(args.output_dir, trust_remote_code=args.trust_remote_code),
+            lambda model, batch: sequence_logprobs(model, batch)[0],
+            collator(eval_pairs[:4] or train_pairs[:4]),
+        ),
+    )
 
 
 def check_both_labels(args, stats: dict) -> None:
@@ -546,8 +653,10 @@ def check_both_labels(args, stats: dict) -> None:
     if stats["desirable"] and stats["undesirable"]:
         return
     have, missing = ("true", "false") if stats["desirable"] else ("false", "true")
-    fail(f"--loss_type {args.loss_type}: every usable training row of {', '.join(args.data_path)} has "
-         f"'{args.label_key}' {have} ({stats['examples']} examples); it needs rows labelled {missing} too")
+    fail(
+        f"--loss_type {args.loss_type}: every usable training row of {', '.join(args.data_path)} has "
+        f"'{args.label_key}' {have} ({stats['examples']} examples); it needs rows labelled {missing} too"
+    )
 
 
 def cli() -> None:

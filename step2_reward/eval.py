@@ -11,6 +11,7 @@ rows with prompt, chosen, rejected (or a folder / datasets name, like --data_pat
 has an eval split, that split is used) and prints accuracy, mean chosen and rejected scores and the
 mean margin. One process, no DeepSpeed engine.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -65,19 +66,39 @@ class _ResponseAction(argparse.Action):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model_name_or_path", required=True, help="step-2 output directory")
-    parser.add_argument("--prompt", action=_PromptAction, dest="groups", default=None, metavar="TEXT",
-                        help="a prompt; repeatable, each followed by its --response(s)")
-    parser.add_argument("--response", action=_ResponseAction, dest="groups", default=None, metavar="TEXT",
-                        help="a response to the preceding --prompt; repeatable")
+    parser.add_argument(
+        "--prompt",
+        action=_PromptAction,
+        dest="groups",
+        default=None,
+        metavar="TEXT",
+        help="a prompt; repeatable, each followed by its --response(s)",
+    )
+    parser.add_argument(
+        "--response",
+        action=_ResponseAction,
+        dest="groups",
+        default=None,
+        metavar="TEXT",
+        help="a response to the preceding --prompt; repeatable",
+    )
     parser.add_argument("--pairs", default=None, help="JSON/JSONL file (or folder) of prompt/chosen/rejected rows")
-    parser.add_argument("--batch_size", type=int, default=16,
-                        help="rows per scoring forward: responses, or pairs with --pairs (default %(default)s)")
+    parser.add_argument(
+        "--batch_size",
+        type=int,
+        default=16,
+        help="rows per scoring forward: responses, or pairs with --pairs (default %(default)s)",
+    )
     add_format_args(parser.add_argument_group("row format (as in training)"), template_file=False)
-    parser.add_argument("--max_seq_len", type=int, default=512,
-                        help="max tokens per scored sequence (prompt + response), truncated as in training "
-                             "(default %(default)s)")
-    parser.add_argument("--raw_text", action="store_true",
-                        help="keep \\n, \\t, \\\\ as typed (default: newline, tab, backslash)")
+    parser.add_argument(
+        "--max_seq_len",
+        type=int,
+        default=512,
+        help="max tokens per scored sequence (prompt + response), truncated as in training (default %(default)s)",
+    )
+    parser.add_argument(
+        "--raw_text", action="store_true", help="keep \\n, \\t, \\\\ as typed (default: newline, tab, backslash)"
+    )
     parser.add_argument("--trust_remote_code", action="store_true", help="allow model code shipped with the model")
     args = parser.parse_args(argv)
     args.groups = args.groups or []
@@ -94,8 +115,9 @@ def parse_args(argv=None):
 
 
 @torch.no_grad()
-def score_texts(model, tokenizer, items: list[tuple[str, str]], max_seq_len: int, batch_size: int,
-                fmt=DEFAULT_FORMAT) -> list[float]:
+def score_texts(
+    model, tokenizer, items: list[tuple[str, str]], max_seq_len: int, batch_size: int, fmt=DEFAULT_FORMAT
+) -> list[float]:
     """Scores of (prompt, response) texts, tokenised as in training (``scored_sequences``); with
     ``fmt.apply_chat_template`` the prompt is a user turn and the response an assistant turn."""
     stats = {"truncated_prompt": 0, "truncated_response": 0}
@@ -111,7 +133,7 @@ def score_texts(model, tokenizer, items: list[tuple[str, str]], max_seq_len: int
     collator = PromptCollator(tokenizer.pad_token_id)  # left padding: the score is read at the last real token
     scores = []
     for i in range(0, len(sequences), batch_size):
-        batch = collator([{"input_ids": ids} for ids in sequences[i:i + batch_size]])
+        batch = collator([{"input_ids": ids} for ids in sequences[i : i + batch_size]])
         scores += sequence_scores(model, batch["input_ids"], batch["attention_mask"]).tolist()
     return scores
 
@@ -125,7 +147,7 @@ def evaluate_pair_file(model, tokenizer, source: str, max_seq_len: int, batch_si
     collator = PairCollator(tokenizer.pad_token_id)
     chosen, rejected = [], []
     for i in range(0, len(pairs), batch_size):
-        batch = collator(pairs[i:i + batch_size])
+        batch = collator(pairs[i : i + batch_size])
         c, r = split_pair_batch(sequence_scores(model, batch["input_ids"], batch["attention_mask"]))
         chosen.append(c)
         rejected.append(r)
@@ -139,7 +161,7 @@ def _short(text: str, width: int, keep_end: bool = False) -> str:
     text = repr(text)[1:-1]
     if len(text) <= width:
         return text
-    return "..." + text[-(width - 3):] if keep_end else text[:width - 3] + "..."
+    return "..." + text[-(width - 3) :] if keep_end else text[: width - 3] + "..."
 
 
 def format_table(items: list[tuple[str, str]], scores: list[float]) -> str:
@@ -153,8 +175,9 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     with hf_zero3_disabled():
         tokenizer = load_tokenizer(args.model_name_or_path, args.trust_remote_code)
-        model = RewardModel.from_pretrained(args.model_name_or_path, tokenizer, trust_remote_code=args.trust_remote_code,
-                                            require_value_head=True).eval()
+        model = RewardModel.from_pretrained(
+            args.model_name_or_path, tokenizer, trust_remote_code=args.trust_remote_code, require_value_head=True
+        ).eval()
     result = {}
     if args.groups:
         items = [(prompt, response) for prompt, responses in args.groups for response in responses]
@@ -162,12 +185,15 @@ def main(argv=None) -> dict:
         print(format_table(items, scores))
         result["scores"] = scores
     if args.pairs:
-        metrics = evaluate_pair_file(model, tokenizer, args.pairs, args.max_seq_len, args.batch_size,
-                                     RowFormat.from_args(args))
-        print(f"pairs {metrics['pairs']} ({args.pairs}, split {metrics['split']}; "
-              f"skipped_bad_pairs {metrics['skipped_bad_pairs']}): accuracy {metrics['accuracy']:.4f}, "
-              f"chosen {metrics['chosen_mean']:.4f}, rejected {metrics['rejected_mean']:.4f}, "
-              f"margin {metrics['margin_mean']:.4f}")
+        metrics = evaluate_pair_file(
+            model, tokenizer, args.pairs, args.max_seq_len, args.batch_size, RowFormat.from_args(args)
+        )
+        print(
+            f"pairs {metrics['pairs']} ({args.pairs}, split {metrics['split']}; "
+            f"skipped_bad_pairs {metrics['skipped_bad_pairs']}): accuracy {metrics['accuracy']:.4f}, "
+            f"chosen {metrics['chosen_mean']:.4f}, rejected {metrics['rejected_mean']:.4f}, "
+            f"margin {metrics['margin_mean']:.4f}"
+        )
         result["pairs"] = metrics
     sys.stdout.flush()
     return result

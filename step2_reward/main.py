@@ -8,6 +8,7 @@ their margin are measured exactly over all ranks before training, every --eval_i
 at the end. The output directory is reloaded by RewardModel.from_pretrained (backbone as a plain
 from_pretrained directory, value_head.safetensors, reward_model.json).
 """
+
 from __future__ import annotations
 
 import time
@@ -37,7 +38,9 @@ from utils.train.run import ReloadCheck, Run
 
 
 def parse_args(argv=None):
-    parser = single_model_parser(__doc__.splitlines()[0], "causal LM directory (step 1 output) or hub name: the backbone")
+    parser = single_model_parser(
+        __doc__.splitlines()[0], "causal LM directory (step 1 output) or hub name: the backbone"
+    )
     g = parser.add_argument_group("reward model")
     g.add_argument("--margin", type=float, default=0.0, help="loss margin: -log sigmoid(chosen - rejected - margin)")
     add_pair_eval_args(parser)
@@ -68,29 +71,37 @@ def evaluate_pairs(engine, pairs: list, collator, batch_size: int, max_batches: 
             count += weight * chosen.numel()
     correct, chosen_sum, rejected_sum, count = all_reduce_sum([correct, chosen_sum, rejected_sum, count])
     n = max(count, 1.0)
-    return {"eval/accuracy": correct / n, "eval/chosen_score": chosen_sum / n,
-            "eval/rejected_score": rejected_sum / n, "eval/margin": (chosen_sum - rejected_sum) / n,
-            "eval/pairs": int(count)}
+    return {
+        "eval/accuracy": correct / n,
+        "eval/chosen_score": chosen_sum / n,
+        "eval/rejected_score": rejected_sum / n,
+        "eval/margin": (chosen_sum - rejected_sum) / n,
+        "eval/pairs": int(count),
+    }
 
 
 def _format_eval(metrics: dict) -> str:
-    return (f"accuracy {metrics['eval/accuracy']:.4f}, chosen {metrics['eval/chosen_score']:.4f}, "
-            f"rejected {metrics['eval/rejected_score']:.4f}, margin {metrics['eval/margin']:.4f} "
-            f"({metrics['eval/pairs']} pairs)")
+    return (
+        f"accuracy {metrics['eval/accuracy']:.4f}, chosen {metrics['eval/chosen_score']:.4f}, "
+        f"rejected {metrics['eval/rejected_score']:.4f}, margin {metrics['eval/margin']:.4f} "
+        f"({metrics['eval/pairs']} pairs)"
+    )
 
 
 def main(argv=None):
     args = parse_args(argv)
     tokenizer, train_pairs, train_stats, eval_pairs, eval_stats = start_single_model_run(
-        args, 2, lambda rows, tok: tokenize_pairs(rows, tok, args.max_seq_len), {"max_seq_len": args.max_seq_len})
+        args, 2, lambda rows, tok: tokenize_pairs(rows, tok, args.max_seq_len), {"max_seq_len": args.max_seq_len}
+    )
     print_rank0(f"[step2] train pairs {len(train_pairs)} {train_stats}; eval pairs {len(eval_pairs)} {eval_stats}")
     check_pair_splits(train_pairs, train_stats, eval_pairs)
     collator = PairCollator(tokenizer.pad_token_id)
 
     sampler, loader, total_steps = micro_batch_schedule(train_pairs, collator, args)
     ds_config = train_ds_config_from_args(args)
-    model = RewardModel.from_pretrained(args.model_name_or_path, tokenizer, ds_config, args.dropout,
-                                        args.trust_remote_code, args.attn_implementation)
+    model = RewardModel.from_pretrained(
+        args.model_name_or_path, tokenizer, ds_config, args.dropout, args.trust_remote_code, args.attn_implementation
+    )
     engine = build_trained_engine(model, ds_config, spec_from_args(args), total_steps)
 
     def run_eval(step: int) -> dict:
@@ -100,8 +111,15 @@ def main(argv=None):
         print_rank0(f"[step2] eval at step {step}: {_format_eval(metrics)} in {metrics['time/eval_s']:.1f} s")
         return metrics
 
-    run = Run(args, "step2", "step2 reward", {"model": engine}, data_layout(args, len(train_pairs)), total_steps,
-              evaluate=run_eval)
+    run = Run(
+        args,
+        "step2",
+        "step2 reward",
+        {"model": engine},
+        data_layout(args, len(train_pairs)),
+        total_steps,
+        evaluate=run_eval,
+    )
 
     def evaluate_before():
         metrics = run_eval(0)
@@ -116,22 +134,38 @@ def main(argv=None):
 
     def step_metrics(means):
         mean_loss, mean_acc, mean_margin = means
-        return ({"train/loss": mean_loss, "train/accuracy": mean_acc, "train/margin": mean_margin},
-                {"loss": f"{mean_loss:.4f}", "acc": f"{mean_acc:.2f}"}, f"loss {mean_loss:.4f} accuracy {mean_acc:.3f}")
+        return (
+            {"train/loss": mean_loss, "train/accuracy": mean_acc, "train/margin": mean_margin},
+            {"loss": f"{mean_loss:.4f}", "acc": f"{mean_acc:.2f}"},
+            f"loss {mean_loss:.4f} accuracy {mean_acc:.3f}",
+        )
 
     train_micro_batches(run, engine, loader, sampler, micro_step, step_metrics)
 
     step = run.loop.step
     after = run.evaluate_now()
-    print_rank0(f"[step2] eval accuracy after {step} steps: {after['eval/accuracy']:.4f} "
-                f"(before {before['eval/accuracy']:.4f}); training took {run.train_s:.1f} s")
+    print_rank0(
+        f"[step2] eval accuracy after {step} steps: {after['eval/accuracy']:.4f} "
+        f"(before {before['eval/accuracy']:.4f}); training took {run.train_s:.1f} s"
+    )
     run.log(step, {"time/train_s": run.train_s})
-    run.finish(lambda: export_reward_model(engine, tokenizer, args.output_dir), args.output_dir, "the reward model",
-               ReloadCheck("score", "scores", engine, lambda: RewardModel.from_pretrained(
-                   args.output_dir, load_tokenizer(args.output_dir, args.trust_remote_code),
-                   trust_remote_code=args.trust_remote_code),
-                           lambda model, batch: sequence_scores(model, batch["input_ids"], batch["attention_mask"]),
-                           collator(eval_pairs[:4] or train_pairs[:4])))
+    run.finish(
+        lambda: export_reward_model(engine, tokenizer, args.output_dir),
+        args.output_dir,
+        "the reward model",
+        ReloadCheck(
+            "score",
+            "scores",
+            engine,
+            lambda: RewardModel.from_pretrained(
+                args.output_dir,
+                load_tokenizer(args.output_dir, args.trust_remote_code),
+                trust_remote_code=args.trust_remote_code,
+            ),
+            lambda model, batch: sequence_scores(model, batch["input_ids"], batch["attention_mask"]),
+            collator(eval_pairs[:4] or train_pairs[:4]),
+        ),
+    )
 
 
 def cli() -> None:

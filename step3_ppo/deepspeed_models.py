@@ -15,6 +15,7 @@ rewards   RewardModels from step 2, frozen         (ZeRO-3 when the critic is, e
 Dropout is off by default in all of them: with dropout the rollout and training forwards of the
 same weights differ, and the PPO ratio at learning rate 0 is no longer 1.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -69,46 +70,78 @@ def needs_reference(args) -> bool:
 
 def build_engines(args, tokenizer, total_steps: int, reward_model_paths=()) -> Engines:
     ranks = world_size()
-    actor_config = train_ds_config(args.actor_zero_stage, ranks, args.per_device_training_batch_size,
-                                   args.gradient_accumulation_steps, args.dtype, args.offload, args.gradient_clipping)
-    critic_config = train_ds_config(args.critic_zero_stage, ranks, args.per_device_training_batch_size,
-                                    args.gradient_accumulation_steps, args.dtype, args.offload, args.gradient_clipping)
+    actor_config = train_ds_config(
+        args.actor_zero_stage,
+        ranks,
+        args.per_device_training_batch_size,
+        args.gradient_accumulation_steps,
+        args.dtype,
+        args.offload,
+        args.gradient_clipping,
+    )
+    critic_config = train_ds_config(
+        args.critic_zero_stage,
+        ranks,
+        args.per_device_training_batch_size,
+        args.gradient_accumulation_steps,
+        args.dtype,
+        args.offload,
+        args.gradient_clipping,
+    )
     actor_spec, critic_spec = spec_from_args(args, "actor_"), spec_from_args(args, "critic_")
 
     attn = args.attn_implementation
-    actor = load_causal_lm(args.actor_model_name_or_path, tokenizer, actor_config, args.actor_dropout,
-                           args.trust_remote_code, attn_implementation=attn)
+    actor = load_causal_lm(
+        args.actor_model_name_or_path,
+        tokenizer,
+        actor_config,
+        args.actor_dropout,
+        args.trust_remote_code,
+        attn_implementation=attn,
+    )
     actor = build_trained_engine(actor, actor_config, actor_spec, total_steps)
 
     ref = None
     if needs_reference(args):
-        ref_config = eval_ds_config(args.actor_zero_stage, ranks, args.per_device_training_batch_size, args.dtype,
-                                    args.offload_reference_model)
-        ref = load_causal_lm(args.actor_model_name_or_path, tokenizer, ref_config, 0.0, args.trust_remote_code,
-                             attn_implementation=attn)
+        ref_config = eval_ds_config(
+            args.actor_zero_stage, ranks, args.per_device_training_batch_size, args.dtype, args.offload_reference_model
+        )
+        ref = load_causal_lm(
+            args.actor_model_name_or_path, tokenizer, ref_config, 0.0, args.trust_remote_code, attn_implementation=attn
+        )
         ref = build_frozen_engine(ref, ref_config)
 
     critic = None
     if needs_critic(args.advantage_estimator):
-        critic = RewardModel.from_pretrained(args.critic_model_name_or_path, tokenizer, critic_config,
-                                             args.critic_dropout, args.trust_remote_code, attn,
-                                             require_value_head=not args.critic_fresh_value_head)
+        critic = RewardModel.from_pretrained(
+            args.critic_model_name_or_path,
+            tokenizer,
+            critic_config,
+            args.critic_dropout,
+            args.trust_remote_code,
+            attn,
+            require_value_head=not args.critic_fresh_value_head,
+        )
         critic = build_trained_engine(critic, critic_config, critic_spec, total_steps)
 
-    reward_config = eval_ds_config(args.critic_zero_stage, ranks, args.per_device_training_batch_size, args.dtype,
-                                   args.offload_reward_model)
+    reward_config = eval_ds_config(
+        args.critic_zero_stage, ranks, args.per_device_training_batch_size, args.dtype, args.offload_reward_model
+    )
     rewards = {}
     for path in reward_model_paths:
-        reward = RewardModel.from_pretrained(path, tokenizer, reward_config, 0.0, args.trust_remote_code, attn,
-                                             require_value_head=True)
+        reward = RewardModel.from_pretrained(
+            path, tokenizer, reward_config, 0.0, args.trust_remote_code, attn, require_value_head=True
+        )
         rewards[path] = build_frozen_engine(reward, reward_config)
 
     ema = None
     if args.enable_ema:
-        ema_config = eval_ds_config(args.actor_zero_stage, ranks, args.per_device_training_batch_size, args.dtype,
-                                    args.offload_reference_model)
-        ema_model = load_causal_lm(args.actor_model_name_or_path, tokenizer, ema_config, 0.0, args.trust_remote_code,
-                                   attn_implementation=attn)
+        ema_config = eval_ds_config(
+            args.actor_zero_stage, ranks, args.per_device_training_batch_size, args.dtype, args.offload_reference_model
+        )
+        ema_model = load_causal_lm(
+            args.actor_model_name_or_path, tokenizer, ema_config, 0.0, args.trust_remote_code, attn_implementation=attn
+        )
         if actor_spec.lora_dim > 0:  # same structure as the actor, so parameters pair up by name
             ema_model = add_lora(ema_model, actor_spec)
         ema = ActorEMA(initialize_engine(ema_model, ema_config))

@@ -14,6 +14,7 @@ bootstrap interval; each policy's win rates against SFT with intervals; then sid
 Every policy samples with the same settings and seed, so adding one changes none of the others' figures.
 Single process, plain fp32 models (GPU if available; two policies in memory at once), no DeepSpeed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,33 +45,57 @@ from utils.train.flags import add_device_arg, add_format_args, add_generation_ar
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sft_model", required=True, help="step 1 output directory (also the KL reference)")
-    p.add_argument("--rlhf_model", default=None,
-                   help="step 3 actor output directory (the RLHF row; optional when --policy is given)")
-    p.add_argument("--policy", action="append", default=[], metavar="NAME=DIR",
-                   help="a further policy to compare with SFT, e.g. dpo=out/dpo (repeatable; rows in this order)")
+    p.add_argument(
+        "--rlhf_model",
+        default=None,
+        help="step 3 actor output directory (the RLHF row; optional when --policy is given)",
+    )
+    p.add_argument(
+        "--policy",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="a further policy to compare with SFT, e.g. dpo=out/dpo (repeatable; rows in this order)",
+    )
     p.add_argument("--reward_model", default=None, help="step 2 output directory (needed without --env/--tools)")
-    p.add_argument("--prompts", default=DEFAULT_PROMPTS,
-                   help="JSON/JSONL file or folder with a 'prompt' field (default: the demo pairs' eval split)")
-    p.add_argument("--num_prompts", type=int, default=128,
-                   help="held-out prompts (the demo's eval split has 300; 128 keeps the intervals near +-0.09 "
-                        "on a win rate)")
+    p.add_argument(
+        "--prompts",
+        default=DEFAULT_PROMPTS,
+        help="JSON/JSONL file or folder with a 'prompt' field (default: the demo pairs' eval split)",
+    )
+    p.add_argument(
+        "--num_prompts",
+        type=int,
+        default=128,
+        help="held-out prompts (the demo's eval split has 300; 128 keeps the intervals near +-0.09 on a win rate)",
+    )
     p.add_argument("--prompt_seed", type=int, default=0, help="seed of the prompt shuffle")
     p.add_argument("--max_new_tokens", type=int, default=24, help="max new tokens per answer (default %(default)s)")
-    p.add_argument("--max_prompt_len", type=int, default=256,
-                   help="max prompt length in tokens; longer prompts keep their last tokens (default %(default)s)")
+    p.add_argument(
+        "--max_prompt_len",
+        type=int,
+        default=256,
+        help="max prompt length in tokens; longer prompts keep their last tokens (default %(default)s)",
+    )
     p.add_argument("--seed", type=int, default=0, help="sampling seed (same for every policy)")
-    p.add_argument("--batch_size", type=int, default=8,
-                   help="prompts per generation and scoring batch (default %(default)s)")
+    p.add_argument(
+        "--batch_size", type=int, default=8, help="prompts per generation and scoring batch (default %(default)s)"
+    )
     p.add_argument("--num_samples", type=int, default=3, help="side-by-side samples to print")
     add_device_arg(p)
     p.add_argument("--out", default=None, help="write the full result (with per-prompt rows) as JSON")
     add_generation_args(p, do_sample=None)  # sampling by default, as in PPO rollouts; greedy with --env/--tools
     add_format_args(p.add_argument_group("prompt format (as in training)"), template_file=False)
     add_agent_args(p)
-    p.add_argument("--reward_funcs", nargs="+", default=None, metavar="SPEC",
-                   help="score the policies with these reward functions instead of a reward model and judges "
-                        "(greedy by default; with --env/--tools through step 3's multi-turn loop; default "
-                        "math_exact there): their means, the first accuracy-like one as the accuracy")
+    p.add_argument(
+        "--reward_funcs",
+        nargs="+",
+        default=None,
+        metavar="SPEC",
+        help="score the policies with these reward functions instead of a reward model and judges "
+        "(greedy by default; with --env/--tools through step 3's multi-turn loop; default "
+        "math_exact there): their means, the first accuracy-like one as the accuracy",
+    )
     args = p.parse_args(argv)
     args.max_answer_seq_len = args.max_new_tokens  # per turn, as step 3's flag
     check_agent_args(args)
@@ -117,7 +142,7 @@ def agent_main(args, policies: list[tuple[str, str]]) -> dict:
     except (DataError, OSError, ValueError) as e:
         fail(f"--prompts: {e}")
     random.Random(args.prompt_seed).shuffle(rows)
-    rows = rows[:args.num_prompts]
+    rows = rows[: args.num_prompts]
     results = {}
     for name, path in policies:
         results[name] = evaluate_policy(path, rows, args, functions, args.device or default_device())
@@ -146,8 +171,9 @@ def main(argv=None) -> dict:
             fail(str(e))
 
     if args.scored_by_functions:
-        return agent_main(args, [("sft", args.sft_model)] + ([("rlhf", args.rlhf_model)] if args.rlhf_model else [])
-                          + others)
+        return agent_main(
+            args, [("sft", args.sft_model)] + ([("rlhf", args.rlhf_model)] if args.rlhf_model else []) + others
+        )
     try:
         prompts = load_prompts(args.prompts, args.num_prompts, args.prompt_seed, RowFormat.from_args(args))
     except (DataError, OSError, ValueError) as e:
@@ -157,12 +183,28 @@ def main(argv=None) -> dict:
     except DataError as e:
         fail(str(e))
     policies = ([("rlhf", args.rlhf_model)] if args.rlhf_model is not None else []) + others
-    generation = GenerationSettings(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
-                                    temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
-    result = compare_policies(ComparisonSpec(
-        sft_path=args.sft_model, reward_path=args.reward_model, policies=policies, prompts=prompts,
-        generation=generation, batch_size=args.batch_size, seed=args.seed, max_prompt_len=args.max_prompt_len,
-        num_samples=args.num_samples, judges=judges, device=args.device))
+    generation = GenerationSettings(
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+    )
+    result = compare_policies(
+        ComparisonSpec(
+            sft_path=args.sft_model,
+            reward_path=args.reward_model,
+            policies=policies,
+            prompts=prompts,
+            generation=generation,
+            batch_size=args.batch_size,
+            seed=args.seed,
+            max_prompt_len=args.max_prompt_len,
+            num_samples=args.num_samples,
+            judges=judges,
+            device=args.device,
+        )
+    )
     print(format_table(result), flush=True)
     write_result(args.out, result)
     return result

@@ -14,6 +14,7 @@ worker calls `loader(spec, **options)` to get the function, then answers each ca
 pickled over a socket pair; nothing of the trainer's process (threads, the process group, CUDA) is
 forked. It dies with the process that started it.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -52,8 +53,15 @@ class FunctionWorker:
     is wrong: one line, the caller stops the run). `loader` is "package.module:function"; `deadline_name`
     names the timeout in the message ("ran past --reward_timeout 2 s ...")."""
 
-    def __init__(self, spec: str, loader: str, options: dict | None = None, *, deadline_name: str = "the timeout",
-                 start_limit: float = START_LIMIT_S):
+    def __init__(
+        self,
+        spec: str,
+        loader: str,
+        options: dict | None = None,
+        *,
+        deadline_name: str = "the timeout",
+        start_limit: float = START_LIMIT_S,
+    ):
         self.spec, self.loader, self.options = spec, loader, dict(options or {})
         self.deadline_name, self.start_limit = deadline_name, start_limit
         self.process: subprocess.Popen | None = None
@@ -80,8 +88,9 @@ class FunctionWorker:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])}
         command = [sys.executable, "-m", "step3_ppo.function_worker", str(child_end.fileno()), str(os.getpid())]
         # its own process group: a kill at the deadline ends what it started, and Ctrl-C is the trainer's to handle
-        self.process = subprocess.Popen(command, pass_fds=[child_end.fileno()], stdin=subprocess.DEVNULL, env=env,
-                                        start_new_session=True)
+        self.process = subprocess.Popen(
+            command, pass_fds=[child_end.fileno()], stdin=subprocess.DEVNULL, env=env, start_new_session=True
+        )
         child_end.close()
         _live.add(self.process)
         self.conn, self.ready = parent_end, False
@@ -101,8 +110,11 @@ class FunctionWorker:
         except (EOFError, OSError):
             raise self.died() from None
         except Exception as exc:  # a result whose class the parent cannot import
-            raise CallFailed(f"returned a value that cannot be read back from its worker process: "
-                             f"{one_line(f'{type(exc).__name__}: {exc}', _MESSAGE_LIMIT)}", "unreadable") from None
+            raise CallFailed(
+                f"returned a value that cannot be read back from its worker process: "
+                f"{one_line(f'{type(exc).__name__}: {exc}', _MESSAGE_LIMIT)}",
+                "unreadable",
+            ) from None
         if kind in ("ok", "ready"):
             return payload
         if kind in ("error", "exit", "load"):  # the setup is wrong, or the worker exits after saying so
@@ -165,6 +177,7 @@ def _rebuilt(data: bytes, message: str) -> ProjectError:
 
 # ---------------------------------------------------------------- the worker's end
 
+
 def _die_with_parent(parent_pid: int) -> None:
     """SIGKILL this worker when the trainer's process dies (even by SIGKILL, while a call hangs)."""
     if sys.platform.startswith("linux"):
@@ -177,8 +190,13 @@ def _send(conn: Connection, kind: str, payload) -> None:
     try:
         data = pickle.dumps((kind, payload), pickle.HIGHEST_PROTOCOL)
     except Exception as exc:
-        data = pickle.dumps(("unpicklable", f"returned a {type(payload).__name__}, which cannot be pickled back "
-                                            f"from its worker process ({one_line(exc, _MESSAGE_LIMIT)})"))
+        data = pickle.dumps(
+            (
+                "unpicklable",
+                f"returned a {type(payload).__name__}, which cannot be pickled back "
+                f"from its worker process ({one_line(exc, _MESSAGE_LIMIT)})",
+            )
+        )
     try:
         conn.send_bytes(data)
     except OSError:  # the trainer is gone (BrokenPipeError): nothing to report to, nothing to print
@@ -232,8 +250,11 @@ def serve(fd: int) -> None:
     except ProjectError as exc:
         return _send(conn, "error", _error(exc))
     except Exception as exc:
-        return _send(conn, "load", f"its worker process could not load it: "
-                                   f"{one_line(f'{type(exc).__name__}: {exc}', _MESSAGE_LIMIT)}")
+        return _send(
+            conn,
+            "load",
+            f"its worker process could not load it: {one_line(f'{type(exc).__name__}: {exc}', _MESSAGE_LIMIT)}",
+        )
     _send(conn, "ready", None)
     while (kwargs := _receive(conn)) is not None:
         kind, payload = _outcome(fn, kwargs)

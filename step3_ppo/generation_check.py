@@ -12,6 +12,7 @@ forward in `hybrid.gathered` (how step 3 scores the rollout) is from the hooked 
 dicts) and restores the same module objects afterwards, plus tokens per second per rank (median
 over --repeats after a warm-up).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,15 +34,26 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model_name_or_path", required=True, help="causal LM directory or hub name to generate with")
     p.add_argument("--zero_stage", type=int, default=3, help="DeepSpeed ZeRO stage of the engine (default %(default)s)")
-    p.add_argument("--lora_dim", type=int, default=0,
-                   help="LoRA rank (0: no LoRA); the adapters get non-zero weights so merging them matters")
+    p.add_argument(
+        "--lora_dim",
+        type=int,
+        default=0,
+        help="LoRA rank (0: no LoRA); the adapters get non-zero weights so merging them matters",
+    )
     p.add_argument("--batch_size", type=int, default=4, help="prompts per rank")
     p.add_argument("--prompt_len", type=int, default=16, help="longest prompt in tokens (others shorter)")
     p.add_argument("--new_tokens", type=int, default=16, help="new tokens generated per prompt (exactly, no EOS stop)")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="timed generate calls per mode after one warm-up (the median is reported)")
-    p.add_argument("--modes", default="hybrid,hybrid_unmerged,plain",
-                   help="hybrid first: plain ZeRO-3 generate invalidates DeepSpeed's trace itself")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="timed generate calls per mode after one warm-up (the median is reported)",
+    )
+    p.add_argument(
+        "--modes",
+        default="hybrid,hybrid_unmerged,plain",
+        help="hybrid first: plain ZeRO-3 generate invalidates DeepSpeed's trace itself",
+    )
     p.add_argument("--dtype", default="fp32", help="engine precision: fp32, bf16 or fp16 (default %(default)s)")
     p.add_argument("--out", default=None, help="JSON result file (rank 0)")
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
@@ -59,8 +71,8 @@ def make_prompts(tokenizer, batch_size: int, prompt_len: int, seed: int) -> dict
     input_ids = torch.full((batch_size, prompt_len), tokenizer.pad_token_id)
     attention_mask = torch.zeros((batch_size, prompt_len), dtype=torch.long)
     for i, row in enumerate(rows):
-        input_ids[i, prompt_len - row.numel():] = row
-        attention_mask[i, prompt_len - row.numel():] = 1
+        input_ids[i, prompt_len - row.numel() :] = row
+        attention_mask[i, prompt_len - row.numel() :] = 1
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
@@ -93,10 +105,12 @@ def module_tree_state(engine) -> dict:
     from peft.tuners.lora import LoraLayer  # lazy: +3 s on --help (peft)
 
     modules = list(engine.module.modules())
-    return {"lora_wrappers": sum(isinstance(m, LoraLayer) for m in modules),
-            "merged_wrappers": sum(isinstance(m, LoraLayer) and m.merged for m in modules),
-            "zero_parameter_dicts": sum(type(m._parameters).__name__ == "ZeROOrderedDict" for m in modules),
-            "identity": [id(m) for m in modules] + [id(m._parameters) for m in modules]}
+    return {
+        "lora_wrappers": sum(isinstance(m, LoraLayer) for m in modules),
+        "merged_wrappers": sum(isinstance(m, LoraLayer) and m.merged for m in modules),
+        "zero_parameter_dicts": sum(type(m._parameters).__name__ == "ZeROOrderedDict" for m in modules),
+        "identity": [id(m) for m in modules] + [id(m._parameters) for m in modules],
+    }
 
 
 def generation_mode_tree(engine) -> dict:
@@ -106,10 +120,12 @@ def generation_mode_tree(engine) -> dict:
     with generation_mode(engine, hybrid=True, merge_lora=True):
         inside = module_tree_state(engine)
     after = module_tree_state(engine)
-    return {"before": {k: v for k, v in before.items() if k != "identity"},
-            "inside": {k: v for k, v in inside.items() if k != "identity"},
-            "after": {k: v for k, v in after.items() if k != "identity"},
-            "restored": after == before}
+    return {
+        "before": {k: v for k, v in before.items() if k != "identity"},
+        "inside": {k: v for k, v in inside.items() if k != "identity"},
+        "after": {k: v for k, v in after.items() if k != "identity"},
+        "restored": after == before,
+    }
 
 
 def gathered_forward_max_abs_diff(engine, sequences: torch.Tensor, mask: torch.Tensor) -> float:
@@ -148,8 +164,14 @@ def main(argv=None):
     kwargs = generation_kwargs(greedy, tokenizer.eos_token_id, tokenizer.pad_token_id)
     settings = {"plain": (False, True), "hybrid": (True, True), "hybrid_unmerged": (True, False)}
     weights_before = full_weights(engine)
-    result = {"world_size": world_size(), "zero_stage": args.zero_stage, "lora_dim": args.lora_dim,
-              "batch_size": args.batch_size, "new_tokens": args.new_tokens, "modes": {}}
+    result = {
+        "world_size": world_size(),
+        "zero_stage": args.zero_stage,
+        "lora_dim": args.lora_dim,
+        "batch_size": args.batch_size,
+        "new_tokens": args.new_tokens,
+        "modes": {},
+    }
     tokens = {}
     for mode in args.modes.split(","):
         hybrid, merge = settings[mode]
@@ -157,22 +179,27 @@ def main(argv=None):
         times = []
         for _ in range(args.repeats + 1):  # the first call is a warm-up
             start = time.perf_counter()
-            out = generate(engine, prompts["input_ids"], prompts["attention_mask"], hybrid=hybrid, merge_lora=merge,
-                           **kwargs)
+            out = generate(
+                engine, prompts["input_ids"], prompts["attention_mask"], hybrid=hybrid, merge_lora=merge, **kwargs
+            )
             times.append(time.perf_counter() - start)
-        tokens[mode] = out[:, args.prompt_len:]
+        tokens[mode] = out[:, args.prompt_len :]
         seconds = statistics.median(times[1:])
-        result["modes"][mode] = {"seconds": seconds,
-                                 "tokens_per_s_per_rank": args.batch_size * args.new_tokens / seconds,
-                                 "partitioned_after": partitioned(engine) if args.zero_stage == 3 else None}
+        result["modes"][mode] = {
+            "seconds": seconds,
+            "tokens_per_s_per_rank": args.batch_size * args.new_tokens / seconds,
+            "partitioned_after": partitioned(engine) if args.zero_stage == 3 else None,
+        }
         if hook_state is not None:
             hooks_after, trace_after = zero3_hook_state(engine)
-            result["modes"][mode].update(hooks_unchanged=hooks_after == hook_state[0], trace_before=hook_state[1],
-                                         trace_after=trace_after)
+            result["modes"][mode].update(
+                hooks_unchanged=hooks_after == hook_state[0], trace_before=hook_state[1], trace_after=trace_after
+            )
     result["generation_mode_tree"] = generation_mode_tree(engine)
     if args.zero_stage == 3:
         result["gathered_forward_max_abs_diff"] = gathered_forward_max_abs_diff(
-            engine, out, torch.cat([prompts["attention_mask"], torch.ones_like(out[:, args.prompt_len:])], dim=1))
+            engine, out, torch.cat([prompts["attention_mask"], torch.ones_like(out[:, args.prompt_len :])], dim=1)
+        )
     weights_after = full_weights(engine)
     first = next(iter(tokens.values()))
     result["tokens_equal"] = all(torch.equal(first, t) for t in tokens.values())

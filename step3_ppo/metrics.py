@@ -4,6 +4,7 @@ Each rank first sums what it saw (`local_sums`); `all_ranks` adds those sums ove
 (and takes a few maxima in another), and every family then divides totals of all ranks, so each metric is the
 same on every rank. A family whose feature is off returns {}: its names are not logged at all.
 """
+
 from __future__ import annotations
 
 from step3_ppo.agents.loop import agent_rates, agent_sums
@@ -28,12 +29,15 @@ def component_sums(rows: list[Row], names: list[str]) -> dict:
 def minibatch_sums(train_stats: list[dict], optimizer_steps: int) -> dict:
     """A loss as its optimizer steps' mean (each mini-batch holds its part of its step's loss, then summed over
     ranks); every other mini-batch figure as the mini-batches' mean (then averaged over ranks)."""
-    return {k + "_sum": sum(s[k] for s in train_stats) / (optimizer_steps if k in STEP_LOSSES else len(train_stats))
-            for k in train_stats[0]}
+    return {
+        k + "_sum": sum(s[k] for s in train_stats) / (optimizer_steps if k in STEP_LOSSES else len(train_stats))
+        for k in train_stats[0]
+    }
 
 
-def local_sums(rows: list[Row], experience: dict, sampling: dict, train_stats: list[dict], optimizer_steps: int,
-               agent: bool) -> dict:
+def local_sums(
+    rows: list[Row], experience: dict, sampling: dict, train_stats: list[dict], optimizer_steps: int, agent: bool
+) -> dict:
     """This rank's sums: its rows, the experience's sums (PPOTrainer.compute_advantages), the dynamic sampling's
     group counts, lengths, trained tokens, the multi-turn counters (with an `agent`) and the mini-batches' figures."""
     return {
@@ -60,10 +64,14 @@ def reward_metrics(totals: dict, components: list[str], config) -> dict:
     its actions), each component's mean; the length penalty, skipped rows and zero-variance groups when the
     config makes them."""
     c, n = config, totals["rows"]
-    out = {"reward/score_mean": totals["score_sum"] / max(totals["scored_rows"], 1),
-           "reward/total_mean": totals["total_reward_sum"] / n,
-           **{f"reward/{name}_mean": totals[f"part/{name}_sum"] / max(totals[f"part/{name}_count"], 1)
-              for name in components}}
+    out = {
+        "reward/score_mean": totals["score_sum"] / max(totals["scored_rows"], 1),
+        "reward/total_mean": totals["total_reward_sum"] / n,
+        **{
+            f"reward/{name}_mean": totals[f"part/{name}_sum"] / max(totals[f"part/{name}_count"], 1)
+            for name in components
+        },
+    }
     if c.overlong_buffer_len or c.truncation_penalty:
         out["reward/length_penalty_mean"] = totals["length_penalty_sum"] / n
     if c.skip_bad_rewards:
@@ -80,18 +88,26 @@ def kl_metrics(totals: dict, coef: float) -> dict:
 
 def length_metrics(totals: dict) -> dict:
     """The mean answer length in tokens and the share of answers that ended with a stop token."""
-    return {"gen/response_len_mean": totals["response_len_sum"] / totals["rows"],
-            "gen/eos_fraction": totals["eos_sum"] / totals["rows"]}
+    return {
+        "gen/response_len_mean": totals["response_len_sum"] / totals["rows"],
+        "gen/eos_fraction": totals["eos_sum"] / totals["rows"],
+    }
 
 
 def policy_metrics(totals: dict, stat_names, log_ratio_max: float, overflow_skipped: int, ranks: int) -> dict:
     """The mini-batches' figures (`stat_names`, PPOTrainer.train_minibatch's: losses, clip fractions, entropy):
     a loss its optimizer steps' mean, every other figure averaged over ranks; |log ratio| at its largest on any
     rank; the updates the fp16 loss scaler skipped (the same on every rank)."""
-    return {"ppo/log_ratio_max_abs": log_ratio_max, "ppo/skipped_non_finite": 0.0,
-            "train/overflow_skipped": float(overflow_skipped),
-            **{k: totals[k + "_sum"] / (1 if k in STEP_LOSSES else ranks)
-               for k in stat_names if k != "ppo/log_ratio_max_abs"}}
+    return {
+        "ppo/log_ratio_max_abs": log_ratio_max,
+        "ppo/skipped_non_finite": 0.0,
+        "train/overflow_skipped": float(overflow_skipped),
+        **{
+            k: totals[k + "_sum"] / (1 if k in STEP_LOSSES else ranks)
+            for k in stat_names
+            if k != "ppo/log_ratio_max_abs"
+        },
+    }
 
 
 def value_metrics(totals: dict, ranks: int, critic: bool) -> dict:
@@ -103,8 +119,7 @@ def selection_metrics(totals: dict, config) -> dict:
     """When rows can be left out of the loss (skipped rewards, truncated answers, groups without signal): how many
     were, and the tokens trained on."""
     c = config
-    if not (c.skip_bad_rewards or c.mask_truncated_completions or c.filter_zero_variance_groups
-            or c.dynamic_sampling):
+    if not (c.skip_bad_rewards or c.mask_truncated_completions or c.filter_zero_variance_groups or c.dynamic_sampling):
         return {}
     return {"train/dropped_rows": totals["dropped_rows"], "train/trained_tokens": totals["trained_tokens"]}
 
@@ -115,9 +130,13 @@ def dynamic_metrics(totals: dict, sampling: dict) -> dict:
     if not sampling:
         return {}
     generated, kept = totals["dynamic/generated_groups"], totals["dynamic/kept_groups"]
-    return {"dynamic/generated_groups": generated, "dynamic/kept_groups": kept,
-            "dynamic/dropped_groups": generated - kept, "dynamic/missing_groups": totals["dynamic/missing_groups"],
-            "dynamic/rounds": sampling["rounds"]}
+    return {
+        "dynamic/generated_groups": generated,
+        "dynamic/kept_groups": kept,
+        "dynamic/dropped_groups": generated - kept,
+        "dynamic/missing_groups": totals["dynamic/missing_groups"],
+        "dynamic/rounds": sampling["rounds"],
+    }
 
 
 def rollout_metrics(totals: dict, logprob_diff_max: float, correction: str) -> dict:
@@ -140,18 +159,27 @@ def agent_metrics(totals: dict, agent: bool) -> dict:
     if not agent:
         return {}
     n = totals["rows"]
-    return {**{f"rollout/{name}_mean": totals[f"agent/{name}_sum"] / n
-               for name in ("turns", "tool_calls", "tool_errors", "env_tokens", "action_tokens")},
-            **agent_rates(totals, "rollout/"),
-            **{f"rollout/{name}": totals[f"agent/{name}_sum"] for name in ("tool_errors", "truncated", "env_failures")}}
+    return {
+        **{
+            f"rollout/{name}_mean": totals[f"agent/{name}_sum"] / n
+            for name in ("turns", "tool_calls", "tool_errors", "env_tokens", "action_tokens")
+        },
+        **agent_rates(totals, "rollout/"),
+        **{f"rollout/{name}": totals[f"agent/{name}_sum"] for name in ("tool_errors", "truncated", "env_failures")},
+    }
 
 
-def timing_metrics(rows_total: float, generation_s: float, experience_s: float, train_s: float,
-                   env_s: float | None = None) -> dict:
+def timing_metrics(
+    rows_total: float, generation_s: float, experience_s: float, train_s: float, env_s: float | None = None
+) -> dict:
     """Each phase's seconds and the rows per second of the whole iteration; with a multi-turn rollout (`env_s`)
     the environment's and tools' seconds apart from generation's."""
-    out = {"time/generation_s": generation_s, "time/experience_s": experience_s, "time/train_s": train_s,
-           "samples_per_s": rows_total / (generation_s + experience_s + train_s)}
+    out = {
+        "time/generation_s": generation_s,
+        "time/experience_s": experience_s,
+        "time/train_s": train_s,
+        "samples_per_s": rows_total / (generation_s + experience_s + train_s),
+    }
     if env_s is not None:
         out.update({"time/env_s": env_s, "time/generation_s": generation_s - env_s})
     return out

@@ -5,6 +5,7 @@ plus one panel per periodic evaluation metric (`eval/...` keys, logged every K s
 
 With evaluation metrics it also prints each one's first and last value (before -> after training).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,15 +16,27 @@ import sys
 
 # (panel title, y label, [(metrics key, legend label), ...])
 PANELS = (
-    ("Reward", "reward", [("reward/score_mean", "sequence reward"),
-                          ("reward/total_mean", "total (after a group baseline, - KL penalty)")]),
+    (
+        "Reward",
+        "reward",
+        [
+            ("reward/score_mean", "sequence reward"),
+            ("reward/total_mean", "total (after a group baseline, - KL penalty)"),
+        ],
+    ),
     ("KL to SFT reference", "KL (nats / sequence)", [("kl/ref_mean", "KL(actor || reference)")]),
     ("Response length", "tokens", [("gen/response_len_mean", "mean response length")]),
 )
 # drawn for multi-turn runs (--env / --tools) only: per trajectory, every iteration
-AGENT_PANEL = ("Turns and tool calls", "per trajectory", [("rollout/turns_mean", "policy turns"),
-                                                          ("rollout/tool_calls_mean", "tool calls"),
-                                                          ("rollout/tool_errors_mean", "tool calls that failed")])
+AGENT_PANEL = (
+    "Turns and tool calls",
+    "per trajectory",
+    [
+        ("rollout/turns_mean", "policy turns"),
+        ("rollout/tool_calls_mean", "tool calls"),
+        ("rollout/tool_errors_mean", "tool calls that failed"),
+    ],
+)
 
 
 def read_rows(metrics_jsonl_path: str) -> list[dict]:
@@ -64,7 +77,7 @@ def eval_keys(rows: list[dict]) -> list[str]:
     metric's panel: `K_ci` ([low, high]) and `K_ci_low` / `K_ci_high` where K itself is logged."""
     keys = sorted({k for row in rows for k in row if k.startswith(EVAL_PREFIX) and k not in NOT_DRAWN})
     present = set(keys)
-    return [k for k in keys if not any(k.endswith(sfx) and k[:-len(sfx)] in present for sfx in _CI_SUFFIXES)]
+    return [k for k in keys if not any(k.endswith(sfx) and k[: -len(sfx)] in present for sfx in _CI_SUFFIXES)]
 
 
 def interval_series(rows: list[dict], key: str) -> tuple[list, list, list]:
@@ -94,11 +107,11 @@ def plot_curves(metrics_jsonl_path: str, out_png: str) -> str:
 
     rows = read_rows(metrics_jsonl_path)
     agent = [AGENT_PANEL] if any(AGENT_PANEL[2][0][0] in row for row in rows) else []
-    panels = list(PANELS) + agent + [(key[len(EVAL_PREFIX):], key, [(key, "evaluation")]) for key in eval_keys(rows)]
+    panels = list(PANELS) + agent + [(key[len(EVAL_PREFIX) :], key, [(key, "evaluation")]) for key in eval_keys(rows)]
     cols = min(len(panels), len(PANELS))
     n_rows = math.ceil(len(panels) / cols)
     fig, axes = plt.subplots(n_rows, cols, figsize=(5 * cols, 4 * n_rows), squeeze=False)
-    for ax in axes.flat[len(panels):]:
+    for ax in axes.flat[len(panels) :]:
         ax.axis("off")
     for ax, (title, ylabel, keys) in zip(axes.flat, panels):
         plotted = False

@@ -5,6 +5,7 @@ way, and a spec that does not load must say why in one line (no such file, a syn
 no such module, no such name, not a function) before any model is loaded. Each caller raises its own
 ProjectError subclass, so its messages name its flag's kind of thing (`error(spec, problem)`).
 """
+
 from __future__ import annotations
 
 import importlib

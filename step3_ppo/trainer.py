@@ -12,6 +12,7 @@ are never confused:
   the `--policy_loss` (utils.math.losses.POLICY_LOSSES). Its log is `ppo/log_ratio_max_abs`, exactly 0 in
   theory at learning rate 0.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -55,6 +56,7 @@ class NothingToTrain(ProjectError):
 @dataclass
 class PPOConfig:
     """Every RL hyper-parameter; each field is the flag of the same name in step3_ppo/main.py."""
+
     stop_token_ids: tuple  # EOS, and for chat prompts the template's end-of-turn token: a response ends at the first
     pad_token_id: int
     max_answer_seq_len: int = 64
@@ -115,9 +117,14 @@ class PPOConfig:
 
     @property
     def generation(self) -> GenerationSettings:
-        return GenerationSettings(max_new_tokens=self.max_answer_seq_len, min_new_tokens=self.min_answer_seq_len,
-                                  do_sample=self.do_sample, temperature=self.temperature, top_p=self.top_p,
-                                  top_k=self.top_k)
+        return GenerationSettings(
+            max_new_tokens=self.max_answer_seq_len,
+            min_new_tokens=self.min_answer_seq_len,
+            do_sample=self.do_sample,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+        )
 
 
 class PPOTrainer:
@@ -129,8 +136,9 @@ class PPOTrainer:
     (step3_ppo.agents.loop.MultiTurn) makes each rollout row a multi-turn trajectory.
     """
 
-    def __init__(self, engines, config: PPOConfig, kl_ctl, rewards, unsup_batches=None, logprobs_fn=token_logprobs,
-                 agent=None):
+    def __init__(
+        self, engines, config: PPOConfig, kl_ctl, rewards, unsup_batches=None, logprobs_fn=token_logprobs, agent=None
+    ):
         self.config = config
         self.estimator = get_estimator(config.advantage_estimator)
         self.policy_loss = losses.POLICY_LOSSES[config.policy_loss]
@@ -139,11 +147,15 @@ class PPOTrainer:
         engine_entry = ROLLOUT_ENGINES[config.rollout_engine]
         self.rollout = engine_entry.build(self.actor, config)
         self.rollout_logprobs = engine_entry.logprobs and config.rollout_logprobs  # rows keep "rollout_logprobs"
-        readers = ((["--old_logprobs rollout"] if config.old_logprobs == "rollout" else [])
-                   + ([f"--rollout_correction {config.rollout_correction}"] if config.rollout_correction != "none" else []))
+        readers = (["--old_logprobs rollout"] if config.old_logprobs == "rollout" else []) + (
+            [f"--rollout_correction {config.rollout_correction}"] if config.rollout_correction != "none" else []
+        )
         if readers and not self.rollout_logprobs:
-            cause = ("--no_rollout_logprobs leaves them out" if engine_entry.logprobs
-                     else f"--rollout_engine {config.rollout_engine} does not give them")
+            cause = (
+                "--no_rollout_logprobs leaves them out"
+                if engine_entry.logprobs
+                else f"--rollout_engine {config.rollout_engine} does not give them"
+            )
             raise ValueError(f"{' and '.join(readers)} need(s) the rollout engine's own log-probs: {cause}")
         self.critic = engines.critic if self.estimator.needs_critic else None
         self.ema = getattr(engines, "ema", None)
@@ -162,8 +174,14 @@ class PPOTrainer:
         return self.guard is None or self.guard.all_finite(*values)
 
     # ------------------------------------------------------------------ rollout + experience
-    def generate_rows(self, prompt_batch: dict, first_group: int = 0, settings: GenerationSettings | None = None,
-                      n: int | None = None, logprobs: bool = False) -> list[Row]:
+    def generate_rows(
+        self,
+        prompt_batch: dict,
+        first_group: int = 0,
+        settings: GenerationSettings | None = None,
+        n: int | None = None,
+        logprobs: bool = False,
+    ) -> list[Row]:
         """`n_samples_per_prompt` answers to each prompt of the batch, generated together (a group never
         straddles generation batches); group ids count from `first_group`, each row keeps its prompt row.
         `settings` / `n` replace the rollout's (evaluation: greedy, one answer). With `logprobs` (an engine
@@ -171,8 +189,15 @@ class PPOTrainer:
         c = self.config
         n = c.n_samples_per_prompt if n is None else n
         if self.agent is not None:  # multi-turn: each row a trajectory (step3_ppo/agents/loop.py)
-            rows = self.agent.rollout(self.rollout, prompt_batch, settings or c.generation, n, c.stop_token_ids,
-                                      c.pad_token_id, logprobs=logprobs)
+            rows = self.agent.rollout(
+                self.rollout,
+                prompt_batch,
+                settings or c.generation,
+                n,
+                c.stop_token_ids,
+                c.pad_token_id,
+                logprobs=logprobs,
+            )
             for i, row in enumerate(rows):
                 row.group = first_group + i // n
             return rows
@@ -187,7 +212,7 @@ class PPOTrainer:
         for i, row in enumerate(rows):
             row.group, row.prompt = first_group + i // n, prompt_rows[i // n]
             if logprobs:
-                row.per_action["rollout_logprobs"] = generated[i, :row.response_ids.numel()].float().cpu().clone()
+                row.per_action["rollout_logprobs"] = generated[i, : row.response_ids.numel()].float().cpu().clone()
         return rows
 
     @staticmethod
@@ -201,8 +226,9 @@ class PPOTrainer:
         this iteration trains (with the weights before its update: one step stale)."""
         c = self.config
         for batch in prompt_batches:
-            self.rollout.prefetch(*self.rollout_inputs(batch, c.n_samples_per_prompt, c.generation),
-                                  logprobs=self.rollout_logprobs)
+            self.rollout.prefetch(
+                *self.rollout_inputs(batch, c.n_samples_per_prompt, c.generation), logprobs=self.rollout_logprobs
+            )
 
     def inference_weights(self, engine):
         """With the hybrid engine, a no-grad phase holds the whole model gathered once (hybrid.gathered).
@@ -251,8 +277,9 @@ class PPOTrainer:
                     for row, score in zip(rows, component(rows).tolist()):
                         row.score_parts[component.name] = score
         for rows in rows_per_batch:
-            parts = {c.name: torch.tensor([r.score_parts[c.name] for r in rows], dtype=torch.float32)
-                     for c in self.rewards}
+            parts = {
+                c.name: torch.tensor([r.score_parts[c.name] for r in rows], dtype=torch.float32) for c in self.rewards
+            }
             for row, score in zip(rows, combine(parts, self.config.reward_weights).tolist()):
                 failed = row.agent is not None and row.agent["failed"] is not None  # its environment raised
                 row.score = float("nan") if failed else score
@@ -321,8 +348,12 @@ class PPOTrainer:
         drop = drop | (flat if c.filter_zero_variance_groups or c.dynamic_sampling else torch.zeros_like(bad))
         for row, dropped in zip(rows, drop.tolist()):
             row.trained = not dropped
-        return {"scores": scores, "bad_rows": int(bad.sum()), "dropped_rows": int(drop.sum()),
-                "zero_variance_rows": int(flat.sum())}
+        return {
+            "scores": scores,
+            "bad_rows": int(bad.sum()),
+            "dropped_rows": int(drop.sum()),
+            "zero_variance_rows": int(flat.sum()),
+        }
 
     def sequence_rewards(self, rows: list[Row]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(raw scores [B] (NaN: skipped), the scores the loss selection and baselines see: the components
@@ -330,14 +361,17 @@ class PPOTrainer:
         c = self.config
         lengths = torch.tensor([r.action_count for r in rows])
         ended = torch.tensor([r.ended_with_eos for r in rows])
-        penalty = length_penalty(lengths, ended, c.max_answer_seq_len, c.overlong_buffer_len,
-                                 c.overlong_penalty_factor, c.truncation_penalty)
+        penalty = length_penalty(
+            lengths, ended, c.max_answer_seq_len, c.overlong_buffer_len, c.overlong_penalty_factor, c.truncation_penalty
+        )
         raw_scores = torch.tensor([r.score for r in rows], dtype=torch.float32)
         groups = torch.tensor([r.group for r in rows])
         scores = raw_scores
         if c.reward_norm != "sum_then_normalize":  # each component normalised in its group before the sum
-            parts = {comp.name: torch.tensor([r.score_parts[comp.name] for r in rows], dtype=torch.float32)
-                     for comp in self.rewards}
+            parts = {
+                comp.name: torch.tensor([r.score_parts[comp.name] for r in rows], dtype=torch.float32)
+                for comp in self.rewards
+            }
             scores = combine(parts, c.reward_weights, groups, c.reward_norm)
         return raw_scores, scores + penalty, penalty, groups
 
@@ -375,8 +409,9 @@ class PPOTrainer:
         if self.estimator.baseline is not None:
             scores = self.estimator.baseline(scores, groups)
         kl_coef_in_reward = 0.0 if c.kl_in_loss else self.kl_ctl.value
-        rewards, kl = compute_rewards(scores, layout["old_logprobs"], layout["ref_logprobs"], action_mask,
-                                      kl_coef_in_reward, c.kl_estimator)
+        rewards, kl = compute_rewards(
+            scores, layout["old_logprobs"], layout["ref_logprobs"], action_mask, kl_coef_in_reward, c.kl_estimator
+        )
         advantages, returns = advantages_and_returns(self.estimator, values, rewards, action_mask, c.gamma, c.lam)
         if self.estimator.whiten and c.whiten_advantages and loss_mask.sum() > 1:
             advantages = masked_whiten(advantages, loss_mask)
@@ -399,24 +434,35 @@ class PPOTrainer:
             **component_sums(rows, [comp.name for comp in self.rewards]),
         }
 
-    def rollout_mismatch(self, rows: list[Row], layout: dict, action_mask: torch.Tensor, loss_mask: torch.Tensor,
-                         prompt_len: int) -> dict:
+    def rollout_mismatch(
+        self, rows: list[Row], layout: dict, action_mask: torch.Tensor, loss_mask: torch.Tensor, prompt_len: int
+    ) -> dict:
         """|generator - trainer| log-prob of every action (the trainer's old log-probs against the rollout
         engine's own), as sums for the iteration's mean and max; with --rollout_correction the per-action
         off-policy weights stored in the rows ("rollout_weights") and their sums over the trained actions."""
         c = self.config
         mask = action_mask != 0
         diff = select((layout["old_logprobs"] - layout["rollout_logprobs"]).abs(), mask)
-        out = {"logprob_diff_sum": diff.sum().item(), "logprob_diff_count": int(mask.sum()),
-               "logprob_diff_max": diff.max().item() if diff.numel() else 0.0}
+        out = {
+            "logprob_diff_sum": diff.sum().item(),
+            "logprob_diff_count": int(mask.sum()),
+            "logprob_diff_max": diff.max().item() if diff.numel() else 0.0,
+        }
         if c.rollout_correction != "none":
-            weights = rollout_correction_weights(layout["old_logprobs"], layout["rollout_logprobs"], action_mask,
-                                                 c.rollout_correction, c.rollout_correction_threshold)
+            weights = rollout_correction_weights(
+                layout["old_logprobs"],
+                layout["rollout_logprobs"],
+                action_mask,
+                c.rollout_correction,
+                c.rollout_correction_threshold,
+            )
             from_token_layout(rows, "rollout_weights", weights, prompt_len)
             trained = loss_mask != 0
-            out.update(rollout_weight_sum=select(weights, trained).sum().item(),
-                       rollout_masked_sum=int((trained & (weights == 0)).sum()),
-                       rollout_weight_count=int(trained.sum()))
+            out.update(
+                rollout_weight_sum=select(weights, trained).sum().item(),
+                rollout_masked_sum=int((trained & (weights == 0)).sum()),
+                rollout_weight_count=int(trained.sum()),
+            )
         return out
 
     # ------------------------------------------------------------------ PPO epochs
@@ -426,8 +472,9 @@ class PPOTrainer:
         trained = [r for r in rows if r.trained]
         return {"tokens": sum(r.action_count for r in trained), "sequences": len(trained)}
 
-    def train_minibatch(self, rows: list[Row], counts: dict, totals: dict, boundary: bool,
-                        replay: dict | None = None) -> dict:
+    def train_minibatch(
+        self, rows: list[Row], counts: dict, totals: dict, boundary: bool, replay: dict | None = None
+    ) -> dict:
         """One mini-batch's forward, backward and step of the actor (and critic) in its optimizer step
         (`train_epochs`). `counts` / `totals`: its loss units (`loss_units`) and those of its whole optimizer
         step on every rank, so that the step's loss is ONE mean (utils.train.loop.step_normalised_loss);
@@ -439,7 +486,9 @@ class PPOTrainer:
         batch = pack(rows, c.pad_token_id)
         ids, mask = batch["input_ids"], batch["attention_mask"]
         p, length = batch["prompt_len"], ids.shape[1]
-        names = ("old_logprobs", "ref_logprobs", "advantages") + (("old_values", "returns") if self.critic is not None else ())
+        names = ("old_logprobs", "ref_logprobs", "advantages") + (
+            ("old_values", "returns") if self.critic is not None else ()
+        )
         names += ("rollout_weights",) if c.rollout_correction != "none" else ()
         old = to_device({name: to_token_layout(rows, name, p, length) for name in names}, model_device(self.actor))
         action_mask = batch["action_mask"].to(model_device(self.actor))
@@ -448,18 +497,32 @@ class PPOTrainer:
         unit = "tokens" if self.loss_agg == "token_mean" else "sequences"
         steps, ranks = self.actor.gradient_accumulation_steps(), world_size()
 
-        logprobs, entropy = self.logprobs_fn(self.actor, batch, c.generation.logprob_temperature,
-                                             return_entropy=True, entropy_grad=c.entropy_coef != 0)
-        actor_loss, actor_stats = self.policy_loss.fn(logprobs, old["old_logprobs"], old["advantages"], action_mask,
-                                                      loss_mask=loss_mask, weights=old.get("rollout_weights"), **agg,
-                                                      **{name: getattr(c, name) for name in self.policy_loss.options})
+        logprobs, entropy = self.logprobs_fn(
+            self.actor, batch, c.generation.logprob_temperature, return_entropy=True, entropy_grad=c.entropy_coef != 0
+        )
+        actor_loss, actor_stats = self.policy_loss.fn(
+            logprobs,
+            old["old_logprobs"],
+            old["advantages"],
+            action_mask,
+            loss_mask=loss_mask,
+            weights=old.get("rollout_weights"),
+            **agg,
+            **{name: getattr(c, name) for name in self.policy_loss.options},
+        )
         policy = actor_loss
         if c.entropy_coef:
             policy = policy - c.entropy_coef * losses.entropy_bonus(entropy, loss_mask, **agg)
         kl_loss = torch.zeros(())
         if c.kl_in_loss and self.ref is not None:
-            kl_loss = losses.kl_penalty_loss(logprobs, old["ref_logprobs"], loss_mask, **agg,
-                                             estimator=c.kl_loss_estimator, old_logprobs=old["old_logprobs"])
+            kl_loss = losses.kl_penalty_loss(
+                logprobs,
+                old["ref_logprobs"],
+                loss_mask,
+                **agg,
+                estimator=c.kl_loss_estimator,
+                old_logprobs=old["old_logprobs"],
+            )
             policy = policy + self.kl_ctl.value * kl_loss
         loss, _ = step_normalised_loss({unit: policy}, counts, totals, steps, ranks)
         ptx_loss = torch.zeros(())
@@ -470,18 +533,25 @@ class PPOTrainer:
         self.used = {"actor": self.backward(self.actor, loss, boundary, (replay or {}).get("actor"))}
 
         share = counts[unit] / totals[unit] if totals[unit] else 0.0  # this mini-batch's part of the step's loss
-        stats = {"loss/actor": actor_loss.item() * share, "loss/kl": kl_loss.item() * share,
-                 "loss/ptx": ptx_loss.item(),
-                 "ppo/clipfrac": actor_stats["clipfrac"].item(),
-                 "ppo/approx_kl_old": actor_stats["approx_kl"].item(),
-                 "ppo/log_ratio_max_abs": actor_stats["log_ratio_max_abs"].item(),
-                 "ppo/entropy": masked_mean(entropy.detach(), loss_mask).item()}  # nats per trained token
+        stats = {
+            "loss/actor": actor_loss.item() * share,
+            "loss/kl": kl_loss.item() * share,
+            "loss/ptx": ptx_loss.item(),
+            "ppo/clipfrac": actor_stats["clipfrac"].item(),
+            "ppo/approx_kl_old": actor_stats["approx_kl"].item(),
+            "ppo/log_ratio_max_abs": actor_stats["log_ratio_max_abs"].item(),
+            "ppo/entropy": masked_mean(entropy.detach(), loss_mask).item(),
+        }  # nats per trained token
         if self.critic is not None:
             critic_mask = loss_mask.to(model_device(self.critic))
             values = token_values(self.critic, ids, mask)
-            critic_loss, critic_stats = losses.value_loss(values, old["old_values"].to(values.device),
-                                                          old["returns"].to(values.device), critic_mask,
-                                                          c.cliprange_value)
+            critic_loss, critic_stats = losses.value_loss(
+                values,
+                old["old_values"].to(values.device),
+                old["returns"].to(values.device),
+                critic_mask,
+                c.cliprange_value,
+            )
             scaled, logged = step_normalised_loss({"tokens": critic_loss}, counts, totals, steps, ranks)
             self.used["critic"] = self.backward(self.critic, scaled, boundary, (replay or {}).get("critic"))
             stats.update({"loss/critic": logged, "value/clipfrac": critic_stats["value_clipfrac"].item()})
@@ -532,11 +602,12 @@ class PPOTrainer:
         """Rows shuffled with a generator seeded by (seed, step, epoch), cut into mini-batches."""
         size = self.config.per_device_training_batch_size
         if len(rows) % size:
-            raise ValueError(f"the rollout of {len(rows)} rows per rank is not divisible by "
-                             f"--per_device_training_batch_size {size}")
+            raise ValueError(
+                f"the rollout of {len(rows)} rows per rank is not divisible by --per_device_training_batch_size {size}"
+            )
         generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + step * 1009 + epoch)
         order = torch.randperm(len(rows), generator=generator).tolist()
-        return [[rows[i] for i in order[k:k + size]] for k in range(0, len(rows), size)]
+        return [[rows[i] for i in order[k : k + size]] for k in range(0, len(rows), size)]
 
     # ------------------------------------------------------------------ evaluation during training
     @torch.no_grad()
@@ -552,9 +623,12 @@ class PPOTrainer:
                 batches.append(self.generate_rows(prompt_batch, settings=settings, n=1))
         self.score_rewards(batches)
         rows = [row for rows in batches for row in rows]
-        local = {"rows": len(rows), "response_len_sum": sum(r.response_ids.numel() for r in rows),
-                 "eos_sum": sum(r.ended_with_eos for r in rows),
-                 **component_sums(rows, [c.name for c in self.rewards])}
+        local = {
+            "rows": len(rows),
+            "response_len_sum": sum(r.response_ids.numel() for r in rows),
+            "eos_sum": sum(r.ended_with_eos for r in rows),
+            **component_sums(rows, [c.name for c in self.rewards]),
+        }
         finite = [r.score for r in rows if r.score == r.score]
         local.update(score_sum=sum(finite), score_count=len(finite))
         if self.agent is not None:
@@ -562,12 +636,19 @@ class PPOTrainer:
         keys = list(local)
         totals = dict(zip(keys, all_reduce_sum([local[k] for k in keys])))
         n = max(totals["rows"], 1)
-        metrics = {"eval/score_mean": totals["score_sum"] / max(totals["score_count"], 1),
-                   "eval/response_len_mean": totals["response_len_sum"] / n, "eval/eos_fraction": totals["eos_sum"] / n,
-                   "eval/prompts": totals["rows"]}
+        metrics = {
+            "eval/score_mean": totals["score_sum"] / max(totals["score_count"], 1),
+            "eval/response_len_mean": totals["response_len_sum"] / n,
+            "eval/eos_fraction": totals["eos_sum"] / n,
+            "eval/prompts": totals["rows"],
+        }
         if self.agent is not None:  # per trajectory; the rates of calling a tool and of a call failing
-            metrics.update({f"eval/{name}_mean": totals[f"agent/{name}_sum"] / n
-                            for name in ("turns", "tool_calls", "tool_errors", "env_tokens")})
+            metrics.update(
+                {
+                    f"eval/{name}_mean": totals[f"agent/{name}_sum"] / n
+                    for name in ("turns", "tool_calls", "tool_errors", "env_tokens")
+                }
+            )
             metrics.update(agent_rates(totals, "eval/"))
         for c in self.rewards:
             mean = totals[f"part/{c.name}_sum"] / max(totals[f"part/{c.name}_count"], 1)
@@ -601,26 +682,37 @@ class PPOTrainer:
         signal = self.groups_with_signal(rows)
         kept = signal[:wanted]
         others = [g for g in dict.fromkeys(r.group for r in rows) if g not in set(signal)]
-        chosen = set(kept + others[:wanted - len(kept)])
-        counts = {"generated_groups": len({r.group for r in rows}), "kept_groups": len(kept),
-                  "missing_groups": wanted - len(kept), "rounds": rounds}
+        chosen = set(kept + others[: wanted - len(kept)])
+        counts = {
+            "generated_groups": len({r.group for r in rows}),
+            "kept_groups": len(kept),
+            "missing_groups": wanted - len(kept),
+            "rounds": rounds,
+        }
         return [r for r in rows if r.group in chosen], counts, generation_s, experience_s
 
     def stop_if_nothing_to_train(self, rows: list[Row], step: int) -> None:
         """With --skip_bad_rewards, an iteration whose skipped rewards left no row to train on (any rank) stops
         the run: training on nothing would go on silently to the end and exit 0 (a function that always fails)."""
-        trained, bad, total = all_reduce_sum([sum(r.trained for r in rows),
-                                              sum(r.score != r.score for r in rows), len(rows)])
+        trained, bad, total = all_reduce_sum(
+            [sum(r.trained for r in rows), sum(r.score != r.score for r in rows), len(rows)]
+        )
         if trained == 0 and bad > 0:
-            failing = [name for name in (comp.name for comp in self.rewards)
-                       if any(r.score_parts[name] != r.score_parts[name] for r in rows)]
-            raise NothingToTrain(f"iteration {step + 1}: nothing left to train: {bad:.0f} of {total:.0f} rows have a "
-                                 f"skipped reward (--skip_bad_rewards: {', '.join(failing) or 'another rank'}), and "
-                                 f"their groups were dropped; the first error of each function is printed above")
+            failing = [
+                name
+                for name in (comp.name for comp in self.rewards)
+                if any(r.score_parts[name] != r.score_parts[name] for r in rows)
+            ]
+            raise NothingToTrain(
+                f"iteration {step + 1}: nothing left to train: {bad:.0f} of {total:.0f} rows have a "
+                f"skipped reward (--skip_bad_rewards: {', '.join(failing) or 'another rank'}), and "
+                f"their groups were dropped; the first error of each function is printed above"
+            )
 
     # ------------------------------------------------------------------ one iteration
-    def step(self, prompt_batches: list[dict], step: int, more_prompts=None,
-             next_prompts=None) -> tuple[dict, list[Row]]:
+    def step(
+        self, prompt_batches: list[dict], step: int, more_prompts=None, next_prompts=None
+    ) -> tuple[dict, list[Row]]:
         """Rollout over the prompt batches (with dynamic sampling, more from `more_prompts`), then PPO epochs;
         returns metrics averaged over ranks. With `--async_rollout`, `next_prompts()` (the next iteration's
         prompt batches, or None) are handed to the engine before training starts."""
@@ -653,29 +745,43 @@ class PPOTrainer:
             train_stats, optimizer_steps = self.train_epochs(rows, step)
         if self.ema is not None:
             self.ema.update(self.actor)
-        seconds = {"generation_s": generation_s, "experience_s": experience_s, "train_s": time.time() - t2,
-                   "env_s": self.agent.env_s - env_s0 if self.agent is not None else None}
+        seconds = {
+            "generation_s": generation_s,
+            "experience_s": experience_s,
+            "train_s": time.time() - t2,
+            "env_s": self.agent.env_s - env_s0 if self.agent is not None else None,
+        }
         metrics, rows_total = self.iteration_metrics(rows, exp_stats, sampling, train_stats, optimizer_steps, seconds)
         self.kl_ctl.update(metrics["kl/ref_mean"], rows_total)
         return metrics, rows
 
-    def iteration_metrics(self, rows: list[Row], exp_stats: dict, sampling: dict, train_stats: list[dict],
-                          optimizer_steps: int, seconds: dict) -> tuple[dict, float]:
+    def iteration_metrics(
+        self,
+        rows: list[Row],
+        exp_stats: dict,
+        sampling: dict,
+        train_stats: list[dict],
+        optimizer_steps: int,
+        seconds: dict,
+    ) -> tuple[dict, float]:
         """The iteration's metrics over all ranks, family by family (step3_ppo/metrics.py), and the rows of all
         ranks (for the KL controller)."""
         c = self.config
         local = step_metrics.local_sums(rows, exp_stats, sampling, train_stats, optimizer_steps, self.agent is not None)
         totals, (log_ratio_max, diff_max) = step_metrics.all_ranks(
-            local, [max(s["ppo/log_ratio_max_abs"] for s in train_stats), exp_stats.get("logprob_diff_max", 0.0)])
+            local, [max(s["ppo/log_ratio_max_abs"] for s in train_stats), exp_stats.get("logprob_diff_max", 0.0)]
+        )
         ranks = world_size()
-        return {**step_metrics.reward_metrics(totals, [comp.name for comp in self.rewards], c),
-                **step_metrics.kl_metrics(totals, self.kl_ctl.value),
-                **step_metrics.length_metrics(totals),
-                **step_metrics.policy_metrics(totals, train_stats[0], log_ratio_max, self.overflow_skipped, ranks),
-                **step_metrics.value_metrics(totals, ranks, self.critic is not None),
-                **step_metrics.selection_metrics(totals, c),
-                **step_metrics.dynamic_metrics(totals, sampling),
-                **step_metrics.rollout_metrics(totals, diff_max, c.rollout_correction),
-                **step_metrics.agent_metrics(totals, self.agent is not None),
-                **step_metrics.timing_metrics(totals["rows"], **seconds),
-                **self.rollout.metrics()}, totals["rows"]
+        return {
+            **step_metrics.reward_metrics(totals, [comp.name for comp in self.rewards], c),
+            **step_metrics.kl_metrics(totals, self.kl_ctl.value),
+            **step_metrics.length_metrics(totals),
+            **step_metrics.policy_metrics(totals, train_stats[0], log_ratio_max, self.overflow_skipped, ranks),
+            **step_metrics.value_metrics(totals, ranks, self.critic is not None),
+            **step_metrics.selection_metrics(totals, c),
+            **step_metrics.dynamic_metrics(totals, sampling),
+            **step_metrics.rollout_metrics(totals, diff_max, c.rollout_correction),
+            **step_metrics.agent_metrics(totals, self.agent is not None),
+            **step_metrics.timing_metrics(totals["rows"], **seconds),
+            **self.rollout.metrics(),
+        }, totals["rows"]

@@ -1,4 +1,5 @@
 """Shared fixtures: tiny model directories (built once into .cache/tiny) and offline mode."""
+
 import os
 import sys
 
@@ -14,8 +15,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 def pytest_configure(config):
     config.addinivalue_line(
-        "markers", "slow: launches processes or trains for seconds; `bash scripts/test.sh -m \"not slow\"` is the "
-                   "fast tier for the edit-test loop (CI runs everything)")
+        "markers",
+        'slow: launches processes or trains for seconds; `bash scripts/test.sh -m "not slow"` is the '
+        "fast tier for the edit-test loop (CI runs everything)",
+    )
     if os.environ.get("PYTEST_XDIST_WORKER"):  # scripts/test.sh's workers: two of them share the cores
         import torch
 

@@ -4,6 +4,7 @@ Multi-process runs are few and check the files a run wrote (metrics.jsonl, expor
 its exit noise: a rank rarely aborts at exit after finishing (shared/notes), so a run counts as
 good when the expected outputs exist even if the exit code says otherwise.
 """
+
 from __future__ import annotations
 
 import json
@@ -25,15 +26,24 @@ PROCESS_GROUP_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER
 
 def subprocess_env(**extra) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in PROCESS_GROUP_VARS}
-    env.update({"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                "TOKENIZERS_PARALLELISM": "false"})
+    env.update(
+        {
+            "PYTHONPATH": ROOT,
+            "OMP_NUM_THREADS": "1",
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
     # DeepSpeed's JIT ops in this checkout's folder, as scripts/common.sh sets it (utils/runtime/extensions.py)
     env.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".cache", "torch_extensions"))
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
 
-def rank_command(module: str, args: list, num_ranks: int = 2, launcher: bool = False, zygote: bool = False) -> list[str]:
+def rank_command(
+    module: str, args: list, num_ranks: int = 2, launcher: bool = False, zygote: bool = False
+) -> list[str]:
     """The command that runs N CPU ranks (gloo) of `python -m MODULE ARGS` on this machine: tests/ranks.py,
     which starts them as `deepspeed --num_gpus N --module` does without its two start-ups, or, with
     `launcher=True`, the `deepspeed` command itself (for tests of what the launcher adds). `zygote=True`:
@@ -70,8 +80,14 @@ def zygote_socket(kind: str = "ranks") -> str | None:
 
     folder = tempfile.mkdtemp(prefix=f"rlhf-zygote-{kind}-")
     sock = os.path.join(folder, "s")
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "zygote.py"), sock, kind], cwd=ROOT,
-                            env=subprocess_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "tests", "zygote.py"), sock, kind],
+        cwd=ROOT,
+        env=subprocess_env(),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     last = said = proc.stdout.readline()
     while said and not said.startswith("ready"):  # what the imports print (DeepSpeed's accelerator line) comes first
         last, said = said, proc.stdout.readline()
@@ -104,8 +120,10 @@ def vllm_python() -> str | None:
     shim = os.path.join(os.path.dirname(sock), "python")
     if not os.path.exists(shim):
         with open(shim, "w") as f:
-            f.write(f'#!/bin/bash\nif [ "${{1:-}}" = -c ]; then exec "{sys.executable}" "$@"; fi\n'
-                    f'exec "{sys.executable}" "{ROOT}/tests/ranks.py" --zygote "{sock}" 0 - "$@"\n')
+            f.write(
+                f'#!/bin/bash\nif [ "${{1:-}}" = -c ]; then exec "{sys.executable}" "$@"; fi\n'
+                f'exec "{sys.executable}" "{ROOT}/tests/ranks.py" --zygote "{sock}" 0 - "$@"\n'
+            )
         os.chmod(shim, 0o755)
     return shim
 
@@ -119,22 +137,30 @@ def forked_commands_env(sock: str) -> dict:
     front = f'"{sys.executable}" "{ROOT}/tests/ranks.py" --zygote "{sock}"'
     return {
         "BASH_FUNC_deepspeed%%": '() { if [ "$1" = --num_gpus ] && [ "$3" = --master_port ] && [ "$5" = --module ]; '
-                                 f'then local n="$2" p="$4" m="$6"; shift 6; echo "cmd = (fork server) python -u -m $m $*"; '
-                                 f'{front} "$n" "$p" "$m" "$@"; '
-                                 'else command deepspeed "$@"; fi; }',
+        f'then local n="$2" p="$4" m="$6"; shift 6; echo "cmd = (fork server) python -u -m $m $*"; '
+        f'{front} "$n" "$p" "$m" "$@"; '
+        'else command deepspeed "$@"; fi; }',
         "BASH_FUNC_python%%": '() { if [ "$1" = -m ] && [ $# -ge 2 ]; '
-                              f'then local m="$2"; shift 2; {front} 0 - "$m" "$@"; else command python "$@"; fi; }}',
+        f'then local m="$2"; shift 2; {front} 0 - "$m" "$@"; else command python "$@"; fi; }}',
     }
 
 
-def run_deepspeed(module: str, args: list, num_ranks: int = 2, timeout: int = 600, log_path: str | None = None,
-                  env: dict | None = None, launcher: bool = False) -> subprocess.CompletedProcess:
+def run_deepspeed(
+    module: str,
+    args: list,
+    num_ranks: int = 2,
+    timeout: int = 600,
+    log_path: str | None = None,
+    env: dict | None = None,
+    launcher: bool = False,
+) -> subprocess.CompletedProcess:
     """N ranks of `python -m MODULE ARGS` from the repository root (CPU ranks, gloo); see rank_command."""
     return _run(rank_command(module, args, num_ranks, launcher, zygote=True), timeout, log_path, env)
 
 
-def run_module(module: str, args: list, timeout: int = 600, log_path: str | None = None,
-               env: dict | None = None) -> subprocess.CompletedProcess:
+def run_module(
+    module: str, args: list, timeout: int = 600, log_path: str | None = None, env: dict | None = None
+) -> subprocess.CompletedProcess:
     """`python -m MODULE ARGS` in a single process (rank 0 of 1, no launcher)."""
     return _run(rank_command(module, args, num_ranks=0, zygote=True), timeout, log_path, env)
 
@@ -156,8 +182,14 @@ def tail(proc: subprocess.CompletedProcess, n: int = 3000) -> str:
     return (proc.stdout + proc.stderr)[-n:]
 
 
-def start_deepspeed(module: str, args: list, num_ranks: int = 2, log_path: str | None = None,
-                    env: dict | None = None, launcher: bool = False) -> subprocess.Popen:
+def start_deepspeed(
+    module: str,
+    args: list,
+    num_ranks: int = 2,
+    log_path: str | None = None,
+    env: dict | None = None,
+    launcher: bool = False,
+) -> subprocess.Popen:
     """Like run_deepspeed, but returns at once; the launcher and its ranks share a new process group (with the
     fork server: the front, which writes the ranks' pids for kill_group; the ranks die with it)."""
     cmd = rank_command(module, args, num_ranks, launcher, zygote=True)

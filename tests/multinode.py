@@ -5,6 +5,7 @@ rank) and, where possible, in its own network namespace joined to the other by a
 the rendezvous and gloo traffic really cross between two "hosts" with their own addresses and
 interfaces. Without root or `ip netns`, both nodes share the loopback interface instead.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,6 +24,7 @@ SUBNET = "10.77.0"  # only ever assigned inside the namespaces created here
 @dataclass
 class Node:
     """Where one node runs: its address in the hostfile, its namespace and gloo interface (if any)."""
+
     address: str
     netns: str | None = None
     ifname: str | None = None
@@ -48,7 +50,7 @@ def _remove_stale_namespaces() -> None:
     """Namespaces this helper created in a test process that no longer exists (killed with SIGKILL)."""
     listing = _ip("netns", "list", check=False).stdout
     for name in (line.split()[0] for line in listing.splitlines() if line.strip()):
-        parts = name[len(NETNS_PREFIX):].split("-") if name.startswith(NETNS_PREFIX) else []
+        parts = name[len(NETNS_PREFIX) :].split("-") if name.startswith(NETNS_PREFIX) else []
         if len(parts) == 3 and parts[0].isdigit() and not os.path.exists(f"/proc/{parts[0]}"):
             _ip("netns", "del", name, check=False)
 
@@ -85,8 +87,7 @@ def two_nodes(prefer_netns: bool = True):
         for ns in names:
             _ip("netns", "add", ns)
             created.append(ns)
-        _ip("link", "add", ifnames[0], "netns", names[0], "type", "veth", "peer", "name", ifnames[1],
-            "netns", names[1])
+        _ip("link", "add", ifnames[0], "netns", names[0], "type", "veth", "peer", "name", ifnames[1], "netns", names[1])
         nodes = []
         for i, (ns, ifname) in enumerate(zip(names, ifnames)):
             address = f"{SUBNET}.{i + 1}"
@@ -113,16 +114,42 @@ def two_nodes(prefer_netns: bool = True):
 def _check_link(names: list[str], nodes: list[Node]) -> None:
     """A TCP connection from namespace 0 to node 1's address (the rendezvous would fail obscurely)."""
     port = free_port()
-    server = subprocess.Popen(["ip", "netns", "exec", names[1], sys.executable, "-c",
-                               "import socket,sys; s=socket.create_server((sys.argv[1], int(sys.argv[2])));"
-                               "s.settimeout(20); c,_=s.accept(); c.sendall(b'ok')", nodes[1].address, str(port)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [
+            "ip",
+            "netns",
+            "exec",
+            names[1],
+            sys.executable,
+            "-c",
+            "import socket,sys; s=socket.create_server((sys.argv[1], int(sys.argv[2])));"
+            "s.settimeout(20); c,_=s.accept(); c.sendall(b'ok')",
+            nodes[1].address,
+            str(port),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
-        client = subprocess.run(["ip", "netns", "exec", names[0], sys.executable, "-c",
-                                 "import socket,sys,time\nfor _ in range(100):\n try:\n"
-                                 "  c=socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5); break\n"
-                                 " except ConnectionRefusedError: time.sleep(0.1)\nprint(c.recv(2).decode())",
-                                 nodes[1].address, str(port)], capture_output=True, text=True, timeout=30)
+        client = subprocess.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                names[0],
+                sys.executable,
+                "-c",
+                "import socket,sys,time\nfor _ in range(100):\n try:\n"
+                "  c=socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=5); break\n"
+                " except ConnectionRefusedError: time.sleep(0.1)\nprint(c.recv(2).decode())",
+                nodes[1].address,
+                str(port),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         if client.stdout.strip() != "ok":
             raise RuntimeError(f"the veth pair does not carry TCP: {client.stdout} {client.stderr}")
     finally:
@@ -190,8 +217,16 @@ def _killpg(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def start_nodes(cluster: Cluster, hostfile: str, module: str, args: list, log_dir, master_port: int | None = None,
-                env: dict | None = None, script: str | None = None) -> MultiNodeRun:
+def start_nodes(
+    cluster: Cluster,
+    hostfile: str,
+    module: str,
+    args: list,
+    log_dir,
+    master_port: int | None = None,
+    env: dict | None = None,
+    script: str | None = None,
+) -> MultiNodeRun:
     """Starts every node at once, each in its own session (process group) and namespace.
 
     Without `script`: `deepspeed --hostfile H --no_ssh --node_rank i --master_addr A --master_port P
@@ -206,20 +241,40 @@ def start_nodes(cluster: Cluster, hostfile: str, module: str, args: list, log_di
         node_env = dict(env or subprocess_env())
         if script:
             cmd = ["bash", os.path.join(ROOT, script), *[str(a) for a in args]]
-            node_env.update({"MULTI_NODE_MODE": "no_ssh", "HOSTFILE": hostfile, "NODE_RANK": str(rank),
-                             "MASTER_ADDR": cluster.master_addr, "MASTER_PORT": str(master_port)})
+            node_env.update(
+                {
+                    "MULTI_NODE_MODE": "no_ssh",
+                    "HOSTFILE": hostfile,
+                    "NODE_RANK": str(rank),
+                    "MASTER_ADDR": cluster.master_addr,
+                    "MASTER_PORT": str(master_port),
+                }
+            )
         else:
-            cmd = [launcher, "--hostfile", hostfile, "--no_ssh", "--node_rank", str(rank),
-                   "--master_addr", cluster.master_addr, "--master_port", str(master_port),
-                   "--module", module, *[str(a) for a in args]]
+            cmd = [
+                launcher,
+                "--hostfile",
+                hostfile,
+                "--no_ssh",
+                "--node_rank",
+                str(rank),
+                "--master_addr",
+                cluster.master_addr,
+                "--master_port",
+                str(master_port),
+                "--module",
+                module,
+                *[str(a) for a in args],
+            ]
         if node.netns:
             cmd = ["ip", "netns", "exec", node.netns, *cmd]
         if node.ifname:  # else gloo binds to the address the machine's hostname resolves to
             node_env["GLOO_SOCKET_IFNAME"] = node.ifname
         log_path = os.path.join(str(log_dir), f"node{rank}.log")
         with open(log_path, "w") as log:
-            proc = subprocess.Popen(cmd, cwd=ROOT, env=node_env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=node_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         run.nodes.append(NodeRun(rank, proc, log_path))
     return run
 
@@ -232,8 +287,9 @@ def single_node_running(module: str, args: list, log_path: str, num_ranks: int =
     whose supervisor SIGKILLs them when their front is killed."""
     cmd = rank_command(module, args, num_ranks, zygote=True)
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env or subprocess_env(), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env or subprocess_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
     try:
         yield NodeRun(0, proc, log_path)
     finally:

@@ -11,6 +11,7 @@ quick main and tools demos run their scripts' `deepspeed` through the fork serve
 Imports nothing heavy on purpose. `python tests/ranks.py --zygote SOCKET N PORT MODULE ARGS...` has the
 tests' fork server (tests/zygote.py) fork the ranks (N = 0: one plain `python -m MODULE`) instead.
 """
+
 from __future__ import annotations
 
 import os
@@ -25,9 +26,18 @@ PIDS_FILE_VAR = "RLHF_TESTS_RANK_PIDS"  # where a front of the fork server write
 def rank_env(rank: int, num_ranks: int, port: str, base: dict | None = None) -> dict:
     """The variables deepspeed.launcher.launch sets for one rank of a one-node job, over `base` (this
     process's environment when None)."""
-    return {**(os.environ if base is None else base), "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(num_ranks),
-            "LOCAL_SIZE": str(num_ranks), "CROSS_RANK": "0", "CROSS_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port), "CUDA_VISIBLE_DEVICES": ",".join(str(r) for r in range(num_ranks))}
+    return {
+        **(os.environ if base is None else base),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(num_ranks),
+        "LOCAL_SIZE": str(num_ranks),
+        "CROSS_RANK": "0",
+        "CROSS_SIZE": "1",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "CUDA_VISIBLE_DEVICES": ",".join(str(r) for r in range(num_ranks)),
+    }
 
 
 def stop(procs: list[subprocess.Popen], grace_s: float = 5.0) -> None:
@@ -51,8 +61,12 @@ def main(argv: list[str]) -> int:
 
         return request(argv[1], int(argv[2]), argv[3], argv[4], argv[5:])
     num_ranks, port, module, args = int(argv[0]), argv[1], argv[2], argv[3:]
-    procs = [subprocess.Popen([sys.executable, "-u", "-m", module, f"--local_rank={rank}", *args],
-                              env=rank_env(rank, num_ranks, port)) for rank in range(num_ranks)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-u", "-m", module, f"--local_rank={rank}", *args], env=rank_env(rank, num_ranks, port)
+        )
+        for rank in range(num_ranks)
+    ]
 
     def on_signal(signum, frame):
         stop(procs)

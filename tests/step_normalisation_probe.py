@@ -14,6 +14,7 @@ control: it must differ on this ragged data).
 
     deepspeed --num_gpus 2 --module tests.step_normalisation_probe MODEL_DIR OUT.json WORK_DIR
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,9 @@ M, K = 2, 2  # micro-batch rows, accumulation steps (the full windows); ranks: t
 
 
 def flat_grads(params) -> torch.Tensor:
-    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten().double()
-                      for p in params])
+    return torch.cat(
+        [(p.grad if p.grad is not None else torch.zeros_like(p)).detach().flatten().double() for p in params]
+    )
 
 
 def rel_err(g: torch.Tensor, ref: torch.Tensor) -> float:
@@ -61,8 +63,13 @@ def reference_grads(model, loss_fn) -> tuple[torch.Tensor, float]:
 
 
 def run_args(work: str, name: str) -> argparse.Namespace:
-    return argparse.Namespace(output_dir=os.path.join(work, name), num_train_epochs=1, max_bad_steps=3,
-                              enable_tensorboard=False, tensorboard_path=None)
+    return argparse.Namespace(
+        output_dir=os.path.join(work, name),
+        num_train_epochs=1,
+        max_bad_steps=3,
+        enable_tensorboard=False,
+        tensorboard_path=None,
+    )
 
 
 class Sampler:
@@ -110,25 +117,32 @@ def case_sft(engine, plain, capture, tokenizer, work, rank, ranks, generator) ->
     # rank r's micro-batches, in order: window w's micro-batch j holds the rows of slot (w, j, r)
     slots, start = [], 0
     for size in windows:
-        rows = examples[start:start + size]
-        per_micro = [rows[i:i + M] for i in range(0, size, M)]
+        rows = examples[start : start + size]
+        per_micro = [rows[i : i + M] for i in range(0, size, M)]
         slots.append(per_micro)
         start += size
     mine = [collate(micro) for per_micro in slots for micro in per_micro[rank::ranks]]
     before = len(capture.grads)
-    logged = train_steps(engine, work, "sft", mine, lambda batch: sft_loss_terms(engine, batch), trained_tokens,
-                         len(windows))
+    logged = train_steps(
+        engine, work, "sft", mine, lambda batch: sft_loss_terms(engine, batch), trained_tokens, len(windows)
+    )
     out = {"rel_err": [], "logged": logged, "expected": [], "old_rel_err": []}
     for w, per_micro in enumerate(slots):
+
         def whole(model, rows=sum(per_micro, [])):
             nll, count = lm_nll(model, collate(rows))
             return nll / count
+
         ref, value = reference_grads(plain, whole)
         out["rel_err"].append(rel_err(capture.grads[before + w], ref))
         out["expected"].append(value)
         # the former normalisation: each micro-batch's own mean, averaged over micro-batches and ranks
-        old = sum(reference_grads(plain, lambda model, rows=micro: (lambda nc: nc[0] / nc[1].clamp(min=1))(
-            lm_nll(model, collate(rows))))[0] for micro in per_micro) / len(per_micro)
+        old = sum(
+            reference_grads(
+                plain, lambda model, rows=micro: (lambda nc: nc[0] / nc[1].clamp(min=1))(lm_nll(model, collate(rows)))
+            )[0]
+            for micro in per_micro
+        ) / len(per_micro)
         out["old_rel_err"].append(rel_err(old, ref))
     return out
 
@@ -145,9 +159,13 @@ def case_dpo(engine, plain, capture, tokenizer, work, rank, ranks, generator) ->
     def pair():
         lengths = [int(torch.randint(1, 10, (), generator=generator)) for _ in range(3)]
         ids = [torch.randint(5, vocab, (n,), generator=generator).tolist() for n in lengths]
-        return {"prompt_input_ids": ids[0], "chosen_response_ids": ids[1], "rejected_response_ids": ids[2],
-                "ref_chosen_logp": -float(torch.rand((), generator=generator)) * 20,
-                "ref_rejected_logp": -float(torch.rand((), generator=generator)) * 20}
+        return {
+            "prompt_input_ids": ids[0],
+            "chosen_response_ids": ids[1],
+            "rejected_response_ids": ids[2],
+            "ref_chosen_logp": -float(torch.rand((), generator=generator)) * 20,
+            "ref_rejected_logp": -float(torch.rand((), generator=generator)) * 20,
+        }
 
     windows = [M * K * ranks, M * ranks]
     slots = []
@@ -169,10 +187,12 @@ def case_dpo(engine, plain, capture, tokenizer, work, rank, ranks, generator) ->
     logged = train_steps(engine, work, "dpo", mine, micro_step, loss_of.units, len(windows))
     out = {"rel_err": [], "logged": logged, "expected": [], "old_rel_err": []}
     for w, per_micro in enumerate(slots):
+
         def whole(model, rows=sum(per_micro, [])):
             batch = collate(rows)
             logps, counts = sequence_logprobs(model, batch)
             return loss_of(logps, counts, batch["ref_logps"])[0]
+
         ref, value = reference_grads(plain, whole)
         out["rel_err"].append(rel_err(capture.grads[before + w], ref))
         out["expected"].append(value)
@@ -181,8 +201,10 @@ def case_dpo(engine, plain, capture, tokenizer, work, rank, ranks, generator) ->
             batch = collate(rows)
             logps, counts = sequence_logprobs(model, batch)
             return loss_of(logps, counts, batch["ref_logps"])[0]
-        old = sum(reference_grads(plain, lambda model, rows=micro: micro_mean(model, rows))[0]
-                  for micro in per_micro) / len(per_micro)
+
+        old = sum(
+            reference_grads(plain, lambda model, rows=micro: micro_mean(model, rows))[0] for micro in per_micro
+        ) / len(per_micro)
         out["old_rel_err"].append(rel_err(old, ref))
     return out
 
@@ -196,9 +218,15 @@ def ppo_rows(n: int, generator: torch.Generator, vocab: int, plain, pad_id: int)
     rows = []
     for i in range(n):
         p, t = int(torch.randint(1, 8, (), generator=generator)), int(torch.randint(1, 10, (), generator=generator))
-        rows.append(Row(prompt_ids=torch.randint(5, vocab, (p,), generator=generator),
-                        response_ids=torch.randint(5, vocab, (t,), generator=generator), ended_with_eos=True,
-                        group=i, trained=i % 4 != 3))
+        rows.append(
+            Row(
+                prompt_ids=torch.randint(5, vocab, (p,), generator=generator),
+                response_ids=torch.randint(5, vocab, (t,), generator=generator),
+                ended_with_eos=True,
+                group=i,
+                trained=i % 4 != 3,
+            )
+        )
     batch = pack(rows, pad_id)
     with torch.no_grad():
         logprobs = token_logprobs(plain, batch)
@@ -217,13 +245,21 @@ def case_ppo(engine, plain, capture, tokenizer, rank, ranks, generator, loss_agg
     from utils.models.forward import token_logprobs
     from utils.runtime.distributed import all_reduce_sum
 
-    config = PPOConfig(stop_token_ids=(tokenizer.eos_token_id,), pad_token_id=tokenizer.pad_token_id,
-                       per_device_training_batch_size=M, advantage_estimator="rloo", n_samples_per_prompt=2,
-                       loss_agg=loss_agg, entropy_coef=0.01, max_answer_seq_len=10, seed=5)
+    config = PPOConfig(
+        stop_token_ids=(tokenizer.eos_token_id,),
+        pad_token_id=tokenizer.pad_token_id,
+        per_device_training_batch_size=M,
+        advantage_estimator="rloo",
+        n_samples_per_prompt=2,
+        loss_agg=loss_agg,
+        entropy_coef=0.01,
+        max_answer_seq_len=10,
+        seed=5,
+    )
     trainer = PPOTrainer(SimpleNamespace(actor=engine, ref=None, critic=None), config, FixedKLController(0.0), [])
     per_rank = M * (K + 1)  # one full window and a partial one of a single mini-batch
     all_rows = ppo_rows(per_rank * ranks, generator, len(tokenizer), plain, tokenizer.pad_token_id)
-    rank_rows = [all_rows[r * per_rank:(r + 1) * per_rank] for r in range(ranks)]
+    rank_rows = [all_rows[r * per_rank : (r + 1) * per_rank] for r in range(ranks)]
     before = len(capture.grads)
     stats, steps = trainer.train_epochs(rank_rows[rank], step=0)
     assert steps == 2, steps
@@ -245,8 +281,9 @@ def case_ppo(engine, plain, capture, tokenizer, rank, ranks, generator, loss_agg
         p, length = batch["prompt_len"], batch["input_ids"].shape[1]
         old = {name: to_token_layout(rows, name, p, length) for name in ("old_logprobs", "advantages")}
         logprobs, entropy = token_logprobs(model, batch, return_entropy=True, entropy_grad=True)
-        actor, _ = losses.policy_loss(logprobs, old["old_logprobs"], old["advantages"], batch["action_mask"],
-                                      loss_mask=batch["loss_mask"], **agg)
+        actor, _ = losses.policy_loss(
+            logprobs, old["old_logprobs"], old["advantages"], batch["action_mask"], loss_mask=batch["loss_mask"], **agg
+        )
         if actor_only:
             return actor
         return actor - config.entropy_coef * losses.entropy_bonus(entropy, batch["loss_mask"], **agg)
@@ -257,8 +294,9 @@ def case_ppo(engine, plain, capture, tokenizer, rank, ranks, generator, loss_agg
         out["rel_err"].append(rel_err(capture.grads[before + w], ref))
         with torch.no_grad():
             out["expected"].append(loss_on(plain, rows, actor_only=True).item())
-        old = sum(reference_grads(plain, lambda model, mb=mb: loss_on(model, mb))[0]
-                  for mb in micro_by_window[w]) / len(micro_by_window[w])
+        old = sum(
+            reference_grads(plain, lambda model, mb=mb: loss_on(model, mb))[0] for mb in micro_by_window[w]
+        ) / len(micro_by_window[w])
         out["old_rel_err"].append(rel_err(old, ref))
     return out
 
@@ -281,8 +319,10 @@ def main(argv=None):
     engine.train()
     capture = Capture(engine)
     generator = torch.Generator().manual_seed(1234)  # the same rows on every rank
-    results = {"sft": case_sft(engine, plain, capture, tokenizer, work, rank(), world_size(), generator),
-               "dpo": case_dpo(engine, plain, capture, tokenizer, work, rank(), world_size(), generator)}
+    results = {
+        "sft": case_sft(engine, plain, capture, tokenizer, work, rank(), world_size(), generator),
+        "dpo": case_dpo(engine, plain, capture, tokenizer, work, rank(), world_size(), generator),
+    }
     for agg in ("token_mean", "seq_mean"):
         results[f"ppo_{agg}"] = case_ppo(engine, plain, capture, tokenizer, rank(), world_size(), generator, agg)
     if rank() == 0:

@@ -1,6 +1,7 @@
 """What depends on the accelerator, checked on CPU: the device and backend DeepSpeed names, TF32 only on
 CUDA (CPU float32 rounding untouched), frozen-model offload whatever the trained model's ZeRO stage, and
 the CUDA-only flags refused with one readable line where they cannot work."""
+
 import pytest
 import torch
 
@@ -56,8 +57,9 @@ def test_flash_attention_without_the_package_is_refused_before_loading(monkeypat
     from step1_sft.main import parse_args
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn"
-                        else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else real_find_spec(name, *a)
+    )
     with pytest.raises(UsageError, match="flash_attn package"):
         parse_args(step1_args(tmp_path, "--attn_implementation", "flash_attention_2", "--dtype", "bf16"))
 

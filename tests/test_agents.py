@@ -2,6 +2,7 @@
 
 The rollout-level tests run the tiny ChatML model through transformers' generate in this process (an engine
 that records what it generated), so the trained ids can be compared with the generated and appended ones."""
+
 import pytest
 import torch
 
@@ -22,9 +23,8 @@ class RecordingEngine:
         self.calls = []
 
     def generate(self, input_ids, attention_mask, settings):
-        sequences = generate(self.model, input_ids, attention_mask,
-                             **generation_kwargs(settings, self.stops, self.pad))
-        self.calls.append((input_ids.clone(), attention_mask.clone(), sequences[:, input_ids.shape[1]:].clone()))
+        sequences = generate(self.model, input_ids, attention_mask, **generation_kwargs(settings, self.stops, self.pad))
+        self.calls.append((input_ids.clone(), attention_mask.clone(), sequences[:, input_ids.shape[1] :].clone()))
         return sequences
 
 
@@ -67,7 +67,7 @@ def prompt_batch(tokenizer, texts):
     input_ids = torch.full((len(ids), width), tokenizer.pad_token_id)
     mask = torch.zeros((len(ids), width), dtype=torch.long)
     for b, row in enumerate(ids):
-        input_ids[b, width - len(row):], mask[b, width - len(row):] = torch.tensor(row), 1
+        input_ids[b, width - len(row) :], mask[b, width - len(row) :] = torch.tensor(row), 1
     rows = [{"prompt": [{"role": "user", "content": t}], "origin": f"x.jsonl:{i + 1}"} for i, t in enumerate(texts)]
     return {"input_ids": input_ids, "attention_mask": mask, "rows": rows}
 
@@ -79,8 +79,14 @@ def run(chat_model, env, limits=None, texts=("one two", "three four five six"), 
     limits = limits or AgentLimits(max_turns=3, max_answer_seq_len=6, max_trajectory_len=200, max_observation_len=50)
     agent = MultiTurn(tokenizer, limits, environment=env, skip_bad=skip_bad)
     torch.manual_seed(seed)
-    rows = agent.rollout(engine, prompt_batch(tokenizer, list(texts)), GenerationSettings(max_new_tokens=6), n,
-                         stops, tokenizer.pad_token_id)
+    rows = agent.rollout(
+        engine,
+        prompt_batch(tokenizer, list(texts)),
+        GenerationSettings(max_new_tokens=6),
+        n,
+        stops,
+        tokenizer.pad_token_id,
+    )
     return tokenizer, engine, agent, rows
 
 
@@ -105,8 +111,9 @@ def test_trained_ids_are_the_generated_and_appended_ids_and_only_the_generated_a
             expected += ids[:end]
             actions += [1] * end
             if turn < 2:
-                suffix = ([renderer.turn_end] if end == len(ids) and ids[-1] not in stops else []) + \
-                    renderer.suffix(replies[turn])
+                suffix = ([renderer.turn_end] if end == len(ids) and ids[-1] not in stops else []) + renderer.suffix(
+                    replies[turn]
+                )
                 expected += suffix
                 actions += [0] * len(suffix)
         assert row.response_ids.tolist() == expected
@@ -125,7 +132,7 @@ def test_pack_marks_only_the_policys_tokens_and_the_reward_lands_on_the_last_act
     p = batch["prompt_len"]
     for b, row in enumerate(rows):
         t = row.response_ids.numel()
-        assert batch["action_mask"][b, p - 1:p - 1 + t].tolist() == row.response_action_mask.tolist()
+        assert batch["action_mask"][b, p - 1 : p - 1 + t].tolist() == row.response_action_mask.tolist()
         assert batch["action_mask"][b].sum() == row.action_count
     zeros = torch.zeros_like(batch["action_mask"])
     rewards, _ = compute_rewards(torch.ones(len(rows)), zeros, zeros, batch["action_mask"], 0.0)
@@ -150,7 +157,9 @@ def test_limits_turns_trajectory_length_and_observation_length(chat_model):
 
 
 def test_an_environment_that_raises_stops_the_run_or_drops_the_trajectory(chat_model):
-    with pytest.raises(AgentError, match=r"environment script failed on row x.jsonl:1: step\(\) raised ValueError: boom.*--skip_bad"):
+    with pytest.raises(
+        AgentError, match=r"environment script failed on row x.jsonl:1: step\(\) raised ValueError: boom.*--skip_bad"
+    ):
         run(chat_model, Script(["a", "b"], fail_at=2))
     _, _, agent, rows = run(chat_model, Script(["a", "b"], fail_at=2), skip_bad=True)
     assert agent.env_failures == 4 and all(r.agent["failed"] for r in rows)
@@ -165,7 +174,8 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(chat_model):
     other.chat_template = (  # an assistant turn that is not the last is shown as "[old]" (as reasoning templates do)
         "{%- for m in messages -%}<|im_start|>{{ m['role'] }}\n"
         "{%- if m['role'] == 'assistant' and not loop.last -%}[old]{%- else -%}{{ m['content'] }}{%- endif -%}"
-        "<|im_end|>\n{%- endfor -%}{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}")
+        "<|im_end|>\n{%- endfor -%}{%- if add_generation_prompt -%}<|im_start|>assistant\n{%- endif -%}"
+    )
     with pytest.raises(AgentError, match="renders an assistant turn differently"):
         ReplyRenderer(other).suffix([{"role": "user", "content": "x"}])
 
@@ -194,8 +204,14 @@ def test_a_tool_call_is_answered_by_the_tool_and_the_reward_reads_the_final_answ
     with Toolbox(load_tools(["calculator"]), timeout=10) as toolbox:
         agent = MultiTurn(tokenizer, limits, toolbox=toolbox)
         stops = stop_token_ids(tokenizer, chat=True)
-        rows = agent.rollout(engine, prompt_batch(tokenizer, ["What is 123 * 45?"]), GenerationSettings(60), 1,
-                             stops, tokenizer.pad_token_id)
+        rows = agent.rollout(
+            engine,
+            prompt_batch(tokenizer, ["What is 123 * 45?"]),
+            GenerationSettings(60),
+            1,
+            stops,
+            tokenizer.pad_token_id,
+        )
     (row,) = rows
     messages = row.agent["messages"]
     assert [m["role"] for m in messages] == ["assistant", "tool", "assistant", "tool", "assistant"]
@@ -211,8 +227,10 @@ def test_tools_are_offered_in_the_system_message_of_a_template_without_tools(cha
     from step3_ppo.agents.tools import load_tools
 
     tokenizer, _ = chat_model
-    rows = [{"prompt": [{"role": "user", "content": "hi"}]},
-            {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]}]
+    rows = [
+        {"prompt": [{"role": "user", "content": "hi"}]},
+        {"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]},
+    ]
     out, schemas = prompts_with_tools(rows, tokenizer, load_tools(["calculator"]))
     assert schemas is None  # ChatML here has no `tools` variable: the project's block instead
     for row in out:
@@ -235,7 +253,7 @@ def test_environment_tokens_carry_no_gradient(chat_model):
     response = torch.zeros_like(action_mask, dtype=torch.bool)
     p = batch["prompt_len"]
     for b, row in enumerate(rows):
-        response[b, p - 1:p - 1 + row.response_ids.numel()] = True
+        response[b, p - 1 : p - 1 + row.response_ids.numel()] = True
     env_positions = response & (action_mask == 0)
     assert env_positions.any()
     from utils.models.forward import causal_lm_logits
@@ -262,19 +280,54 @@ def agent_setup(model, critic, tmp, *extra):
     with open(tmp / "prompts.jsonl", "w") as f:
         for i, text in enumerate(AGENT_PROMPTS * 2):
             f.write(json.dumps({"prompt": [{"role": "user", "content": text}], "answer": str(i)}) + "\n")
-    args = parse_args([
-        "--actor_model_name_or_path", model, "--critic_model_name_or_path", critic,
-        "--data_path", str(tmp / "prompts.jsonl"), "--data_split", "0,0,10", "--output_dir", str(tmp / "out"),
-        "--actor_zero_stage", "0", "--critic_zero_stage", "0", "--actor_learning_rate", "0",
-        "--critic_learning_rate", "0", "--max_prompt_seq_len", "40", "--max_answer_seq_len", "6",
-        "--env", "math_retry", "--reward_funcs", "math_exact", "--max_turns", "3", "--max_observation_len", "24",
-        "--per_device_generation_batch_size", "2", "--per_device_training_batch_size", "2", "--seed", "3", *extra])
+    args = parse_args(
+        [
+            "--actor_model_name_or_path",
+            model,
+            "--critic_model_name_or_path",
+            critic,
+            "--data_path",
+            str(tmp / "prompts.jsonl"),
+            "--data_split",
+            "0,0,10",
+            "--output_dir",
+            str(tmp / "out"),
+            "--actor_zero_stage",
+            "0",
+            "--critic_zero_stage",
+            "0",
+            "--actor_learning_rate",
+            "0",
+            "--critic_learning_rate",
+            "0",
+            "--max_prompt_seq_len",
+            "40",
+            "--max_answer_seq_len",
+            "6",
+            "--env",
+            "math_retry",
+            "--reward_funcs",
+            "math_exact",
+            "--max_turns",
+            "3",
+            "--max_observation_len",
+            "24",
+            "--per_device_generation_batch_size",
+            "2",
+            "--per_device_training_batch_size",
+            "2",
+            "--seed",
+            "3",
+            *extra,
+        ]
+    )
     return setup(args)
 
 
 @pytest.mark.slow
-def test_log_ratio_is_zero_at_lr0_on_multi_turn_rows_for_gae_and_grpo(tiny_chat_llama, tiny_chat_llama_reward,
-                                                                       tmp_path):
+def test_log_ratio_is_zero_at_lr0_on_multi_turn_rows_for_gae_and_grpo(
+    tiny_chat_llama, tiny_chat_llama_reward, tmp_path
+):
     """Trajectories of up to 3 turns with the environment's replies between them, generation batch !=
     mini-batch, GAE with its critic and GRPO in groups: the log-ratio stays ~0 on every action."""
     from step3_ppo.algo.advantages import get_estimator
@@ -291,7 +344,7 @@ def test_log_ratio_is_zero_at_lr0_on_multi_turn_rows_for_gae_and_grpo(tiny_chat_
         trainer.critic = run_.engines.critic if trainer.estimator.needs_critic else None
         config.n_samples_per_prompt, config.per_device_training_batch_size = n, minibatch
         torch.manual_seed(len(maxima))
-        batches = [collate(examples[i:i + 3]) for i in (0, 3)]  # two generation batches of 3 prompts
+        batches = [collate(examples[i : i + 3]) for i in (0, 3)]  # two generation batches of 3 prompts
         metrics, rows = trainer.step(batches, step=0)
         assert len(rows) == 6 * n
         assert any(r.agent["turns"] > 1 for r in rows) and metrics["rollout/env_tokens_mean"] > 0
@@ -313,16 +366,56 @@ def test_two_rank_zero3_hybrid_multi_turn_lr0_log_ratio_and_eval(tiny_chat_llama
 
     with open(tmp_path / "prompts.jsonl", "w") as f:
         for i in range(16):
-            f.write(json.dumps({"prompt": [{"role": "user", "content": AGENT_PROMPTS[i % 6] + " " * (i % 3)}],
-                                "answer": str(i)}) + "\n")
+            f.write(
+                json.dumps(
+                    {"prompt": [{"role": "user", "content": AGENT_PROMPTS[i % 6] + " " * (i % 3)}], "answer": str(i)}
+                )
+                + "\n"
+            )
     out = tmp_path / "out"
-    args = ["--actor_model_name_or_path", tiny_chat_llama, "--data_path", str(tmp_path / "prompts.jsonl"),
-            "--data_split", "0,0,1", "--output_dir", str(out), "--advantage_estimator", "grpo",
-            "--n_samples_per_prompt", "2", "--actor_zero_stage", "3", "--enable_hybrid_engine",
-            "--actor_learning_rate", "0", "--env", "math_retry", "--reward_funcs", "math_exact", "--max_turns", "3",
-            "--max_prompt_seq_len", "40", "--max_answer_seq_len", "5", "--max_observation_len", "24",
-            "--per_device_generation_batch_size", "3", "--per_device_training_batch_size", "2",
-            "--eval_interval", "1", "--eval_num_prompts", "4", "--max_steps", "1", "--seed", "5"]
+    args = [
+        "--actor_model_name_or_path",
+        tiny_chat_llama,
+        "--data_path",
+        str(tmp_path / "prompts.jsonl"),
+        "--data_split",
+        "0,0,1",
+        "--output_dir",
+        str(out),
+        "--advantage_estimator",
+        "grpo",
+        "--n_samples_per_prompt",
+        "2",
+        "--actor_zero_stage",
+        "3",
+        "--enable_hybrid_engine",
+        "--actor_learning_rate",
+        "0",
+        "--env",
+        "math_retry",
+        "--reward_funcs",
+        "math_exact",
+        "--max_turns",
+        "3",
+        "--max_prompt_seq_len",
+        "40",
+        "--max_answer_seq_len",
+        "5",
+        "--max_observation_len",
+        "24",
+        "--per_device_generation_batch_size",
+        "3",
+        "--per_device_training_batch_size",
+        "2",
+        "--eval_interval",
+        "1",
+        "--eval_num_prompts",
+        "4",
+        "--max_steps",
+        "1",
+        "--seed",
+        "5",
+    ]
     proc = run_deepspeed("step3_ppo.main", args, log_path=str(tmp_path / "log.txt"))
     assert proc.returncode == 0, tail(proc)
     rows = metrics(str(out))
@@ -346,20 +439,54 @@ def test_the_evaluation_runs_the_same_loop_on_plain_models(tiny_chat_llama, tmp_
     with open(tmp_path / "p.jsonl", "w") as f:
         for i, text in enumerate(AGENT_PROMPTS):
             f.write(json.dumps({"prompt": [{"role": "user", "content": text}], "answer": i}) + "\n")
-    result = main(["--sft_model", tiny_chat_llama, "--policy", f"again={tiny_chat_llama}", "--prompts",
-                   str(tmp_path / "p.jsonl"), "--num_prompts", "4", "--max_new_tokens", "5", "--env", "math_retry",
-                   "--tools", "calculator", "--max_turns", "2", "--batch_size", "3", "--out", str(tmp_path / "r.json")])
+    result = main(
+        [
+            "--sft_model",
+            tiny_chat_llama,
+            "--policy",
+            f"again={tiny_chat_llama}",
+            "--prompts",
+            str(tmp_path / "p.jsonl"),
+            "--num_prompts",
+            "4",
+            "--max_new_tokens",
+            "5",
+            "--env",
+            "math_retry",
+            "--tools",
+            "calculator",
+            "--max_turns",
+            "2",
+            "--batch_size",
+            "3",
+            "--out",
+            str(tmp_path / "r.json"),
+        ]
+    )
     assert list(result) == ["sft", "again"]
     figures = result["sft"]
     assert figures["prompts"] == 4 and figures["accuracy"] == figures["reward/math_exact"] == 0.0
     assert figures["turns_mean"] == 2 and figures["env_tokens_mean"] > 0  # math_retry asks again once
     assert isinstance(figures["retokenisation_changes"], int) and 0 <= figures["retokenisation_changes"] <= 4
-    assert {k: v for k, v in figures.items() if k != "sample"} == \
-        {k: v for k, v in result["again"].items() if k != "sample"}  # greedy: the same model, the same figures
+    assert {k: v for k, v in figures.items() if k != "sample"} == {
+        k: v for k, v in result["again"].items() if k != "sample"
+    }  # greedy: the same model, the same figures
     assert json.load(open(tmp_path / "r.json"))["sft"]["prompts"] == 4
     assert "retokenisation_changes" in capsys.readouterr().out
-    plain = main(["--sft_model", tiny_chat_llama, "--prompts", str(tmp_path / "p.jsonl"), "--num_prompts", "4",
-                  "--max_new_tokens", "5", "--reward_funcs", "math_exact"])["sft"]  # the policy without tools
+    plain = main(
+        [
+            "--sft_model",
+            tiny_chat_llama,
+            "--prompts",
+            str(tmp_path / "p.jsonl"),
+            "--num_prompts",
+            "4",
+            "--max_new_tokens",
+            "5",
+            "--reward_funcs",
+            "math_exact",
+        ]
+    )["sft"]  # the policy without tools
     assert plain["turns_mean"] == 1 and plain["tool_calls_mean"] == 0 and plain["env_tokens_mean"] == 0
 
 
@@ -371,8 +498,17 @@ def test_tool_call_and_error_rates_from_the_sums():
     from step3_ppo.agents.loop import agent_rates, agent_sums
 
     def row(calls, errors):
-        return SimpleNamespace(action_count=4, agent={"turns": calls + 1, "tool_calls": calls, "tool_errors": errors,
-                                                      "env_tokens": 3 * calls, "truncated": False, "failed": None})
+        return SimpleNamespace(
+            action_count=4,
+            agent={
+                "turns": calls + 1,
+                "tool_calls": calls,
+                "tool_errors": errors,
+                "env_tokens": 3 * calls,
+                "truncated": False,
+                "failed": None,
+            },
+        )
 
     sums = agent_sums([row(1, 0), row(0, 0), row(3, 2)])
     assert sums["agent/rows_sum"] == 3 and sums["agent/calling_sum"] == 2 and sums["agent/tool_calls_sum"] == 4
@@ -388,15 +524,44 @@ def test_tools_demo_table_and_curves(tmp_path, capsys):
     from step3_ppo.agents.eval import main
     from step3_ppo.plot import plot_curves
 
-    (tmp_path / "base.json").write_text(json.dumps({"sft": {"prompts": 128, "accuracy": 0.0078, "turns_mean": 1.0,
-                                                            "tool_calls_mean": 0.0, "tool_call_rate": 0.0,
-                                                            "tool_error_rate": 0.0, "sample": []}}))
-    rows = [{"step": s, "reward/score_mean": 0.5, "kl/ref_mean": 0.1, "gen/response_len_mean": 60,
-             "rollout/turns_mean": 2.0, "rollout/tool_calls_mean": 1.0, "rollout/tool_errors_mean": 0.1}
-            for s in range(1, 5)]
+    (tmp_path / "base.json").write_text(
+        json.dumps(
+            {
+                "sft": {
+                    "prompts": 128,
+                    "accuracy": 0.0078,
+                    "turns_mean": 1.0,
+                    "tool_calls_mean": 0.0,
+                    "tool_call_rate": 0.0,
+                    "tool_error_rate": 0.0,
+                    "sample": [],
+                }
+            }
+        )
+    )
+    rows = [
+        {
+            "step": s,
+            "reward/score_mean": 0.5,
+            "kl/ref_mean": 0.1,
+            "gen/response_len_mean": 60,
+            "rollout/turns_mean": 2.0,
+            "rollout/tool_calls_mean": 1.0,
+            "rollout/tool_errors_mean": 0.1,
+        }
+        for s in range(1, 5)
+    ]
     for step, accuracy in ((0, 0.75), (4, 0.875)):
-        rows.append({"step": step, "eval/accuracy": accuracy, "eval/tool_call_rate": 1.0, "eval/tool_calls_mean": 1.25,
-                     "eval/tool_error_rate": 0.2, "eval/turns_mean": 2.25})
+        rows.append(
+            {
+                "step": step,
+                "eval/accuracy": accuracy,
+                "eval/tool_call_rate": 1.0,
+                "eval/tool_calls_mean": 1.25,
+                "eval/tool_error_rate": 0.2,
+                "eval/turns_mean": 2.25,
+            }
+        )
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -410,11 +575,15 @@ def test_tools_demo_table_and_curves(tmp_path, capsys):
         main(["--without_tools", str(tmp_path / "base.json"), "--run", str(run)])
 
     single = tmp_path / "single.jsonl"
-    single.write_text("".join(json.dumps({k: v for k, v in r.items() if not k.startswith(("eval/", "rollout/"))})
-                              + "\n" for r in rows))
+    single.write_text(
+        "".join(
+            json.dumps({k: v for k, v in r.items() if not k.startswith(("eval/", "rollout/"))}) + "\n" for r in rows
+        )
+    )
     plot_curves(str(single), str(tmp_path / "single.png"))
-    (run / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if not k.startswith("eval/")})
-                                               + "\n" for r in rows))
+    (run / "metrics.jsonl").write_text(
+        "".join(json.dumps({k: v for k, v in r.items() if not k.startswith("eval/")}) + "\n" for r in rows)
+    )
     plot_curves(str(run / "metrics.jsonl"), str(tmp_path / "multi.png"))
     height = lambda png: int.from_bytes(png.read_bytes()[20:24], "big")  # noqa: E731 (IHDR height)
     assert height(tmp_path / "multi.png") == 2 * height(tmp_path / "single.png")  # a 4th panel: a second row
@@ -428,15 +597,20 @@ def test_retokenising_the_rendered_conversation_is_counted_when_it_changes_the_i
     limits = AgentLimits(max_turns=2, max_answer_seq_len=20, max_trajectory_len=200, max_observation_len=50)
     agent = MultiTurn(tokenizer, limits, environment=Script(["next"]))
     stops = stop_token_ids(tokenizer, chat=True)
-    (row,) = agent.rollout(engine, prompt_batch(tokenizer, ["hi"]), GenerationSettings(20), 1, stops,
-                           tokenizer.pad_token_id)
+    (row,) = agent.rollout(
+        engine, prompt_batch(tokenizer, ["hi"]), GenerationSettings(20), 1, stops, tokenizer.pad_token_id
+    )
     assert retokenisation_changes([row], tokenizer) == 0  # the same text, the same ids here
     merged = tokenizer.encode("a b", add_special_tokens=False)
     ids = row.response_ids.tolist()
     start = ids.index(merged[0])
-    row.response_ids = torch.tensor(ids[:start] + tokenizer.encode("a", add_special_tokens=False)
-                                    + tokenizer.encode(" ", add_special_tokens=False)
-                                    + tokenizer.encode("b", add_special_tokens=False) + ids[start + len(merged):])
+    row.response_ids = torch.tensor(
+        ids[:start]
+        + tokenizer.encode("a", add_special_tokens=False)
+        + tokenizer.encode(" ", add_special_tokens=False)
+        + tokenizer.encode("b", add_special_tokens=False)
+        + ids[start + len(merged) :]
+    )
     assert retokenisation_changes([row], tokenizer) == 1  # ids generated as "a", " ", "b" decode to the same text
 
 
@@ -446,7 +620,20 @@ def test_chat_runs_an_episode_per_input_line_with_tools(tiny_chat_llama, monkeyp
     import chat
 
     monkeypatch.setattr("sys.stdin", io.StringIO("What is 2 + 2?\n"))
-    assert chat.main(["--model_name_or_path", tiny_chat_llama, "--tools", "calculator", "--max_new_tokens", "4",
-                      "--max_turns", "2"]) == 0
+    assert (
+        chat.main(
+            [
+                "--model_name_or_path",
+                tiny_chat_llama,
+                "--tools",
+                "calculator",
+                "--max_new_tokens",
+                "4",
+                "--max_turns",
+                "2",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "User: What is 2 + 2?" in out and out.count("Assistant:") >= 1

@@ -86,7 +86,6 @@ def test_cli_writes_both_files(tmp_path, capsys):
         assert len(lines) == n
         files[split] = [json.loads(line) for line in lines]
     assert files == A.build(5, 30, 10)
-    A.main(["--out", str(tmp_path / "other"), "--train", "5", "--eval", "5", "--difficulty", "mul1",
-            "--system", ""])
+    A.main(["--out", str(tmp_path / "other"), "--train", "5", "--eval", "5", "--difficulty", "mul1", "--system", ""])
     row = json.loads((tmp_path / "other" / "eval.jsonl").read_text().splitlines()[0])
     assert [t["role"] for t in row["prompt"]] == ["user"] and " * " in row["prompt"][0]["content"]

@@ -1,5 +1,6 @@
 """bench/'s one runner (`python -m bench`): its command lines answer, every benchmark entry point is in its
 registry, and the generated views (bench/results/INDEX.md, bench/README.md's table) match the registry and results."""
+
 import os
 import subprocess
 import sys
@@ -29,15 +30,19 @@ def test_help_list_and_a_benchmarks_help_answer():
 def test_an_impossible_run_ends_in_one_error_line():
     out = bench("run", "preference_losses", "--tiny")
     assert out.returncode == 1
-    assert out.stderr.strip().splitlines() == ["error: preference_losses has no tiny form (minutes: 50); "
-                                               "run it without --tiny"]
+    assert out.stderr.strip().splitlines() == [
+        "error: preference_losses has no tiny form (minutes: 50); run it without --tiny"
+    ]
 
 
 def test_every_entry_point_under_bench_is_registered():
     """A new bench/*.py or bench/*.sh needs its registry entry (or to be a registered benchmark's file)."""
     claimed = {b.entry_point() for b in BENCHMARKS} | {f"bench/{f}" for b in BENCHMARKS for f in b.files}
-    scripts = {f"bench/{f}" for f in os.listdir(os.path.join(ROOT, "bench"))
-               if f.endswith((".py", ".sh")) and f not in NOT_BENCHMARKS}
+    scripts = {
+        f"bench/{f}"
+        for f in os.listdir(os.path.join(ROOT, "bench"))
+        if f.endswith((".py", ".sh")) and f not in NOT_BENCHMARKS
+    }
     assert not scripts - claimed, f"not in bench/runner/registry.py: {sorted(scripts - claimed)}"
     assert all(os.path.exists(os.path.join(ROOT, path)) for path in claimed)
 

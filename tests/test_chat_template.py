@@ -39,8 +39,15 @@ def sft_row(messages):
     return D.normalize_row({"messages": messages}, "x.jsonl:1", 1)
 
 
-REPEATED = [{"role": "system", "content": "Be brief."}, u("Say yes."), a("yes."), u("Say yes."), a("yes."),
-            u("Say no."), a("no.")]
+REPEATED = [
+    {"role": "system", "content": "Be brief."},
+    u("Say yes."),
+    a("yes."),
+    u("Say yes."),
+    a("yes."),
+    u("Say no."),
+    a("no."),
+]
 
 
 def labelled_spans(example):
@@ -83,22 +90,24 @@ def test_sft_ids_are_the_templates_and_labels_cover_each_assistant_turn_and_its_
 def test_sft_conversation_right_truncated_or_skipped_as_too_long(tok):
     full = template_ids(tok, REPEATED)
     (ex,), stats = D.tokenize_sft([sft_row(REPEATED)], tok, len(full) - 3)
-    assert ex["input_ids"] == full[:len(full) - 3] and stats["truncated_response"] == 1
+    assert ex["input_ids"] == full[: len(full) - 3] and stats["truncated_response"] == 1
     header = len(template_ids(tok, REPEATED[:2], add_generation_prompt=True))
     examples, stats = D.tokenize_sft([sft_row(REPEATED)], tok, header)
     assert examples == [] and stats["skipped"] == {"too_long": 1}
 
 
 def test_pairs_end_at_the_end_of_turn_token_and_share_the_prompt(tok):
-    row = D.normalize_row({"prompt": [u("Name a colour.")], "chosen": [a("Blue.")], "rejected": [a("Seven.")]}, "p:1", 2)
+    row = D.normalize_row(
+        {"prompt": [u("Name a colour.")], "chosen": [a("Blue.")], "rejected": [a("Seven.")]}, "p:1", 2
+    )
     (ex,), _ = D.tokenize_pairs([row], tok, 512)
     chosen = template_ids(tok, [u("Name a colour."), a("Blue.")])
     prompt = template_ids(tok, [u("Name a colour.")], add_generation_prompt=True)
     end = chosen.index(tok.convert_tokens_to_ids("<|im_end|>"), len(prompt))
-    assert ex["chosen_input_ids"] == chosen[:end + 1] != chosen  # the template's trailing newline is not scored
-    assert ex["rejected_input_ids"][:len(prompt)] == prompt == ex["chosen_input_ids"][:len(prompt)]
+    assert ex["chosen_input_ids"] == chosen[: end + 1] != chosen  # the template's trailing newline is not scored
+    assert ex["rejected_input_ids"][: len(prompt)] == prompt == ex["chosen_input_ids"][: len(prompt)]
     (dpo,), _ = D.tokenize_preference_pairs([row], tok, 512)  # DPO's: the same ids, the prompt kept apart
-    assert dpo["prompt_input_ids"] == prompt and dpo["chosen_response_ids"] == chosen[len(prompt):end + 1]
+    assert dpo["prompt_input_ids"] == prompt and dpo["chosen_response_ids"] == chosen[len(prompt) : end + 1]
     assert prompt + dpo["rejected_response_ids"] == ex["rejected_input_ids"]
 
 
@@ -110,7 +119,7 @@ def test_step3_prompts_end_with_the_generation_prompt_and_keep_the_frame_when_tr
     assert ex["input_ids"] == full and stats["truncated_prompt"] == 0
     (cut,), stats = D.tokenize_prompts([row], tok, 40)
     text = tok.decode(cut["input_ids"])
-    header = tok.decode(template_ids(tok, [u("")])[:len(template_ids(tok, [u("")])) - 2])
+    header = tok.decode(template_ids(tok, [u("")])[: len(template_ids(tok, [u("")])) - 2])
     assert len(cut["input_ids"]) == 40 and stats["truncated_prompt"] == 1
     assert text.startswith(header.split("user")[0]) and text.endswith("long.<|im_end|>\n<|im_start|>assistant\n")
     examples, stats = D.tokenize_prompts([row], tok, 8)  # not even the frame fits: counted, not mangled

@@ -3,6 +3,7 @@ model states and ZeRO optimizer partitions, our per-rank state) with `torch.load
 so a pickle planted in any of them (its `__reduce__` calls os.system) is refused with a CheckpointError
 naming the file, and its command never runs. In-process, one rank, tiny models, ZeRO 0, 2 and 3, for
 the engines of each step (1: the SFT model, 2: the reward model, 3: actor and critic)."""
+
 import glob
 import os
 import pickle
@@ -53,8 +54,11 @@ def build_engines(kinds: dict, model_dir: str, stage: int) -> dict:
     engines = {}
     for name, kind in kinds.items():
         config = train_ds_config(stage, 1, 2)
-        model = load_causal_lm(model_dir, ds_config=config) if kind == "lm" else \
-            RewardModel.from_pretrained(model_dir, ds_config=config)
+        model = (
+            load_causal_lm(model_dir, ds_config=config)
+            if kind == "lm"
+            else RewardModel.from_pretrained(model_dir, ds_config=config)
+        )
         engines[name] = build_trained_engine(model, config, EngineSpec(learning_rate=1e-3), total_steps=10)
     return engines
 
@@ -133,6 +137,8 @@ def test_refusal_names_the_file_on_one_line(tmp_path):
     plant(file, str(tmp_path / "pwned"), raw=False)
     with pytest.raises(CheckpointError, match="holds objects other than tensors and plain data") as refused:
         safe_torch_load(file)
-    assert str(refused.value) == f"{file} holds objects other than tensors and plain data (posix.system) " \
-                                 f"and was not loaded"
+    assert (
+        str(refused.value) == f"{file} holds objects other than tensors and plain data (posix.system) "
+        f"and was not loaded"
+    )
     assert not os.path.exists(tmp_path / "pwned")

@@ -22,8 +22,10 @@ def write_jsonl(path, rows):
 
 
 def rows(n, tag="r", **extra):
-    return [{"prompt": f"{tag} prompt {i}", "chosen": f"{tag} good {i}", "rejected": f"{tag} bad {i}", **extra}
-            for i in range(n)]
+    return [
+        {"prompt": f"{tag} prompt {i}", "chosen": f"{tag} good {i}", "rejected": f"{tag} bad {i}", **extra}
+        for i in range(n)
+    ]
 
 
 def quiet(msg):
@@ -280,10 +282,12 @@ def test_bos_prepended_only_when_configured(tok):
 
 
 def test_pairs_skip_and_collator(tok):
-    rs = [row("Human: x\n\nAssistant:", " good", " bad"),
-          row("Human: y\n\nAssistant:", " same", " same"),
-          row("Human: z\n\nAssistant:", " fine", "  "),
-          row("Human: w\n\nAssistant:", " a much longer good answer", " no")]
+    rs = [
+        row("Human: x\n\nAssistant:", " good", " bad"),
+        row("Human: y\n\nAssistant:", " same", " same"),
+        row("Human: z\n\nAssistant:", " fine", "  "),
+        row("Human: w\n\nAssistant:", " a much longer good answer", " no"),
+    ]
     ex, st = D.tokenize_pairs(rs, tok, 64)
     assert len(ex) == 2 and st["skipped_bad_pairs"] == 2
     assert ex[0]["chosen_input_ids"][-1] == tok.eos_token_id
@@ -334,8 +338,13 @@ def test_make_demo_data_smoke(tmp_path, capsys):
     sizes = ["--sft_train", "400", "--sft_eval", "60", "--pairs_train", "400", "--pairs_eval", "60", "--test", "40"]
     counts = make_demo_data.main(["--out", str(tmp_path), "--seed", "0", "--format", "raw"] + sizes)
     assert "sft/train.jsonl=400" in capsys.readouterr().out
-    assert counts == {"sft/train.jsonl": 400, "sft/eval.jsonl": 60, "pairs/train.jsonl": 400,
-                      "pairs/eval.jsonl": 60, "test/prompts.jsonl": 40}
+    assert counts == {
+        "sft/train.jsonl": 400,
+        "sft/eval.jsonl": 60,
+        "pairs/train.jsonl": 400,
+        "pairs/eval.jsonl": 60,
+        "test/prompts.jsonl": 40,
+    }
     assert (tmp_path / "README.md").read_text().count("Human: Continue this movie review:") == 1
 
     def load(name):
@@ -357,7 +366,9 @@ def test_make_demo_data_smoke(tmp_path, capsys):
     test = load("test/prompts.jsonl")
     assert all(set(r) == {"prompt"} and r["prompt"].startswith("Human: Continue this movie review: ") for r in test)
     assert len({r["prompt"] for r in test}) == 40
-    seen = {r["prompt"] for name in ("sft/train", "sft/eval", "pairs/train", "pairs/eval") for r in load(name + ".jsonl")}
+    seen = {
+        r["prompt"] for name in ("sft/train", "sft/eval", "pairs/train", "pairs/eval") for r in load(name + ".jsonl")
+    }
     assert not {r["prompt"] for r in test} & seen  # no test prompt is trained on or used for a choice
     # the data layer reads the files; pairs are clean
     res = D.build_step_rows([str(tmp_path / "pairs")], "0,1,0", 2, 0, log=quiet)
@@ -372,7 +383,7 @@ def test_make_demo_data_smoke(tmp_path, capsys):
     make_demo_data.main(["--out", str(chat)] + sizes)
     for raw_row, chat_row in zip(load("sft/train.jsonl"), [json.loads(x) for x in open(chat / "sft" / "train.jsonl")]):
         system, user, assistant = chat_row["messages"]
-        prefix = raw_row["prompt"][len("Human: Continue this movie review: "):-len("\n\nAssistant:")]
+        prefix = raw_row["prompt"][len("Human: Continue this movie review: ") : -len("\n\nAssistant:")]
         assert system == {"role": "system", "content": "Continue the movie review."}
         assert user == {"role": "user", "content": prefix}
         assert assistant == {"role": "assistant", "content": raw_row["response"].strip()}

@@ -59,9 +59,11 @@ def test_second_call_reads_the_entry_without_building(tmp_path):
 
 
 def test_pair_fields_large_ids_missing_fields_and_no_examples(tmp_path):
-    pairs = [{"chosen_input_ids": [5, 2**40], "rejected_input_ids": [7]},
-             {"chosen_input_ids": [9], "rejected_input_ids": [], "extra": {}},
-             {"chosen_input_ids": [3]}]
+    pairs = [
+        {"chosen_input_ids": [5, 2**40], "rejected_input_ids": [7]},
+        {"chosen_input_ids": [9], "rejected_input_ids": [], "extra": {}},
+        {"chosen_input_ids": [3]},
+    ]
     for i, examples in enumerate([pairs, [], [{"extra": {"only": True}}]]):
         key = {**KEY, "case": i}
         run(str(tmp_path), key, Builder(examples, {}))
@@ -145,7 +147,9 @@ def test_entry_holds_safetensors_and_json_only(tmp_path):
     assert not [n for n in names if n.endswith((".pt", ".pkl", ".bin", ".pickle"))]
     with open(os.path.join(path, C.META)) as f:
         meta = json.load(f)
-    assert meta["count"] == 3 and meta["stats"] == STATS and meta["json_fields"] == {"2": {"extra": EXAMPLES[2]["extra"]}}
+    assert (
+        meta["count"] == 3 and meta["stats"] == STATS and meta["json_fields"] == {"2": {"extra": EXAMPLES[2]["extra"]}}
+    )
     tensors = load_file(os.path.join(path, C.TENSORS))
     assert tensors["input_ids.values"].dtype == torch.int32
     assert tensors["input_ids.offsets"].tolist() == [0, 3, 3, 5]
@@ -210,8 +214,20 @@ def test_step_examples_reuse_the_cache_until_a_source_changes(tmp_path, tiny_gpt
 
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"q{i}", "chosen": f" a{i}"}) + "\n" for i in range(20)))
-    args = parse_args(["--model_name_or_path", tiny_gpt2, "--data_path", str(data), "--data_split", "1,0,0",
-                       "--output_dir", str(tmp_path / "out"), "--data_output_path", str(tmp_path / "cache")])
+    args = parse_args(
+        [
+            "--model_name_or_path",
+            tiny_gpt2,
+            "--data_path",
+            str(data),
+            "--data_split",
+            "1,0,0",
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--data_output_path",
+            str(tmp_path / "cache"),
+        ]
+    )
     tokenizer = load_tokenizer(tiny_gpt2)
     calls = []
 

@@ -70,22 +70,38 @@ def test_messages_row_refused_by_step2_naming_the_fields(tmp_path):
         rows_of("messages.jsonl", 2)
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"messages": "hi"}, r"x\.jsonl:1: field 'messages' must be a list of messages, got str"),
-    ({"messages": [u("q"), "a"]}, r"x\.jsonl:1: field 'messages'\[1\]: expected a message object"),
-    ({"messages": [u("q"), {"role": "bot", "content": "a"}]}, r"x\.jsonl:1: field 'messages'\[1\]: 'role' must be one of"),
-    ({"messages": [u("q"), {"role": "assistant", "content": ["a"]}]},
-     r"x\.jsonl:1: field 'messages'\[1\]: 'content' must be a string, got list"),
-    ({"messages": [u("q"), {"role": "assistant"}]}, r"x\.jsonl:1: field 'messages'\[1\]: 'content' must be a string"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"messages": "hi"}, r"x\.jsonl:1: field 'messages' must be a list of messages, got str"),
+        ({"messages": [u("q"), "a"]}, r"x\.jsonl:1: field 'messages'\[1\]: expected a message object"),
+        (
+            {"messages": [u("q"), {"role": "bot", "content": "a"}]},
+            r"x\.jsonl:1: field 'messages'\[1\]: 'role' must be one of",
+        ),
+        (
+            {"messages": [u("q"), {"role": "assistant", "content": ["a"]}]},
+            r"x\.jsonl:1: field 'messages'\[1\]: 'content' must be a string, got list",
+        ),
+        (
+            {"messages": [u("q"), {"role": "assistant"}]},
+            r"x\.jsonl:1: field 'messages'\[1\]: 'content' must be a string",
+        ),
+    ],
+)
 def test_malformed_messages_name_file_line_and_field(tmp_path, bad, message):
     with pytest.raises(DataError, match=message):
         D.read_rows(write(tmp_path, [bad]), 1)
 
 
 def test_skips_counted_per_reason_and_logged_once_per_source(tmp_path):
-    rows = [{"messages": [u("q"), a("fine")]}, {"messages": [u("q"), a("  ")]}, {"messages": [u("only a question")]},
-            {"messages": []}, {"messages": [u("q"), a("fine again")]}]
+    rows = [
+        {"messages": [u("q"), a("fine")]},
+        {"messages": [u("q"), a("  ")]},
+        {"messages": [u("only a question")]},
+        {"messages": []},
+        {"messages": [u("q"), a("fine again")]},
+    ]
     p = write(tmp_path, rows)
     logged = []
     res = D.build_step_rows([p], "1,0,0", 1, 0, eval_fraction=0, log=logged.append)
@@ -93,7 +109,8 @@ def test_skips_counted_per_reason_and_logged_once_per_source(tmp_path):
     assert res.stats["skipped"] == {"empty_turn": 1, "no_assistant_turn": 1, "empty": 1}
     assert res.stats["sources"][p]["skipped"] == res.stats["skipped"]
     assert [line for line in logged if p in line] == [
-        f"[data] {p}: skipped 3 of this step's rows (empty 1, empty_turn 1, no_assistant_turn 1)"]
+        f"[data] {p}: skipped 3 of this step's rows (empty 1, empty_turn 1, no_assistant_turn 1)"
+    ]
 
 
 # --------------------------------------------------------------------------- 3. conversational preference
@@ -107,8 +124,7 @@ def test_conversational_pairs_trl_layout():
 
 def test_implicit_prompt_pairs_share_their_prefix_else_skipped():
     logged = []
-    res = D.build_step_rows([fixture("implicit_prompt_pairs.jsonl")], "0,1,0", 2, 0, eval_fraction=0,
-                            log=logged.append)
+    res = D.build_step_rows([fixture("implicit_prompt_pairs.jsonl")], "0,1,0", 2, 0, eval_fraction=0, log=logged.append)
     assert len(res.train) == 1 and res.stats["skipped"] == {"prefix_mismatch": 1}
     r = res.train[0]
     assert r["prompt"] == [u("Name a colour.")] and r["chosen"] == [a("Blue.")] and r["rejected"] == [a("Seven.")]
@@ -184,8 +200,22 @@ def test_key_mapping_flags(tmp_path):
 def test_format_flags_parse_into_a_row_format(tmp_path):
     from step1_sft.main import parse_args
 
-    args = parse_args(["--model_name_or_path", "m", "--data_path", "d", "--output_dir", str(tmp_path / "o"),
-                       "--prompt_key", "q", "--messages_key", "conv", "--apply_chat_template", "--train_on_last_turn_only"])
+    args = parse_args(
+        [
+            "--model_name_or_path",
+            "m",
+            "--data_path",
+            "d",
+            "--output_dir",
+            str(tmp_path / "o"),
+            "--prompt_key",
+            "q",
+            "--messages_key",
+            "conv",
+            "--apply_chat_template",
+            "--train_on_last_turn_only",
+        ]
+    )
     assert RowFormat.from_args(args) == RowFormat(prompt_key="q", messages_key="conv", apply_chat_template=True)
     assert args.train_on_last_turn_only
 

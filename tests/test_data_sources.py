@@ -12,8 +12,9 @@ from utils.data import DataError
 
 
 def rows(n, tag="r"):
-    return [{"prompt": f"{tag} prompt {i}", "chosen": f"{tag} good {i}", "rejected": f"{tag} bad {i}"}
-            for i in range(n)]
+    return [
+        {"prompt": f"{tag} prompt {i}", "chosen": f"{tag} good {i}", "rejected": f"{tag} bad {i}"} for i in range(n)
+    ]
 
 
 def write(path, rows_or_text):
@@ -121,8 +122,9 @@ def test_demo_folders_still_read(tmp_path):
     from data import make_demo_data
 
     # data/demo is generated (gitignored), so build a small copy: a clean checkout has none
-    make_demo_data.main(["--out", str(tmp_path), "--sft_train", "20", "--sft_eval", "5",
-                         "--pairs_train", "20", "--pairs_eval", "5"])
+    make_demo_data.main(
+        ["--out", str(tmp_path), "--sft_train", "20", "--sft_eval", "5", "--pairs_train", "20", "--pairs_eval", "5"]
+    )
     for name in ("sft", "pairs"):
         src = D.load_source(str(tmp_path / name))
         assert src.train and src.eval
@@ -156,7 +158,8 @@ def test_csv_file_header_strings_and_row_lines(tmp_path):
     src = D.load_source(str(p))
     assert [obj for obj, _ in src.train] == [
         {"prompt": "Q1", "chosen": "multi\nline answer", "rejected": "bad", "score": "3"},
-        {"prompt": "Q2", "chosen": "good", "rejected": "bad", "score": "4"}]
+        {"prompt": "Q2", "chosen": "good", "rejected": "bad", "score": "4"},
+    ]
     assert [o for _, o in src.train] == [f"{p}:2", f"{p}:4"]  # the line each row starts on
     res = D.build_step_rows([str(p)], "0,1,0", 2, 0, eval_fraction=0, log=lambda m: None)
     assert len(res.train) == 2
@@ -227,7 +230,12 @@ def test_non_utf8_names_file_line_and_column(tmp_path):
 
 
 def test_jsonl_line_separator_inside_string_is_not_a_line_break(tmp_path):
-    p = write(tmp_path / "x.jsonl", json.dumps({"prompt": "a\u2028b", "chosen": "c"}, ensure_ascii=False) + "\n"
-              + json.dumps({"prompt": "d", "chosen": "e"}) + "\n")
+    p = write(
+        tmp_path / "x.jsonl",
+        json.dumps({"prompt": "a\u2028b", "chosen": "c"}, ensure_ascii=False)
+        + "\n"
+        + json.dumps({"prompt": "d", "chosen": "e"})
+        + "\n",
+    )
     src = D.load_source(p)
     assert prompts(src.train) == ["a\u2028b", "d"] and src.train[1][1] == f"{p}:2"

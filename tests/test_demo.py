@@ -1,4 +1,5 @@
 """The demo script end to end in its quick mode (tiny models): steps 1-3, evaluation table, curves."""
+
 import json
 import os
 import subprocess
@@ -15,8 +16,14 @@ def run_demo(out, *args, fork_server: bool = True) -> subprocess.CompletedProces
     env = subprocess_env()
     if fork_server and zygote_socket():
         env.update(forked_commands_env(zygote_socket()))
-    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "demo.sh"), *args, "--quick", "--output_root", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        ["bash", os.path.join(ROOT, "scripts", "demo.sh"), *args, "--quick", "--output_root", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc
 
@@ -44,21 +51,38 @@ def test_quick_demo_writes_table_and_curves(tmp_path):
     test = [json.loads(line)["prompt"] for line in open(out / "data" / "test" / "prompts.jsonl")]
     assert len(evaluated) == 8 and all(p in test for p in evaluated), evaluated
     assert "on the test split's prompts" in proc.stdout
-    data_lines = [line for line in proc.stdout.splitlines() if line.startswith(("[step1] model", "[step2] model",
-                                                                                   "[step3] actor"))]
+    data_lines = [
+        line
+        for line in proc.stdout.splitlines()
+        if line.startswith(("[step1] model", "[step2] model", "[step3] actor"))
+    ]
     assert len(data_lines) == 3 and not any("data/test" in line for line in data_lines), data_lines
 
 
 def test_demo_refuses_an_unknown_eval_split():
-    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "demo.sh"), "--eval_split", "train", "--quick"],
-                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["bash", os.path.join(ROOT, "scripts", "demo.sh"), "--eval_split", "train", "--quick"],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "--eval_split must be test or dev, got train" in proc.stderr
 
 
 def test_demo_refuses_an_unknown_preference_loss(tmp_path):
-    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "demo.sh"), "--with_dpo", "dop", "--quick"],
-                          cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 2 and "--with_dpo: the loss must be sigmoid, ipo, simpo, orpo or kto, got dop" in proc.stderr
+    proc = subprocess.run(
+        ["bash", os.path.join(ROOT, "scripts", "demo.sh"), "--with_dpo", "dop", "--quick"],
+        cwd=ROOT,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        proc.returncode == 2 and "--with_dpo: the loss must be sigmoid, ipo, simpo, orpo or kto, got dop" in proc.stderr
+    )
 
 
 @pytest.mark.slow

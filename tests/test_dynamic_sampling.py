@@ -3,6 +3,7 @@ iteration generates further prompt batches until it holds the groups with signal
 --max_sampling_rounds rounds, then it trains on what it has), every kept group has reward variance, the
 generated / kept / dropped groups are logged; the extra batches come from the run's loader and count in
 its resume position; two ranks agree on the rounds."""
+
 import json
 import os
 import shutil
@@ -20,15 +21,23 @@ from utils.errors import UsageError
 
 # constant on the prompts of even id (their groups carry no signal); on odd ids a different score for every
 # different answer (a hash of its tokens), so those groups vary
-REWARDS = '''
+REWARDS = """
 def half_constant(completion_ids, id, **kwargs):
     return [1.0 if i % 2 == 0 else float(hash(tuple(ids)) % 1000003) for ids, i in zip(completion_ids, id)]
-'''
+"""
 
 
 def dynamic_args(model, tmp, *extra):
-    return grpo_args(model, tmp, "--reward_funcs", f"{tmp / 'dynamic_rewards.py'}:half_constant", "--kl_ctl", 0,
-                     "--dynamic_sampling", *extra)
+    return grpo_args(
+        model,
+        tmp,
+        "--reward_funcs",
+        f"{tmp / 'dynamic_rewards.py'}:half_constant",
+        "--kl_ctl",
+        0,
+        "--dynamic_sampling",
+        *extra,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +77,12 @@ def test_more_batches_until_the_groups_with_signal_are_there(dynamic_run):
     torch.manual_seed(0)
     metrics_, rows = run.trainer.step([first], step=0, more_prompts=more_prompts)
     assert len(drawn) == 1 and metrics_["dynamic/rounds"] == 2
-    assert (metrics_["dynamic/generated_groups"], metrics_["dynamic/kept_groups"],
-            metrics_["dynamic/dropped_groups"], metrics_["dynamic/missing_groups"]) == (4, 2, 2, 0)
+    assert (
+        metrics_["dynamic/generated_groups"],
+        metrics_["dynamic/kept_groups"],
+        metrics_["dynamic/dropped_groups"],
+        metrics_["dynamic/missing_groups"],
+    ) == (4, 2, 2, 0)
     assert len(rows) == 4 and all(r.trained for r in rows)  # the rollout keeps its size: 2 groups x 2 answers
     assert all(group_variance(rows, g) > 0 for g in {r.group for r in rows})
     assert all(r.prompt["extra"]["id"] % 2 == 1 for r in rows)
@@ -116,8 +129,9 @@ def test_extra_batches_count_in_the_resume_position(tmp_path):
 def test_flags(tiny_llama, tmp_path):
     write_rows(tmp_path)
     with pytest.raises(UsageError, match="--dynamic_sampling keeps the prompts whose answers' rewards differ"):
-        parse_args(dynamic_args(tiny_llama, tmp_path, "--n_samples_per_prompt", 1, "--advantage_estimator",
-                                "reinforce_pp"))
+        parse_args(
+            dynamic_args(tiny_llama, tmp_path, "--n_samples_per_prompt", 1, "--advantage_estimator", "reinforce_pp")
+        )
     with pytest.raises(UsageError, match="--max_sampling_rounds"):
         parse_args(dynamic_args(tiny_llama, tmp_path, "--max_sampling_rounds", 0))
 
@@ -129,8 +143,20 @@ def test_a_resumed_run_skips_the_extra_batches_it_drew(tiny_llama, tmp_path):
     iteration 1-2's extra rounds drew are skipped too) and logs the same figures."""
     write_rows(tmp_path, n=48)
     (tmp_path / "dynamic_rewards.py").write_text(REWARDS)
-    args = dynamic_args(tiny_llama, tmp_path, "--actor_zero_stage", 0, "--actor_learning_rate", 1e-3,
-                        "--max_steps", 3, "--save_interval", 1, "--keep_checkpoints", 3)
+    args = dynamic_args(
+        tiny_llama,
+        tmp_path,
+        "--actor_zero_stage",
+        0,
+        "--actor_learning_rate",
+        1e-3,
+        "--max_steps",
+        3,
+        "--save_interval",
+        1,
+        "--keep_checkpoints",
+        3,
+    )
     out = tmp_path / "out"
     main([str(a) for a in args])
     full = metrics(str(out))
@@ -155,8 +181,17 @@ def test_two_ranks_agree_on_the_rounds(tiny_gpt2, tmp_path):
     the same rounds; the run finishes and logs the groups of both ranks."""
     write_rows(tmp_path, n=64)
     (tmp_path / "dynamic_rewards.py").write_text(REWARDS)
-    args = dynamic_args(tiny_gpt2, tmp_path, "--actor_zero_stage", 3, "--enable_hybrid_engine",
-                        "--actor_learning_rate", 1e-3, "--max_steps", 3)
+    args = dynamic_args(
+        tiny_gpt2,
+        tmp_path,
+        "--actor_zero_stage",
+        3,
+        "--enable_hybrid_engine",
+        "--actor_learning_rate",
+        1e-3,
+        "--max_steps",
+        3,
+    )
     proc = run_deepspeed("step3_ppo.main", args, log_path=str(tmp_path / "log.txt"))
     rows = metrics(str(tmp_path / "out")) if (tmp_path / "out" / "metrics.jsonl").exists() else []
     train = [r for r in rows if "dynamic/rounds" in r]

@@ -1,5 +1,6 @@
 """Environments (step3_ppo/agents/environments.py): loading by name, file or module, one-line errors, the reply
 and reward checks, failures as EnvFailed naming the environment and the row, and math_retry's episodes."""
+
 import sys
 
 import pytest
@@ -96,15 +97,18 @@ def test_a_class_loads_from_a_module(envs, monkeypatch):
     assert load_environment("step3_ppo.agents.environments:MathRetry").name == "MathRetry"
 
 
-@pytest.mark.parametrize("spec, expected", [
-    ("{dir}/missing.py:Env", "no such file: {dir}/missing.py"),
-    ("{path}:Nope", "has no class 'Nope'"),
-    ("{path}:not_a_class", "'not_a_class' is a function, not a class"),
-    ("{path}:NoStep", "class NoStep has no step(message) method"),
-    ("{path}", "missing the ':class' part"),
-    ("math_retyr", "unknown environment; expected a built-in (math_retry), path/to/file.py:Class"),
-    ("no_such_pkg_x.envs:Env", "no module named 'no_such_pkg_x'"),
-])
+@pytest.mark.parametrize(
+    "spec, expected",
+    [
+        ("{dir}/missing.py:Env", "no such file: {dir}/missing.py"),
+        ("{path}:Nope", "has no class 'Nope'"),
+        ("{path}:not_a_class", "'not_a_class' is a function, not a class"),
+        ("{path}:NoStep", "class NoStep has no step(message) method"),
+        ("{path}", "missing the ':class' part"),
+        ("math_retyr", "unknown environment; expected a built-in (math_retry), path/to/file.py:Class"),
+        ("no_such_pkg_x.envs:Env", "no module named 'no_such_pkg_x'"),
+    ],
+)
 def test_specs_that_do_not_load_are_one_line_naming_the_spec(envs, spec, expected):
     spec = spec.format(dir=envs.parent, path=envs)
     with pytest.raises(EnvError) as info:
@@ -119,24 +123,30 @@ def test_a_syntax_error_names_the_line(tmp_path):
         load_environment(f"{tmp_path / 'bad.py'}:Env")
 
 
-@pytest.mark.parametrize("reply, expected", [
-    (None, None),
-    ("Try again", {"role": "user", "content": "Try again"}),
-    ({"role": "tool", "content": "4"}, {"role": "tool", "content": "4"}),
-    ({"role": "user", "content": ""}, {"role": "user", "content": ""}),
-])
+@pytest.mark.parametrize(
+    "reply, expected",
+    [
+        (None, None),
+        ("Try again", {"role": "user", "content": "Try again"}),
+        ({"role": "tool", "content": "4"}, {"role": "tool", "content": "4"}),
+        ({"role": "user", "content": ""}, {"role": "user", "content": ""}),
+    ],
+)
 def test_normalise_reply_accepts_a_string_a_message_or_none(reply, expected):
     assert normalise_reply(reply, "Echo", "x.jsonl:1") == expected
 
 
-@pytest.mark.parametrize("reply, shown", [
-    ({"role": "assistant", "content": "hi"}, "a dict ({'role': 'assistant', 'content': 'hi'})"),
-    ({"role": "tool", "content": 4}, "a dict ({'role': 'tool', 'content': 4})"),
-    ({"role": "tool", "content": "4", "name": "calc"}, "a dict ("),
-    ({"content": "4"}, "a dict ({'content': '4'})"),
-    (42, "an int (42)"),
-    (["a"], "a list (['a'])"),
-])
+@pytest.mark.parametrize(
+    "reply, shown",
+    [
+        ({"role": "assistant", "content": "hi"}, "a dict ({'role': 'assistant', 'content': 'hi'})"),
+        ({"role": "tool", "content": 4}, "a dict ({'role': 'tool', 'content': 4})"),
+        ({"role": "tool", "content": "4", "name": "calc"}, "a dict ("),
+        ({"content": "4"}, "a dict ({'content': '4'})"),
+        (42, "an int (42)"),
+        (["a"], "a list (['a'])"),
+    ],
+)
 def test_normalise_reply_refuses_anything_else_in_one_line(reply, shown):
     with pytest.raises(EnvFailed) as info:
         normalise_reply(reply, "Echo", "x.jsonl:1")
@@ -144,14 +154,17 @@ def test_normalise_reply_refuses_anything_else_in_one_line(reply, shown):
     assert "expected a str, {'role': 'tool' | 'user', 'content': str} or None" in str(info.value)
 
 
-@pytest.mark.parametrize("fail, call, expected", [
-    ("init", "make", "Broken(row) raised KeyError: 'no board'"),
-    ("step", "step", "step() raised ValueError: bad move"),
-    ("reward", "reward", "reward() raised RuntimeError: no score"),
-    (7, "step", "step() returned an int (7); expected a str"),
-    ("nan", "reward", "reward() returned nan (float); expected a finite number"),
-    ("text", "reward", "reward() returned '1.0' (str); expected a finite number"),
-])
+@pytest.mark.parametrize(
+    "fail, call, expected",
+    [
+        ("init", "make", "Broken(row) raised KeyError: 'no board'"),
+        ("step", "step", "step() raised ValueError: bad move"),
+        ("reward", "reward", "reward() raised RuntimeError: no score"),
+        (7, "step", "step() returned an int (7); expected a str"),
+        ("nan", "reward", "reward() returned nan (float); expected a finite number"),
+        ("text", "reward", "reward() returned '1.0' (str); expected a finite number"),
+    ],
+)
 def test_a_raising_or_misbehaving_environment_is_env_failed_naming_it_and_the_row(envs, fail, call, expected):
     env = load_environment(f"{envs}:Broken")
     row = {**ROW, "extra": {"fail": fail}}

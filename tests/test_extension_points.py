@@ -2,6 +2,7 @@
 registered (here, for the test's duration) is offered by its flag with its help and is used by the
 run. The pair-loss registry's end-to-end case is in tests/test_step2_dpo.py, the reward functions' in
 tests/test_reward_funcs.py, the policy losses' math in tests/test_losses.py."""
+
 import ast
 import contextlib
 import io
@@ -32,10 +33,18 @@ def test_each_registry_entry_is_offered_by_its_flag_with_its_help(monkeypatch):
 
     monkeypatch.setenv("COLUMNS", "2000")  # argparse wraps at hyphens otherwise
     monkeypatch.setitem(losses.POLICY_LOSSES, "toy_pg", losses.PolicyLoss(losses.policy_loss, "a toy policy loss"))
-    monkeypatch.setitem(rollout_engines.ROLLOUT_ENGINES, "toy_engine",
-                        rollout_engines.RolloutEngineEntry(rollout_engines.ActorGenerate, "a toy engine"))
-    monkeypatch.setitem(losses.PAIR_LOSSES, "toy_pair", losses.PairLoss(
-        losses.ipo_pair_loss, "a toy pair loss", options={"toy_margin": losses.PairOption(1.0, "a toy option")}))
+    monkeypatch.setitem(
+        rollout_engines.ROLLOUT_ENGINES,
+        "toy_engine",
+        rollout_engines.RolloutEngineEntry(rollout_engines.ActorGenerate, "a toy engine"),
+    )
+    monkeypatch.setitem(
+        losses.PAIR_LOSSES,
+        "toy_pair",
+        losses.PairLoss(
+            losses.ipo_pair_loss, "a toy pair loss", options={"toy_margin": losses.PairOption(1.0, "a toy option")}
+        ),
+    )
     rl, dpo = help_of(rl_args), help_of(dpo_args)
     for name, entry in [*losses.POLICY_LOSSES.items(), *rollout_engines.ROLLOUT_ENGINES.items(), *ESTIMATORS.items()]:
         assert f"{name}: {' '.join(entry.help.split())}" in rl, name
@@ -65,14 +74,24 @@ def test_a_registered_rollout_engine_generates_the_trainers_rows(monkeypatch):
             answers = torch.tensor([[7, 8, 2], [9, 2, 0]]).repeat(input_ids.shape[0] // 2, 1)
             return torch.cat([input_ids, answers], dim=1)
 
-    monkeypatch.setitem(rollout_engines.ROLLOUT_ENGINES, "scripted",
-                        rollout_engines.RolloutEngineEntry(Scripted, "answers from a script"))
-    config = PPOConfig(stop_token_ids=(2,), pad_token_id=0, rollout_engine="scripted", n_samples_per_prompt=2,
-                       advantage_estimator="grpo", max_answer_seq_len=3)
+    monkeypatch.setitem(
+        rollout_engines.ROLLOUT_ENGINES,
+        "scripted",
+        rollout_engines.RolloutEngineEntry(Scripted, "answers from a script"),
+    )
+    config = PPOConfig(
+        stop_token_ids=(2,),
+        pad_token_id=0,
+        rollout_engine="scripted",
+        n_samples_per_prompt=2,
+        advantage_estimator="grpo",
+        max_answer_seq_len=3,
+    )
     trainer = PPOTrainer(SimpleNamespace(actor="the actor", ref=None, critic=None), config, FixedKLController(0.0), [])
     assert trainer.rollout.actor == "the actor"
-    rows = trainer.generate_rows({"input_ids": torch.tensor([[0, 5, 6], [4, 5, 6]]),
-                                  "attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1]])})
+    rows = trainer.generate_rows(
+        {"input_ids": torch.tensor([[0, 5, 6], [4, 5, 6]]), "attention_mask": torch.tensor([[0, 1, 1], [1, 1, 1]])}
+    )
     assert calls == [((4, 3), [0, 0, 1, 1], 3)]
     assert [r.response_ids.tolist() for r in rows] == [[7, 8, 2], [9, 2]] * 2
     assert [r.group for r in rows] == [0, 0, 1, 1] and [r.prompt_ids.tolist() for r in rows][::2] == [[5, 6], [4, 5, 6]]
@@ -101,8 +120,11 @@ def names_and_strings(tree: ast.Module):
         elif isinstance(node, ast.Constant):
             texts = [node.value] if isinstance(node.value, str) and id(node) not in skip else []
         else:
-            texts = [getattr(node, field) for field in ("id", "attr", "arg", "name")
-                     if isinstance(getattr(node, field, None), str)]
+            texts = [
+                getattr(node, field)
+                for field in ("id", "attr", "arg", "name")
+                if isinstance(getattr(node, field, None), str)
+            ]
         yield from ((getattr(node, "lineno", 0), text) for text in texts)
 
 

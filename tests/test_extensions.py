@@ -1,6 +1,7 @@
 """DeepSpeed's JIT-built CPU communication op (issue 30, point 11a): a per-checkout build folder set by the
 scripts and the test launcher, and a stale torch build `lock` (its builder killed) removed with one line
 instead of a silent wait forever."""
+
 import fcntl
 import os
 import shutil
@@ -74,8 +75,14 @@ def test_the_scripts_and_the_test_launcher_set_a_per_checkout_dir(tmp_path):
     show = 'source scripts/common.sh >/dev/null && echo "$TORCH_EXTENSIONS_DIR"'
     proc = subprocess.run(["bash", "-c", show], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == CHECKOUT_DIR, proc.stderr
-    proc = subprocess.run(["bash", "-c", show], cwd=ROOT, env={**env, "TORCH_EXTENSIONS_DIR": str(tmp_path)},
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["bash", "-c", show],
+        cwd=ROOT,
+        env={**env, "TORCH_EXTENSIONS_DIR": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.stdout.strip() == str(tmp_path), proc.stderr  # the user's choice is kept
     for script in ("scripts/setup.sh", "scripts/test.sh"):
         with open(os.path.join(ROOT, script)) as f:

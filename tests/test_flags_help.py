@@ -9,6 +9,7 @@ added with `**spec`) nor a flag of a module that is not imported anywhere slips 
 Every command README.md documents stays among those entry points (`python chat.py`, run as a file, once more as
 a process); the rlhf-* console scripts are tests/test_package.py's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -102,10 +103,24 @@ ENTRY_POINTS = entry_points()
 
 # The commands README.md and scripts/ tell users to run (`python -m MODULE`, `python chat.py`): each must stay among
 # the entry points found above, so that the tests below keep checking its --help
-DOCUMENTED_COMMANDS = ("step1_sft.main", "step2_reward.main", "step2_dpo.main", "step3_ppo.main", "step3_ppo.eval",
-                       "step2_reward.eval", "step1_sft.prompt_eval", "step3_ppo.plot", "step3_ppo.generation_check",
-                       "step3_ppo.agents.eval", "utils.models.tiny", "utils.models.default", "data.make_demo_data",
-                       "data.make_arithmetic_data", "data.make_tool_data", "chat")
+DOCUMENTED_COMMANDS = (
+    "step1_sft.main",
+    "step2_reward.main",
+    "step2_dpo.main",
+    "step3_ppo.main",
+    "step3_ppo.eval",
+    "step2_reward.eval",
+    "step1_sft.prompt_eval",
+    "step3_ppo.plot",
+    "step3_ppo.generation_check",
+    "step3_ppo.agents.eval",
+    "utils.models.tiny",
+    "utils.models.default",
+    "data.make_demo_data",
+    "data.make_arithmetic_data",
+    "data.make_tool_data",
+    "chat",
+)
 
 
 def test_entry_points_found():
@@ -116,8 +131,14 @@ def test_entry_points_found():
 def test_chat_script_answers_help_from_another_directory(tmp_path):
     """`python chat.py` is the one documented command run as a file, not with -m: its __main__ block (the
     repository on sys.path, run_main) is not what the in-process tests below call."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "chat.py"), "--help"], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=120, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "chat.py"), "--help"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    )
     assert proc.returncode == 0 and "--model_name_or_path" in proc.stdout, proc.stdout + proc.stderr
 
 
@@ -151,9 +172,11 @@ def built_parser(name: str, monkeypatch) -> argparse.ArgumentParser:
 @pytest.mark.parametrize("name", ENTRY_POINTS)
 def test_every_flag_of_the_entry_point_has_a_help(name, monkeypatch):
     parser = built_parser(name, monkeypatch)
-    missing = [action.option_strings[0] if action.option_strings else action.dest for action in parser._actions
-               if not isinstance(action, argparse._HelpAction)
-               and (action.help is None or not str(action.help).strip())]
+    missing = [
+        action.option_strings[0] if action.option_strings else action.dest
+        for action in parser._actions
+        if not isinstance(action, argparse._HelpAction) and (action.help is None or not str(action.help).strip())
+    ]
     assert not missing, f"python -m {name}: {len(missing)} flags without a help: {', '.join(missing)}"
 
 

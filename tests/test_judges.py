@@ -1,5 +1,6 @@
 """Bootstrap intervals (hand values), the numpy TF-IDF judge on a tiny corpus, its cache, the table's
 intervals. No models, no 33k-row CSV: everything here runs in a few seconds."""
+
 import csv
 import json
 import math
@@ -173,8 +174,9 @@ def test_movie_reviews_cache_round_trip(tmp_path, monkeypatch):
     assert second.info == json.loads(json.dumps(first.info)) and second.vocabulary == first.vocabulary
 
     monkeypatch.undo()
-    other = TfidfSentimentJudge.from_movie_reviews(str(data), TfidfSettings(**{**SMALL.to_dict(), "l2": 1e-2}),
-                                                   heldout_fraction=0.2, cache_root=str(cache))
+    other = TfidfSentimentJudge.from_movie_reviews(
+        str(data), TfidfSettings(**{**SMALL.to_dict(), "l2": 1e-2}), heldout_fraction=0.2, cache_root=str(cache)
+    )
     assert len(os.listdir(cache / "judges")) == 2 and other.score(probe) != first.score(probe)  # settings in the key
     _write_csv(data, extra_rt=[("fine", 1)])  # a changed CSV (size) is a new entry
     TfidfSentimentJudge.from_movie_reviews(str(data), SMALL, heldout_fraction=0.2, cache_root=str(cache))
@@ -200,22 +202,36 @@ def test_missing_movie_reviews_csv_names_the_package(tmp_path):
 
 # --------------------------------------------------------------------------- the table's intervals
 def _answers(lengths, eos):
-    return [Answer(prompt_ids=torch.tensor([1]), response_ids=torch.arange(n), ended_with_eos=e, prompt="p", text="t")
-            for n, e in zip(lengths, eos)]
+    return [
+        Answer(prompt_ids=torch.tensor([1]), response_ids=torch.arange(n), ended_with_eos=e, prompt="p", text="t")
+        for n, e in zip(lengths, eos)
+    ]
 
 
 def test_summarize_and_format_table_show_intervals():
-    sft = summarize(_answers([3, 4, 5, 6], [True, False, True, True]), [0.0, 1.0, 2.0, 3.0], [0.1] * 4, [0.0] * 4,
-                    judge2=[0.2, 0.4, 0.6, 0.8])
+    sft = summarize(
+        _answers([3, 4, 5, 6], [True, False, True, True]),
+        [0.0, 1.0, 2.0, 3.0],
+        [0.1] * 4,
+        [0.0] * 4,
+        judge2=[0.2, 0.4, 0.6, 0.8],
+    )
     assert sft["reward_mean"] == 1.5 and sft["judge_mean_ci"] == [0.1, 0.1] and sft["kl_to_sft_mean_ci"] == [0.0, 0.0]
     assert sft["eos_fraction"] == 0.75 and 0.25 <= sft["eos_fraction_ci"][0] <= 0.75 <= sft["eos_fraction_ci"][1] <= 1
     assert sft["response_len_mean_ci"][0] <= 4.5 <= sft["response_len_mean_ci"][1]
     assert set(sft) >= {"judge2_mean", "judge2_mean_ci", "reward_std"}
-    result = {"settings": {"num_prompts": 4, "max_new_tokens": 6, "judge": "VADER compound", "judge2": "TF-IDF"},
-              "policies": {"sft": sft, "rlhf": sft},
-              "rlhf_vs_sft": {"reward_win_rate": 0.5, "reward_win_rate_ci": [0.25, 0.75],
-                              "judge_win_rate": 0.5, "judge_win_rate_ci": [0.5, 0.5],
-                              "judge2_win_rate": 0.625, "judge2_win_rate_ci": [0.375, 0.875]}}
+    result = {
+        "settings": {"num_prompts": 4, "max_new_tokens": 6, "judge": "VADER compound", "judge2": "TF-IDF"},
+        "policies": {"sft": sft, "rlhf": sft},
+        "rlhf_vs_sft": {
+            "reward_win_rate": 0.5,
+            "reward_win_rate_ci": [0.25, 0.75],
+            "judge_win_rate": 0.5,
+            "judge_win_rate_ci": [0.5, 0.5],
+            "judge2_win_rate": 0.625,
+            "judge2_win_rate_ci": [0.375, 0.875],
+        },
+    }
     table = format_table(result)
     assert "| SFT " in table and "|   95% CI" in table
     assert "[0.100, 0.100]" in table and "judge 2 (TF-IDF)" in table and "judge 2: TF-IDF" in table
@@ -225,6 +241,11 @@ def test_summarize_and_format_table_show_intervals():
 
     # an older result (one judge, no intervals) still formats, without the judge 2 column
     old = {k: v for k, v in sft.items() if not k.endswith("_ci") and not k.startswith("judge2")}
-    table = format_table({"settings": {"judge": "VADER compound"}, "policies": {"sft": old, "rlhf": old},
-                          "rlhf_vs_sft": {"reward_win_rate": 0.5, "judge_win_rate": 0.5}})
+    table = format_table(
+        {
+            "settings": {"judge": "VADER compound"},
+            "policies": {"sft": old, "rlhf": old},
+            "rlhf_vs_sft": {"reward_win_rate": 0.5, "judge_win_rate": 0.5},
+        }
+    )
     assert "95% CI" not in table.split("RLHF vs SFT")[0] and "judge 2" not in table and "judge (VADER)" in table

@@ -1,6 +1,7 @@
 """KTO (issue 29): the loss and its reference point against hand-computed values, unpaired feedback rows
 through the data layer (TRL's {prompt, completion, label}, conversational too; pairs give one of each),
 the mismatched rows of its collator, its flags and refusals, and a short run that learns."""
+
 import json
 import math
 import os
@@ -33,8 +34,9 @@ def _sigmoid(x):
 
 def test_kto_by_hand():
     # a desirable example (logp -2, ref -3: r = 1) and an undesirable one (logp -4, ref -3: r = -1), z0 0.5, beta 0.1
-    examples = UnpairedLogps(torch.tensor([-2.0, -4.0]), torch.tensor([-3.0, -3.0]), torch.tensor([True, False]),
-                             torch.tensor(0.5))
+    examples = UnpairedLogps(
+        torch.tensor([-2.0, -4.0]), torch.tensor([-3.0, -3.0]), torch.tensor([True, False]), torch.tensor(0.5)
+    )
     losses, rewards = kto_loss(examples, beta=0.1)
     # 1 - sigmoid(0.1 * (1 - 0.5)) and 1 - sigmoid(0.1 * (0.5 - -1))
     assert losses.tolist() == pytest.approx([0.48750260351578967, 0.4625701546562504], rel=1e-6)
@@ -75,34 +77,60 @@ def test_kto_gradient_raises_desirable_and_lowers_undesirable_logps_only():
 
 def test_the_registry_entry_reads_unpaired_examples_only():
     entry = PAIR_LOSSES["kto"]
-    assert entry.unpaired and entry.needs_reference and set(entry.options) == {"kto_desirable_weight",
-                                                                               "kto_undesirable_weight"}
+    assert (
+        entry.unpaired
+        and entry.needs_reference
+        and set(entry.options) == {"kto_desirable_weight", "kto_undesirable_weight"}
+    )
     pair = PairLogps(torch.tensor([-1.0]), torch.tensor([-2.0]), torch.tensor([-1.0]), torch.tensor([-2.0]))
     with pytest.raises(ValueError, match="reads unpaired examples: use unpaired_loss"):
         pair_loss(pair, 0.1, "kto")
     with pytest.raises(ValueError, match="reads pairs: use pair_loss"):
-        unpaired_loss(UnpairedLogps(*[torch.zeros(1)] * 2, torch.ones(1, dtype=torch.bool), torch.tensor(0.0)),
-                      0.1, "sigmoid")
+        unpaired_loss(
+            UnpairedLogps(*[torch.zeros(1)] * 2, torch.ones(1, dtype=torch.bool), torch.tensor(0.0)), 0.1, "sigmoid"
+        )
 
 
 def test_unpaired_rows_in_trls_forms():
     row = normalize_row({"prompt": "Q?", "completion": " yes", "label": True, "id": 7}, "f.jsonl:1", 2, UNPAIRED)
-    assert (row["prompt"], row["chosen"], row["rejected"], row["label"], row["extra"]) == ("Q?", " yes", None, True,
-                                                                                         {"id": 7})
-    chat = normalize_row({"prompt": [{"role": "user", "content": "Q?"}],
-                          "completion": [{"role": "assistant", "content": "no"}], "label": False}, "f.jsonl:2", 2,
-                         UNPAIRED)
+    assert (row["prompt"], row["chosen"], row["rejected"], row["label"], row["extra"]) == (
+        "Q?",
+        " yes",
+        None,
+        True,
+        {"id": 7},
+    )
+    chat = normalize_row(
+        {
+            "prompt": [{"role": "user", "content": "Q?"}],
+            "completion": [{"role": "assistant", "content": "no"}],
+            "label": False,
+        },
+        "f.jsonl:2",
+        2,
+        UNPAIRED,
+    )
     assert chat["chosen"] == [{"role": "assistant", "content": "no"}] and chat["label"] is False
     pair = normalize_row({"prompt": "Q?", "chosen": " a", "rejected": " b"}, "f.jsonl:3", 2, UNPAIRED)
     assert pair["rejected"] == " b" and "label" not in pair
-    with pytest.raises(DataError, match=r"f.jsonl:4: field 'label' must be true \(desirable\) or false "
-                                        r"\(undesirable\), got 1"):
+    with pytest.raises(
+        DataError,
+        match=r"f.jsonl:4: field 'label' must be true \(desirable\) or false "
+        r"\(undesirable\), got 1",
+    ):
         normalize_row({"prompt": "Q?", "completion": " yes", "label": 1}, "f.jsonl:4", 2, UNPAIRED)
     with pytest.raises(DataError, match=r"f.jsonl:5: field 'thumbs' must be true"):
-        normalize_row({"prompt": "Q?", "completion": " yes", "thumbs": "up"}, "f.jsonl:5", 2,
-                      RowFormat(unpaired=True, label_key="thumbs"))
+        normalize_row(
+            {"prompt": "Q?", "completion": " yes", "thumbs": "up"},
+            "f.jsonl:5",
+            2,
+            RowFormat(unpaired=True, label_key="thumbs"),
+        )
     # CSV has only strings: there (only there) the text true / false is a label
-    assert normalize_row({"prompt": "Q?", "completion": " no", "label": "False"}, "d/f.csv:7", 2, UNPAIRED)["label"] is False
+    assert (
+        normalize_row({"prompt": "Q?", "completion": " no", "label": "False"}, "d/f.csv:7", 2, UNPAIRED)["label"]
+        is False
+    )
     with pytest.raises(DataError, match="f.jsonl:8: field 'label' must be true"):
         normalize_row({"prompt": "Q?", "completion": " yes", "label": "true"}, "f.jsonl:8", 2, UNPAIRED)
     with pytest.raises(DataError, match="f.csv:9: field 'label' must be true"):
@@ -117,8 +145,10 @@ def test_tokenized_examples_and_the_mismatched_rows(tiny_gpt2):
     from utils.models.loading import load_tokenizer
 
     tok = load_tokenizer(tiny_gpt2)
-    rows = [{"prompt": "Human: plot?\n\nAssistant:", "chosen": " good", "rejected": " bad awful"},
-            {"prompt": "Human: music?\n\nAssistant:", "chosen": " dull", "rejected": None, "label": False}]
+    rows = [
+        {"prompt": "Human: plot?\n\nAssistant:", "chosen": " good", "rejected": " bad awful"},
+        {"prompt": "Human: music?\n\nAssistant:", "chosen": " dull", "rejected": None, "label": False},
+    ]
     examples, stats = tokenize_unpaired(rows, tok, 24)
     (pair,), _ = tokenize_preference_pairs(rows[:1], tok, 24)
     assert [ex["desirable"] for ex in examples] == [True, False, False]
@@ -127,34 +157,62 @@ def test_tokenized_examples_and_the_mismatched_rows(tiny_gpt2):
     assert examples[1]["prompt_input_ids"] == pair["prompt_input_ids"] and stats["desirable"] == 1
     assert examples[2]["completion_response_ids"][-1] == tok.eos_token_id and stats["undesirable"] == 2
 
-    batch = [{"prompt_input_ids": [5, 6], "completion_response_ids": [7, 8], "desirable": True},
-             {"prompt_input_ids": [5, 5, 5, 5], "completion_response_ids": [9], "desirable": False},
-             {"prompt_input_ids": [4], "completion_response_ids": [3, 2, 1, 1, 1], "desirable": True}]
+    batch = [
+        {"prompt_input_ids": [5, 6], "completion_response_ids": [7, 8], "desirable": True},
+        {"prompt_input_ids": [5, 5, 5, 5], "completion_response_ids": [9], "desirable": False},
+        {"prompt_input_ids": [4], "completion_response_ids": [3, 2, 1, 1, 1], "desirable": True},
+    ]
     out = UnpairedCollator(0, max_seq_len=6)(batch)
     # the examples, then each prompt with the previous example's completion (the first's cut to fit 6 tokens)
-    assert out["input_ids"].tolist() == [[5, 6, 7, 8, 0, 0], [5, 5, 5, 5, 9, 0], [4, 3, 2, 1, 1, 1],
-                                         [5, 6, 3, 2, 1, 1], [5, 5, 5, 5, 7, 8], [4, 9, 0, 0, 0, 0]]
-    assert out["action_mask"].tolist() == [[0, 1, 1, 0, 0], [0, 0, 0, 1, 0], [1, 1, 1, 1, 1],
-                                           [0, 1, 1, 1, 1], [0, 0, 0, 1, 1], [1, 0, 0, 0, 0]]
+    assert out["input_ids"].tolist() == [
+        [5, 6, 7, 8, 0, 0],
+        [5, 5, 5, 5, 9, 0],
+        [4, 3, 2, 1, 1, 1],
+        [5, 6, 3, 2, 1, 1],
+        [5, 5, 5, 5, 7, 8],
+        [4, 9, 0, 0, 0, 0],
+    ]
+    assert out["action_mask"].tolist() == [
+        [0, 1, 1, 0, 0],
+        [0, 0, 0, 1, 0],
+        [1, 1, 1, 1, 1],
+        [0, 1, 1, 1, 1],
+        [0, 0, 0, 1, 1],
+        [1, 0, 0, 0, 0],
+    ]
     assert out["desirable"].tolist() == [True, False, True]
 
 
 def _parse(tmp_path, *flags):
     from step2_dpo.main import parse_args
 
-    return parse_args([str(a) for a in ["--model_name_or_path", str(tmp_path), "--data_path", str(tmp_path),
-                                        "--output_dir", str(tmp_path / "out"), *flags]])
+    return parse_args(
+        [
+            str(a)
+            for a in [
+                "--model_name_or_path",
+                str(tmp_path),
+                "--data_path",
+                str(tmp_path),
+                "--output_dir",
+                str(tmp_path / "out"),
+                *flags,
+            ]
+        ]
+    )
 
 
 def test_flags(tmp_path):
     args = _parse(tmp_path, "--loss_type", "kto", "--kto_undesirable_weight", 1.33)
     assert args.unpaired and args.beta == 0.1 and args.kto_undesirable_weight == 1.33
     assert RowFormat.from_args(args).unpaired and not RowFormat.from_args(_parse(tmp_path)).unpaired
-    for flags, message in [(["--loss_type", "kto", "--nll_loss_coef", 0.5], "no chosen side"),
-                           (["--loss_type", "kto", "--precompute_ref_log_probs"], "keeps a reference model"),
-                           (["--loss_type", "kto", "--per_device_train_batch_size", 1], "must be >= 2"),
-                           (["--loss_type", "kto", "--kto_desirable_weight", 0], "must be > 0"),
-                           (["--kto_desirable_weight", 2.0], "does not take it")]:
+    for flags, message in [
+        (["--loss_type", "kto", "--nll_loss_coef", 0.5], "no chosen side"),
+        (["--loss_type", "kto", "--precompute_ref_log_probs"], "keeps a reference model"),
+        (["--loss_type", "kto", "--per_device_train_batch_size", 1], "must be >= 2"),
+        (["--loss_type", "kto", "--kto_desirable_weight", 0], "must be > 0"),
+        (["--kto_desirable_weight", 2.0], "does not take it"),
+    ]:
         with pytest.raises(UsageError, match=message):
             _parse(tmp_path, *flags)
 
@@ -165,8 +223,10 @@ def feedback_data(tmp_path_factory) -> str:
     row, its chosen (label true) or its rejected (false) in turn; the held-out rows stay pairs."""
     folder = tmp_path_factory.mktemp("feedback")
     rng = random.Random(0)
-    train = [{"prompt": p["prompt"], "completion": p["chosen"] if i % 2 else p["rejected"], "label": bool(i % 2)}
-             for i, p in enumerate(_pairs(320, rng, False))]
+    train = [
+        {"prompt": p["prompt"], "completion": p["chosen"] if i % 2 else p["rejected"], "label": bool(i % 2)}
+        for i, p in enumerate(_pairs(320, rng, False))
+    ]
     (folder / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in train))
     (folder / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in _pairs(32, rng, True)))
     return str(folder)
@@ -200,10 +260,19 @@ def test_kto_with_one_kind_of_label_stops_before_loading_a_model(tiny_gpt2, tmp_
     data.mkdir()
     rows = [{"prompt": f"Human: {i}?\n\nAssistant:", "completion": " good", "label": True} for i in range(40)]
     (data / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(UsageError, match=r"every usable training row of .*thumbs_up has 'label' true \(.* examples\); "
-                                         r"it needs rows labelled false too"):
-        main([str(a) for a in _dpo_args(tiny_gpt2, str(data), str(tmp_path / "out"), extra=[
-            "--loss_type", "kto", "--eval_fraction", 0.2])])
+    with pytest.raises(
+        UsageError,
+        match=r"every usable training row of .*thumbs_up has 'label' true \(.* examples\); "
+        r"it needs rows labelled false too",
+    ):
+        main(
+            [
+                str(a)
+                for a in _dpo_args(
+                    tiny_gpt2, str(data), str(tmp_path / "out"), extra=["--loss_type", "kto", "--eval_fraction", 0.2]
+                )
+            ]
+        )
 
 
 @pytest.mark.slow
@@ -213,9 +282,25 @@ def test_two_rank_zero3_kto_with_the_adapters_reference_learns_and_exports(tiny_
     from tests.launch import run_deepspeed, tail
 
     out = str(tmp_path / "out")
-    args = _dpo_args(tiny_gpt2, feedback_data, out, steps=6, extra=[
-        "--loss_type", "kto", "--zero_stage", 3, "--per_device_train_batch_size", 4, "--lora_dim", 8,
-        "--only_optimize_lora", "--lora_learning_rate", 1e-2])
+    args = _dpo_args(
+        tiny_gpt2,
+        feedback_data,
+        out,
+        steps=6,
+        extra=[
+            "--loss_type",
+            "kto",
+            "--zero_stage",
+            3,
+            "--per_device_train_batch_size",
+            4,
+            "--lora_dim",
+            8,
+            "--only_optimize_lora",
+            "--lora_learning_rate",
+            1e-2,
+        ],
+    )
     proc = run_deepspeed("step2_dpo.main", [str(a) for a in args], num_ranks=2, log_path=str(tmp_path / "log.txt"))
     assert os.path.isfile(os.path.join(out, "model.safetensors")), tail(proc)
     rows = metrics(out)
@@ -234,15 +319,19 @@ def test_the_before_training_figures_known_without_a_pass_are_a_passs(tiny_gpt2,
     from utils.models.loading import load_causal_lm, load_tokenizer
 
     tok = load_tokenizer(tiny_gpt2)
-    rows = [{"prompt": f"Human: {topic}?\n\nAssistant:", "chosen": " good fine", "rejected": " bad"}
-            for topic in ("plot", "music", "actors")]
+    rows = [
+        {"prompt": f"Human: {topic}?\n\nAssistant:", "chosen": " good fine", "rejected": " bad"}
+        for topic in ("plot", "music", "actors")
+    ]
     rows.append({"prompt": "Human: ending?\n\nAssistant:", "chosen": " dull", "rejected": None, "label": False})
     examples, _ = tokenize_unpaired(rows, tok, 24)
     model = load_causal_lm(tiny_gpt2)
-    loss_of = UnpairedLoss(_parse(tmp_path, "--loss_type", "kto", "--kto_desirable_weight", 2.0,
-                                  "--kto_undesirable_weight", 0.5))
-    measured = evaluate_unpaired(model, examples, UnpairedCollator(tok.pad_token_id, 24), 3, loss_of,
-                                 Reference("engine", model, model))
+    loss_of = UnpairedLoss(
+        _parse(tmp_path, "--loss_type", "kto", "--kto_desirable_weight", 2.0, "--kto_undesirable_weight", 0.5)
+    )
+    measured = evaluate_unpaired(
+        model, examples, UnpairedCollator(tok.pad_token_id, 24), 3, loss_of, Reference("engine", model, model)
+    )
     known = unpaired_reference_metrics(examples, loss_of)
     assert known["eval/loss"] == pytest.approx((3 * 2.0 + 4 * 0.5) * 0.5 / 7)
     for key, value in known.items():

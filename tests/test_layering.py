@@ -2,6 +2,7 @@
 bench/ (the benchmarks) sits on top; inside utils/ and step3_ppo/ each folder may import only the folders below
 it (ALLOWED); the pure math (utils/math, step3_ppo/algo) imports torch and nothing of ours above it. Read from
 the source (ast), so a lazy import inside a function counts too."""
+
 import ast
 import os
 
@@ -30,11 +31,22 @@ ALLOWED = {
     "step3_ppo.function_worker": {"utils.errors"},
     "step3_ppo.rollout": {"utils"},
     "step3_ppo.rewards": {"utils", "step3_ppo.specs", "step3_ppo.function_worker", "step3_ppo.algo"},  # algo: combine
-    "step3_ppo.agents": {"utils", "step3_ppo.specs", "step3_ppo.function_worker", "step3_ppo.rewards",
-                         "step3_ppo.plot"},
+    "step3_ppo.agents": {
+        "utils",
+        "step3_ppo.specs",
+        "step3_ppo.function_worker",
+        "step3_ppo.rewards",
+        "step3_ppo.plot",
+    },
     "step3_ppo.deepspeed_models": {"utils", "step3_ppo.algo"},
-    "step3_ppo.trainer": {"utils", "step3_ppo.algo", "step3_ppo.rollout", "step3_ppo.rewards", "step3_ppo.agents",
-                          "step3_ppo.metrics"},
+    "step3_ppo.trainer": {
+        "utils",
+        "step3_ppo.algo",
+        "step3_ppo.rollout",
+        "step3_ppo.rewards",
+        "step3_ppo.agents",
+        "step3_ppo.metrics",
+    },
     "step3_ppo.metrics": {"utils", "step3_ppo.algo", "step3_ppo.agents"},
 }
 # the pure math: of third-party code only torch (and the standard library's typing helpers)
@@ -131,8 +143,14 @@ def layered_files() -> list[str]:
 
 def test_every_package_has_a_rule():
     """A new folder (or top-level module) in utils/ or step3_ppo/ gets its line in ALLOWED, or it is unchecked."""
-    entry_points = {"step3_ppo.main", "step3_ppo.eval", "step3_ppo.plot", "step3_ppo.generation_check",
-                    "step3_ppo.__init__", "utils.__init__"}  # on top: they may import the packages below them
+    entry_points = {
+        "step3_ppo.main",
+        "step3_ppo.eval",
+        "step3_ppo.plot",
+        "step3_ppo.generation_check",
+        "step3_ppo.__init__",
+        "utils.__init__",
+    }  # on top: they may import the packages below them
     missing = {package_of(p) for p in python_files("utils") + python_files("step3_ppo")} - set(ALLOWED) - entry_points
     assert not missing, f"packages without a layering rule in ALLOWED: {sorted(missing)}"
 
@@ -140,8 +158,11 @@ def test_every_package_has_a_rule():
 @pytest.mark.parametrize("path", layered_files())
 def test_packages_import_only_the_layers_below(path):
     me = package_of(path)
-    bad = sorted(name for name in imports(path) if name.split(".")[0] in ("utils", "step3_ppo")
-                 and own_package(name) != me and not allows(ALLOWED[me], name))
+    bad = sorted(
+        name
+        for name in imports(path)
+        if name.split(".")[0] in ("utils", "step3_ppo") and own_package(name) != me and not allows(ALLOWED[me], name)
+    )
     assert not bad, f"{path} ({me}) imports {bad}; {me} may import only {sorted(ALLOWED[me])} (tests/test_layering.py)"
 
 
@@ -149,5 +170,6 @@ def test_packages_import_only_the_layers_below(path):
 def test_pure_math_imports_only_torch(path):
     for name in imports(path):
         top = name.split(".")[0]
-        assert top in PURE_ALLOWED_THIRD_PARTY or allows(ALLOWED[package_of(path)] | {package_of(path)}, name), \
+        assert top in PURE_ALLOWED_THIRD_PARTY or allows(ALLOWED[package_of(path)] | {package_of(path)}, name), (
             f"{path} (pure math) imports {name}: no DeepSpeed, no models, no orchestration"
+        )

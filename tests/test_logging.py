@@ -1,4 +1,5 @@
 """MetricsLogger: the one seam metrics go through (metrics.jsonl, TensorBoard, W&B offline)."""
+
 import glob
 import json
 import math
@@ -16,8 +17,15 @@ from utils.train.metrics_logger import WANDB_ID_FILE, MetricsLogger, logger_from
 
 def _args(output_dir, **extra):
     """Parsed flags as the mains have them; the wandb ones only when given (getattr defaults)."""
-    return SimpleNamespace(**{"output_dir": str(output_dir), "enable_tensorboard": False, "tensorboard_path": None,
-                              "learning_rate": 1e-3, **extra})
+    return SimpleNamespace(
+        **{
+            "output_dir": str(output_dir),
+            "enable_tensorboard": False,
+            "tensorboard_path": None,
+            "learning_rate": 1e-3,
+            **extra,
+        }
+    )
 
 
 def test_jsonl_rows(tmp_path):
@@ -83,6 +91,7 @@ def test_tensorboard_writes_an_event_file(tmp_path):
 
 # --- Weights & Biases, offline -------------------------------------------------------------------
 
+
 @pytest.fixture
 def wandb_offline(tmp_path, monkeypatch):
     """wandb in offline mode with every file it writes under tmp_path: no network, no ~/.config."""
@@ -91,13 +100,22 @@ def wandb_offline(tmp_path, monkeypatch):
         if key.startswith("WANDB_"):
             monkeypatch.delenv(key)
     env = {
-        "WANDB_MODE": "offline", "WANDB_SILENT": "true", "WANDB_CONSOLE": "off",
-        "WANDB_DIR": tmp_path / "wandb_root", "WANDB_CONFIG_DIR": tmp_path / "wandb_config",
-        "WANDB_CACHE_DIR": tmp_path / "wandb_cache", "WANDB_DATA_DIR": tmp_path / "wandb_data",
-        "WANDB_ARTIFACT_DIR": tmp_path / "wandb_artifacts", "HOME": tmp_path / "home",
-        "WANDB_ERROR_REPORTING": "false", "WANDB_DISABLE_GIT": "true", "WANDB_DISABLE_CODE": "true",
-        "WANDB_X_DISABLE_STATS": "true", "WANDB_X_DISABLE_MACHINE_INFO": "true",
-        "WANDB_X_DISABLE_UPDATE_CHECK": "true", "WANDB_X_SAVE_REQUIREMENTS": "false",
+        "WANDB_MODE": "offline",
+        "WANDB_SILENT": "true",
+        "WANDB_CONSOLE": "off",
+        "WANDB_DIR": tmp_path / "wandb_root",
+        "WANDB_CONFIG_DIR": tmp_path / "wandb_config",
+        "WANDB_CACHE_DIR": tmp_path / "wandb_cache",
+        "WANDB_DATA_DIR": tmp_path / "wandb_data",
+        "WANDB_ARTIFACT_DIR": tmp_path / "wandb_artifacts",
+        "HOME": tmp_path / "home",
+        "WANDB_ERROR_REPORTING": "false",
+        "WANDB_DISABLE_GIT": "true",
+        "WANDB_DISABLE_CODE": "true",
+        "WANDB_X_DISABLE_STATS": "true",
+        "WANDB_X_DISABLE_MACHINE_INFO": "true",
+        "WANDB_X_DISABLE_UPDATE_CHECK": "true",
+        "WANDB_X_SAVE_REQUIREMENTS": "false",
     }
     for key, value in env.items():
         monkeypatch.setenv(key, str(value))
@@ -118,11 +136,11 @@ def _wandb_records(path):
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
             continue
-        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if kind == 0:  # zero padding up to the next block
             pos += block - pos % block
             continue
-        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
         pending = chunk if kind in (1, 2) else pending + chunk  # 1 full, 2 first, 3 middle, 4 last
         if kind in (1, 4):
             record = wandb_internal_pb2.Record()
@@ -134,6 +152,7 @@ def _wandb_records(path):
 def _offline_runs(root, run_id):
     """[(config, history rows)] of the offline runs of `run_id` under `root` (offline-run-<time>-<id>,
     with a -1, -2... suffix when two start within the same second)."""
+
     def key(item):
         return item.key or "/".join(item.nested_key)
 
@@ -179,7 +198,9 @@ def test_wandb_offline_receives_the_scalars(tmp_path, wandb_offline):
     assert (out / WANDB_ID_FILE).read_text().strip() == run_id
     runs = _offline_runs(str(root), run_id)
     assert sorted([(h["step"], h["train/loss"]) for h in history] for _, history in runs) == [
-        [(1, 1.5), (2, 0.5)], [(2, 0.4)]]
+        [(1, 1.5), (2, 0.5)],
+        [(2, 0.4)],
+    ]
     assert [(r["step"], r["train/loss"]) for r in read_metrics(str(out))] == [(1, 1.5), (2, 0.4)]
     fresh = logger_from_args(args)
     fresh.close()

@@ -1,5 +1,6 @@
 """Every loss of utils/math/losses.py: hand-computed values where new, and a FINITE gradient with nan/inf in
 every padded position (the layout contract of utils/math/ops.py says padding may hold them)."""
+
 import math
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 from utils.math import losses
 
 NAN, INF = float("nan"), float("inf")
-MASK = torch.tensor([[0., 1., 1., 0.], [1., 1., 0., 0.]])
+MASK = torch.tensor([[0.0, 1.0, 1.0, 0.0], [1.0, 1.0, 0.0, 0.0]])
 
 
 def poisoned(values, fill):
@@ -53,8 +54,10 @@ def test_value_loss_gradient_finite_with_non_finite_padding(fill):
 
 def test_kl_penalty_loss_gradient_finite_issue_reproduction():
     """The issue's case: k3 of a pad log-ratio below -88 overflowed exp() and gave a nan gradient."""
-    lp = torch.tensor([[-100., -1., -2.]], requires_grad=True)
-    loss = losses.kl_penalty_loss(lp, torch.tensor([[0., -1.5, -1.]]), torch.tensor([[0., 1., 1.]]), estimator="k3")
+    lp = torch.tensor([[-100.0, -1.0, -2.0]], requires_grad=True)
+    loss = losses.kl_penalty_loss(
+        lp, torch.tensor([[0.0, -1.5, -1.0]]), torch.tensor([[0.0, 1.0, 1.0]]), estimator="k3"
+    )
     loss.backward()
     assert torch.isfinite(lp.grad).all() and lp.grad[0, 0] == 0
     # d/dlp of mean(exp(ref - lp) - 1 + lp - ref) over the 2 actions = (1 - exp(ref - lp)) / 2
@@ -94,8 +97,12 @@ def test_sft_nll_gradient_finite_with_non_finite_logits_at_untrained_positions(f
     nll, count = losses.sft_nll(logits, labels)
     nll.backward()
     assert count.item() == 4 and torch.isfinite(nll) and torch.isfinite(logits.grad).all()
-    expected = sum(-torch.log_softmax(logits.detach()[b, i], -1)[labels[b, i + 1]].item()
-                   for b in range(2) for i in range(3) if trained[b, i])
+    expected = sum(
+        -torch.log_softmax(logits.detach()[b, i], -1)[labels[b, i + 1]].item()
+        for b in range(2)
+        for i in range(3)
+        if trained[b, i]
+    )
     assert nll.item() == pytest.approx(expected, rel=1e-6)
 
 
@@ -122,11 +129,14 @@ def test_dpo_loss_is_ln2_when_the_policy_is_the_reference_and_by_hand_otherwise(
     sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
     assert dpo_loss(*args, beta=0.2)[0].item() == pytest.approx(-math.log(sig(1.0)))
     assert dpo_loss(*args, beta=0.2, label_smoothing=0.1)[0].item() == pytest.approx(
-        -0.9 * math.log(sig(1.0)) - 0.1 * math.log(sig(-1.0)))
+        -0.9 * math.log(sig(1.0)) - 0.1 * math.log(sig(-1.0))
+    )
     assert dpo_loss(*args, beta=0.2, loss_type="ipo")[0].item() == pytest.approx((5 - 1 / 0.4) ** 2)
     assert dpo_loss(logps, logps, logps, logps, beta=0.1, loss_type="ipo")[0].item() == pytest.approx(25.0)
     _, stats = dpo_loss(*args, beta=0.2)
-    assert stats["chosen_reward"].item() == pytest.approx(0.4) and stats["rejected_reward"].item() == pytest.approx(-0.6)
+    assert stats["chosen_reward"].item() == pytest.approx(0.4) and stats["rejected_reward"].item() == pytest.approx(
+        -0.6
+    )
     assert stats["accuracy"] == 1 and stats["margin"].item() == pytest.approx(1.0)
 
 
@@ -139,8 +149,11 @@ def test_dpo_loss_gradient_moves_chosen_up_and_rejected_down_and_bad_settings_st
         chosen.grad = rejected.grad = ref.grad = None
         dpo_loss(chosen, rejected, ref, ref, beta=0.1, loss_type=loss_type)[0].backward()
         assert chosen.grad.item() < 0 < rejected.grad.item() and ref.grad is None  # the reference is a constant
-    for kwargs, message in (({"beta": 0.0}, "beta"), ({"beta": 0.1, "loss_type": "hinge"}, "unknown DPO loss"),
-                            ({"beta": 0.1, "label_smoothing": 0.5}, "label_smoothing")):
+    for kwargs, message in (
+        ({"beta": 0.0}, "beta"),
+        ({"beta": 0.1, "loss_type": "hinge"}, "unknown DPO loss"),
+        ({"beta": 0.1, "label_smoothing": 0.5}, "label_smoothing"),
+    ):
         with pytest.raises(ValueError, match=message):
             dpo_loss(chosen, rejected, ref, ref, **kwargs)
 
@@ -174,8 +187,16 @@ def test_every_policy_loss_entry_is_the_plain_surrogate_at_the_first_epoch_and_r
         assert entry.help and set(entry.options) <= fields, name
         options = {option: getattr(PPOConfig(stop_token_ids=(0,), pad_token_id=0), option) for option in entry.options}
         logprobs.grad = None
-        loss, stats = entry.fn(logprobs, logprobs.detach(), advantages, mask, loss_mask=mask, loss_agg="token_mean",
-                               agg_constant=None, **options)
+        loss, stats = entry.fn(
+            logprobs,
+            logprobs.detach(),
+            advantages,
+            mask,
+            loss_mask=mask,
+            loss_agg="token_mean",
+            agg_constant=None,
+            **options,
+        )
         if name != "cispo":
             assert loss.item() == pytest.approx(-(1 - 2 + 0.5 + 3 + 1) / 5), name
         loss.backward()

@@ -1,4 +1,5 @@
 """utils.runtime.distributed.tune_malloc: freed ZeRO-3-sized buffers are reused, not unmapped and faulted in again."""
+
 import subprocess
 import sys
 
@@ -30,8 +31,15 @@ def _probe(tuned: bool, **env) -> tuple[str, int]:
     for name in ("RLHF_MALLOC_TUNING", *MALLOC_TUNING):
         full_env.pop(name, None)
     full_env.update(env)
-    out = subprocess.run([sys.executable, "-c", PROBE, "1" if tuned else "0"], cwd=ROOT, env=full_env,
-                         capture_output=True, text=True, timeout=120, check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE, "1" if tuned else "0"],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.split()
     return out[0], int(out[1])
 
 

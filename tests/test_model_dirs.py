@@ -1,4 +1,5 @@
 """Model-directory builders: tiny random models (gpt2/llama/opt) and the converted default SmolLM2."""
+
 import json
 import os
 import threading
@@ -55,7 +56,10 @@ def test_tiny_dir_reloads_with_consistent_tokens(arch, tiny_dirs, loaded):
     assert model.get_output_embeddings().weight.shape[0] >= len(tok)
     for cfg in (model.config, model.generation_config):
         assert (cfg.eos_token_id, cfg.pad_token_id, cfg.bos_token_id) == (
-            tok.eos_token_id, tok.pad_token_id, tok.bos_token_id)
+            tok.eos_token_id,
+            tok.pad_token_id,
+            tok.bos_token_id,
+        )
     assert tok.model_max_length == 512
     assert tok("hello world").input_ids == [31373, 995]  # real GPT-2 BPE ids
     assert tok.decode(tok("Some text.").input_ids) == "Some text."
@@ -79,8 +83,7 @@ def test_forward_accepts_mask_and_position_ids(arch, loaded):
     assert (mask == 0).any()  # really padded
     with torch.no_grad():
         plain = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-        with_pos = model(input_ids=ids, attention_mask=mask, position_ids=mask_positions(mask),
-                         use_cache=False).logits
+        with_pos = model(input_ids=ids, attention_mask=mask, position_ids=mask_positions(mask), use_cache=False).logits
     for logits in (plain, with_pos):
         assert logits.shape == (*ids.shape, model.config.vocab_size)
         assert torch.isfinite(logits).all()
@@ -176,8 +179,10 @@ def test_cached_build_once_and_concurrently(tmp_path):
 DEFAULT_DIR = default_model.default_model_dir()
 
 
-@pytest.mark.skipif(not default_model.is_complete(DEFAULT_DIR),
-                    reason="default model not converted (run `python -m utils.models.default`)")
+@pytest.mark.skipif(
+    not default_model.is_complete(DEFAULT_DIR),
+    reason="default model not converted (run `python -m utils.models.default`)",
+)
 def test_converted_default_model():
     assert default_model.ensure_default_model() == DEFAULT_DIR  # returns at once: already complete
     with open(os.path.join(DEFAULT_DIR, "config.json")) as f:
@@ -212,8 +217,10 @@ def _stdout_of(code_or_args, env_extra=None):
 
 def test_print_path_keeps_library_noise_off_stdout():
     """Scripts read `$(python -m ... --print_path)`: prints and fd-level writes must go to stderr."""
-    out = _stdout_of("import os; from utils.runtime.cache_dir import print_path_for_scripts as p; "
-                     "p(lambda: (print('noise'), os.write(1, b'fd noise\\n'), '/some/dir')[-1])")
+    out = _stdout_of(
+        "import os; from utils.runtime.cache_dir import print_path_for_scripts as p; "
+        "p(lambda: (print('noise'), os.write(1, b'fd noise\\n'), '/some/dir')[-1])"
+    )
     assert out == "/some/dir\n"
 
 

@@ -1,6 +1,7 @@
 """A model directory that is not what a flag expects is refused, naming the directory and what it lacks:
 a causal-LM (step-1/SFT, base model) directory as a reward model / critic, a reward-model directory
 (step 2's output) as a policy / actor. Step 2 itself still gets a fresh value head on a causal LM."""
+
 import os
 import re
 
@@ -111,11 +112,33 @@ def step3_argv(tmp_path):
     write_prompts(tmp_path / "prompts.jsonl")
 
     def argv(actor, critic):
-        return ["--actor_model_name_or_path", actor, "--critic_model_name_or_path", critic,
-                "--data_path", str(tmp_path / "prompts.jsonl"), "--data_split", "0,0,10",
-                "--output_dir", str(tmp_path / "out"), "--actor_zero_stage", "0", "--critic_zero_stage", "0",
-                "--max_prompt_seq_len", "32", "--max_answer_seq_len", "4", "--per_device_generation_batch_size", "4",
-                "--per_device_training_batch_size", "2", "--seed", "3"]
+        return [
+            "--actor_model_name_or_path",
+            actor,
+            "--critic_model_name_or_path",
+            critic,
+            "--data_path",
+            str(tmp_path / "prompts.jsonl"),
+            "--data_split",
+            "0,0,10",
+            "--output_dir",
+            str(tmp_path / "out"),
+            "--actor_zero_stage",
+            "0",
+            "--critic_zero_stage",
+            "0",
+            "--max_prompt_seq_len",
+            "32",
+            "--max_answer_seq_len",
+            "4",
+            "--per_device_generation_batch_size",
+            "4",
+            "--per_device_training_batch_size",
+            "2",
+            "--seed",
+            "3",
+        ]
+
     return argv
 
 
@@ -164,6 +187,6 @@ def test_a_truncated_weights_file_is_named(tiny_gpt2, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(tiny_gpt2, broken)
     data = (broken / "model.safetensors").read_bytes()
-    (broken / "model.safetensors").write_bytes(data[:len(data) // 2])
+    (broken / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(ModelLoadError, match="model.safetensors cannot be read .* truncated or corrupt"):
         load_causal_lm(str(broken))

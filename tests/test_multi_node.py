@@ -11,6 +11,7 @@ collective really cross between two "hosts"; otherwise both nodes share the loop
    TCP connections are reset); a node that vanishes from the network (link down, then killed: no
    reset ever arrives) makes it exit after `--dist_timeout` seconds.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -52,8 +53,12 @@ def veth_bytes(cluster) -> int:
     node = cluster.nodes[0]
     if node.netns is None:
         return 0
-    out = subprocess.run(["ip", "-n", node.netns, "-j", "-s", "link", "show", "dev", node.ifname],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["ip", "-n", node.netns, "-j", "-s", "link", "show", "dev", node.ifname],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return json.loads(out)[0]["stats64"]["rx"]["bytes"]
 
 
@@ -98,8 +103,12 @@ def one_and_two_nodes(cluster, tmp_path, module, args_one, args_two, **kwargs):
 
 def output_files(out: str) -> set[str]:
     """Files under `out`, without the per-node logs that run_multi_node.sh tees there."""
-    return {os.path.relpath(os.path.join(d, f), out) for d, _, files in os.walk(out) for f in files
-            if not f.startswith("train.log.node")}
+    return {
+        os.path.relpath(os.path.join(d, f), out)
+        for d, _, files in os.walk(out)
+        for f in files
+        if not f.startswith("train.log.node")
+    }
 
 
 @pytest.mark.slow
@@ -107,13 +116,21 @@ def test_step1_two_nodes_match_one_node(cluster, tiny_gpt2, sft_data, tmp_path):
     """The two nodes are started through scripts/step1_sft/run_multi_node.sh (MULTI_NODE_MODE=no_ssh),
     which runs `deepspeed --hostfile H --no_ssh --node_rank i ... --module step1_sft.main` with its
     defaults followed by our arguments (the later flag wins), i.e. the same arguments as the 1-node run."""
+
     def args(out):
         return common_args(tiny_gpt2, sft_data, out, steps=4) + ["--zero_stage", 3, "--dtype", "fp32"]
 
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     env = base_env(MODEL=tiny_gpt2, DATA=sft_data, DTYPE="fp32")
-    single, run = one_and_two_nodes(cluster, tmp_path, "step1_sft.main", args(one), [two, *args(two)],
-                                  script="scripts/step1_sft/run_multi_node.sh", env=env)
+    single, run = one_and_two_nodes(
+        cluster,
+        tmp_path,
+        "step1_sft.main",
+        args(one),
+        [two, *args(two)],
+        script="scripts/step1_sft/run_multi_node.sh",
+        env=env,
+    )
     assert os.path.exists(os.path.join(one, "model.safetensors")), single.log()[-3000:]
     assert os.path.exists(os.path.join(two, "model.safetensors")), run.logs()
     for node in run.nodes:
@@ -140,12 +157,43 @@ def test_step1_two_nodes_match_one_node(cluster, tiny_gpt2, sft_data, tmp_path):
 
 def step3_args(model, critic, prompts, out):
     """test_step3_run's arguments, with learning rates so that the two runs really train."""
-    return ["--actor_model_name_or_path", model, "--critic_model_name_or_path", critic,
-            "--data_path", prompts, "--data_split", "0,0,10", "--output_dir", out,
-            "--actor_zero_stage", 3, "--critic_zero_stage", 3, "--enable_hybrid_engine", "--dtype", "fp32",
-            "--actor_learning_rate", 1e-3, "--critic_learning_rate", 1e-3, "--max_prompt_seq_len", 32,
-            "--max_answer_seq_len", 6, "--per_device_generation_batch_size", 4,
-            "--per_device_training_batch_size", 2, "--ppo_epochs", 1, "--max_steps", 2, "--seed", 5]
+    return [
+        "--actor_model_name_or_path",
+        model,
+        "--critic_model_name_or_path",
+        critic,
+        "--data_path",
+        prompts,
+        "--data_split",
+        "0,0,10",
+        "--output_dir",
+        out,
+        "--actor_zero_stage",
+        3,
+        "--critic_zero_stage",
+        3,
+        "--enable_hybrid_engine",
+        "--dtype",
+        "fp32",
+        "--actor_learning_rate",
+        1e-3,
+        "--critic_learning_rate",
+        1e-3,
+        "--max_prompt_seq_len",
+        32,
+        "--max_answer_seq_len",
+        6,
+        "--per_device_generation_batch_size",
+        4,
+        "--per_device_training_batch_size",
+        2,
+        "--ppo_epochs",
+        1,
+        "--max_steps",
+        2,
+        "--seed",
+        5,
+    ]
 
 
 @pytest.mark.slow
@@ -153,17 +201,23 @@ def test_step3_two_nodes_match_one_node(cluster, tiny_gpt2, tiny_gpt2_reward, tm
     prompts = tmp_path / "prompts.jsonl"
     write_prompts(prompts, 40)
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    single, run = one_and_two_nodes(cluster, tmp_path, "step3_ppo.main",
-                                  step3_args(tiny_gpt2, tiny_gpt2_reward, prompts, one),
-                                  step3_args(tiny_gpt2, tiny_gpt2_reward, prompts, two))
+    single, run = one_and_two_nodes(
+        cluster,
+        tmp_path,
+        "step3_ppo.main",
+        step3_args(tiny_gpt2, tiny_gpt2_reward, prompts, one),
+        step3_args(tiny_gpt2, tiny_gpt2_reward, prompts, two),
+    )
     assert os.path.exists(os.path.join(one, "critic", "value_head.safetensors")), single.log()[-3000:]
     assert os.path.exists(os.path.join(two, "critic", "value_head.safetensors")), run.logs()
 
     rows_one, rows_two = metrics(one), metrics(two)
     assert [r["step"] for r in rows_two] == [1, 2]
     worst = compare_rows(rows_one, rows_two, ["loss/actor", "loss/critic", "reward/score_mean"])
-    print(f"[multi-node] step 3 loss/actor, loss/critic, reward/score_mean two nodes vs one node: "
-          f"max relative difference {worst:.2e}")
+    print(
+        f"[multi-node] step 3 loss/actor, loss/critic, reward/score_mean two nodes vs one node: "
+        f"max relative difference {worst:.2e}"
+    )
     assert output_files(two) == output_files(one)
 
     from transformers import AutoModelForCausalLM
@@ -175,7 +229,13 @@ def test_step3_two_nodes_match_one_node(cluster, tiny_gpt2, tiny_gpt2_reward, tm
 def _long_step1_run(cluster, tiny_gpt2, sft_data, tmp_path):
     out = str(tmp_path / "out")
     args = common_args(tiny_gpt2, sft_data, out, steps=100000) + [
-        "--zero_stage", 3, "--num_train_epochs", 1000, "--dist_timeout", DIST_TIMEOUT]
+        "--zero_stage",
+        3,
+        "--num_train_epochs",
+        1000,
+        "--dist_timeout",
+        DIST_TIMEOUT,
+    ]
     return nodes_running(cluster, write_hostfile(tmp_path / "hostfile", cluster), "step1_sft.main", args, tmp_path), out
 
 
@@ -214,8 +274,10 @@ def test_killed_node_stops_the_surviving_node(cluster, tiny_gpt2, sft_data, tmp_
         _wait_for_training(run, out)
         run.kill_node(1)
         stopped_after = _survivor_stop_time(run, 120)
-    print(f"\n[multi-node] node 1 SIGKILLed: node 0 exited with {run.nodes[0].proc.returncode} after "
-          f"{stopped_after:.1f} s ({cluster.mode}); {_error_line(run.nodes[0].log())}")
+    print(
+        f"\n[multi-node] node 1 SIGKILLed: node 0 exited with {run.nodes[0].proc.returncode} after "
+        f"{stopped_after:.1f} s ({cluster.mode}); {_error_line(run.nodes[0].log())}"
+    )
     assert stopped_after < 120
 
 
@@ -236,8 +298,10 @@ def test_unreachable_node_stops_the_surviving_node_after_dist_timeout(cluster, t
         finally:
             subprocess.run(["ip", "-n", node.netns, "link", "set", node.ifname, "up"], check=False)
     error = _error_line(run.nodes[0].log())
-    print(f"\n[multi-node] node 1 unreachable: node 0 exited with {run.nodes[0].proc.returncode} after "
-          f"{stopped_after:.1f} s (--dist_timeout {DIST_TIMEOUT}); {error}")
+    print(
+        f"\n[multi-node] node 1 unreachable: node 0 exited with {run.nodes[0].proc.returncode} after "
+        f"{stopped_after:.1f} s (--dist_timeout {DIST_TIMEOUT}); {error}"
+    )
     # gloo words it either way, depending on which operation was waiting
     assert re.search(r"Timed out|Application timeout", run.nodes[0].log()), run.logs()
     assert DIST_TIMEOUT - 5 < stopped_after < DIST_TIMEOUT + 90

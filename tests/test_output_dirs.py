@@ -1,6 +1,7 @@
 """One run per output directory, inputs never inside it, deletions never through a symlink (issue 30,
 point 6). In process: the checks run in parse_args, before any model loads; the live run holding the
 lock is a small subprocess (the lock is an OS lock: it must belong to another process)."""
+
 import json
 import os
 import shutil
@@ -26,25 +27,41 @@ def step1_args(model, out, *extra, data="data.jsonl"):
 
 
 def step3_args(actor, out, *extra, data="prompts.jsonl"):
-    return ["--actor_model_name_or_path", actor, "--data_path", data, "--data_split", "0,0,10",
-            "--output_dir", str(out), "--advantage_estimator", "grpo", "--n_samples_per_prompt", "2",
-            *map(str, extra)]
+    return [
+        "--actor_model_name_or_path",
+        actor,
+        "--data_path",
+        data,
+        "--data_split",
+        "0,0,10",
+        "--output_dir",
+        str(out),
+        "--advantage_estimator",
+        "grpo",
+        "--n_samples_per_prompt",
+        "2",
+        *map(str, extra),
+    ]
 
 
 @pytest.fixture
 def live_run(tmp_path):
     """A process holding the lock of tmp_path/out, as a running run does; killed (not cleaned up) after."""
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], cwd=ROOT, env=subprocess_env(RANK="0"),
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(out)],
+        cwd=ROOT,
+        env=subprocess_env(RANK="0"),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     assert proc.stdout.readline().strip() == "locked"
     yield out, proc
     proc.kill()
     proc.wait()
 
 
-def test_a_second_run_into_a_running_runs_directory_stops_at_once_naming_it(tiny_gpt2, live_run, capsys,
-                                                                           monkeypatch):
+def test_a_second_run_into_a_running_runs_directory_stops_at_once_naming_it(tiny_gpt2, live_run, capsys, monkeypatch):
     from step1_sft.main import main, parse_args
     from utils.errors import run_main
 
@@ -67,8 +84,14 @@ def test_a_holder_is_refused_while_this_process_holds_the_lock(tiny_gpt2, tmp_pa
     monkeypatch.setenv("RANK", "0")
     out = tmp_path / "out"
     parse_args(step1_args(tiny_gpt2, out))
-    proc = subprocess.run([sys.executable, "-c", HOLDER, str(out)], cwd=ROOT, env=subprocess_env(RANK="0"),
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-c", HOLDER, str(out)],
+        cwd=ROOT,
+        env=subprocess_env(RANK="0"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0 and f"(pid {os.getpid()} on {socket.gethostname()})" in proc.stderr
 
 
@@ -95,8 +118,9 @@ def test_step3_input_actor_inside_the_output_dir_is_refused(tiny_gpt2, tmp_path)
     out = tmp_path / "out"
     shutil.copytree(tiny_gpt2, out / "actor")
     (out / "metrics.jsonl").write_text('{"step": 1}\n')
-    with pytest.raises(UsageError, match=f"--output_dir {out} holds {out}/actor, the input model of "
-                                         f"--actor_model_name_or_path"):
+    with pytest.raises(
+        UsageError, match=f"--output_dir {out} holds {out}/actor, the input model of --actor_model_name_or_path"
+    ):
         parse_args(step3_args(str(out / "actor"), out, "--reward_funcs", "format", "--overwrite_output_dir"))
     assert (out / "metrics.jsonl").exists() and not (out / ".run.lock").exists()
 

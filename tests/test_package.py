@@ -2,6 +2,7 @@
 any directory without PYTHONPATH once scripts/setup.sh has installed it editable into the venv.
 
 The tests that run commands fail, rather than skip, in a venv without that install: saying how to make it."""
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -19,8 +20,14 @@ from tests.launch import ROOT, metrics, rank_command, subprocess_env, tail
 from tests.test_step1_run import common_args, sft_data  # noqa: F401  (sft_data: step 1's fixture)
 
 DISTRIBUTION = "rlhf-pipeline"
-COMMANDS = {"rlhf-sft": "step1_sft.main", "rlhf-rm": "step2_reward.main", "rlhf-dpo": "step2_dpo.main",
-            "rlhf-rl": "step3_ppo.main", "rlhf-eval": "step3_ppo.eval", "rlhf-chat": "chat"}
+COMMANDS = {
+    "rlhf-sft": "step1_sft.main",
+    "rlhf-rm": "step2_reward.main",
+    "rlhf-dpo": "step2_dpo.main",
+    "rlhf-rl": "step3_ppo.main",
+    "rlhf-eval": "step3_ppo.eval",
+    "rlhf-chat": "chat",
+}
 
 
 def pyproject() -> dict:
@@ -40,14 +47,16 @@ def pinned_name(requirement: str) -> str:
 
 def test_dependencies_are_the_pins_of_requirements_txt():
     """requirements.txt is what setup.sh installs, pyproject's dependencies what `pip install .` would: one list."""
-    assert pyproject()["project"]["dependencies"] == pins("requirements.txt"), \
+    assert pyproject()["project"]["dependencies"] == pins("requirements.txt"), (
         "pyproject.toml's [project] dependencies differ from requirements.txt: change both"
+    )
 
 
 def test_extras_agree_with_the_requirement_files():
     extras = pyproject()["project"]["optional-dependencies"]
-    assert extras["vllm"] == pins("requirements-vllm-cpu.txt"), \
+    assert extras["vllm"] == pins("requirements-vllm-cpu.txt"), (
         "pyproject.toml's vllm extra differs from requirements-vllm-cpu.txt: change both"
+    )
     required = {pinned_name(r): r for r in pins("requirements.txt")}
     drifted = [r for r in extras["dev"] if pinned_name(r) in required and required[pinned_name(r)] != r]
     assert not drifted, f"the dev extra pins other versions than requirements.txt: {drifted}"
@@ -72,12 +81,16 @@ def editable_install() -> None:
         pytest.fail(f"{DISTRIBUTION} is not installed in {sys.prefix}: {how}", pytrace=False)
     origin = json.loads(dist.read_text("direct_url.json") or "{}")
     if not origin.get("dir_info", {}).get("editable") or origin.get("url") != Path(ROOT).as_uri():
-        pytest.fail(f"{DISTRIBUTION} in {sys.prefix} is not this checkout's editable install "
-                    f"({origin.get('url')}): {how}", pytrace=False)
+        pytest.fail(
+            f"{DISTRIBUTION} in {sys.prefix} is not this checkout's editable install ({origin.get('url')}): {how}",
+            pytrace=False,
+        )
     installed = {e.name: e.value for e in dist.entry_points if e.group == "console_scripts"}
     if installed != pyproject()["project"]["scripts"]:
-        pytest.fail(f"{DISTRIBUTION} was installed from an older pyproject.toml (commands {sorted(installed)}): {how}",
-                    pytrace=False)
+        pytest.fail(
+            f"{DISTRIBUTION} was installed from an older pyproject.toml (commands {sorted(installed)}): {how}",
+            pytrace=False,
+        )
 
 
 def env_without_pythonpath() -> dict:
@@ -93,9 +106,12 @@ def test_commands_answer_help_from_another_directory(editable_install, tmp_path)
     commands = {name: [os.path.join(bin_dir, name), "--help"] for name in COMMANDS}
     commands["python -m step1_sft.main"] = [sys.executable, "-m", "step1_sft.main", "--help"]
     env = env_without_pythonpath()
-    running = {name: subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True)
-               for name, command in commands.items()}
+    running = {
+        name: subprocess.Popen(
+            command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for name, command in commands.items()
+    }
     failed = []
     for name, proc in running.items():
         out, err = proc.communicate(timeout=300)
@@ -105,14 +121,21 @@ def test_commands_answer_help_from_another_directory(editable_install, tmp_path)
 
 
 @pytest.mark.slow
-def test_two_rank_step1_run_through_the_launcher_from_another_directory(editable_install, tiny_gpt2,
-                                                                         sft_data, tmp_path):  # noqa: F811
+def test_two_rank_step1_run_through_the_launcher_from_another_directory(
+    editable_install, tiny_gpt2, sft_data, tmp_path
+):  # noqa: F811
     """`deepspeed --module step1_sft.main` from tmp_path, PYTHONPATH unset, output_dir relative to tmp_path."""
     command = rank_command("step1_sft.main", common_args(tiny_gpt2, sft_data, "out", steps=2), launcher=True)
     # the launcher's script run by this venv's python, as its ranks then are: a venv copied from another one keeps
     # the other's python on its scripts' first line, whose install is not this checkout's
-    proc = subprocess.run([sys.executable, *command], cwd=tmp_path, env=env_without_pythonpath(), capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, *command],
+        cwd=tmp_path,
+        env=env_without_pythonpath(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = tmp_path / "out"
     assert (out / "model.safetensors").exists(), tail(proc)
     assert any("train/loss" in row for row in metrics(str(out))), tail(proc)

@@ -5,6 +5,7 @@ CUDA is not here, so the "other device" is `meta`: a hand-made module with the H
 parameter lives on meta. An elementwise op between a CPU input and a meta parameter raises ("Tensor on device
 meta is not on the expected device cpu"), exactly as a CPU batch given to a CUDA model would.
 """
+
 import ast
 import os
 
@@ -51,10 +52,14 @@ class MetaValueModel(nn.Module):
 
 
 def cpu_batch():
-    rows = [Row(prompt_ids=torch.tensor([1, 2, 3]), response_ids=torch.tensor([4, 5]), ended_with_eos=True),
-            Row(prompt_ids=torch.tensor([6]), response_ids=torch.tensor([7, 8, 9]), ended_with_eos=False)]
+    rows = [
+        Row(prompt_ids=torch.tensor([1, 2, 3]), response_ids=torch.tensor([4, 5]), ended_with_eos=True),
+        Row(prompt_ids=torch.tensor([6]), response_ids=torch.tensor([7, 8, 9]), ended_with_eos=False),
+    ]
     batch = pack(rows, pad_token_id=0)
-    batch["labels"] = torch.where(batch["attention_mask"].bool(), batch["input_ids"], torch.full_like(batch["input_ids"], -100))
+    batch["labels"] = torch.where(
+        batch["attention_mask"].bool(), batch["input_ids"], torch.full_like(batch["input_ids"], -100)
+    )
     return batch
 
 
@@ -112,10 +117,15 @@ MODEL_METHODS = {"generate", "forward"}
 # engine turn by turn, and bench/vllm_engine.py's worker, which times both engines. The vLLM worker's generate
 # is vLLM's own `LLM.generate` on token-id lists (vLLM places them on its device). Each exception is one named
 # function, never a whole file or folder.
-ALLOWED = {("utils/models/forward.py", "*"), ("utils/models/reward_model.py", "forward"),
-           ("bench/step3.py", "logits_to_keep_logprobs"), ("step3_ppo/trainer.py", "generate_rows"),
-           ("step3_ppo/agents/loop.py", "generate_turn"), ("step3_ppo/rollout/vllm_worker.py", "generate"),
-           ("bench/vllm_engine.py", "worker")}
+ALLOWED = {
+    ("utils/models/forward.py", "*"),
+    ("utils/models/reward_model.py", "forward"),
+    ("bench/step3.py", "logits_to_keep_logprobs"),
+    ("step3_ppo/trainer.py", "generate_rows"),
+    ("step3_ppo/agents/loop.py", "generate_turn"),
+    ("step3_ppo/rollout/vllm_worker.py", "generate"),
+    ("bench/vllm_engine.py", "worker"),
+}
 
 
 def project_files():
@@ -141,8 +151,11 @@ def model_calls(path: str) -> list[str]:
             if isinstance(child, ast.Call):
                 keywords = {k.arg for k in child.keywords if k.arg}
                 method = child.func.attr if isinstance(child.func, ast.Attribute) else None
-                if (keywords & MODEL_INPUT_KEYWORDS or method in MODEL_METHODS) and \
-                        (path, function) not in ALLOWED and (path, "*") not in ALLOWED:
+                if (
+                    (keywords & MODEL_INPUT_KEYWORDS or method in MODEL_METHODS)
+                    and (path, function) not in ALLOWED
+                    and (path, "*") not in ALLOWED
+                ):
                     found.append(f"{path}:{child.lineno} in {function}(): {ast.unparse(child)[:80]}")
             visit(child, name)
 
@@ -151,13 +164,17 @@ def model_calls(path: str) -> list[str]:
 
 
 def test_the_scan_finds_a_bypassing_forward(tmp_path, monkeypatch):
-    (tmp_path / "bad.py").write_text("def f(model, ids, mask):\n    return model(input_ids=ids, attention_mask=mask)\n"
-                                     "def g(model, x):\n    return model.generate(x)\n")
+    (tmp_path / "bad.py").write_text(
+        "def f(model, ids, mask):\n    return model(input_ids=ids, attention_mask=mask)\n"
+        "def g(model, x):\n    return model.generate(x)\n"
+    )
     monkeypatch.setattr(__import__(__name__), "ROOT", str(tmp_path))
     assert len(model_calls("bad.py")) == 2
 
 
 def test_every_model_forward_goes_through_utils_forward():
     bypasses = [call for path in project_files() for call in model_calls(path)]
-    assert not bypasses, "model forwards outside utils/models/forward.py (inputs not placed on the model's device):\n" + \
-        "\n".join(bypasses)
+    assert not bypasses, (
+        "model forwards outside utils/models/forward.py (inputs not placed on the model's device):\n"
+        + "\n".join(bypasses)
+    )

@@ -4,6 +4,7 @@ normalize-then-sum; a float64 finite-difference check of every loss's gradient; 
 expected gradient against the EXACT gradient of KL(pi || ref) on a small categorical distribution; the
 flags' checks. The nan/inf-padding checks of the same losses are in tests/test_losses.py; lr=0 through
 the trainer in tests/test_step3_policy_losses_lr0.py."""
+
 import math
 import os
 
@@ -150,8 +151,12 @@ def expected_kl_loss_gradient(theta, ref_logp, sample_logp, estimator, weighted)
     for x in range(theta.numel()):
         one = lambda t: t[x].view(1, 1)  # noqa: E731
         total = total + sample_logp[x].exp() * losses.kl_penalty_loss(
-            one(logp), one(ref_logp), torch.ones(1, 1), estimator=estimator,
-            old_logprobs=one(sample_logp) if weighted else None)
+            one(logp),
+            one(ref_logp),
+            torch.ones(1, 1),
+            estimator=estimator,
+            old_logprobs=one(sample_logp) if weighted else None,
+        )
     return torch.autograd.grad(total, theta)[0]
 
 
@@ -198,8 +203,13 @@ LOG_RATIOS = torch.tensor([[0.05, -0.4, 0.3, 0.0], [1.3, -0.1, 0.15, 0.0]], dtyp
 FD_MASK = torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])
 FD_ADV = torch.tensor([[1.0, -0.5, -2.0, 0.7], [-1.5, 0.8, 1.1, 0.0]], dtype=torch.float64)
 FD_LP = torch.tensor([[-1.0, -2.5, -0.3, -1.7], [-0.8, -1.2, -3.0, 0.0]], dtype=torch.float64)
-PPO_OPTIONS = {"plain": {}, "clip_higher": {"cliprange_high": 0.28}, "clip_low": {"cliprange_low": 0.5},
-               "dual_clip": {"dual_clip": 3.0}, "all": {"cliprange_high": 0.28, "cliprange_low": 0.1, "dual_clip": 3.0}}
+PPO_OPTIONS = {
+    "plain": {},
+    "clip_higher": {"cliprange_high": 0.28},
+    "clip_low": {"cliprange_low": 0.5},
+    "dual_clip": {"dual_clip": 3.0},
+    "all": {"cliprange_high": 0.28, "cliprange_low": 0.1, "dual_clip": 3.0},
+}
 
 
 def autograd_of(f, x):
@@ -212,8 +222,16 @@ def autograd_of(f, x):
 @pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean", "constant_norm"])
 def test_ppo_gradient_matches_finite_differences(option, loss_agg):
     old = FD_LP - LOG_RATIOS
-    f = lambda lp: losses.policy_loss(lp, old, FD_ADV, FD_MASK, 0.2, loss_agg=loss_agg, agg_constant=5,  # noqa: E731
-                                      **PPO_OPTIONS[option])[0]
+    f = lambda lp: losses.policy_loss(
+        lp,
+        old,
+        FD_ADV,
+        FD_MASK,
+        0.2,
+        loss_agg=loss_agg,
+        agg_constant=5,  # noqa: E731
+        **PPO_OPTIONS[option],
+    )[0]
     assert torch.allclose(autograd_of(f, FD_LP), finite_difference(f, FD_LP), atol=1e-8)
 
 
@@ -241,8 +259,9 @@ def test_cispo_gradient_matches_finite_differences_with_the_weight_held():
     f = lambda lp: losses.cispo_loss(lp, old + (lp - FD_LP), FD_ADV, FD_MASK, 0.2, cliprange_high=0.28)[0]  # noqa: E731
     grad = autograd_of(lambda lp: losses.cispo_loss(lp, old, FD_ADV, FD_MASK, 0.2, cliprange_high=0.28)[0], FD_LP)
     assert torch.allclose(grad, finite_difference(f, FD_LP), atol=1e-8)
-    plain = finite_difference(lambda lp: losses.cispo_loss(lp, old, FD_ADV, FD_MASK, 0.2, cliprange_high=0.28)[0],
-                              FD_LP)
+    plain = finite_difference(
+        lambda lp: losses.cispo_loss(lp, old, FD_ADV, FD_MASK, 0.2, cliprange_high=0.28)[0], FD_LP
+    )
     capped = (LOG_RATIOS.exp() > 1.28) & (FD_MASK != 0)
     assert capped.sum() == 2 and torch.allclose(grad[capped], plain[capped], atol=1e-8)
 
@@ -253,12 +272,18 @@ def test_kl_loss_gradient_matches_finite_differences(estimator):
     the policy); k3 has no weight: plain differences."""
     ref, old = FD_LP - 0.3 * LOG_RATIOS - 0.2, FD_LP - LOG_RATIOS
     if estimator == "k2":
-        f = lambda lp: losses.kl_penalty_loss(lp, ref, FD_MASK, estimator="k2",  # noqa: E731
-                                              old_logprobs=old + (lp - FD_LP))
+        f = lambda lp: losses.kl_penalty_loss(
+            lp,
+            ref,
+            FD_MASK,
+            estimator="k2",  # noqa: E731
+            old_logprobs=old + (lp - FD_LP),
+        )
     else:
         f = lambda lp: losses.kl_penalty_loss(lp, ref, FD_MASK, estimator="k3")  # noqa: E731
-    grad = autograd_of(lambda lp: losses.kl_penalty_loss(lp, ref, FD_MASK, estimator=estimator, old_logprobs=old),
-                       FD_LP)
+    grad = autograd_of(
+        lambda lp: losses.kl_penalty_loss(lp, ref, FD_MASK, estimator=estimator, old_logprobs=old), FD_LP
+    )
     assert torch.allclose(grad, finite_difference(f, FD_LP), atol=1e-8)
 
 
@@ -287,7 +312,8 @@ def test_normalize_then_sum_by_hand():
     assert weighted[:3].tolist() == pytest.approx([z_a - 0.5, -z_a / 2, -z_a / 2 + 0.5], abs=1e-5)
     # one reward: its group z-score (GRPO's advantage of that reward)
     assert combine({"b": b}, None, groups, "normalize_then_sum").tolist() == pytest.approx(
-        group_normalized(b, groups).tolist())
+        group_normalized(b, groups).tolist()
+    )
     with pytest.raises(ValueError, match="group ids"):
         combine({"a": a}, None, None, "normalize_then_sum")
     with pytest.raises(ValueError, match="unknown reward normalisation"):
@@ -296,18 +322,33 @@ def test_normalize_then_sum_by_hand():
 
 # --------------------------------------------------------------------------- flags and README
 def rl_args(*extra):
-    return ["--actor_model_name_or_path", "/nonexistent", "--critic_model_name_or_path", "/nonexistent", "--data_path",
-            "x.jsonl", "--output_dir", "/nonexistent/out", *extra]
+    return [
+        "--actor_model_name_or_path",
+        "/nonexistent",
+        "--critic_model_name_or_path",
+        "/nonexistent",
+        "--data_path",
+        "x.jsonl",
+        "--output_dir",
+        "/nonexistent/out",
+        *extra,
+    ]
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--dual_clip", "1"], "--dual_clip must be > 1"),
-    (["--policy_loss", "cispo", "--dual_clip", "3"], "--dual_clip does nothing with --policy_loss cispo"),
-    (["--policy_loss", "cispo", "--cliprange_low", "0.1"], "--cliprange_low does nothing with --policy_loss cispo"),
-    (["--cliprange_high", "0"], "--cliprange_high must be > 0"),
-    (["--entropy_coef", "-0.1"], "--entropy_coef must be >= 0"),
-    (["--reward_norm", "normalize_then_sum", "--reward_funcs", "format"], "--advantage_estimator gae has no groups"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--dual_clip", "1"], "--dual_clip must be > 1"),
+        (["--policy_loss", "cispo", "--dual_clip", "3"], "--dual_clip does nothing with --policy_loss cispo"),
+        (["--policy_loss", "cispo", "--cliprange_low", "0.1"], "--cliprange_low does nothing with --policy_loss cispo"),
+        (["--cliprange_high", "0"], "--cliprange_high must be > 0"),
+        (["--entropy_coef", "-0.1"], "--entropy_coef must be >= 0"),
+        (
+            ["--reward_norm", "normalize_then_sum", "--reward_funcs", "format"],
+            "--advantage_estimator gae has no groups",
+        ),
+    ],
+)
 def test_impossible_policy_loss_settings_stop_before_any_model_loads(flags, message):
     from step3_ppo.main import parse_args
 
@@ -331,6 +372,6 @@ def test_k3_as_a_loss_prints_its_bias(capsys):
 def test_readme_lists_every_policy_loss():
     with open(os.path.join(ROOT, "README.md")) as f:
         text = f.read()
-    section = text[text.index("## Step 3: PPO"):text.index("## Step 3 without a critic")]
+    section = text[text.index("## Step 3: PPO") : text.index("## Step 3 without a critic")]
     for name in losses.POLICY_LOSSES:
         assert f"| `{name}`" in section, name

@@ -100,6 +100,7 @@ def test_masked_whiten():
 
 # ---------------------------------------------------------------- logits
 
+
 def test_logprobs_from_logits_hand_values():
     logits = t([[[0.0, 0.0, 0.0, 0.0], [math.log(1), math.log(2), math.log(3), -1e4]]])
     labels = torch.tensor([[1, 2]])
@@ -138,6 +139,7 @@ def test_entropy_from_logits(dtype):
 
 
 # ---------------------------------------------------------------- KL / rewards
+
 
 def test_kl_estimators_hand_values():
     lp = t([-1.0, -2.0, -0.5])
@@ -228,6 +230,7 @@ def test_kl_controllers():
 
 # ---------------------------------------------------------------- GAE
 
+
 def test_gae_hand_values():
     values = t([[9.0, 1.0, 2.0, 9.0]])
     rewards = t([[0.0, 0.5, 1.0, 0.0]])
@@ -276,6 +279,7 @@ def test_gae_vs_python_loop_ragged_rows():
 
 
 # ---------------------------------------------------------------- losses
+
 
 def test_actor_loss_clipping_cases():
     # one row; position 0 is prompt, 5 is padding (garbage log-probs)
@@ -358,6 +362,7 @@ def test_explained_variance():
 
 # ---------------------------------------------------------------- running moments
 
+
 def test_running_moments():
     batches = [[1.0, 2.0, 3.0], [4.0, 5.0], [10.0, -1.0, 0.5, 2.0], [7.0]]
     rm = RunningMoments()
@@ -392,7 +397,7 @@ def test_grpo_dr_grpo_and_rloo_by_hand():
     groups = torch.tensor([5, 5, 5, 5, 9, 9, 7, 7])
     std4 = (1 / 3) ** 0.5  # unbiased std of [1, 0, 0, 1]
     grpo = group_normalized(scores, groups, eps=1e-12)
-    expected = [0.5 / std4, -0.5 / std4, -0.5 / std4, 0.5 / std4, 0.0, 0.0, 1 / 2 ** 0.5, -1 / 2 ** 0.5]
+    expected = [0.5 / std4, -0.5 / std4, -0.5 / std4, 0.5 / std4, 0.0, 0.0, 1 / 2**0.5, -1 / 2**0.5]
     assert torch.allclose(grpo, torch.tensor(expected), atol=1e-6)
     dr = group_normalized(scores, groups, scale_by_std=False)
     assert torch.allclose(dr, torch.tensor([0.5, -0.5, -0.5, 0.5, 0.0, 0.0, 1.0, -1.0]))
@@ -403,8 +408,7 @@ def test_grpo_dr_grpo_and_rloo_by_hand():
     assert zero_variance_groups(torch.tensor([4.0]), torch.tensor([0])).tolist() == [False]  # one row: not a group
 
 
-@pytest.mark.parametrize("name, expected_row0", [
-    ("grpo", 0.5 / (1 / 3) ** 0.5), ("dr_grpo", 0.5), ("rloo", 2 / 3)])
+@pytest.mark.parametrize("name, expected_row0", [("grpo", 0.5 / (1 / 3) ** 0.5), ("dr_grpo", 0.5), ("rloo", 2 / 3)])
 def test_estimators_put_the_group_advantage_on_every_action(name, expected_row0):
     """No KL in the reward: each action of a row gets its sequence advantage; padding stays 0; with a
     per-token KL penalty the advantage is the return-to-go (the penalties still ahead are added)."""
@@ -446,8 +450,9 @@ def test_length_penalty_by_hand():
     ended = torch.tensor([True, True, True, True, False])
     # max 20, buffer 4: from 16 tokens on, up to -factor at 20
     assert torch.allclose(length_penalty(lengths, ended, 20, 4, 0.5), torch.tensor([0.0, 0.0, -0.25, -0.5, -0.5]))
-    assert torch.allclose(length_penalty(lengths, ended, 20, truncation_penalty=1.0),
-                          torch.tensor([0.0, 0.0, 0.0, 0.0, -1.0]))
+    assert torch.allclose(
+        length_penalty(lengths, ended, 20, truncation_penalty=1.0), torch.tensor([0.0, 0.0, 0.0, 0.0, -1.0])
+    )
     assert length_penalty(lengths, ended, 20).abs().sum() == 0
 
 

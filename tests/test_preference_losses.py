@@ -1,5 +1,6 @@
 """The reference-free preference losses of the DPO step (issue 29): SimPO and ORPO as PAIR_LOSSES entries,
 checked against hand-computed values, their gradients, their flags, and a short run of each."""
+
 import math
 import os
 
@@ -13,8 +14,12 @@ from utils.errors import UsageError
 from utils.math.losses import PAIR_LOSSES, PairLogps, orpo_pair_loss, pair_loss, simpo_pair_loss
 
 # one pair: the chosen response 4 tokens with log-prob -2 (-0.5 per token), the rejected 2 tokens with -3 (-1.5)
-PAIR = dict(chosen=torch.tensor([-2.0], dtype=torch.float64), rejected=torch.tensor([-3.0], dtype=torch.float64),
-            chosen_tokens=torch.tensor([4]), rejected_tokens=torch.tensor([2]))
+PAIR = dict(
+    chosen=torch.tensor([-2.0], dtype=torch.float64),
+    rejected=torch.tensor([-3.0], dtype=torch.float64),
+    chosen_tokens=torch.tensor([4]),
+    rejected_tokens=torch.tensor([2]),
+)
 
 
 def test_simpo_by_hand():
@@ -23,8 +28,9 @@ def test_simpo_by_hand():
     assert losses.item() == pytest.approx(0.2014132779827524, rel=1e-6)
     assert chosen.item() == pytest.approx(-1.0) and rejected.item() == pytest.approx(-3.0)
     # gamma 0 and equal per-token log-probs: ln 2, whatever the lengths
-    even = PairLogps(torch.tensor([-2.0]), torch.tensor([-1.0]), chosen_tokens=torch.tensor([4]),
-                     rejected_tokens=torch.tensor([2]))
+    even = PairLogps(
+        torch.tensor([-2.0]), torch.tensor([-1.0]), chosen_tokens=torch.tensor([4]), rejected_tokens=torch.tensor([2])
+    )
     assert simpo_pair_loss(even, 2.0, 0.0)[0].item() == pytest.approx(math.log(2), rel=1e-6)
 
 
@@ -34,7 +40,8 @@ def test_orpo_by_hand():
     assert losses.item() == pytest.approx(0.017085921714647852, rel=1e-6)
     assert chosen.item() == pytest.approx(-0.5) and rejected.item() == pytest.approx(-1.5)
     assert orpo_pair_loss(PairLogps(**PAIR), beta=5.0, orpo_lambda=0.2)[0].item() == pytest.approx(
-        2 * 0.017085921714647852, rel=1e-6)  # lambda scales it, beta is not read
+        2 * 0.017085921714647852, rel=1e-6
+    )  # lambda scales it, beta is not read
 
 
 @pytest.mark.parametrize("loss_type", ["simpo", "orpo"])
@@ -43,8 +50,9 @@ def test_gradients_match_finite_differences(loss_type):
     logps = torch.tensor([-2.0, -3.0], dtype=torch.float64, requires_grad=True)
 
     def loss(x):
-        return fn(PairLogps(x[:1], x[1:], chosen_tokens=PAIR["chosen_tokens"],
-                            rejected_tokens=PAIR["rejected_tokens"]))[0].sum()
+        return fn(
+            PairLogps(x[:1], x[1:], chosen_tokens=PAIR["chosen_tokens"], rejected_tokens=PAIR["rejected_tokens"])
+        )[0].sum()
 
     loss(logps).backward()
     eps = 1e-2  # the losses compute in fp32: a central difference this wide is good to ~1e-4 relative
@@ -68,20 +76,34 @@ def test_the_entries_need_no_reference_and_take_lengths():
 def _parse(tmp_path, *flags):
     from step2_dpo.main import parse_args
 
-    return parse_args([str(a) for a in ["--model_name_or_path", str(tmp_path), "--data_path", str(tmp_path),
-                                        "--output_dir", str(tmp_path / "out"), *flags]])
+    return parse_args(
+        [
+            str(a)
+            for a in [
+                "--model_name_or_path",
+                str(tmp_path),
+                "--data_path",
+                str(tmp_path),
+                "--output_dir",
+                str(tmp_path / "out"),
+                *flags,
+            ]
+        ]
+    )
 
 
 def test_flags_beta_defaults_and_refusals(tmp_path):
     assert _parse(tmp_path).beta == 0.1
     assert _parse(tmp_path, "--loss_type", "simpo").beta == 2.0
     assert _parse(tmp_path, "--loss_type", "simpo", "--beta", 2.5).beta == 2.5
-    for flags, message in [(["--loss_type", "orpo", "--nll_loss_coef", 0.5], "has its own NLL term"),
-                           (["--loss_type", "orpo", "--beta", 0.5], "does not read it"),
-                           (["--simpo_gamma", 1.0], "does not take it"),
-                           (["--loss_type", "orpo", "--orpo_lambda", 0], "--orpo_lambda must be > 0"),
-                           (["--loss_type", "simpo", "--simpo_gamma", -1], "--simpo_gamma must be >= 0"),
-                           (["--loss_type", "simpo", "--precompute_ref_log_probs"], "reference-free")]:
+    for flags, message in [
+        (["--loss_type", "orpo", "--nll_loss_coef", 0.5], "has its own NLL term"),
+        (["--loss_type", "orpo", "--beta", 0.5], "does not read it"),
+        (["--simpo_gamma", 1.0], "does not take it"),
+        (["--loss_type", "orpo", "--orpo_lambda", 0], "--orpo_lambda must be > 0"),
+        (["--loss_type", "simpo", "--simpo_gamma", -1], "--simpo_gamma must be >= 0"),
+        (["--loss_type", "simpo", "--precompute_ref_log_probs"], "reference-free"),
+    ]:
         with pytest.raises(UsageError, match=message):
             _parse(tmp_path, *flags)
 
@@ -118,8 +140,9 @@ def test_a_reference_free_run_builds_no_reference_and_learns(loss_type, tiny_gpt
 
 
 @pytest.mark.slow
-def test_a_preference_output_is_step3s_actor_and_prompt_eval_and_chat_take_it(tiny_gpt2, pair_data, tmp_path,
-                                                                              monkeypatch, capsys):
+def test_a_preference_output_is_step3s_actor_and_prompt_eval_and_chat_take_it(
+    tiny_gpt2, pair_data, tmp_path, monkeypatch, capsys
+):
     """A DPO-step output (here SimPO's) is a plain from_pretrained policy: a 2-iteration step 3 starts from it as
     its actor, and prompt_eval and chat.py (one turn from standard input) load it as it is."""
     import io
@@ -139,9 +162,22 @@ def test_a_preference_output_is_step3s_actor_and_prompt_eval_and_chat_take_it(ti
     assert [r["step"] for r in iterations] == [1, 2] and all(math.isfinite(r["reward/score_mean"]) for r in iterations)
     assert os.path.exists(os.path.join(tmp_path, "out", "actor", "model.safetensors"))
 
-    result = prompt_eval(["--model_name_or_path_baseline", tiny_gpt2, "--model_name_or_path_finetune", policy,
-                          "--prompts", "Human: hello\n\nAssistant:", "--max_new_tokens", "3", "--num_beams", "2",
-                          "--device", "cpu"])
+    result = prompt_eval(
+        [
+            "--model_name_or_path_baseline",
+            tiny_gpt2,
+            "--model_name_or_path_finetune",
+            policy,
+            "--prompts",
+            "Human: hello\n\nAssistant:",
+            "--max_new_tokens",
+            "3",
+            "--num_beams",
+            "2",
+            "--device",
+            "cpu",
+        ]
+    )
     assert len(result["answers"]["Finetune/Greedy"]) == 1
     capsys.readouterr()
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello\n"))

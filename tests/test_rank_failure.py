@@ -3,6 +3,7 @@ prints its one `error: [rank N] ...` line (a bug: its traceback) and exits at on
 others; when every rank fails the same way only the first to claim the report on the process group's
 store shows it. In process with a stand-in store for run_main's choices; through the launcher for a step-3
 run (ZeRO-3 + hybrid) whose reward function raises on rank 1, or on every rank."""
+
 import datetime
 import subprocess
 import sys
@@ -49,6 +50,7 @@ class DeadStore:
     def __getattr__(self, name):
         def lost(*args):
             raise RuntimeError("Connection was likely closed")
+
         return lost
 
 
@@ -57,6 +59,7 @@ def rank_of_two(monkeypatch):
     """`as_rank(r, store)`: this process as rank r of 2 with `store` (None: no process group yet); os._exit
     raises Exited. Python's own excepthook: torch's, which an earlier test in this process may have installed,
     prefixes each line with "[rankN]: " (tests/test_errors.py before this file failed the traceback test)."""
+
     def exit_now(code):
         raise Exited(code)
 
@@ -67,12 +70,14 @@ def rank_of_two(monkeypatch):
     def as_rank(rank: int, store):
         monkeypatch.setenv("RANK", str(rank))
         monkeypatch.setattr(errors, "_store", store)
+
     return as_rank
 
 
 def fails_with(error):
     def main(argv):
         raise error
+
     return main
 
 
@@ -118,7 +123,9 @@ def test_before_the_process_group_rank_n_shows_its_error_after_a_grace(rank_of_t
     rank_of_two(1, None)
     with pytest.raises(Exited):
         errors.run_main(fails_with(errors.UsageError("--cliprange must be > 0")))
-    assert capsys.readouterr().err == "error: [rank 1] --cliprange must be > 0\n" and slept == [errors._NO_STORE_GRACE_S]
+    assert capsys.readouterr().err == "error: [rank 1] --cliprange must be > 0\n" and slept == [
+        errors._NO_STORE_GRACE_S
+    ]
 
 
 def test_a_plain_exit_status_of_a_rank_leaves_at_once_too(rank_of_two):
@@ -151,7 +158,7 @@ def test_one_process_keeps_pythons_exit(monkeypatch, capsys):
 
 
 # raises on rank 1 (or on every rank), after noting when it did
-FAILING_REWARD = '''
+FAILING_REWARD = """
 import os
 import time
 
@@ -161,7 +168,7 @@ def failing(completions, **kwargs):
             f.write(f"{{time.time()}}\\n")
         raise ValueError("boom on rank " + os.environ["RANK"])
     return [1.0] * len(completions)
-'''
+"""
 
 
 @pytest.mark.slow
@@ -174,8 +181,9 @@ def test_a_reward_function_failing_on_some_rank_ends_the_job_at_once_shown_once(
     args[args.index("--reward_funcs") + 1] = f"{tmp_path / 'failing.py'}:failing"
     try:
         # rank 1 alone: through the real `deepspeed` launcher, whose ending of the other ranks users rely on
-        proc = run_deepspeed("step3_ppo.main", args, timeout=150, log_path=str(tmp_path / "log.txt"),
-                             launcher=ranks == "1")
+        proc = run_deepspeed(
+            "step3_ppo.main", args, timeout=150, log_path=str(tmp_path / "log.txt"), launcher=ranks == "1"
+        )
     except subprocess.TimeoutExpired:
         pytest.fail("the job was still running 150 s after its start")
     ended = time.time()

@@ -1,5 +1,6 @@
 """The LM head over the trained positions only (utils.models.forward: transformers' `logits_to_keep`): the same
 log-probs, loss and gradients as the head over the whole sequence, with the head fed only the kept positions."""
+
 import pytest
 import torch
 
@@ -16,8 +17,10 @@ def model(tiny_llama):
 
 
 def rollout_batch():
-    rows = [Row(prompt_ids=torch.tensor([5, 6, 7, 8, 9]), response_ids=torch.tensor([10, 11, 2]), ended_with_eos=True),
-            Row(prompt_ids=torch.tensor([12, 13]), response_ids=torch.tensor([14, 15, 16, 17, 18]), ended_with_eos=False)]
+    rows = [
+        Row(prompt_ids=torch.tensor([5, 6, 7, 8, 9]), response_ids=torch.tensor([10, 11, 2]), ended_with_eos=True),
+        Row(prompt_ids=torch.tensor([12, 13]), response_ids=torch.tensor([14, 15, 16, 17, 18]), ended_with_eos=False),
+    ]
     return pack(rows, pad_token_id=0)
 
 
@@ -39,16 +42,17 @@ def head_inputs():
 
 def test_token_logprobs_run_the_head_on_the_response_and_give_the_whole_heads_values(model, head_inputs):
     batch = rollout_batch()  # prompt_len 5, length 10
-    whole = token_logprobs(model, {k: v for k, v in batch.items() if k != "prompt_len"}, temperature=0.7,
-                           return_entropy=True)
+    whole = token_logprobs(
+        model, {k: v for k, v in batch.items() if k != "prompt_len"}, temperature=0.7, return_entropy=True
+    )
     seen = head_inputs(model)
     kept = token_logprobs(model, batch, temperature=0.7, return_entropy=True)
     assert seen == [10 - 5 + 1]  # positions 4..9: the last prompt token predicts the first response token
     p = batch["prompt_len"]
     for w, k in zip(whole, kept):
         assert k.shape == w.shape == (2, 9)
-        torch.testing.assert_close(k[:, p - 1:], w[:, p - 1:], rtol=0, atol=1e-6)
-        assert torch.all(k[:, :p - 1] == 0)
+        torch.testing.assert_close(k[:, p - 1 :], w[:, p - 1 :], rtol=0, atol=1e-6)
+        assert torch.all(k[:, : p - 1] == 0)
     mask = batch["action_mask"]
     assert torch.all((kept[0] != 0)[mask.bool()])  # every action position got its log-prob
 
@@ -95,8 +99,10 @@ def test_shared_prompts_give_the_one_pass_log_probs_with_each_prompt_run_once(ar
     torch.manual_seed(0)
     lm = load_causal_lm(path, load_tokenizer(path)).float().eval()
     prompts, answers = ([5, 6, 7, 8, 9], [12, 13]), ([10, 11, 2], [14, 15, 16, 17, 18], [19, 2], [20, 21, 22, 23])
-    rows = [Row(prompt_ids=torch.tensor(prompts[i // 2]), response_ids=torch.tensor(a), ended_with_eos=a[-1] == 2)
-            for i, a in enumerate(answers)]
+    rows = [
+        Row(prompt_ids=torch.tensor(prompts[i // 2]), response_ids=torch.tensor(a), ended_with_eos=a[-1] == 2)
+        for i, a in enumerate(answers)
+    ]
     batch = pack(rows, pad_token_id=0)
     one_pass = token_logprobs(lm, batch, temperature=0.7)
     fed = []

@@ -3,6 +3,7 @@ refused with a clear message, or converted through the universal checkpoint. The
 job, kill it with SIGKILL after a checkpoint and resume it: steps 1-2's loop (tests/test_step2_dpo.py,
 2 ranks, ZeRO-3, dropout on) and step 3's (tests/test_step3_robustness.py) resume to the same metrics
 as an uninterrupted run."""
+
 import glob
 import json
 import math
@@ -106,8 +107,9 @@ def test_resume_with_another_data_layout_is_refused(tiny_gpt2, sft_data, tmp_pat
     args = common_args(tiny_gpt2, sft_data, out, steps=2) + ["--zero_stage", 0, "--save_interval", 2]
     step1(args)
 
-    proc = run_module("step1_sft.main", args + ["--resume", "--max_steps", 4, "--per_device_train_batch_size", 4,
-                                                "--seed", 8])
+    proc = run_module(
+        "step1_sft.main", args + ["--resume", "--max_steps", 4, "--per_device_train_batch_size", 4, "--seed", 8]
+    )
     assert proc.returncode == 1, tail(proc)
     message = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert len(message) == 1 and "another data layout" in message[0], tail(proc)
@@ -123,8 +125,14 @@ def test_resume_with_another_data_layout_is_refused(tiny_gpt2, sft_data, tmp_pat
 @pytest.mark.slow
 def test_a_checkpoint_with_a_missing_file_falls_back_to_the_previous_one(tiny_gpt2, sft_data, tmp_path, capsys):  # noqa: F811
     out = str(tmp_path / "out")
-    args = common_args(tiny_gpt2, sft_data, out, steps=4) + ["--zero_stage", 2, "--save_interval", 2,
-                                                             "--keep_checkpoints", 3]
+    args = common_args(tiny_gpt2, sft_data, out, steps=4) + [
+        "--zero_stage",
+        2,
+        "--save_interval",
+        2,
+        "--keep_checkpoints",
+        3,
+    ]
     step1(args)
     latest = os.path.join(out, "checkpoints", "step-00000004")
     optimizer_states = glob.glob(os.path.join(latest, "model", "**", "*optim_states.pt"), recursive=True)

@@ -9,6 +9,7 @@
   names the missing file when none is left.
 Runs are `Run`s with no engine (checkpoints of the loop and state only) or a DeepSpeed engine of one
 Linear layer: no model loads."""
+
 import argparse
 import errno
 import glob
@@ -46,10 +47,23 @@ def write_rows(path, rows) -> str:
 
 
 def run_args(tmp_path, **flags) -> argparse.Namespace:
-    values = dict(output_dir=str(tmp_path / "out"), data_path=[str(tmp_path / "rows.jsonl")], num_train_epochs=1,
-                  max_steps=2, max_bad_steps=3, enable_tensorboard=False, tensorboard_path=None, save_interval=2,
-                  keep_checkpoints=2, resume=False, learning_rate=1e-3, kl_ctl=0.0, seed=1, eval_interval=0,
-                  print_loss=False)
+    values = dict(
+        output_dir=str(tmp_path / "out"),
+        data_path=[str(tmp_path / "rows.jsonl")],
+        num_train_epochs=1,
+        max_steps=2,
+        max_bad_steps=3,
+        enable_tensorboard=False,
+        tensorboard_path=None,
+        save_interval=2,
+        keep_checkpoints=2,
+        resume=False,
+        learning_rate=1e-3,
+        kl_ctl=0.0,
+        seed=1,
+        eval_interval=0,
+        print_loss=False,
+    )
     return argparse.Namespace(**{**values, **flags})
 
 
@@ -120,8 +134,11 @@ def test_a_changed_flag_is_refused_naming_it_and_both_values(tmp_path):
     assert "--kl_ctl 0.0 (this run: 0.2)" in message and "--learning_rate 0.001 (this run: 0.01)" in message
     assert "cannot change mid-run" in message and "\n" not in message
     # the declared ones change: length, intervals, logging
-    run = train(run_args(tmp_path, resume=True, max_steps=4, save_interval=1, eval_interval=3, print_loss=True,
-                         keep_checkpoints=3))
+    run = train(
+        run_args(
+            tmp_path, resume=True, max_steps=4, save_interval=1, eval_interval=3, print_loss=True, keep_checkpoints=3
+        )
+    )
     assert run.resumed and run.loop.step == 4
     assert os.path.basename(TrainingCheckpoints(str(tmp_path / "out")).latest()) == "step-00000004"
 
@@ -130,8 +147,18 @@ ENTRY_POINTS = {  # a flag of each that shapes the trained model, changed on res
     "step1_sft.main": ("--learning_rate", "1e-3", "--train_on_last_turn_only", None),
     "step2_reward.main": ("--learning_rate", "1e-3", "--zero_stage", "2"),
     "step2_dpo.main": ("--beta", "0.5", "--loss_type", "ipo"),
-    "step3_ppo.main": ("--kl_ctl", "0.2", "--advantage_estimator", "rloo", "--n_samples_per_prompt", "4",
-                       "--reward_funcs", "length", "--actor_learning_rate", "1e-3"),
+    "step3_ppo.main": (
+        "--kl_ctl",
+        "0.2",
+        "--advantage_estimator",
+        "rloo",
+        "--n_samples_per_prompt",
+        "4",
+        "--reward_funcs",
+        "length",
+        "--actor_learning_rate",
+        "1e-3",
+    ),
 }
 
 
@@ -151,8 +178,22 @@ def test_every_entry_point_refuses_its_changed_flags_and_takes_the_resumable_one
     names = [f for f in changes if f and f.startswith("--")]
     refused = changed_flags(saved, run_flags(parser.parse_args(common + model + given(changes))))
     assert [line.split()[0] for line in refused] == sorted(names), refused
-    resumable = ["--max_steps", "9", "--num_train_epochs", "3", "--save_interval", "5", "--keep_checkpoints", "4",
-                 "--dist_timeout", "60", "--resume", "--resume_ignore_data_change", "--local_rank", "1"]
+    resumable = [
+        "--max_steps",
+        "9",
+        "--num_train_epochs",
+        "3",
+        "--save_interval",
+        "5",
+        "--keep_checkpoints",
+        "4",
+        "--dist_timeout",
+        "60",
+        "--resume",
+        "--resume_ignore_data_change",
+        "--local_rank",
+        "1",
+    ]
     assert changed_flags(saved, run_flags(parser.parse_args(common + model + resumable))) == []
 
 
@@ -209,8 +250,10 @@ def test_a_save_over_the_file_size_limit_names_the_file_and_leaves_the_previous_
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
     message = str(failed.value)
     root = str(tmp_path / "out" / "checkpoints")
-    assert message.startswith("could not write the DeepSpeed checkpoint of engine 'model' to "
-                              f"{root}/.tmp-step-00000004/model/ds/mp_rank_00_model_states.pt"), message
+    assert message.startswith(
+        "could not write the DeepSpeed checkpoint of engine 'model' to "
+        f"{root}/.tmp-step-00000004/model/ds/mp_rank_00_model_states.pt"
+    ), message
     assert "files are limited to 8192 bytes here (ulimit -f)" in message and "unexpected pos" not in message
     assert "--resume continues from step-00000002" in message and "\n" not in message
     assert sorted(os.listdir(root)) == ["latest", "step-00000002"]

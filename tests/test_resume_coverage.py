@@ -10,6 +10,7 @@ Launches are the expensive part (tests/README.md): the SIGKILL test takes its un
 the killed run itself (the rows it wrote after its one checkpoint, before the kill), so it launches twice,
 not three times; the universal-checkpoint tests launch the 2-rank run once and resume in this process
 (rank 0 of 1, as tests/test_resume.py's step1())."""
+
 import glob
 import math
 import os
@@ -36,8 +37,7 @@ def _weights(out: str) -> dict:
     from safetensors.torch import load_file
 
     files = sorted(glob.glob(os.path.join(out, "**", "*.safetensors"), recursive=True))
-    return {(os.path.relpath(f, out), k): v for f in files if "checkpoints" not in f
-            for k, v in load_file(f).items()}
+    return {(os.path.relpath(f, out), k): v for f in files if "checkpoints" not in f for k, v in load_file(f).items()}
 
 
 @pytest.mark.slow
@@ -51,8 +51,17 @@ def test_step1_two_rank_zero3_with_dropout_resumes_exactly_after_sigkill(tiny_gp
     export reloads with the engine's logits and is not the empty tensors of a naive ZeRO-3 save."""
     out = str(tmp_path / "out")
     args = common_args(tiny_gpt2, sft_data, out, steps=8) + [
-        "--zero_stage", 3, "--dropout", 0.1, "--save_interval", 4, "--lr_scheduler_type", "cosine",
-        "--num_warmup_steps", 2]
+        "--zero_stage",
+        3,
+        "--dropout",
+        0.1,
+        "--save_interval",
+        4,
+        "--lr_scheduler_type",
+        "cosine",
+        "--num_warmup_steps",
+        2,
+    ]
     resumed_at, uninterrupted, proc = kill_after_row_and_resume("step1_sft.main", args, out, tmp_path, kill_at=7)
     uninterrupted = _train_rows(uninterrupted)
     assert resumed_at == 4, resumed_at
@@ -108,14 +117,18 @@ def assert_restored_exactly(exported: dict, restored: dict, files: dict, start_m
     assert not differ, differ[:5]
     start = load_file(os.path.join(start_model, "model.safetensors"))
     start = {k.removeprefix("transformer."): v for k, v in start.items()}
-    moved = [(f, k) for (f, k), v in exported.items() if k.removeprefix("transformer.") in start
-             and not torch.equal(v, start[k.removeprefix("transformer.")])]
+    moved = [
+        (f, k)
+        for (f, k), v in exported.items()
+        if k.removeprefix("transformer.") in start and not torch.equal(v, start[k.removeprefix("transformer.")])
+    ]
     assert {f for f, _ in moved} >= {f for f in files if f.endswith("model.safetensors")}, moved
 
 
 @pytest.mark.slow
 def test_reward_model_resumes_on_one_rank_from_two_ranks_zero3_with_accumulation(  # noqa: F811
-        tiny_gpt2, pair_data, tmp_path, capsys, monkeypatch):
+    tiny_gpt2, pair_data, tmp_path, capsys, monkeypatch
+):
     """Step 2, ZeRO-3, --gradient_accumulation_steps 2 on 2 ranks, checkpoint and export at step 2; resumed
     in this process on 1 rank with --universal_checkpoint: the checkpoint is converted, the loader's position
     re-sharded (each rank had read 4 micro-batches: 1 rank skips 8, a whole number of accumulation windows),
@@ -124,11 +137,38 @@ def test_reward_model_resumes_on_one_rank_from_two_ranks_zero3_with_accumulation
     from step2_reward.main import main
 
     out = str(tmp_path / "out")
-    args = ["--model_name_or_path", tiny_gpt2, "--data_path", pair_data, "--data_split", "0,10,0",
-            "--output_dir", out, "--zero_stage", 3, "--gradient_accumulation_steps", 2, "--max_steps", 2,
-            "--save_interval", 2, "--per_device_train_batch_size", 4, "--per_device_eval_batch_size", 16,
-            "--max_seq_len", 32, "--learning_rate", 3e-3, "--lr_scheduler_type", "constant", "--seed", 3,
-            "--eval_iters", 1]
+    args = [
+        "--model_name_or_path",
+        tiny_gpt2,
+        "--data_path",
+        pair_data,
+        "--data_split",
+        "0,10,0",
+        "--output_dir",
+        out,
+        "--zero_stage",
+        3,
+        "--gradient_accumulation_steps",
+        2,
+        "--max_steps",
+        2,
+        "--save_interval",
+        2,
+        "--per_device_train_batch_size",
+        4,
+        "--per_device_eval_batch_size",
+        16,
+        "--max_seq_len",
+        32,
+        "--learning_rate",
+        3e-3,
+        "--lr_scheduler_type",
+        "constant",
+        "--seed",
+        3,
+        "--eval_iters",
+        1,
+    ]
     proc = run_deepspeed("step2_reward.main", args, log_path=str(tmp_path / "two_ranks.log"))
     exported = _weights(out)
     assert exported, tail(proc)
@@ -140,16 +180,21 @@ def test_reward_model_resumes_on_one_rank_from_two_ranks_zero3_with_accumulation
     printed = capsys.readouterr().out
     assert printed.count("converting") == 1 and "re-sharded" in printed and "skips 8 batches" in printed, printed
     assert "the run is now 3 steps long, not 2" in printed, printed  # the schedule's new length is said
-    assert_restored_exactly(exported, restored, {"model.safetensors": ("model", "backbone."),
-                                                 "value_head.safetensors": ("model", "v_head.")}, tiny_gpt2)
+    assert_restored_exactly(
+        exported,
+        restored,
+        {"model.safetensors": ("model", "backbone."), "value_head.safetensors": ("model", "v_head.")},
+        tiny_gpt2,
+    )
     resumed = _train_rows(metrics(out))
     assert [r["step"] for r in resumed] == [1, 2, 3] and resumed[:2] == full, resumed
     assert math.isfinite(resumed[2]["train/loss"]) and resumed[2]["train/lr"] == full[1]["train/lr"]
 
 
 @pytest.mark.slow
-def test_step3_engines_resume_on_one_rank_from_two_ranks_with_accumulation(tiny_gpt2, tiny_gpt2_reward, tmp_path,
-                                                                         capsys, monkeypatch):
+def test_step3_engines_resume_on_one_rank_from_two_ranks_with_accumulation(
+    tiny_gpt2, tiny_gpt2_reward, tmp_path, capsys, monkeypatch
+):
     """Step 3's engines of each kind: the actor (ZeRO-3, hybrid engine), the critic (ZeRO-2) and the actor's
     EMA (weights only), --gradient_accumulation_steps 2, on 2 ranks to a checkpoint and export at iteration
     2; resumed in this process on 1 rank with --universal_checkpoint: actor and critic converted each on its
@@ -158,10 +203,30 @@ def test_step3_engines_resume_on_one_rank_from_two_ranks_with_accumulation(tiny_
 
     write_prompts(tmp_path / "prompts.jsonl", 32)
     out = str(tmp_path / "out")
-    args = ppo_args(tiny_gpt2, tmp_path / "prompts.jsonl", out, "--actor_zero_stage", 3, "--enable_hybrid_engine",
-                    "--critic_zero_stage", 2, "--enable_ema", "--actor_learning_rate", 1e-3, "--critic_learning_rate",
-                    1e-3, "--gradient_accumulation_steps", 2, "--per_device_training_batch_size", 1, "--max_steps", 2,
-                    "--save_interval", 2, critic=tiny_gpt2_reward)
+    args = ppo_args(
+        tiny_gpt2,
+        tmp_path / "prompts.jsonl",
+        out,
+        "--actor_zero_stage",
+        3,
+        "--enable_hybrid_engine",
+        "--critic_zero_stage",
+        2,
+        "--enable_ema",
+        "--actor_learning_rate",
+        1e-3,
+        "--critic_learning_rate",
+        1e-3,
+        "--gradient_accumulation_steps",
+        2,
+        "--per_device_training_batch_size",
+        1,
+        "--max_steps",
+        2,
+        "--save_interval",
+        2,
+        critic=tiny_gpt2_reward,
+    )
     proc = run_deepspeed("step3_ppo.main", args, log_path=str(tmp_path / "two_ranks.log"))
     exported = _weights(out)
     assert exported, tail(proc)
@@ -172,21 +237,50 @@ def test_step3_engines_resume_on_one_rank_from_two_ranks_with_accumulation(tiny_
     main(args + ["--resume", "--universal_checkpoint", "--max_steps", "3"])
     printed = capsys.readouterr().out
     assert printed.count("converting") == 2 and "re-sharded" in printed, printed
-    assert_restored_exactly(exported, restored, {
-        os.path.join("actor", "model.safetensors"): ("actor", ""),
-        os.path.join("actor_ema", "model.safetensors"): ("actor_ema", ""),
-        os.path.join("critic", "model.safetensors"): ("critic", "backbone."),
-        os.path.join("critic", "value_head.safetensors"): ("critic", "v_head.")}, tiny_gpt2)
+    assert_restored_exactly(
+        exported,
+        restored,
+        {
+            os.path.join("actor", "model.safetensors"): ("actor", ""),
+            os.path.join("actor_ema", "model.safetensors"): ("actor_ema", ""),
+            os.path.join("critic", "model.safetensors"): ("critic", "backbone."),
+            os.path.join("critic", "value_head.safetensors"): ("critic", "v_head."),
+        },
+        tiny_gpt2,
+    )
     resumed = metrics(out)
     assert [r["step"] for r in resumed] == [1, 2, 3] and resumed[:2] == full[:2], resumed
     assert all(math.isfinite(v) for k, v in resumed[2].items() if k.startswith(("ppo/", "reward/")))
 
 
 def _dpo_args(model, data, out, extra=()):
-    return ["--model_name_or_path", model, "--data_path", data, "--data_split", "0,10,0", "--output_dir", out,
-            "--max_steps", 3, "--per_device_train_batch_size", 8, "--per_device_eval_batch_size", 16,
-            "--eval_iters", 1, "--max_seq_len", 32, "--learning_rate", 3e-3, "--lr_scheduler_type", "constant",
-            "--seed", 3, *extra]
+    return [
+        "--model_name_or_path",
+        model,
+        "--data_path",
+        data,
+        "--data_split",
+        "0,10,0",
+        "--output_dir",
+        out,
+        "--max_steps",
+        3,
+        "--per_device_train_batch_size",
+        8,
+        "--per_device_eval_batch_size",
+        16,
+        "--eval_iters",
+        1,
+        "--max_seq_len",
+        32,
+        "--learning_rate",
+        3e-3,
+        "--lr_scheduler_type",
+        "constant",
+        "--seed",
+        3,
+        *extra,
+    ]
 
 
 @pytest.mark.parametrize("zero_stage", [0, 1])

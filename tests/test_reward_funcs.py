@@ -1,6 +1,7 @@
 """Step 3's reward functions (step3_ppo/rewards/functions.py): the built-ins and their registry (loader, flag help,
 README list), loading specs, the batch call's checks (count, finiteness, raise, timeout, skip_bad) and the
 weighted combination (step3_ppo/rewards/components.py). Pure Python, fast."""
+
 import itertools
 import math
 import os
@@ -34,9 +35,13 @@ README_LIST = "The built-in reward functions (`BUILTINS`"  # the line that opens
 
 def batch(completions, **extra):
     n = len(completions)
-    return dict(prompts=[f"p{i}" for i in range(n)], completions=list(completions),
-                completion_ids=[[i] for i in range(n)], extra={k: list(v) for k, v in extra.items()},
-                origins=[f"data/x.jsonl:{i + 10}" for i in range(n)])
+    return dict(
+        prompts=[f"p{i}" for i in range(n)],
+        completions=list(completions),
+        completion_ids=[[i] for i in range(n)],
+        extra={k: list(v) for k, v in extra.items()},
+        origins=[f"data/x.jsonl:{i + 10}" for i in range(n)],
+    )
 
 
 def fn_of(f, name="f"):
@@ -52,23 +57,27 @@ def assert_one_line(exc, *parts):
 
 # ---------------------------------------------------------------- math_exact / final_answer
 
-@pytest.mark.parametrize("text, answer, expected", [
-    ("so the answer is 42.", 42, 1.0),
-    ("\\boxed{3.5}", "3.5", 1.0),
-    ("12 + 30 = 42, then 7", 42, 0.0),
-    ("-5", -5, 1.0),
-    ("the total is 1,234", 1234, 1.0),
-    ("the total is 1,234.", "1,234", 1.0),
-    ("no number here", 42, 0.0),
-    ("\\boxed{12} although 99 came up later", 12, 1.0),
-    ("\\boxed{12} although 99 came up later", 99, 0.0),
-    ("it is 0.5", 0.5000000001, 1.0),
-    ("it is 0.5", 0.51, 0.0),
-    ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}", 1.0),
-    ("\\boxed{ x + 1 }", "x + 1", 1.0),
-    ("3 - 5 gives", 5, 1.0),  # a minus between numbers is subtraction, not a sign
-    ("answer: 7", None, 0.0),  # a row lacking the field among others that have it
-])
+
+@pytest.mark.parametrize(
+    "text, answer, expected",
+    [
+        ("so the answer is 42.", 42, 1.0),
+        ("\\boxed{3.5}", "3.5", 1.0),
+        ("12 + 30 = 42, then 7", 42, 0.0),
+        ("-5", -5, 1.0),
+        ("the total is 1,234", 1234, 1.0),
+        ("the total is 1,234.", "1,234", 1.0),
+        ("no number here", 42, 0.0),
+        ("\\boxed{12} although 99 came up later", 12, 1.0),
+        ("\\boxed{12} although 99 came up later", 99, 0.0),
+        ("it is 0.5", 0.5000000001, 1.0),
+        ("it is 0.5", 0.51, 0.0),
+        ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}", 1.0),
+        ("\\boxed{ x + 1 }", "x + 1", 1.0),
+        ("3 - 5 gives", 5, 1.0),  # a minus between numbers is subtraction, not a sign
+        ("answer: 7", None, 0.0),  # a row lacking the field among others that have it
+    ],
+)
 def test_math_exact_hand_cases(text, answer, expected):
     assert math_exact(completions=[text], answer=[answer]) == [expected]
 
@@ -94,6 +103,7 @@ def test_math_exact_needs_answer_field_and_is_accuracy():
 
 # ---------------------------------------------------------------- format
 
+
 def test_format_default_and_custom_pattern():
     default = load_reward_function("format")
     assert not default.is_accuracy and default.name == "format"
@@ -109,6 +119,7 @@ def test_format_invalid_regex_fails_at_load():
 
 
 # ---------------------------------------------------------------- the registry
+
 
 def test_registry_entries():
     assert list(BUILTINS)[:3] == ["math_exact", "format", "sentiment"]  # the order of the flag's help and the README
@@ -126,6 +137,7 @@ def test_components_say_whether_they_are_an_accuracy():
 
 def make_toy(max_answer_seq_len=None):
     """A toy built-in's factory: it declares the one option it needs."""
+
     def toy_len(completions, **kwargs):
         return [len(c) / max_answer_seq_len for c in completions]
 
@@ -166,20 +178,25 @@ def test_readme_lists_exactly_the_builtins():
     with open(README) as f:
         lines = f.read().splitlines()
     start = next(i for i, line in enumerate(lines) if README_LIST in line)
-    rest = lines[start + 1:]
+    rest = lines[start + 1 :]
     first = next(i for i, line in enumerate(rest) if line.startswith("- "))
     listed = [line.replace("`", "") for line in itertools.takewhile(lambda line: line.startswith("- "), rest[first:])]
     expected = [f"- {name}: {builtin.help}" for name, builtin in BUILTINS.items()]
-    assert listed == expected, ("README.md's list of built-in reward functions differs from BUILTINS; it should "
-                                "read (code in backticks as you like):\n" + "\n".join(expected))
+    assert listed == expected, (
+        "README.md's list of built-in reward functions differs from BUILTINS; it should "
+        "read (code in backticks as you like):\n" + "\n".join(expected)
+    )
 
 
 # ---------------------------------------------------------------- loading
 
+
 def test_load_from_file(tmp_path):
     path = tmp_path / "my_rewards.py"
-    path.write_text("from dataclasses import dataclass\n@dataclass\nclass C:\n    x: int = 1\n"
-                    "def length_reward(completions, **kwargs):\n    return [float(len(c)) for c in completions]\n")
+    path.write_text(
+        "from dataclasses import dataclass\n@dataclass\nclass C:\n    x: int = 1\n"
+        "def length_reward(completions, **kwargs):\n    return [float(len(c)) for c in completions]\n"
+    )
     func = load_reward_function(f"{path}:length_reward")
     assert func.name == "length_reward" and not func.is_accuracy
     assert func.spec == f"{path}:length_reward"
@@ -190,9 +207,11 @@ def test_load_from_file(tmp_path):
 
 def test_load_from_file_can_import_a_helper_next_to_it(tmp_path):
     (tmp_path / "helper_for_rewards.py").write_text("VALUE = 3.0\n")
-    (tmp_path / "uses_helper.py").write_text("import helper_for_rewards\n"
-                                             "def r(completions, **kw):\n"
-                                             "    return [helper_for_rewards.VALUE] * len(completions)\n")
+    (tmp_path / "uses_helper.py").write_text(
+        "import helper_for_rewards\n"
+        "def r(completions, **kw):\n"
+        "    return [helper_for_rewards.VALUE] * len(completions)\n"
+    )
     func = load_reward_function(f"{tmp_path / 'uses_helper.py'}:r")
     assert func.fn(completions=["a"]) == [3.0]
     assert str(tmp_path) not in sys.path
@@ -201,7 +220,9 @@ def test_load_from_file_can_import_a_helper_next_to_it(tmp_path):
 def test_two_files_with_the_same_name_do_not_clash(tmp_path):
     for sub, value in (("a", 1.0), ("b", 2.0)):
         (tmp_path / sub).mkdir()
-        (tmp_path / sub / "rewards.py").write_text(f"def r(completions, **kw):\n    return [{value}] * len(completions)\n")
+        (tmp_path / sub / "rewards.py").write_text(
+            f"def r(completions, **kw):\n    return [{value}] * len(completions)\n"
+        )
     fa = load_reward_function(f"{tmp_path / 'a' / 'rewards.py'}:r")
     fb = load_reward_function(f"{tmp_path / 'b' / 'rewards.py'}:r")
     assert fa.fn(completions=["x"]) == [1.0] and fb.fn(completions=["x"]) == [2.0]
@@ -221,14 +242,17 @@ def test_load_from_module(tmp_path, monkeypatch):
     assert_one_line(info.value, "rwpkg_test.nope:const", "no module named")
 
 
-@pytest.mark.parametrize("content, attr, expected", [
-    (None, "f", "no such file"),
-    ("def g(**kw):\n    return []\n", "f", "has no function 'f'"),
-    ("def f(:\n", "f", "syntax error at line 1"),
-    ("f = 3\n", "f", "not a function"),
-    ("import module_that_does_not_exist_xyz\n", "f", "ModuleNotFoundError"),
-    ("raise RuntimeError('boom\\nsecond line')\n", "f", "RuntimeError: boom second line"),
-])
+@pytest.mark.parametrize(
+    "content, attr, expected",
+    [
+        (None, "f", "no such file"),
+        ("def g(**kw):\n    return []\n", "f", "has no function 'f'"),
+        ("def f(:\n", "f", "syntax error at line 1"),
+        ("f = 3\n", "f", "not a function"),
+        ("import module_that_does_not_exist_xyz\n", "f", "ModuleNotFoundError"),
+        ("raise RuntimeError('boom\\nsecond line')\n", "f", "RuntimeError: boom second line"),
+    ],
+)
 def test_load_file_errors_are_one_line_with_the_spec(tmp_path, content, attr, expected):
     path = tmp_path / "bad_rewards.py"
     if content is not None:
@@ -242,8 +266,11 @@ def test_load_file_errors_are_one_line_with_the_spec(tmp_path, content, attr, ex
 def test_load_spec_form_errors(tmp_path):
     path = tmp_path / "r.py"
     path.write_text("def f(**kw):\n    return []\n")
-    for spec, expected in ((str(path), "':function'"), (f"{path}:", "function"),
-                           ("not_a_builtin", "math_exact, format, sentiment")):
+    for spec, expected in (
+        (str(path), "':function'"),
+        (f"{path}:", "function"),
+        ("not_a_builtin", "math_exact, format, sentiment"),
+    ):
         with pytest.raises(RewardFunctionError) as info:
             load_reward_function(spec)
         assert_one_line(info.value, spec, expected)
@@ -261,6 +288,7 @@ def test_is_function_spec(tmp_path):
 
 
 # ---------------------------------------------------------------- the batch call
+
 
 def test_extra_fields_reach_the_function_aligned():
     seen = {}
@@ -282,10 +310,16 @@ def test_extra_fields_reach_the_function_aligned():
     assert seen["kwargs"] == {"level": [None] * 12}
 
 
-@pytest.mark.parametrize("result", [
-    [1, 2.5, True], (1, 2.5, 1), torch.tensor([1.0, 2.5, 1.0]), np.array([1.0, 2.5, 1.0]),
-    [np.float64(1.0), torch.tensor(2.5), np.int64(1)],
-])
+@pytest.mark.parametrize(
+    "result",
+    [
+        [1, 2.5, True],
+        (1, 2.5, 1),
+        torch.tensor([1.0, 2.5, 1.0]),
+        np.array([1.0, 2.5, 1.0]),
+        [np.float64(1.0), torch.tensor(2.5), np.int64(1)],
+    ],
+)
 def test_accepted_result_types(result):
     scores, bad = score_batch(fn_of(lambda **kw: result), **batch(["a", "b", "c"]))
     assert scores.tolist() == [1.0, 2.5, 1.0] and bad == []
@@ -314,9 +348,17 @@ def test_wrong_count_or_shape(result):
     assert bad == [0, 1, 2] and torch.isnan(scores).all()
 
 
-@pytest.mark.parametrize("value, word", [(float("nan"), "not a finite"), (float("inf"), "not a finite"),
-                                         (-float("inf"), "not a finite"), (None, "None"), ("0.5", "str"),
-                                         (1e300, "not a finite")])
+@pytest.mark.parametrize(
+    "value, word",
+    [
+        (float("nan"), "not a finite"),
+        (float("inf"), "not a finite"),
+        (-float("inf"), "not a finite"),
+        (None, "None"),
+        ("0.5", "str"),
+        (1e300, "not a finite"),
+    ],
+)
 def test_bad_rows(value, word):
     func = fn_of(lambda completions, **kw: [1.0, value, 0.5, value], "rowwise")
     with pytest.raises(RewardFunctionError) as info:
@@ -335,6 +377,7 @@ def test_misaligned_inputs_are_a_caller_bug():
 
 
 # ---------------------------------------------------------------- timeout
+
 
 def sleepy(completions, **kw):
     time.sleep(5)
@@ -361,8 +404,9 @@ def test_timeout_stops_the_call_and_restores_the_handler():
         assert bad == [0, 1, 2] and torch.isnan(scores).all()
         assert signal.getsignal(signal.SIGALRM) is mine
 
-        scores, bad = score_batch(fn_of(lambda completions, **kw: [1.0] * len(completions)), timeout=0.3,
-                                  **batch(["a"]))
+        scores, bad = score_batch(
+            fn_of(lambda completions, **kw: [1.0] * len(completions)), timeout=0.3, **batch(["a"])
+        )
         assert scores.tolist() == [1.0] and signal.getsignal(signal.SIGALRM) is mine
         time.sleep(0.4)  # no stray alarm fires after a fast call
 
@@ -394,6 +438,7 @@ def test_timeout_off_the_main_thread_falls_back_to_a_thread():
 
 # ---------------------------------------------------------------- combine
 
+
 def test_combine_weights_and_nan():
     scores = {"a": torch.tensor([1.0, 2.0, float("nan")]), "b": torch.tensor([10.0, 20.0, 30.0])}
     assert combine(scores, None)[:2].tolist() == [11.0, 22.0]
@@ -406,9 +451,11 @@ def test_combine_weights_and_nan():
 
 # ---------------------------------------------------------------- sentiment
 
+
 def test_sentiment_orders_positive_above_negative():
     func = load_reward_function("sentiment")
     assert func.name == "sentiment"
-    scores, bad = score_batch(func, **batch(["What a wonderful, lovely day, I love it!",
-                                             "This is terrible, awful and I hate it."]))
+    scores, bad = score_batch(
+        func, **batch(["What a wonderful, lovely day, I love it!", "This is terrible, awful and I hate it."])
+    )
     assert scores[0] > 0.3 > -0.3 > scores[1] and bad == []

@@ -1,4 +1,5 @@
 """RewardModel: score index, padding invariance, loss/metrics, save/reload, eval CLI (one process, no engine)."""
+
 import json
 import math
 import os
@@ -57,8 +58,11 @@ def models(tiny_gpt2, tiny_llama):
 
 
 def _sequences(tokenizer):
-    texts = ["Human: Is this movie good?\n\nAssistant: It is a wonderful film.", "Human: Hi\n\nAssistant: Bad.",
-             "Human: Tell me about the plot of this long film.\n\nAssistant: It meanders."]
+    texts = [
+        "Human: Is this movie good?\n\nAssistant: It is a wonderful film.",
+        "Human: Hi\n\nAssistant: Bad.",
+        "Human: Tell me about the plot of this long film.\n\nAssistant: It meanders.",
+    ]
     return [tokenizer(t, add_special_tokens=False).input_ids + [tokenizer.eos_token_id] for t in texts]
 
 
@@ -109,7 +113,6 @@ def test_fresh_v_head_is_deterministic_and_trainable_under_lora(tiny_gpt2):
     assert trainable - {"v_head.weight"} and all("lora_" in n for n in trainable - {"v_head.weight"})
 
 
-
 def test_value_head_takes_the_backbones_dtype(tiny_gpt2):
     """A backbone built in bf16 (ZeRO-3's zero.Init) gets a bf16 head, fresh or loaded: DeepSpeed casts only
     non-ZeRO-3 modules, and an fp32 head among bf16 partitions breaks it."""
@@ -121,6 +124,7 @@ def test_value_head_takes_the_backbones_dtype(tiny_gpt2):
     assert fresh.v_head.weight.dtype == loaded.v_head.weight.dtype == torch.bfloat16
     ids = torch.tensor([[1, 2, 3]])
     assert fresh(ids, torch.ones_like(ids)).dtype == torch.float32
+
 
 # --------------------------------------------------------------------------- #
 # loss and metrics
@@ -205,21 +209,42 @@ def test_eval_cli_prints_table_and_pair_accuracy(models, tmp_path, capsys):
     out = str(tmp_path / "rm")
     save_reward_model(model, tokenizer, out)
     pairs = tmp_path / "pairs.jsonl"
-    rows = [{"prompt": "Human: Say something\n\nAssistant:", "chosen": f" good {i}", "rejected": f" bad {i}"}
-            for i in range(5)]
+    rows = [
+        {"prompt": "Human: Say something\n\nAssistant:", "chosen": f" good {i}", "rejected": f" bad {i}"}
+        for i in range(5)
+    ]
     pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
     # "\\n" as typed in a shell: turned into a newline (the training template), unless --raw_text
-    result = rw_eval.main(["--model_name_or_path", out, "--prompt", "Human: Hi\\n\\nAssistant:",
-                           "--response", " Hello there.", "--response", " Go away.",
-                           "--prompt", "Human: Bye\n\nAssistant:", "--response", " Farewell.",
-                           "--pairs", str(pairs), "--batch_size", "2"])
+    result = rw_eval.main(
+        [
+            "--model_name_or_path",
+            out,
+            "--prompt",
+            "Human: Hi\\n\\nAssistant:",
+            "--response",
+            " Hello there.",
+            "--response",
+            " Go away.",
+            "--prompt",
+            "Human: Bye\n\nAssistant:",
+            "--response",
+            " Farewell.",
+            "--pairs",
+            str(pairs),
+            "--batch_size",
+            "2",
+        ]
+    )
     printed = capsys.readouterr().out
     assert "score" in printed and "Hello there." in printed and "Go away." in printed and "Farewell." in printed
     assert len(result["scores"]) == 3
     assert "accuracy" in printed and result["pairs"]["pairs"] == 5
     # texts are scored exactly as training tokenizes them: prompt ids + response ids + eos
-    ids = tokenizer("Human: Hi\n\nAssistant:", add_special_tokens=False).input_ids + \
-        tokenizer(" Hello there.", add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    ids = (
+        tokenizer("Human: Hi\n\nAssistant:", add_special_tokens=False).input_ids
+        + tokenizer(" Hello there.", add_special_tokens=False).input_ids
+        + [tokenizer.eos_token_id]
+    )
     with torch.no_grad():
         direct = model.score(torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long)).item()
     assert result["scores"][0] == pytest.approx(direct, abs=1e-5)

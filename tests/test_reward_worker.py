@@ -3,6 +3,7 @@ busy loop or a function that swallows every BaseException is killed at --reward_
 dead worker is one failed call naming the function and the rows; --skip_bad_rewards tells the first error
 of each function and stops an iteration left with nothing to train; the specs are checked before any
 model is loaded. In this process through FunctionReward, except one step-3 run."""
+
 import os
 import threading
 import time
@@ -24,7 +25,7 @@ from utils.math.rows import Row
 
 SLACK_S = 3.0  # killing and reaping a worker, on a loaded machine
 
-FUNCTIONS = '''
+FUNCTIONS = """
 import os, sys, time
 
 def c_loop(completions, **kwargs):
@@ -58,7 +59,7 @@ def quits(completions, how, **kwargs):
 
 def always_fails(completions, **kwargs):
     raise ValueError("column 'answer' is empty")
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -74,15 +75,23 @@ TEXTS = ["fine", "stuck", "spin", "a" * 27 + "b", "aa"]  # a row's completion is
 def reward(path, name, options=None, **kwargs) -> FunctionReward:
     """The FunctionReward of `path:name` (a built-in without `path`), decoding a row's one id as TEXTS[id]."""
     tokenizer = SimpleNamespace(batch_decode=lambda ids, skip_special_tokens: [TEXTS[int(i[0])] for i in ids])
-    return FunctionReward(load_reward_function(f"{path}:{name}" if path else name, **(options or {})), tokenizer,
-                          **kwargs)
+    return FunctionReward(
+        load_reward_function(f"{path}:{name}" if path else name, **(options or {})), tokenizer, **kwargs
+    )
 
 
 def rows(*texts, **extra) -> list[Row]:
     """Rows whose decoded completion is `texts[i]` and whose prompt rows carry `extra`."""
-    return [Row(torch.tensor([1]), torch.tensor([TEXTS.index(t)]), True, group=i,
-                prompt={"prompt": f"p{i}", "origin": f"data/x.jsonl:{i + 1}", "extra": dict(extra)})
-            for i, t in enumerate(texts)]
+    return [
+        Row(
+            torch.tensor([1]),
+            torch.tensor([TEXTS.index(t)]),
+            True,
+            group=i,
+            prompt={"prompt": f"p{i}", "origin": f"data/x.jsonl:{i + 1}", "extra": dict(extra)},
+        )
+        for i, t in enumerate(texts)
+    ]
 
 
 def timed(call):
@@ -189,8 +198,9 @@ def test_skip_bad_prints_the_first_error_of_each_function_once(functions, capsys
 def test_an_iteration_left_with_nothing_to_train_stops_the_run():
     config = PPOConfig(stop_token_ids=(2,), pad_token_id=0, skip_bad_rewards=True)
     component = SimpleNamespace(name="always_fails")
-    trainer = PPOTrainer(SimpleNamespace(actor=None, ref=None, critic=None), config, FixedKLController(0.0),
-                         [component])
+    trainer = PPOTrainer(
+        SimpleNamespace(actor=None, ref=None, critic=None), config, FixedKLController(0.0), [component]
+    )
     batch = rows("fine", "stuck")
     for row in batch:
         row.score = row.score_parts["always_fails"] = float("nan")
@@ -223,7 +233,7 @@ def test_step3_with_a_function_that_always_fails_and_skip_bad_stops_with_one_lin
     args = grpo_args(tiny_llama, tmp_path, "--actor_zero_stage", 0, "--max_steps", 2, "--skip_bad_rewards")
     args[args.index("--reward_funcs") + 1] = f"{tmp_path / 'failing.py'}:always_fails"
     proc = run_module("step3_ppo.main", args, timeout=300)
-    errors = [line[line.index("error:"):] for line in proc.stderr.splitlines() if "error:" in line]  # after tqdm's bar
+    errors = [line[line.index("error:") :] for line in proc.stderr.splitlines() if "error:" in line]  # after tqdm's bar
     told = [line for line in proc.stdout.splitlines() if "warning: --skip_bad_rewards" in line]
     assert proc.returncode == 1 and len(errors) == 1, tail(proc)
     assert errors[0].startswith("error: iteration 1: nothing left to train") and "always_fails" in errors[0]

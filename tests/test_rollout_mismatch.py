@@ -1,6 +1,7 @@
 """The generator's own log-probs against the trainer's (issue 27, point 6): each correction by hand on small
 tensors, the weights in the policy losses, generate's log-probs against the trainer's forward, and at lr 0
 `rollout/logprob_diff_max` flat and small over 5 iterations with every metric finite."""
+
 import math
 
 import pytest
@@ -65,8 +66,8 @@ def test_the_weights_multiply_each_actions_term_and_keep_the_count(name):
                 per_token.append(weights[i, t] * term)
     manual = torch.stack(per_token).sum() / mask.sum()
     assert torch.allclose(weighted, manual, atol=1e-6), (weighted, manual)
-    grad, = torch.autograd.grad(weighted, logprobs)
-    manual_grad, = torch.autograd.grad(manual, logprobs)
+    (grad,) = torch.autograd.grad(weighted, logprobs)
+    (manual_grad,) = torch.autograd.grad(manual, logprobs)
     assert torch.allclose(grad, manual_grad, atol=1e-6) and torch.isfinite(grad).all()
 
 
@@ -74,8 +75,22 @@ def test_the_weights_multiply_each_actions_term_and_keep_the_count(name):
 def grpo_run(tiny_llama, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rollout_mismatch")
     write_rows(tmp)
-    run = setup(parse_args(grpo_args(tiny_llama, tmp, "--actor_zero_stage", 0, "--actor_learning_rate", 0,
-                                     "--kl_ctl", 0.1, "--rollout_correction", "tis")))
+    run = setup(
+        parse_args(
+            grpo_args(
+                tiny_llama,
+                tmp,
+                "--actor_zero_stage",
+                0,
+                "--actor_learning_rate",
+                0,
+                "--kl_ctl",
+                0.1,
+                "--rollout_correction",
+                "tis",
+            )
+        )
+    )
     return tmp, run
 
 
@@ -109,8 +124,14 @@ def test_lr0_logprob_diff_stays_flat_and_small_over_5_iterations(grpo_run):
     for step in range(5):
         torch.manual_seed(step)
         metrics, _ = run.trainer.step(prompt_batches(run, 2, n_rows=2, offset=2 * step), step=step)
-        for key in ("rollout/logprob_diff_mean", "rollout/logprob_diff_max", "rollout/correction_weight_mean",
-                    "rollout/correction_masked_fraction", "loss/actor", "ppo/log_ratio_max_abs"):
+        for key in (
+            "rollout/logprob_diff_mean",
+            "rollout/logprob_diff_max",
+            "rollout/correction_weight_mean",
+            "rollout/correction_masked_fraction",
+            "loss/actor",
+            "ppo/log_ratio_max_abs",
+        ):
             assert math.isfinite(metrics[key]), (key, metrics)
         assert metrics["ppo/log_ratio_max_abs"] <= 1e-4
         assert metrics["rollout/correction_weight_mean"] == pytest.approx(1.0, abs=1e-4)
@@ -128,15 +149,20 @@ def test_a_correction_needs_the_generators_log_probs(grpo_run, tiny_llama, tmp_p
         parse_args(grpo_args(tiny_llama, tmp, "--rollout_correction", "icepop", "--no_rollout_logprobs"))
     with pytest.raises(UsageError, match="--rollout_correction_threshold must be > 1"):
         parse_args(grpo_args(tiny_llama, tmp, "--rollout_correction", "tis", "--rollout_correction_threshold", "1"))
-    monkeypatch.setitem(rollout_engines.ROLLOUT_ENGINES, "plain",
-                        rollout_engines.RolloutEngineEntry(rollout_engines.ActorGenerate, "no log-probs"))
+    monkeypatch.setitem(
+        rollout_engines.ROLLOUT_ENGINES,
+        "plain",
+        rollout_engines.RolloutEngineEntry(rollout_engines.ActorGenerate, "no log-probs"),
+    )
     with pytest.raises(UsageError, match="--rollout_engine plain gives no log-probs"):
         parse_args(grpo_args(tiny_llama, tmp, "--rollout_engine", "plain", "--rollout_correction", "seq_mask_tis"))
     args = parse_args(grpo_args(tiny_llama, tmp, "--rollout_engine", "plain"))  # no correction: fine, no metrics
     assert args.rollout_correction == "none"
     # --old_logprobs rollout reads the same log-probs, and makes a correction's weights all 1
-    with pytest.raises(UsageError, match="--old_logprobs rollout reads the generator's log-probs, which "
-                                         "--rollout_engine plain does not give"):
+    with pytest.raises(
+        UsageError,
+        match="--old_logprobs rollout reads the generator's log-probs, which --rollout_engine plain does not give",
+    ):
         parse_args(grpo_args(tiny_llama, tmp, "--rollout_engine", "plain", "--old_logprobs", "rollout"))
     with pytest.raises(UsageError, match="which --no_rollout_logprobs leaves out"):
         parse_args(grpo_args(tiny_llama, tmp, "--old_logprobs", "rollout", "--no_rollout_logprobs"))

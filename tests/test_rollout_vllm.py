@@ -6,6 +6,7 @@ process in eager mode); the 2-rank ZeRO-3 run through the launcher is at the end
 vLLM is installed by `scripts/setup.sh --with-vllm`, which scripts/test.sh runs: there (RLHF_TESTS_NEED_VLLM=1)
 a missing vLLM fails these tests; a bare `pytest` without it skips them.
 """
+
 import os
 import signal
 import time
@@ -63,8 +64,26 @@ def worker_python() -> list[str]:
 
 def vllm_setup(model, tmp, worker_python, *extra):
     write_rows(tmp)
-    return setup(parse_args(grpo_args(model, tmp, "--actor_zero_stage", 0, "--actor_learning_rate", 0, "--kl_ctl",
-                                      0.1, "--rollout_engine", "vllm", "--vllm_mode", "eager", *worker_python, *extra)))
+    return setup(
+        parse_args(
+            grpo_args(
+                model,
+                tmp,
+                "--actor_zero_stage",
+                0,
+                "--actor_learning_rate",
+                0,
+                "--kl_ctl",
+                0.1,
+                "--rollout_engine",
+                "vllm",
+                "--vllm_mode",
+                "eager",
+                *worker_python,
+                *extra,
+            )
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +96,9 @@ def vllm_run(tiny_llama_32, tmp_path_factory, worker_python):
 def hf_generate(run, batch, settings):
     from step3_ppo.rollout.engines import ActorGenerate
 
-    return ActorGenerate(run.trainer.actor, run.trainer.config).generate(batch["input_ids"], batch["attention_mask"],
-                                                                          settings)
+    return ActorGenerate(run.trainer.actor, run.trainer.config).generate(
+        batch["input_ids"], batch["attention_mask"], settings
+    )
 
 
 def trainer_vs_worker_logprobs(run, batch, settings) -> float:
@@ -149,12 +169,19 @@ def test_async_rollout_at_lr0_gives_the_synchronous_run(vllm_run):
         trainer.rollout.seeds.manual_seed(77)
         out = []
         for k in range(3):
+
             def upcoming(k=k):
                 return batches[k + 1] if k + 1 < 3 else None
 
             metrics_, rows = trainer.step(batches[k], step=k, next_prompts=upcoming)
-            out.append((metrics_["reward/score_mean"], [r.response_ids.tolist() for r in rows],
-                        metrics_["rollout/staleness"], metrics_["ppo/log_ratio_max_abs"]))
+            out.append(
+                (
+                    metrics_["reward/score_mean"],
+                    [r.response_ids.tolist() for r in rows],
+                    metrics_["rollout/staleness"],
+                    metrics_["ppo/log_ratio_max_abs"],
+                )
+            )
         return out
 
     try:
@@ -180,12 +207,15 @@ def test_a_worker_that_dies_stops_the_next_rollout_with_its_last_lines(vllm_run)
 
 
 def test_lora_sync_sends_the_adapters_merged(tiny_llama_32, tmp_path, worker_python):
-    run = vllm_setup(tiny_llama_32, tmp_path, worker_python, "--actor_lora_dim", 4, "--actor_lora_module_name", "q_proj")
+    run = vllm_setup(
+        tiny_llama_32, tmp_path, worker_python, "--actor_lora_dim", 4, "--actor_lora_module_name", "q_proj"
+    )
     try:
         trainer, engine = run.trainer, run.trainer.rollout
         batch = prompt_batches(run, 4, n_rows=4)[0]
-        assert torch.equal(engine.generate(batch["input_ids"], batch["attention_mask"], GREEDY),
-                           hf_generate(run, batch, GREEDY))
+        assert torch.equal(
+            engine.generate(batch["input_ids"], batch["attention_mask"], GREEDY), hf_generate(run, batch, GREEDY)
+        )
         full = engine.sync_bytes
         with torch.no_grad():  # LoRA B starts at 0: make the adapters matter
             for name, p in trainer.actor.module.named_parameters():
@@ -208,13 +238,25 @@ def test_multi_turn_rows_at_lr0_with_the_vllm_worker(tiny_chat_llama_32, tmp_pat
     from utils.models.reward_model import make_reward_model_dir
 
     critic = make_reward_model_dir(tiny_chat_llama_32, str(tmp_path / "critic"))
-    run = agent_setup(tiny_chat_llama_32, critic, tmp_path, "--rollout_engine", "vllm", "--vllm_mode", "eager",
-                      "--advantage_estimator", "grpo", "--n_samples_per_prompt", "2", *worker_python)
+    run = agent_setup(
+        tiny_chat_llama_32,
+        critic,
+        tmp_path,
+        "--rollout_engine",
+        "vllm",
+        "--vllm_mode",
+        "eager",
+        "--advantage_estimator",
+        "grpo",
+        "--n_samples_per_prompt",
+        "2",
+        *worker_python,
+    )
     try:
         examples = list(run.loader.dataset)
         collate = PromptCollator(run.tokenizer.pad_token_id)
         torch.manual_seed(0)
-        metrics_, rows = run.trainer.step([collate(examples[i:i + 3]) for i in (0, 3)], step=0)
+        metrics_, rows = run.trainer.step([collate(examples[i : i + 3]) for i in (0, 3)], step=0)
         assert any(r.agent["turns"] > 1 for r in rows) and metrics_["rollout/env_tokens_mean"] > 0
         assert metrics_["ppo/log_ratio_max_abs"] <= 1e-4, metrics_
         assert metrics_["rollout/logprob_diff_max"] <= 1e-4, metrics_
@@ -242,8 +284,10 @@ def test_a_missing_vllm_is_one_line_before_any_model_is_built(tiny_llama_32, tmp
 
     write_rows(tmp_path)
     bare = os.path.join(sys.base_prefix, "bin", "python3")  # the interpreter under the venv: no vLLM there
-    for python, message in (("/no/such/python", "--vllm_python /no/such/python: no such executable"),
-                            (bare, f"vLLM is not installed for {bare}")):
+    for python, message in (
+        ("/no/such/python", "--vllm_python /no/such/python: no such executable"),
+        (bare, f"vLLM is not installed for {bare}"),
+    ):
         with pytest.raises(UsageError, match=re.escape(f"--rollout_engine vllm: {message}")):
             main(grpo_args(tiny_llama_32, tmp_path, "--rollout_engine", "vllm", "--vllm_python", python))
 
@@ -255,7 +299,9 @@ def test_a_worker_that_never_starts_is_one_error_in_seconds(tiny_llama_32, tmp_p
     ids, mask = torch.tensor([[5, 6, 7]]), torch.ones(1, 3, dtype=torch.long)
     engine = VLLMRollout(_Actor(model), _config(), VLLMSettings(python="/bin/false"))
     t0 = time.time()
-    with pytest.raises(RolloutEngineError, match=r"vLLM worker exited before it was ready .exit code 1.: \(empty log\)"):
+    with pytest.raises(
+        RolloutEngineError, match=r"vLLM worker exited before it was ready .exit code 1.: \(empty log\)"
+    ):
         engine.generate(ids, mask, GREEDY)
     assert time.time() - t0 < 5
     engine.close()
@@ -268,16 +314,18 @@ def test_a_worker_that_never_starts_is_one_error_in_seconds(tiny_llama_32, tmp_p
     assert "\n" not in str(failure.value) and os.path.exists(engine.log)  # one line; the log kept
     engine.close()
     model.config.architectures = ["LlamaForCausalLM"]
-    engine = VLLMRollout(_Actor(model), _config(), VLLMSettings(mode="eager", sleep=True, python=python))  # --vllm_sleep
+    engine = VLLMRollout(
+        _Actor(model), _config(), VLLMSettings(mode="eager", sleep=True, python=python)
+    )  # --vllm_sleep
     with pytest.raises(RolloutEngineError, match="Sleep mode is not supported on current platform"):
         engine.generate(ids, mask, GREEDY)  # on CPU vLLM refuses it; on GPU it frees memory during training
     engine.close()
 
 
-EVEN = '''
+EVEN = """
 def even_first_token(completions, completion_ids, **kwargs):
     return [float(len(ids) > 0 and ids[0] % 2 == 0) for ids in completion_ids]
-'''
+"""
 
 
 def test_two_ranks_zero3_grpo_learns_with_the_vllm_worker(tiny_llama_32, tmp_path, worker_python):
@@ -287,14 +335,50 @@ def test_two_ranks_zero3_grpo_learns_with_the_vllm_worker(tiny_llama_32, tmp_pat
     write_rows(tmp_path, 64)
     (tmp_path / "even.py").write_text(EVEN)
     out = str(tmp_path / "out")
-    args = ["--actor_model_name_or_path", tiny_llama_32, "--data_path", tmp_path / "prompts.jsonl",
-            "--data_split", "0,0,10", "--output_dir", out, "--advantage_estimator", "grpo", "--n_samples_per_prompt", 4,
-            "--reward_funcs", f"{tmp_path / 'even.py'}:even_first_token", "--max_prompt_seq_len", 32,
-            "--max_answer_seq_len", 1, "--top_k", 8, "--per_device_generation_batch_size", 4,
-            "--per_device_training_batch_size", 8, "--actor_zero_stage", 3, "--enable_hybrid_engine",
-            "--actor_learning_rate", "1e-2",
-            "--lr_scheduler_type", "constant", "--num_train_epochs", 2, "--max_steps", 10, "--seed", 1,
-            "--rollout_engine", "vllm", "--vllm_mode", "eager", *worker_python]
+    args = [
+        "--actor_model_name_or_path",
+        tiny_llama_32,
+        "--data_path",
+        tmp_path / "prompts.jsonl",
+        "--data_split",
+        "0,0,10",
+        "--output_dir",
+        out,
+        "--advantage_estimator",
+        "grpo",
+        "--n_samples_per_prompt",
+        4,
+        "--reward_funcs",
+        f"{tmp_path / 'even.py'}:even_first_token",
+        "--max_prompt_seq_len",
+        32,
+        "--max_answer_seq_len",
+        1,
+        "--top_k",
+        8,
+        "--per_device_generation_batch_size",
+        4,
+        "--per_device_training_batch_size",
+        8,
+        "--actor_zero_stage",
+        3,
+        "--enable_hybrid_engine",
+        "--actor_learning_rate",
+        "1e-2",
+        "--lr_scheduler_type",
+        "constant",
+        "--num_train_epochs",
+        2,
+        "--max_steps",
+        10,
+        "--seed",
+        1,
+        "--rollout_engine",
+        "vllm",
+        "--vllm_mode",
+        "eager",
+        *worker_python,
+    ]
     proc = run_deepspeed("step3_ppo.main", args, log_path=str(tmp_path / "log.txt"))
     assert proc.returncode == 0, tail(proc)
     rows = metrics(out)

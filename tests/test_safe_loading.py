@@ -4,6 +4,7 @@ Python code (auto_map) needs --trust_remote_code and then finishes step 1, and a
 transformers' Jinja sandbox under a time limit. Every refusal is one line naming the directory or the
 template (no traceback); so are a directory without weights, --dtype fp16 on a CPU and an unmatched
 --lora_module_name. In process, apart from one step-1 run."""
+
 import io
 import json
 import os
@@ -18,14 +19,18 @@ import pytest
 from utils.errors import ProjectError
 
 CUSTOM_CONFIG = "from transformers import GPT2Config\n\n\nclass TinyXConfig(GPT2Config):\n    model_type = 'tinyx'\n"
-CUSTOM_MODEL = ("from transformers import GPT2LMHeadModel, GPT2Model\n\nfrom .configuration_tinyx import TinyXConfig\n\n\n"
-                "class TinyXForCausalLM(GPT2LMHeadModel):\n    config_class = TinyXConfig\n\n\n"
-                "class TinyXModel(GPT2Model):\n    config_class = TinyXConfig\n")
+CUSTOM_MODEL = (
+    "from transformers import GPT2LMHeadModel, GPT2Model\n\nfrom .configuration_tinyx import TinyXConfig\n\n\n"
+    "class TinyXForCausalLM(GPT2LMHeadModel):\n    config_class = TinyXConfig\n\n\n"
+    "class TinyXModel(GPT2Model):\n    config_class = TinyXConfig\n"
+)
 TEMPLATES = {  # each plants one way a template misbehaves, and what the one line must say
     "mro": ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "sandbox refused"),
     "open": ("{{ open('/etc/passwd').read() }}", "'open' is undefined"),
-    "raise": ("{{ raise_exception('Only user and assistant roles are supported!') }}",
-              "raised an error: Only user and assistant roles are supported!"),
+    "raise": (
+        "{{ raise_exception('Only user and assistant roles are supported!') }}",
+        "raised an error: Only user and assistant roles are supported!",
+    ),
     "recursion": ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "RecursionError"),
     "big_range": ("{% for i in range(10**6) %}{% endfor %}", "Range too big"),
 }
@@ -54,14 +59,21 @@ def custom_code_dir(tiny_gpt2, tmp_path_factory) -> str:
     (path / "configuration_tinyx.py").write_text(CUSTOM_CONFIG)
     (path / "modeling_tinyx.py").write_text(CUSTOM_MODEL)
     config = json.loads((path / "config.json").read_text())
-    config.update(model_type="tinyx", architectures=["TinyXForCausalLM"], auto_map={
-        "AutoConfig": "configuration_tinyx.TinyXConfig", "AutoModel": "modeling_tinyx.TinyXModel",
-        "AutoModelForCausalLM": "modeling_tinyx.TinyXForCausalLM"})
+    config.update(
+        model_type="tinyx",
+        architectures=["TinyXForCausalLM"],
+        auto_map={
+            "AutoConfig": "configuration_tinyx.TinyXConfig",
+            "AutoModel": "modeling_tinyx.TinyXModel",
+            "AutoModelForCausalLM": "modeling_tinyx.TinyXForCausalLM",
+        },
+    )
     (path / "config.json").write_text(json.dumps(config))
     return str(path)
 
 
 # ------------------------------------------------------------------ weights
+
 
 def test_a_pickled_only_directory_is_refused_with_a_conversion_that_works(tiny_gpt2, tmp_path):
     """transformers 5 always saves safetensors, so the .bin is written as its older save_pretrained did."""
@@ -88,7 +100,11 @@ def test_sharded_pickles_are_refused_before_anything_is_read(tiny_gpt2, tmp_path
     from utils.models.loading import ModelLoadError, load_causal_lm
 
     path = copy_without_weights(tiny_gpt2, tmp_path / "shards")
-    for name in ("pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin", "pytorch_model.bin.index.json"):
+    for name in (
+        "pytorch_model-00001-of-00002.bin",
+        "pytorch_model-00002-of-00002.bin",
+        "pytorch_model.bin.index.json",
+    ):
         open(os.path.join(path, name), "w").close()  # empty: refused by name, never unpickled
     with pytest.raises(ModelLoadError) as exc:
         load_causal_lm(path)
@@ -118,6 +134,7 @@ def test_the_evaluation_refuses_a_pickled_directory_before_loading_anything(tiny
 
 # ------------------------------------------------------------------ custom code
 
+
 def test_auto_map_is_refused_without_trust_remote_code(custom_code_dir):
     from utils.models.loading import ModelLoadError, load_causal_lm, load_tokenizer
 
@@ -136,17 +153,22 @@ def test_a_trusted_custom_code_model_finishes_step1(custom_code_dir, tmp_path):
     from tests.test_step1_run import common_args
 
     data = tmp_path / "sft.jsonl"
-    data.write_text("".join(json.dumps({"prompt": f"Human: word {i}\n\nAssistant:", "response": f" {i}"}) + "\n"
-                            for i in range(24)))
+    data.write_text(
+        "".join(json.dumps({"prompt": f"Human: word {i}\n\nAssistant:", "response": f" {i}"}) + "\n" for i in range(24))
+    )
     out = str(tmp_path / "out")
-    proc = run_module("step1_sft.main", common_args(custom_code_dir, str(data), out, steps=1)
-                      + ["--trust_remote_code", "--per_device_train_batch_size", 4])
+    proc = run_module(
+        "step1_sft.main",
+        common_args(custom_code_dir, str(data), out, steps=1)
+        + ["--trust_remote_code", "--per_device_train_batch_size", 4],
+    )
     assert proc.returncode == 0, tail(proc)
     assert os.path.isfile(os.path.join(out, "modeling_tinyx.py"))
     assert [r["export/logits_max_abs_diff"] for r in metrics(out) if "export/logits_max_abs_diff" in r] == [0.0]
 
 
 # ------------------------------------------------------------------ flags
+
 
 def test_fp16_on_a_device_without_it_is_one_line_before_loading(tiny_gpt2):
     from deepspeed.accelerator import get_accelerator
@@ -171,6 +193,7 @@ def test_an_unmatched_lora_module_name_is_one_line(tiny_gpt2):
 
 # ------------------------------------------------------------------ chat templates
 
+
 @pytest.fixture
 def template_file(tiny_gpt2, tmp_path):
     """A tokenizer given `text` as its --chat_template file (load_tokenizer, as the steps do), and the file."""
@@ -180,6 +203,7 @@ def template_file(tiny_gpt2, tmp_path):
         path = tmp_path / name
         path.write_text(text)
         return load_tokenizer(tiny_gpt2, chat_template=str(path)), str(path)
+
     return make
 
 
@@ -291,6 +315,9 @@ def test_a_missing_template_says_where_the_tools_read_one():
     class NoTemplate:
         chat_template, name_or_path = None, "some/dir"
 
-    with pytest.raises(DataError, match=r"--chat_template FILE .* the evaluation tools and chat\.py read it from the "
-                                        r"model directory"):
+    with pytest.raises(
+        DataError,
+        match=r"--chat_template FILE .* the evaluation tools and chat\.py read it from the "
+        r"model directory",
+    ):
         require_template(NoTemplate())

@@ -6,6 +6,7 @@ The stub replaces `deepspeed` as an exported bash function, not as a file first 
 scripts/common.sh activates .venv, which puts .venv/bin (and its real deepspeed) in front of PATH,
 while a function wins over any PATH entry and needs no change to the scripts.
 """
+
 from __future__ import annotations
 
 import glob
@@ -21,8 +22,24 @@ SCRIPTS = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, 
 KINDS = ("cpu", "single_gpu", "single_node", "multi_node")
 STEP_DIRS = ("step1_sft", "step2_reward", "step2_dpo", "step3_ppo")
 # every variable a run script reads, so the caller's environment cannot leak into a check
-SCRIPT_ENV = ("MODEL", "ACTOR", "CRITIC", "DATA", "NUM_RANKS", "MAX_STEPS", "DTYPE", "HOSTFILE", "MULTI_NODE_MODE",
-              "NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "STEP1_DIR", "STEP2_DIR", "DEMO_DATA", "LOSS_TYPE")
+SCRIPT_ENV = (
+    "MODEL",
+    "ACTOR",
+    "CRITIC",
+    "DATA",
+    "NUM_RANKS",
+    "MAX_STEPS",
+    "DTYPE",
+    "HOSTFILE",
+    "MULTI_NODE_MODE",
+    "NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "STEP1_DIR",
+    "STEP2_DIR",
+    "DEMO_DATA",
+    "LOSS_TYPE",
+)
 
 
 def read(rel: str) -> str:
@@ -40,9 +57,11 @@ GRPO_KINDS = ("cpu", "single_gpu", "single_node")
 
 def test_the_run_scripts_are_there():
     """Four per step, plus step 3's critic-free GRPO variants and the tool-use demo's step 3."""
-    assert SCRIPTS == sorted([f"scripts/{d}/run_{k}.sh" for d in STEP_DIRS for k in KINDS]
-                             + [f"scripts/step3_ppo/run_grpo_{k}.sh" for k in GRPO_KINDS]
-                             + ["scripts/step3_ppo/run_tools_cpu.sh"])
+    assert SCRIPTS == sorted(
+        [f"scripts/{d}/run_{k}.sh" for d in STEP_DIRS for k in KINDS]
+        + [f"scripts/step3_ppo/run_grpo_{k}.sh" for k in GRPO_KINDS]
+        + ["scripts/step3_ppo/run_tools_cpu.sh"]
+    )
 
 
 @pytest.mark.parametrize("script", SCRIPTS + ["scripts/common.sh", "scripts/demo.sh"])
@@ -57,7 +76,7 @@ def test_run_script_is_one_launch_step_call(script):
     code = code_lines(text)
     step_dir, name = script.split("/")[1:]
     grpo, tools = name.startswith("run_grpo_"), name.startswith("run_tools_")
-    kind = name[len("run_grpo_" if grpo else "run_tools_" if tools else "run_"):-len(".sh")]
+    kind = name[len("run_grpo_" if grpo else "run_tools_" if tools else "run_") : -len(".sh")]
     assert text.startswith("#!/usr/bin/env bash\n# Step ")
     assert "# usage: " in text and "# env: " in text
     assert 'source "$(dirname "$0")/../common.sh"' in code
@@ -107,26 +126,43 @@ def run_with_stub(tmp_path, script: str, args: list, **env_extra) -> tuple[subpr
         env.pop(var, None)
     env.update({"DEMO_DATA": str(demo), "BASH_FUNC_deepspeed%%": f'() {{ exec "{stub}" "$@"; }}'})
     env.update(env_extra)
-    proc = subprocess.run(["bash", os.path.join(ROOT, script), *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        ["bash", os.path.join(ROOT, script), *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    )
     return proc, str(demo)
 
 
 def launched(text: str) -> list[str]:
-    return [line[len("ARG "):] for line in text.splitlines() if line.startswith("ARG ")]
+    return [line[len("ARG ") :] for line in text.splitlines() if line.startswith("ARG ")]
 
 
 def test_preamble_cpu_step1(tmp_path):
     out = tmp_path / "new" / "out"  # made by the helper, parents included
-    proc, demo = run_with_stub(tmp_path, "scripts/step1_sft/run_cpu.sh", [str(out), "--foo", "a b"],
-                               MODEL="/some/model", MAX_STEPS="7", NUM_RANKS="1", MASTER_PORT="12345")
+    proc, demo = run_with_stub(
+        tmp_path,
+        "scripts/step1_sft/run_cpu.sh",
+        [str(out), "--foo", "a b"],
+        MODEL="/some/model",
+        MAX_STEPS="7",
+        NUM_RANKS="1",
+        MASTER_PORT="12345",
+    )
     assert proc.returncode == 3, proc.stdout + proc.stderr  # the launch's status
     log = out / "train.log"
     assert log.is_file()
     argv = launched(log.read_text())
     assert argv == launched(proc.stdout)  # the log is a copy of the launch's output, complete at exit
-    assert argv[:9] == ["--num_gpus", "1", "--master_port", "12345", "--module", "step1_sft.main",
-                        "--model_name_or_path", "/some/model", "--data_path"]
+    assert argv[:9] == [
+        "--num_gpus",
+        "1",
+        "--master_port",
+        "12345",
+        "--module",
+        "step1_sft.main",
+        "--model_name_or_path",
+        "/some/model",
+        "--data_path",
+    ]
     assert argv[9:12] == [f"{demo}/sft", "--data_split", "10,0,0"]
     assert argv[-4:] == ["--output_dir", str(out), "--foo", "a b"]  # "$@" extras come last
     assert argv[argv.index("--max_steps") + 1] == "7" and argv[argv.index("--zero_stage") + 1] == "2"
@@ -136,13 +172,26 @@ def test_preamble_cpu_step1(tmp_path):
 def test_preamble_step3_defaults(tmp_path):
     """ACTOR from STEP1_DIR, CRITIC out/step2 (unset); DATA with several sources is split into words."""
     out = tmp_path / "out"
-    proc, _ = run_with_stub(tmp_path, "scripts/step3_ppo/run_single_node.sh", [str(out)],
-                            STEP1_DIR="/s1", DATA="/d/a /d/b", MASTER_PORT="12345")
+    proc, _ = run_with_stub(
+        tmp_path,
+        "scripts/step3_ppo/run_single_node.sh",
+        [str(out)],
+        STEP1_DIR="/s1",
+        DATA="/d/a /d/b",
+        MASTER_PORT="12345",
+    )
     assert proc.returncode == 3, proc.stdout + proc.stderr
     argv = launched(proc.stdout)
     assert argv[:4] == ["--master_port", "12345", "--module", "step3_ppo.main"]
-    assert argv[4:11] == ["--actor_model_name_or_path", "/s1", "--critic_model_name_or_path",
-                          os.path.join(ROOT, "out", "step2"), "--data_path", "/d/a", "/d/b"]
+    assert argv[4:11] == [
+        "--actor_model_name_or_path",
+        "/s1",
+        "--critic_model_name_or_path",
+        os.path.join(ROOT, "out", "step2"),
+        "--data_path",
+        "/d/a",
+        "/d/b",
+    ]
     assert argv[11:13] == ["--data_split", "0,5,5"]
     assert argv[-2:] == ["--output_dir", str(out)] and (out / "train.log").is_file()
 
@@ -151,23 +200,48 @@ def test_preamble_multi_node_no_ssh(tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("localhost slots=1\n127.0.0.1 slots=1\n")
     out = tmp_path / "out"
-    proc, demo = run_with_stub(tmp_path, "scripts/step2_reward/run_multi_node.sh", [str(out), "--x"],
-                               MODEL="/m", HOSTFILE=str(hostfile), MULTI_NODE_MODE="no_ssh", NODE_RANK="1",
-                               MASTER_ADDR="127.0.0.1", MASTER_PORT="12345", DTYPE="fp32")
+    proc, demo = run_with_stub(
+        tmp_path,
+        "scripts/step2_reward/run_multi_node.sh",
+        [str(out), "--x"],
+        MODEL="/m",
+        HOSTFILE=str(hostfile),
+        MULTI_NODE_MODE="no_ssh",
+        NODE_RANK="1",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="12345",
+        DTYPE="fp32",
+    )
     assert proc.returncode == 3, proc.stdout + proc.stderr
     log = out / "train.log.node1"
     assert log.is_file() and not (out / "train.log").exists()
     argv = launched(log.read_text())
-    assert argv[:11] == ["--hostfile", str(hostfile), "--no_ssh", "--node_rank", "1", "--master_addr", "127.0.0.1",
-                         "--master_port", "12345", "--module", "step2_reward.main"]
+    assert argv[:11] == [
+        "--hostfile",
+        str(hostfile),
+        "--no_ssh",
+        "--node_rank",
+        "1",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        "12345",
+        "--module",
+        "step2_reward.main",
+    ]
     assert argv[11:16] == ["--model_name_or_path", "/m", "--data_path", f"{demo}/pairs", "--data_split"]
     assert argv[argv.index("--dtype") + 1] == "fp32"
     assert argv[-3:] == ["--output_dir", str(out), "--x"]
 
 
 def test_missing_hostfile_stops_before_launch(tmp_path):
-    proc, _ = run_with_stub(tmp_path, "scripts/step1_sft/run_multi_node.sh", [str(tmp_path / "out")],
-                            MODEL="/m", HOSTFILE=str(tmp_path / "nothere"))
+    proc, _ = run_with_stub(
+        tmp_path,
+        "scripts/step1_sft/run_multi_node.sh",
+        [str(tmp_path / "out")],
+        MODEL="/m",
+        HOSTFILE=str(tmp_path / "nothere"),
+    )
     assert proc.returncode == 2 and "hostfile" in proc.stderr
     assert not launched(proc.stdout)
 
@@ -175,13 +249,20 @@ def test_missing_hostfile_stops_before_launch(tmp_path):
 def test_preamble_grpo_has_no_critic(tmp_path):
     """The GRPO scripts pass no critic (CRITIC=none), their own prompt rows (DATA) and the function rewards."""
     out = tmp_path / "out"
-    proc, _ = run_with_stub(tmp_path, "scripts/step3_ppo/run_grpo_cpu.sh", [str(out), "--max_steps", "1"],
-                            ACTOR="/a", DATA="/d", NUM_RANKS="1", MASTER_PORT="12345")
+    proc, _ = run_with_stub(
+        tmp_path,
+        "scripts/step3_ppo/run_grpo_cpu.sh",
+        [str(out), "--max_steps", "1"],
+        ACTOR="/a",
+        DATA="/d",
+        NUM_RANKS="1",
+        MASTER_PORT="12345",
+    )
     assert proc.returncode == 3, proc.stdout + proc.stderr
     argv = launched(proc.stdout)
     assert argv[4:10] == ["--module", "step3_ppo.main", "--actor_model_name_or_path", "/a", "--data_path", "/d"]
     assert "--critic_model_name_or_path" not in argv
-    assert argv[argv.index("--reward_funcs") + 1:argv.index("--reward_funcs") + 3] == ["math_exact", "format"]
+    assert argv[argv.index("--reward_funcs") + 1 : argv.index("--reward_funcs") + 3] == ["math_exact", "format"]
     assert argv[-4:] == ["--output_dir", str(out), "--max_steps", "1"]
 
 
@@ -192,28 +273,41 @@ def test_dpo_scripts_launch_flags_step2_dpo_accepts(kind, tmp_path, tiny_gpt2):
     from step2_dpo.main import parse_args
 
     out = tmp_path / "out"
-    proc, _ = run_with_stub(tmp_path, f"scripts/step2_dpo/run_{kind}.sh", [str(out), "--max_seq_len", "32"],
-                            MODEL=tiny_gpt2, MASTER_PORT="12345")
+    proc, _ = run_with_stub(
+        tmp_path,
+        f"scripts/step2_dpo/run_{kind}.sh",
+        [str(out), "--max_seq_len", "32"],
+        MODEL=tiny_gpt2,
+        MASTER_PORT="12345",
+    )
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert f"[step2_dpo] model {tiny_gpt2}" in proc.stdout
     argv = launched(proc.stdout)
     assert argv[argv.index("--module") + 1] == "step2_dpo.main"
-    args = parse_args(argv[argv.index("--module") + 2:])
+    args = parse_args(argv[argv.index("--module") + 2 :])
     assert args.output_dir == str(out) and args.beta == 0.1
 
 
-@pytest.mark.parametrize("loss,beta,nll", [("sigmoid", 0.1, 1.0), ("ipo", 0.1, 1.0), ("simpo", 2.0, 1.0),
-                                            ("orpo", None, 0.0), ("kto", 0.1, 0.0)])
+@pytest.mark.parametrize(
+    "loss,beta,nll",
+    [("sigmoid", 0.1, 1.0), ("ipo", 0.1, 1.0), ("simpo", 2.0, 1.0), ("orpo", None, 0.0), ("kto", 0.1, 0.0)],
+)
 def test_dpo_cpu_script_gives_each_loss_its_flags(loss, beta, nll, tmp_path, tiny_gpt2):
     """LOSS_TYPE (demo.sh --with_dpo LOSS) picks the loss and the flags it takes: ORPO refuses --beta and
     --nll_loss_coef (its own NLL term), SimPO gets its paper's beta; each launch parses with step2_dpo's flags."""
     from step2_dpo.main import parse_args
 
-    proc, _ = run_with_stub(tmp_path, "scripts/step2_dpo/run_cpu.sh", [str(tmp_path / "out")], MODEL=tiny_gpt2,
-                            MASTER_PORT="12345", LOSS_TYPE=loss)
+    proc, _ = run_with_stub(
+        tmp_path,
+        "scripts/step2_dpo/run_cpu.sh",
+        [str(tmp_path / "out")],
+        MODEL=tiny_gpt2,
+        MASTER_PORT="12345",
+        LOSS_TYPE=loss,
+    )
     assert proc.returncode == 3, proc.stdout + proc.stderr
     argv = launched(proc.stdout)
-    args = parse_args(argv[argv.index("--module") + 2:])
+    args = parse_args(argv[argv.index("--module") + 2 :])
     assert (args.loss_type, args.nll_loss_coef) == (loss, nll)
     assert args.beta == beta or (beta is None and "--beta" not in argv)
 

@@ -1,4 +1,5 @@
 """Step 1 end to end: real runs through the deepspeed launcher (2 CPU ranks) and in one process."""
+
 import json
 import os
 
@@ -16,17 +17,43 @@ def sft_data(tmp_path_factory) -> str:
     rows = []
     for i in range(160):
         prompt_words = [WORDS[(i * 7 + j) % len(WORDS)] for j in range(2 + i % 5)]
-        rows.append({"prompt": f"Human: {' '.join(prompt_words)}\n\nAssistant:",
-                     "response": " " + " ".join(reversed(prompt_words[:3]))})
+        rows.append(
+            {
+                "prompt": f"Human: {' '.join(prompt_words)}\n\nAssistant:",
+                "response": " " + " ".join(reversed(prompt_words[:3])),
+            }
+        )
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return str(path)
 
 
 def common_args(model, data, out, steps=12):
-    return ["--model_name_or_path", model, "--data_path", data, "--data_split", "10,0,0", "--output_dir", out,
-            "--max_steps", steps, "--per_device_train_batch_size", 8, "--per_device_eval_batch_size", 8,
-            "--max_seq_len", 48, "--learning_rate", 3e-3, "--lr_scheduler_type", "constant", "--dropout", 0.0,
-            "--seed", 7]
+    return [
+        "--model_name_or_path",
+        model,
+        "--data_path",
+        data,
+        "--data_split",
+        "10,0,0",
+        "--output_dir",
+        out,
+        "--max_steps",
+        steps,
+        "--per_device_train_batch_size",
+        8,
+        "--per_device_eval_batch_size",
+        8,
+        "--max_seq_len",
+        48,
+        "--learning_rate",
+        3e-3,
+        "--lr_scheduler_type",
+        "constant",
+        "--dropout",
+        0.0,
+        "--seed",
+        7,
+    ]
 
 
 def check_run(out: str, proc) -> list[dict]:
@@ -50,8 +77,15 @@ def check_run(out: str, proc) -> list[dict]:
 @pytest.mark.slow
 def test_two_rank_zero3_lora_exports_merged_weights(tiny_llama, sft_data, tmp_path):
     out = str(tmp_path / "out")
-    args = common_args(tiny_llama, sft_data, out) + ["--zero_stage", 3, "--lora_dim", 8, "--only_optimize_lora",
-                                                     "--lora_learning_rate", 1e-2]
+    args = common_args(tiny_llama, sft_data, out) + [
+        "--zero_stage",
+        3,
+        "--lora_dim",
+        8,
+        "--only_optimize_lora",
+        "--lora_learning_rate",
+        1e-2,
+    ]
     proc = run_deepspeed("step1_sft.main", args, log_path=str(tmp_path / "log.txt"))
     check_run(out, proc)
     from safetensors.torch import load_file
@@ -64,8 +98,9 @@ def test_two_rank_zero3_lora_exports_merged_weights(tiny_llama, sft_data, tmp_pa
 def test_zero0_single_process(tiny_opt, sft_data, tmp_path):
     out = str(tmp_path / "out")
     # --eval_iters 2: perplexity on the first 2 batches of 8 held-out rows (of 16)
-    proc = run_module("step1_sft.main", common_args(tiny_opt, sft_data, out, steps=8) + ["--zero_stage", 0,
-                                                                                          "--eval_iters", 2])
+    proc = run_module(
+        "step1_sft.main", common_args(tiny_opt, sft_data, out, steps=8) + ["--zero_stage", 0, "--eval_iters", 2]
+    )
     assert proc.returncode == 0, tail(proc)
     check_run(out, proc)
     assert "perplexity on at most 2 batches of 8 held-out rows per rank" in proc.stdout, tail(proc)
@@ -78,8 +113,10 @@ def test_rank_batches_caps_every_rank_at_the_same_count(monkeypatch):
 
     rows = list(range(21))  # rank 0: 0, 2, ..., 20 (11 rows); rank 1: 1, 3, ..., 19 (10 rows)
     monkeypatch.setattr(dist, "world_size", lambda: 2)
-    for r, expected in ((0, [([0, 2, 4, 6], 1.0), ([8, 10, 12, 14], 1.0), ([16, 18, 20], 1.0)]),
-                        (1, [([1, 3, 5, 7], 1.0), ([9, 11, 13, 15], 1.0), ([17, 19], 1.0)])):
+    for r, expected in (
+        (0, [([0, 2, 4, 6], 1.0), ([8, 10, 12, 14], 1.0), ([16, 18, 20], 1.0)]),
+        (1, [([1, 3, 5, 7], 1.0), ([9, 11, 13, 15], 1.0), ([17, 19], 1.0)]),
+    ):
         monkeypatch.setattr(dist, "rank", lambda r=r: r)
         assert dist.rank_batches(rows, 4) == expected
         assert dist.rank_batches(rows, 4, max_batches=2) == expected[:2]

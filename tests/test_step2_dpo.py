@@ -1,6 +1,7 @@
 """Step 2's alternative, DPO: preference pairs tokenised with the prompt apart, sequence log-probs
 that ignore padding, the three forms of the reference giving the same losses, ln 2 at step 0, and
 one 2-rank ZeRO-3 run that learns a rule, exports a policy and resumes exactly after SIGKILL."""
+
 import json
 import math
 import os
@@ -14,9 +15,14 @@ from tests.test_step2_run import pair_data  # noqa: F401  (fixture)
 from utils.errors import UsageError
 
 LN2 = math.log(2.0)
-ROWS = [{"prompt": "Human: What about the plot?\n\nAssistant:", "chosen": " good fine", "rejected": " bad"},
-        {"prompt": "Human: And the music, the actors and the long ending?\n\nAssistant:",
-         "chosen": " lovely", "rejected": " awful and dull, really"}]
+ROWS = [
+    {"prompt": "Human: What about the plot?\n\nAssistant:", "chosen": " good fine", "rejected": " bad"},
+    {
+        "prompt": "Human: And the music, the actors and the long ending?\n\nAssistant:",
+        "chosen": " lovely",
+        "rejected": " awful and dull, really",
+    },
+]
 
 
 def _tokenizer(path):
@@ -42,10 +48,22 @@ def test_preference_pairs_hold_the_reward_models_sequences_with_the_prompt_apart
 def test_preference_collator_marks_exactly_the_response_tokens_on_either_side():
     from utils.data import PreferenceCollator
 
-    pairs = [{"prompt_input_ids": [5, 6], "chosen_response_ids": [7, 8], "rejected_response_ids": [9],
-              "ref_chosen_logp": -1.0, "ref_rejected_logp": -2.0},
-             {"prompt_input_ids": [5], "chosen_response_ids": [7, 8, 9, 4], "rejected_response_ids": [3],
-              "ref_chosen_logp": -3.0, "ref_rejected_logp": -4.0}]
+    pairs = [
+        {
+            "prompt_input_ids": [5, 6],
+            "chosen_response_ids": [7, 8],
+            "rejected_response_ids": [9],
+            "ref_chosen_logp": -1.0,
+            "ref_rejected_logp": -2.0,
+        },
+        {
+            "prompt_input_ids": [5],
+            "chosen_response_ids": [7, 8, 9, 4],
+            "rejected_response_ids": [3],
+            "ref_chosen_logp": -3.0,
+            "ref_rejected_logp": -4.0,
+        },
+    ]
     right = PreferenceCollator(0)(pairs)
     assert right["input_ids"].tolist() == [[5, 6, 7, 8, 0], [5, 7, 8, 9, 4], [5, 6, 9, 0, 0], [5, 3, 0, 0, 0]]
     # position i predicts token i+1: the responses' tokens, nothing of the prompt or the padding
@@ -77,10 +95,33 @@ def test_sequence_logprobs_do_not_depend_on_padding_side_or_amount(arch, tiny_gp
 
 
 def _dpo_args(model, data, out, steps=6, extra=()):
-    return ["--model_name_or_path", model, "--data_path", data, "--data_split", "0,10,0", "--output_dir", out,
-            "--max_steps", steps, "--per_device_train_batch_size", 8, "--per_device_eval_batch_size", 16,
-            "--max_seq_len", 32, "--learning_rate", 3e-3, "--lr_scheduler_type", "constant", "--seed", 3,
-            "--eval_interval", 3, *extra]
+    return [
+        "--model_name_or_path",
+        model,
+        "--data_path",
+        data,
+        "--data_split",
+        "0,10,0",
+        "--output_dir",
+        out,
+        "--max_steps",
+        steps,
+        "--per_device_train_batch_size",
+        8,
+        "--per_device_eval_batch_size",
+        16,
+        "--max_seq_len",
+        32,
+        "--learning_rate",
+        3e-3,
+        "--lr_scheduler_type",
+        "constant",
+        "--seed",
+        3,
+        "--eval_interval",
+        3,
+        *extra,
+    ]
 
 
 def _losses(out):
@@ -96,8 +137,12 @@ def test_the_reference_forms_give_the_same_losses_and_ln2_at_step_0(tiny_gpt2, p
     from step2_dpo.main import main
 
     lora = ["--lora_dim", 4, "--only_optimize_lora", "--lora_learning_rate", 3e-2]
-    runs = {"engine": ["--zero_stage", 3], "precomputed": ["--zero_stage", 3, "--precompute_ref_log_probs"],
-            "adapters": lora, "adapters_precomputed": lora + ["--precompute_ref_log_probs"]}
+    runs = {
+        "engine": ["--zero_stage", 3],
+        "precomputed": ["--zero_stage", 3, "--precompute_ref_log_probs"],
+        "adapters": lora,
+        "adapters_precomputed": lora + ["--precompute_ref_log_probs"],
+    }
     results = {}
     for name, extra in runs.items():
         out = str(tmp_path / name)
@@ -123,8 +168,18 @@ def test_ipo_smoothing_and_nll_term_reach_the_run(tiny_gpt2, pair_data, tmp_path
     from step2_dpo.main import main
 
     out = str(tmp_path / "ipo")
-    main([str(a) for a in _dpo_args(tiny_gpt2, pair_data, out, steps=1, extra=[
-        "--loss_type", "ipo", "--beta", 0.5, "--nll_loss_coef", 0.5, "--precompute_ref_log_probs"])])
+    main(
+        [
+            str(a)
+            for a in _dpo_args(
+                tiny_gpt2,
+                pair_data,
+                out,
+                steps=1,
+                extra=["--loss_type", "ipo", "--beta", 0.5, "--nll_loss_coef", 0.5, "--precompute_ref_log_probs"],
+            )
+        ]
+    )
     rows = metrics(out)
     step1 = next(r for r in rows if "train/loss" in r)
     assert step1["train/nll"] > 0
@@ -149,8 +204,9 @@ def test_bf16_zero3_dpo_trains_in_fp32_math_and_exports(tiny_gpt2, pair_data, tm
     assert weights and all(t.dtype == torch.float32 and t.numel() > 0 for t in weights.values())
 
 
-def test_a_registered_reference_free_loss_runs_with_lengths_and_its_own_flag(tiny_gpt2, pair_data, tmp_path,
-                                                                           monkeypatch, capsys):
+def test_a_registered_reference_free_loss_runs_with_lengths_and_its_own_flag(
+    tiny_gpt2, pair_data, tmp_path, monkeypatch, capsys
+):
     """The DPO step asks the PAIR_LOSSES entry, not the loss's name: a toy SimPO-like entry (no reference,
     length-normalised, its own --toy_gamma) registered here runs with no reference model or log-probs, gets
     the responses' token counts, and its flag reaches it; the held-out figures before training come from a
@@ -168,12 +224,23 @@ def test_a_registered_reference_free_loss_runs_with_lengths_and_its_own_flag(tin
         chosen, rejected = p.chosen.float() / p.chosen_tokens, p.rejected.float() / p.rejected_tokens
         return -F.logsigmoid(beta * (chosen - rejected) - toy_gamma), beta * chosen, beta * rejected
 
-    entry = losses.PairLoss(toy, "a toy SimPO", needs_reference=False, needs_lengths=True,
-                            options={"toy_gamma": losses.PairOption(0.5, "the toy's target margin")})
+    entry = losses.PairLoss(
+        toy,
+        "a toy SimPO",
+        needs_reference=False,
+        needs_lengths=True,
+        options={"toy_gamma": losses.PairOption(0.5, "the toy's target margin")},
+    )
     monkeypatch.setitem(losses.PAIR_LOSSES, "toy", entry)
     out = str(tmp_path / "toy")
-    main([str(a) for a in _dpo_args(tiny_gpt2, pair_data, out, steps=2, extra=[
-        "--loss_type", "toy", "--beta", 2.0, "--toy_gamma", 0.25])])
+    main(
+        [
+            str(a)
+            for a in _dpo_args(
+                tiny_gpt2, pair_data, out, steps=2, extra=["--loss_type", "toy", "--beta", 2.0, "--toy_gamma", 0.25]
+            )
+        ]
+    )
     assert set(seen) == {0.25}
     printed = capsys.readouterr().out
     assert "reference: none (the loss is reference-free)" in printed and "reference log-probs of" not in printed
@@ -184,18 +251,33 @@ def test_a_registered_reference_free_loss_runs_with_lengths_and_its_own_flag(tin
     assert os.path.exists(os.path.join(out, "model.safetensors"))
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--label_smoothing", 0.1, "--loss_type", "ipo"], "does not take it"),
-    (["--beta", 0], "--beta must be > 0"),
-    (["--label_smoothing", 0.5], "--label_smoothing must be in [0, 0.5)"),
-    (["--precompute_ref_log_probs", "--offload_reference_model"], "no reference model to offload"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--label_smoothing", 0.1, "--loss_type", "ipo"], "does not take it"),
+        (["--beta", 0], "--beta must be > 0"),
+        (["--label_smoothing", 0.5], "--label_smoothing must be in [0, 0.5)"),
+        (["--precompute_ref_log_probs", "--offload_reference_model"], "no reference model to offload"),
+    ],
+)
 def test_contradictory_dpo_settings_stop_before_any_model_loads(flags, message, tmp_path):
     from step2_dpo.main import parse_args
 
     with pytest.raises(UsageError, match=message.replace("[", r"\[").replace(")", r"\)")):
-        parse_args([str(a) for a in ["--model_name_or_path", str(tmp_path), "--data_path", str(tmp_path),
-                                     "--output_dir", str(tmp_path / "out"), *flags]])
+        parse_args(
+            [
+                str(a)
+                for a in [
+                    "--model_name_or_path",
+                    str(tmp_path),
+                    "--data_path",
+                    str(tmp_path),
+                    "--output_dir",
+                    str(tmp_path / "out"),
+                    *flags,
+                ]
+            ]
+        )
 
 
 @pytest.mark.slow
@@ -204,10 +286,29 @@ def test_two_rank_zero3_dpo_learns_exports_and_resumes_exactly_after_sigkill(tin
     after a checkpoint and resumed writes the same metrics as the uninterrupted run (dropout on: only
     if every rank's RNG state came back too; the loop and checkpoints are steps 1-2's), which learns
     the rule (held-out implicit-reward accuracy > 0.8) and exports a policy that reloads as it trained."""
+
     def args(out):
-        return _dpo_args(tiny_gpt2, pair_data, out, steps=12, extra=[
-            "--zero_stage", 3, "--precompute_ref_log_probs", "--save_interval", 4, "--eval_interval", 6,
-            "--dropout", 0.1, "--num_warmup_steps", 2, "--lr_scheduler_type", "cosine"])
+        return _dpo_args(
+            tiny_gpt2,
+            pair_data,
+            out,
+            steps=12,
+            extra=[
+                "--zero_stage",
+                3,
+                "--precompute_ref_log_probs",
+                "--save_interval",
+                4,
+                "--eval_interval",
+                6,
+                "--dropout",
+                0.1,
+                "--num_warmup_steps",
+                2,
+                "--lr_scheduler_type",
+                "cosine",
+            ],
+        )
 
     out = str(tmp_path / "out")  # killed once it has logged step 7: steps 5-7 are the uninterrupted reference
     resumed_at, uninterrupted, proc = kill_after_row_and_resume("step2_dpo.main", args(out), out, tmp_path, kill_at=7)

@@ -1,4 +1,5 @@
 """Step 2 end to end: one real 2-rank ZeRO-3 run through the deepspeed launcher on tiny GPT-2."""
+
 import json
 import os
 import random
@@ -21,8 +22,13 @@ def _pairs(n: int, rng: random.Random, held_out: bool) -> list:
         k = 3 if held_out else 2
         topic = TOPICS[(i * 3 + held_out) % len(TOPICS)]
         prompt = f"Human: What about the {topic}{'?' if held_out else ''}\n\nAssistant:"
-        rows.append({"prompt": prompt, "chosen": " " + " ".join(rng.sample(POSITIVE, k)),
-                     "rejected": " " + " ".join(rng.sample(NEGATIVE, k))})
+        rows.append(
+            {
+                "prompt": prompt,
+                "chosen": " " + " ".join(rng.sample(POSITIVE, k)),
+                "rejected": " " + " ".join(rng.sample(NEGATIVE, k)),
+            }
+        )
     return rows
 
 
@@ -38,10 +44,36 @@ def pair_data(tmp_path_factory) -> str:
 @pytest.mark.slow
 def test_two_rank_zero3_reward_model_learns_and_exports(tiny_gpt2, pair_data, tmp_path):
     out = str(tmp_path / "out")
-    args = ["--model_name_or_path", tiny_gpt2, "--data_path", pair_data, "--data_split", "0,10,0",
-            "--output_dir", out, "--zero_stage", 3, "--max_steps", 20, "--per_device_train_batch_size", 8,
-            "--per_device_eval_batch_size", 16, "--max_seq_len", 32, "--learning_rate", 3e-3,
-            "--lr_scheduler_type", "constant", "--dropout", 0.0, "--seed", 3, "--eval_interval", 10]
+    args = [
+        "--model_name_or_path",
+        tiny_gpt2,
+        "--data_path",
+        pair_data,
+        "--data_split",
+        "0,10,0",
+        "--output_dir",
+        out,
+        "--zero_stage",
+        3,
+        "--max_steps",
+        20,
+        "--per_device_train_batch_size",
+        8,
+        "--per_device_eval_batch_size",
+        16,
+        "--max_seq_len",
+        32,
+        "--learning_rate",
+        3e-3,
+        "--lr_scheduler_type",
+        "constant",
+        "--dropout",
+        0.0,
+        "--seed",
+        3,
+        "--eval_interval",
+        10,
+    ]
     proc = run_deepspeed("step2_reward.main", args, num_ranks=2, log_path=str(tmp_path / "log.txt"))
     for name in ("model.safetensors", "config.json", "value_head.safetensors", "reward_model.json"):
         assert os.path.isfile(os.path.join(out, name)), tail(proc)
@@ -87,9 +119,33 @@ def test_zero3_bf16_reward_model_trains_with_its_head_in_the_backbones_dtype(tin
     from tests.launch import run_module
 
     out = str(tmp_path / "out")
-    proc = run_module("step2_reward.main", [
-        "--model_name_or_path", tiny_llama, "--data_path", pair_data, "--data_split", "0,10,0", "--output_dir", out,
-        "--zero_stage", 3, "--dtype", "bf16", "--max_steps", 2, "--per_device_train_batch_size", 4,
-        "--per_device_eval_batch_size", 16, "--eval_iters", 1, "--max_seq_len", 32], log_path=str(tmp_path / "log"))
+    proc = run_module(
+        "step2_reward.main",
+        [
+            "--model_name_or_path",
+            tiny_llama,
+            "--data_path",
+            pair_data,
+            "--data_split",
+            "0,10,0",
+            "--output_dir",
+            out,
+            "--zero_stage",
+            3,
+            "--dtype",
+            "bf16",
+            "--max_steps",
+            2,
+            "--per_device_train_batch_size",
+            4,
+            "--per_device_eval_batch_size",
+            16,
+            "--eval_iters",
+            1,
+            "--max_seq_len",
+            32,
+        ],
+        log_path=str(tmp_path / "log"),
+    )
     assert proc.returncode == 0, tail(proc)
     assert os.path.isfile(os.path.join(out, "value_head.safetensors"))

@@ -1,5 +1,6 @@
 """Rollout rows and packing: the action mask covers every generated token up to and including the
 first EOS and nothing after; per-action values land on the action positions of any packing."""
+
 import torch
 
 from utils.math.rows import Row, from_token_layout, pack, split_generation, to_token_layout
@@ -25,8 +26,10 @@ def test_tokens_after_eos_are_never_actions_even_if_they_are_eos_again():
 
 
 def test_pack_layout_by_hand():
-    rows = [Row(torch.tensor([5, 6]), torch.tensor([7, EOS]), True),
-            Row(torch.tensor([1, 2, 3]), torch.tensor([4]), False)]
+    rows = [
+        Row(torch.tensor([5, 6]), torch.tensor([7, EOS]), True),
+        Row(torch.tensor([1, 2, 3]), torch.tensor([4]), False),
+    ]
     batch = pack(rows, PAD)
     assert batch["prompt_len"] == 3
     assert batch["input_ids"].tolist() == [[PAD, 5, 6, 7, EOS], [1, 2, 3, 4, PAD]]
@@ -36,9 +39,15 @@ def test_pack_layout_by_hand():
 
 
 def test_per_action_values_round_trip_through_any_packing():
-    rows = [Row(torch.tensor([5, 6]), torch.tensor([7, EOS]), True, per_action={"v": torch.tensor([0.5, 1.5])}),
-            Row(torch.tensor([1, 2, 3, 4, 5]), torch.tensor([4, 4, 4]), False,
-                per_action={"v": torch.tensor([1.0, 2.0, 3.0])})]
+    rows = [
+        Row(torch.tensor([5, 6]), torch.tensor([7, EOS]), True, per_action={"v": torch.tensor([0.5, 1.5])}),
+        Row(
+            torch.tensor([1, 2, 3, 4, 5]),
+            torch.tensor([4, 4, 4]),
+            False,
+            per_action={"v": torch.tensor([1.0, 2.0, 3.0])},
+        ),
+    ]
     for subset in ([rows[0]], [rows[1]], rows):
         batch = pack(subset, PAD)
         length = batch["input_ids"].shape[1]

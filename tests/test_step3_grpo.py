@@ -2,6 +2,7 @@
 by reward functions that receive the prompt rows' other fields. In this process (ZeRO-0, one rank) for
 the trainer's behaviour, and through the launcher (2 ranks, ZeRO-3 + hybrid) for alignment across ranks,
 checkpoints, resume and the outputs."""
+
 import json
 import os
 
@@ -17,7 +18,7 @@ from utils.errors import UsageError
 
 # Each prompt row carries `answer` (its last word) and `id`; the function checks that every completion
 # arrives with its own row's fields (it raises otherwise) and scores the completion's length, which varies.
-REWARDS = '''
+REWARDS = """
 def aligned_length(prompts, completions, completion_ids, answer, id, **kwargs):
     for prompt, a, i in zip(prompts, answer, id):
         if prompt.split()[-3] != a or f"#{i}" not in prompt:
@@ -35,7 +36,7 @@ def fails_on_first_id(completions, id, **kwargs):
 
 def raises(completions, **kwargs):
     raise KeyError("no such column")
-'''
+"""
 
 
 def write_rows(tmp, n=24):
@@ -44,26 +45,51 @@ def write_rows(tmp, n=24):
     with open(path, "w") as f:
         for i in range(n):
             words = [PROMPT_WORDS[(i + j) % len(PROMPT_WORDS)] for j in range(1 + (i * 5) % 12)]
-            f.write(json.dumps({"prompt": f"Human: #{i} {' '.join(words)} ?\n\nAssistant:", "answer": words[-1],
-                                "id": i}) + "\n")
+            f.write(
+                json.dumps({"prompt": f"Human: #{i} {' '.join(words)} ?\n\nAssistant:", "answer": words[-1], "id": i})
+                + "\n"
+            )
     (tmp / "rewards.py").write_text(REWARDS)
     return path
 
 
 def grpo_args(model, tmp, *extra):
-    return ["--actor_model_name_or_path", model, "--data_path", str(tmp / "prompts.jsonl"), "--data_split", "0,0,10",
-            "--output_dir", str(tmp / "out"), "--advantage_estimator", "grpo", "--n_samples_per_prompt", "2",
-            "--reward_funcs", f"{tmp / 'rewards.py'}:aligned_length", "--max_prompt_seq_len", "32",
-            "--max_answer_seq_len", "6", "--per_device_generation_batch_size", "2", "--per_device_training_batch_size",
-            "2", "--seed", "3", *map(str, extra)]
+    return [
+        "--actor_model_name_or_path",
+        model,
+        "--data_path",
+        str(tmp / "prompts.jsonl"),
+        "--data_split",
+        "0,0,10",
+        "--output_dir",
+        str(tmp / "out"),
+        "--advantage_estimator",
+        "grpo",
+        "--n_samples_per_prompt",
+        "2",
+        "--reward_funcs",
+        f"{tmp / 'rewards.py'}:aligned_length",
+        "--max_prompt_seq_len",
+        "32",
+        "--max_answer_seq_len",
+        "6",
+        "--per_device_generation_batch_size",
+        "2",
+        "--per_device_training_batch_size",
+        "2",
+        "--seed",
+        "3",
+        *map(str, extra),
+    ]
 
 
 @pytest.fixture(scope="module")
 def grpo_run(tiny_llama, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("grpo")
     write_rows(tmp)
-    return tmp, setup(parse_args(grpo_args(tiny_llama, tmp, "--actor_zero_stage", 0, "--actor_learning_rate", 0,
-                                           "--kl_ctl", 0.1)))
+    return tmp, setup(
+        parse_args(grpo_args(tiny_llama, tmp, "--actor_zero_stage", 0, "--actor_learning_rate", 0, "--kl_ctl", 0.1))
+    )
 
 
 def use_reward(run, tmp, name, skip_bad=False):
@@ -137,13 +163,16 @@ def test_a_bad_reward_names_the_function_and_row_or_is_skipped(grpo_run):
     assert metrics["ppo/skipped_non_finite"] == 0 and metrics["reward/score_mean"] == pytest.approx(0.5)
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--advantage_estimator", "rloo", "--n_samples_per_prompt", "1"], "needs --n_samples_per_prompt >= 2"),
-    (["--advantage_estimator", "gae"], "trains a critic: give --critic_model_name_or_path"),
-    (["--reward_weights", "1", "2"], "--reward_weights has 2 values for 1 rewards"),
-    (["--reward_funcs", "no_such_builtin"], "no_such_builtin"),
-    (["--per_device_training_batch_size", "3"], "--n_samples_per_prompt x"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--advantage_estimator", "rloo", "--n_samples_per_prompt", "1"], "needs --n_samples_per_prompt >= 2"),
+        (["--advantage_estimator", "gae"], "trains a critic: give --critic_model_name_or_path"),
+        (["--reward_weights", "1", "2"], "--reward_weights has 2 values for 1 rewards"),
+        (["--reward_funcs", "no_such_builtin"], "no_such_builtin"),
+        (["--per_device_training_batch_size", "3"], "--n_samples_per_prompt x"),
+    ],
+)
 def test_rl_flag_errors_are_one_line(tiny_llama, tmp_path, flags, message):
     write_rows(tmp_path)
     with pytest.raises(UsageError) as raised:
@@ -155,8 +184,18 @@ def test_a_gae_critic_from_a_causal_lm_only_when_asked(tiny_llama, tmp_path):
     """With a function reward, gae's critic may start from a plain causal LM (a fresh value head) only with
     --critic_fresh_value_head; without it such a directory is refused as it is as a reward model."""
     write_rows(tmp_path)
-    flags = ["--advantage_estimator", "gae", "--n_samples_per_prompt", "1", "--critic_model_name_or_path",
-             tiny_llama, "--actor_zero_stage", 0, "--critic_zero_stage", 0]
+    flags = [
+        "--advantage_estimator",
+        "gae",
+        "--n_samples_per_prompt",
+        "1",
+        "--critic_model_name_or_path",
+        tiny_llama,
+        "--actor_zero_stage",
+        0,
+        "--critic_zero_stage",
+        0,
+    ]
     with pytest.raises(Exception, match="value_head.safetensors"):
         parse_args(grpo_args(tiny_llama, tmp_path, *flags))
     run = setup(parse_args(grpo_args(tiny_llama, tmp_path, *flags, "--critic_fresh_value_head")))
@@ -169,9 +208,26 @@ def test_a_reward_model_and_a_function_combined_and_no_reference_without_kl(tiny
     """--reward_funcs mixes a reward-model directory with a function (weighted, each logged); with --kl_ctl 0
     no reference model is built (the KL is 0, not measured against a copy)."""
     write_rows(tmp_path)
-    run = setup(parse_args(grpo_args(
-        tiny_llama, tmp_path, "--reward_funcs", tiny_llama_reward, f"{tmp_path / 'rewards.py'}:aligned_length",
-        "--reward_weights", 0.5, 2, "--kl_ctl", 0, "--actor_zero_stage", 0, "--critic_zero_stage", 0)))
+    run = setup(
+        parse_args(
+            grpo_args(
+                tiny_llama,
+                tmp_path,
+                "--reward_funcs",
+                tiny_llama_reward,
+                f"{tmp_path / 'rewards.py'}:aligned_length",
+                "--reward_weights",
+                0.5,
+                2,
+                "--kl_ctl",
+                0,
+                "--actor_zero_stage",
+                0,
+                "--critic_zero_stage",
+                0,
+            )
+        )
+    )
     assert run.engines.ref is None and list(run.engines.rewards) == [tiny_llama_reward]
     metrics, rows = run.trainer.step(prompt_batches(run, 2), step=0)
     for r in rows:
@@ -185,10 +241,29 @@ def test_evaluation_on_its_own_prompt_file(tiny_llama, tmp_path):
     in batches of a rollout's generate call (prompts x samples)."""
     write_rows(tmp_path)
     held_out = tmp_path / "held_out.jsonl"
-    held_out.write_text("".join(json.dumps({"prompt": f"Human: #{100 + i} plot story ?\n\nAssistant:", "answer": "story",
-                                            "id": 100 + i}) + "\n" for i in range(7)))
-    run = setup(parse_args(grpo_args(tiny_llama, tmp_path, "--actor_zero_stage", 0, "--eval_interval", 1,
-                                     "--eval_data_path", held_out, "--eval_num_prompts", 6)))
+    held_out.write_text(
+        "".join(
+            json.dumps({"prompt": f"Human: #{100 + i} plot story ?\n\nAssistant:", "answer": "story", "id": 100 + i})
+            + "\n"
+            for i in range(7)
+        )
+    )
+    run = setup(
+        parse_args(
+            grpo_args(
+                tiny_llama,
+                tmp_path,
+                "--actor_zero_stage",
+                0,
+                "--eval_interval",
+                1,
+                "--eval_data_path",
+                held_out,
+                "--eval_num_prompts",
+                6,
+            )
+        )
+    )
     assert [len(b["rows"]) for b in run.eval_batches] == [4, 2]
     ids = [r["extra"]["id"] for b in run.eval_batches for r in b["rows"]]
     assert len(set(ids)) == 6 and set(ids) <= set(range(100, 107))  # the held-out file's rows, none of the train
@@ -204,12 +279,36 @@ def test_two_ranks_zero3_hybrid_no_critic_checkpoint_resume(tiny_gpt2, tmp_path)
     with each component and the accuracy of math_exact (0 here: the answers are words)."""
     write_rows(tmp_path, 40)
     out = tmp_path / "out"
-    args = grpo_args(tiny_gpt2, tmp_path, "--advantage_estimator", "rloo", "--actor_zero_stage", 3,
-                     "--enable_hybrid_engine", "--actor_learning_rate", 0, "--generation_batches", 2,
-                     "--per_device_training_batch_size", 4, "--save_interval", 1, "--eval_interval", 2,
-                     "--eval_num_prompts", 4, "--max_steps", 2)
-    args[args.index("--reward_funcs") + 1:args.index("--reward_funcs") + 2] = [
-        f"{tmp_path / 'rewards.py'}:aligned_length", "math_exact", "--reward_weights", "1", "0.5"]
+    args = grpo_args(
+        tiny_gpt2,
+        tmp_path,
+        "--advantage_estimator",
+        "rloo",
+        "--actor_zero_stage",
+        3,
+        "--enable_hybrid_engine",
+        "--actor_learning_rate",
+        0,
+        "--generation_batches",
+        2,
+        "--per_device_training_batch_size",
+        4,
+        "--save_interval",
+        1,
+        "--eval_interval",
+        2,
+        "--eval_num_prompts",
+        4,
+        "--max_steps",
+        2,
+    )
+    args[args.index("--reward_funcs") + 1 : args.index("--reward_funcs") + 2] = [
+        f"{tmp_path / 'rewards.py'}:aligned_length",
+        "math_exact",
+        "--reward_weights",
+        "1",
+        "0.5",
+    ]
     proc = run_deepspeed("step3_ppo.main", args, log_path=str(tmp_path / "log1.txt"))
     assert os.path.exists(out / "actor" / "model.safetensors"), tail(proc)
     assert not os.path.exists(out / "critic") and not os.path.exists(out / "actor_ema")
@@ -219,8 +318,9 @@ def test_two_ranks_zero3_hybrid_no_critic_checkpoint_resume(tiny_gpt2, tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
     evals = [r for r in rows if "eval/accuracy" in r]
     assert [r["step"] for r in evals] == [0, 2]
-    assert all(r["eval/prompts"] == 4 and r["eval/accuracy"] == 0 and r["eval/reward/aligned_length_mean"] > 0
-               for r in evals)
+    assert all(
+        r["eval/prompts"] == 4 and r["eval/accuracy"] == 0 and r["eval/reward/aligned_length_mean"] > 0 for r in evals
+    )
     for row in rows[1:]:
         assert row["ppo/log_ratio_max_abs"] <= 1e-4 and row["kl/ref_mean"] == pytest.approx(0.0, abs=1e-4), row
         assert "loss/critic" not in row and row["reward/aligned_length_mean"] > 0

@@ -3,6 +3,7 @@ for every generation batch size, mini-batch size and padding layout, on gpt2 (ab
 and llama (rotary). Runs the real engines and trainer in this process (ZeRO-0, one rank); the
 2-rank ZeRO-3 case through the launcher is in test_step3_run.py.
 """
+
 import json
 
 import pytest
@@ -20,19 +21,52 @@ def write_prompts(path, n=24, chat=False):
     with open(path, "w") as f:
         for i in range(n):
             words = " ".join(PROMPT_WORDS[(i + j) % len(PROMPT_WORDS)] for j in range(1 + (i * 5) % 12))
-            row = {"prompt": [{"role": "user", "content": words}]} if chat else {"prompt": f"Human: {words}\n\nAssistant:"}
+            row = (
+                {"prompt": [{"role": "user", "content": words}]}
+                if chat
+                else {"prompt": f"Human: {words}\n\nAssistant:"}
+            )
             f.write(json.dumps(row) + "\n")
 
 
 def lr0_setup(model, critic, tmp, chat=False):
     write_prompts(tmp / "prompts.jsonl", chat=chat)
-    args = parse_args([
-        "--actor_model_name_or_path", model, "--critic_model_name_or_path", critic,
-        "--data_path", str(tmp / "prompts.jsonl"), "--data_split", "0,0,10", "--output_dir", str(tmp / "out"),
-        "--actor_zero_stage", "0", "--critic_zero_stage", "0", "--actor_learning_rate", "0",
-        "--critic_learning_rate", "0", "--max_prompt_seq_len", "48" if chat else "32", "--max_answer_seq_len", "10",
-        "--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "4", "--seed", "3",
-        "--actor_dropout", "0.0", "--critic_dropout", "0.0"])
+    args = parse_args(
+        [
+            "--actor_model_name_or_path",
+            model,
+            "--critic_model_name_or_path",
+            critic,
+            "--data_path",
+            str(tmp / "prompts.jsonl"),
+            "--data_split",
+            "0,0,10",
+            "--output_dir",
+            str(tmp / "out"),
+            "--actor_zero_stage",
+            "0",
+            "--critic_zero_stage",
+            "0",
+            "--actor_learning_rate",
+            "0",
+            "--critic_learning_rate",
+            "0",
+            "--max_prompt_seq_len",
+            "48" if chat else "32",
+            "--max_answer_seq_len",
+            "10",
+            "--per_device_generation_batch_size",
+            "4",
+            "--per_device_training_batch_size",
+            "4",
+            "--seed",
+            "3",
+            "--actor_dropout",
+            "0.0",
+            "--critic_dropout",
+            "0.0",
+        ]
+    )
     return setup(args)
 
 
@@ -41,14 +75,15 @@ def ppo_setup(request, tmp_path_factory):
     from utils.models.tiny import make_tiny_model_cached
 
     critic = request.getfixturevalue(f"tiny_{request.param}_reward")  # a step-2-like reward-model directory
-    return request.param, lr0_setup(make_tiny_model_cached(request.param), critic,
-                                    tmp_path_factory.mktemp(f"lr0_{request.param}"))
+    return request.param, lr0_setup(
+        make_tiny_model_cached(request.param), critic, tmp_path_factory.mktemp(f"lr0_{request.param}")
+    )
 
 
 def prompt_batches(run, generation_batch_size: int, n_rows: int = 4, offset: int = 0):
-    examples = list(run.loader.dataset)[offset:offset + n_rows]
+    examples = list(run.loader.dataset)[offset : offset + n_rows]
     collate = PromptCollator(run.tokenizer.pad_token_id)
-    return [collate(examples[i:i + generation_batch_size]) for i in range(0, n_rows, generation_batch_size)]
+    return [collate(examples[i : i + generation_batch_size]) for i in range(0, n_rows, generation_batch_size)]
 
 
 @pytest.mark.parametrize("generation_batch_size", [2, 4])
@@ -64,8 +99,9 @@ def test_log_ratio_is_zero_at_lr0_sampling(ppo_setup, generation_batch_size, tra
 
 
 @pytest.mark.parametrize("generation_batch_size,training_batch_size", [(2, 1), (4, 4)])
-def test_old_logprobs_from_the_generator_keep_the_log_ratio_at_zero(ppo_setup, generation_batch_size,
-                                                                    training_batch_size, monkeypatch):
+def test_old_logprobs_from_the_generator_keep_the_log_ratio_at_zero(
+    ppo_setup, generation_batch_size, training_batch_size, monkeypatch
+):
     """--old_logprobs rollout: the generator's own log-probs (KV-cached decoding of a left-padded batch) are the
     old policy's, with no forward of the actor after generation; training's forward (other padding, no cache)
     gives the same values at lr 0."""
@@ -73,8 +109,11 @@ def test_old_logprobs_from_the_generator_keep_the_log_ratio_at_zero(ppo_setup, g
     trainer, config = run.trainer, run.trainer.config
     forwards = []
     store = trainer.store_logprobs
-    monkeypatch.setattr(trainer, "store_logprobs", lambda rows, engine, name, *share: (forwards.append(name),
-                                                                                        store(rows, engine, name, *share)))
+    monkeypatch.setattr(
+        trainer,
+        "store_logprobs",
+        lambda rows, engine, name, *share: (forwards.append(name), store(rows, engine, name, *share)),
+    )
     monkeypatch.setattr(config, "old_logprobs", "rollout")
     monkeypatch.setattr(config, "per_device_training_batch_size", training_batch_size)
     config.do_sample = True
@@ -124,16 +163,20 @@ def test_positions_from_arange_would_break_the_invariant(ppo_setup, monkeypatch)
         pytest.skip("rotary positions are relative: a uniform shift does not change llama's logits")
     import utils.models.forward
 
-    monkeypatch.setattr(utils.models.forward, "position_ids_from_attention_mask",
-                        lambda mask: torch.arange(mask.shape[1]).expand_as(mask))
+    monkeypatch.setattr(
+        utils.models.forward,
+        "position_ids_from_attention_mask",
+        lambda mask: torch.arange(mask.shape[1]).expand_as(mask),
+    )
     run.trainer.config.per_device_training_batch_size = 1
     metrics, _ = run.trainer.step(prompt_batches(run, 4, offset=12), step=0)
     run.trainer.config.per_device_training_batch_size = 4
     assert metrics["ppo/log_ratio_max_abs"] > 1e-3
 
 
-def test_log_ratio_is_zero_on_templated_prompts_ending_at_end_of_turn(tiny_chat_llama, tiny_chat_llama_reward,
-                                                                      tmp_path):
+def test_log_ratio_is_zero_on_templated_prompts_ending_at_end_of_turn(
+    tiny_chat_llama, tiny_chat_llama_reward, tmp_path
+):
     """Message-list prompts through a ChatML template whose end-of-turn token is not EOS: prompts end
     with the generation prompt, a response ends at the first of EOS / end-of-turn (here a token the
     random model does emit stands in for end-of-turn), and the log-ratio stays ~0."""
@@ -142,7 +185,7 @@ def test_log_ratio_is_zero_on_templated_prompts_ending_at_end_of_turn(tiny_chat_
     eot = tok.convert_tokens_to_ids("<|im_end|>")
     assert config.stop_token_ids == (tok.eos_token_id, eot)
     generation_prompt = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
-    assert all(ex["input_ids"][-len(generation_prompt):] == generation_prompt for ex in run.loader.dataset)
+    assert all(ex["input_ids"][-len(generation_prompt) :] == generation_prompt for ex in run.loader.dataset)
     config.do_sample, config.per_device_training_batch_size = True, 1
     batches = prompt_batches(run, 4, n_rows=4, offset=4)
     torch.manual_seed(5)
@@ -170,8 +213,13 @@ def test_log_ratio_is_zero_at_lr0_for_every_estimator(ppo_setup):
 
     arch, run = ppo_setup
     trainer, config = run.trainer, run.trainer.config
-    saved = (trainer.estimator, trainer.loss_agg, trainer.critic, config.n_samples_per_prompt,
-             config.per_device_training_batch_size)
+    saved = (
+        trainer.estimator,
+        trainer.loss_agg,
+        trainer.critic,
+        config.n_samples_per_prompt,
+        config.per_device_training_batch_size,
+    )
     maxima = {}
     try:
         for estimator in ESTIMATOR_NAMES if arch == "llama" else ["gae", "grpo"]:
@@ -182,8 +230,9 @@ def test_log_ratio_is_zero_at_lr0_for_every_estimator(ppo_setup):
                 config.n_samples_per_prompt, config.per_device_training_batch_size = n, minibatch
                 config.do_sample = True
                 torch.manual_seed(n)
-                metrics, rows = trainer.step(prompt_batches(run, prompts_per_batch, n_rows=prompts_per_batch * batches,
-                                                            offset=4), step=0)
+                metrics, rows = trainer.step(
+                    prompt_batches(run, prompts_per_batch, n_rows=prompts_per_batch * batches, offset=4), step=0
+                )
                 assert len(rows) == n * prompts_per_batch * batches
                 groups = [r.group for r in rows]
                 assert groups == [i // n for i in range(len(rows))]  # unique per prompt across generation batches
@@ -192,7 +241,12 @@ def test_log_ratio_is_zero_at_lr0_for_every_estimator(ppo_setup):
                 assert ("loss/critic" in metrics) == (estimator == "gae")
                 maxima[estimator, n] = metrics["ppo/log_ratio_max_abs"]
     finally:
-        (trainer.estimator, trainer.loss_agg, trainer.critic, config.n_samples_per_prompt,
-         config.per_device_training_batch_size) = saved
+        (
+            trainer.estimator,
+            trainer.loss_agg,
+            trainer.critic,
+            config.n_samples_per_prompt,
+            config.per_device_training_batch_size,
+        ) = saved
     print(f"{arch} lr=0 max |log_ratio| per (estimator, n): {maxima}")
     assert max(maxima.values()) <= 1e-4, (arch, maxima)

@@ -3,6 +3,7 @@ bonus} at 4 samples per prompt (issue 27), with the unbiased KL loss and GDPO's 
 reward functions: in this process (ZeRO-0, one rank, llama) for each combination, and one 2-rank
 ZeRO-3 + hybrid run through the launcher for gspo. The settings go through the flags, as a user gives them.
 """
+
 import pytest
 import torch
 
@@ -13,14 +14,14 @@ from tests.test_step3_lr0 import prompt_batches, write_prompts
 from utils.errors import UsageError
 
 # two rewards on different scales that vary between the samples of a prompt (non-zero advantages)
-REWARDS = '''
+REWARDS = """
 def first_token(completion_ids, **kwargs):
     return [float(ids[0] % 7) for ids in completion_ids]
 
 
 def token_sum(completion_ids, **kwargs):
     return [float(sum(ids) % 101) for ids in completion_ids]
-'''
+"""
 
 # every --policy_loss x {clip-higher, dual-clip, entropy}; cispo has no clipped surrogate to dual-clip (refused)
 COMBINATIONS = {
@@ -37,12 +38,39 @@ COMBINATIONS = {
 
 def rl_args(model, tmp, *extra):
     """GRPO on 4 samples per prompt, two reward functions normalised apart, KL to the reference in the loss."""
-    return ["--actor_model_name_or_path", model, "--data_path", str(tmp / "prompts.jsonl"), "--data_split", "0,0,10",
-            "--output_dir", str(tmp / "out"), "--advantage_estimator", "grpo", "--n_samples_per_prompt", "4",
-            "--reward_funcs", f"{tmp / 'rewards.py'}:first_token", f"{tmp / 'rewards.py'}:token_sum",
-            "--reward_norm", "normalize_then_sum", "--kl_in_loss", "--max_prompt_seq_len", "32",
-            "--max_answer_seq_len", "8", "--per_device_generation_batch_size", "2",
-            "--per_device_training_batch_size", "4", "--ppo_epochs", "2", "--seed", "3", *map(str, extra)]
+    return [
+        "--actor_model_name_or_path",
+        model,
+        "--data_path",
+        str(tmp / "prompts.jsonl"),
+        "--data_split",
+        "0,0,10",
+        "--output_dir",
+        str(tmp / "out"),
+        "--advantage_estimator",
+        "grpo",
+        "--n_samples_per_prompt",
+        "4",
+        "--reward_funcs",
+        f"{tmp / 'rewards.py'}:first_token",
+        f"{tmp / 'rewards.py'}:token_sum",
+        "--reward_norm",
+        "normalize_then_sum",
+        "--kl_in_loss",
+        "--max_prompt_seq_len",
+        "32",
+        "--max_answer_seq_len",
+        "8",
+        "--per_device_generation_batch_size",
+        "2",
+        "--per_device_training_batch_size",
+        "4",
+        "--ppo_epochs",
+        "2",
+        "--seed",
+        "3",
+        *map(str, extra),
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +85,9 @@ def lr0_run(tiny_llama, tmp_path_factory):
 def trainer_for(run, args) -> PPOTrainer:
     """A trainer on the run's engines and rewards with the RL settings of `args` (as main builds it)."""
     base = run.trainer.config
-    config = PPOConfig.from_args(args, stop_token_ids=base.stop_token_ids, pad_token_id=base.pad_token_id,
-                                 reward_weights=base.reward_weights)
+    config = PPOConfig.from_args(
+        args, stop_token_ids=base.stop_token_ids, pad_token_id=base.pad_token_id, reward_weights=base.reward_weights
+    )
     return PPOTrainer(run.engines, config, run.trainer.kl_ctl, run.trainer.rewards)
 
 
@@ -68,8 +97,9 @@ def test_log_ratio_is_zero_at_lr0_for_every_policy_loss_and_option(lr0_run):
     assert run.engines.ref is not None and len(run.trainer.rewards) == 2
     maxima = {}
     for (loss, option), flags in COMBINATIONS.items():
-        args = parse_args(rl_args(model, tmp, "--actor_zero_stage", 0, "--actor_learning_rate", 0,
-                                  "--policy_loss", loss, *flags))
+        args = parse_args(
+            rl_args(model, tmp, "--actor_zero_stage", 0, "--actor_learning_rate", 0, "--policy_loss", loss, *flags)
+        )
         trainer = trainer_for(run, args)
         assert trainer.loss_agg == {"ppo": "seq_mean", "gspo": "seq_mean", "cispo": "token_mean"}[loss]
         torch.manual_seed(len(maxima))
@@ -94,9 +124,25 @@ def test_two_rank_zero3_hybrid_gspo_lr0(tiny_gpt2, tmp_path):
     write_prompts(tmp_path / "prompts.jsonl", 40)
     (tmp_path / "rewards.py").write_text(REWARDS)
     out = str(tmp_path / "out")
-    args = rl_args(tiny_gpt2, tmp_path, "--actor_zero_stage", 3, "--enable_hybrid_engine", "--actor_learning_rate", 0,
-                   "--policy_loss", "gspo", "--cliprange_high", "1e-3", "--dual_clip", 3, "--entropy_coef", 0.01,
-                   "--max_steps", 2)
+    args = rl_args(
+        tiny_gpt2,
+        tmp_path,
+        "--actor_zero_stage",
+        3,
+        "--enable_hybrid_engine",
+        "--actor_learning_rate",
+        0,
+        "--policy_loss",
+        "gspo",
+        "--cliprange_high",
+        "1e-3",
+        "--dual_clip",
+        3,
+        "--entropy_coef",
+        0.01,
+        "--max_steps",
+        2,
+    )
     proc = run_deepspeed("step3_ppo.main", args, log_path=str(tmp_path / "log.txt"))
     rows = metrics(out) if (tmp_path / "out" / "metrics.jsonl").exists() else []
     assert [r["step"] for r in rows] == [1, 2], tail(proc)

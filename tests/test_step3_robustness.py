@@ -1,5 +1,6 @@
 """Step 3 under bad numbers and bad input: a NaN reward skips the update and is counted; too many in
 a row stop the run; a killed run resumes with the same metrics; input errors name what is wrong."""
+
 import os
 
 import pytest
@@ -16,19 +17,51 @@ from utils.train.checkpoint import BadStepGuard, LoopState, NonFiniteUpdates
 def ppo_args(model, prompts, out, *extra, critic=None):
     """`critic` (default: `model`, enough for tests that stop in parse_args before the model-kind checks) must
     be a reward-model directory otherwise."""
-    return ["--actor_model_name_or_path", model, "--critic_model_name_or_path", critic or model,
-            "--data_path", str(prompts), "--data_split", "0,0,10", "--output_dir", str(out),
-            "--max_prompt_seq_len", "32", "--max_answer_seq_len", "4", "--per_device_generation_batch_size", "4",
-            "--per_device_training_batch_size", "2", "--seed", "11", *map(str, extra)]
+    return [
+        "--actor_model_name_or_path",
+        model,
+        "--critic_model_name_or_path",
+        critic or model,
+        "--data_path",
+        str(prompts),
+        "--data_split",
+        "0,0,10",
+        "--output_dir",
+        str(out),
+        "--max_prompt_seq_len",
+        "32",
+        "--max_answer_seq_len",
+        "4",
+        "--per_device_generation_batch_size",
+        "4",
+        "--per_device_training_batch_size",
+        "2",
+        "--seed",
+        "11",
+        *map(str, extra),
+    ]
 
 
 @pytest.fixture(scope="module")
 def nan_run(tiny_gpt2, tiny_gpt2_reward, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("nan")
     write_prompts(tmp / "prompts.jsonl")
-    args = parse_args(ppo_args(tiny_gpt2, tmp / "prompts.jsonl", tmp / "out", "--actor_zero_stage", 0,
-                               "--critic_zero_stage", 0, "--actor_learning_rate", 1e-2, "--max_bad_steps", 2,
-                               critic=tiny_gpt2_reward))
+    args = parse_args(
+        ppo_args(
+            tiny_gpt2,
+            tmp / "prompts.jsonl",
+            tmp / "out",
+            "--actor_zero_stage",
+            0,
+            "--critic_zero_stage",
+            0,
+            "--actor_learning_rate",
+            1e-2,
+            "--max_bad_steps",
+            2,
+            critic=tiny_gpt2_reward,
+        )
+    )
     return setup(args)
 
 
@@ -70,12 +103,15 @@ def test_consecutive_nan_rewards_stop_the_run(nan_run, monkeypatch):
         run.trainer.step(prompt_batches(run, 4), step=1)
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--per_device_training_batch_size", "3"], "does not divide the rollout of 4 rows"),
-    (["--min_answer_seq_len", "9"], "--min_answer_seq_len (9) <= --max_answer_seq_len (4)"),
-    (["--temperature", "0"], "--temperature must be > 0"),
-    (["--only_optimize_lora"], "--only_optimize_lora needs"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--per_device_training_batch_size", "3"], "does not divide the rollout of 4 rows"),
+        (["--min_answer_seq_len", "9"], "--min_answer_seq_len (9) <= --max_answer_seq_len (4)"),
+        (["--temperature", "0"], "--temperature must be > 0"),
+        (["--only_optimize_lora"], "--only_optimize_lora needs"),
+    ],
+)
 def test_incompatible_flags_fail_before_any_model_is_loaded(tiny_gpt2, tiny_gpt2_reward, tmp_path, flags, message):
     with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
         parse_args(ppo_args(tiny_gpt2, tmp_path / "p.jsonl", tmp_path / "out", *flags, critic=tiny_gpt2_reward))
@@ -93,10 +129,33 @@ def test_step3_kill_and_resume_matches_uninterrupted(tiny_gpt2, tiny_gpt2_reward
     uninterrupted reference (tests.test_resume.kill_after_row_and_resume)."""
     write_prompts(tmp_path / "prompts.jsonl", 64)
     out = str(tmp_path / "out")
-    args = ppo_args(tiny_gpt2, tmp_path / "prompts.jsonl", out, "--actor_zero_stage", 3, "--critic_zero_stage", 3,
-                    "--enable_hybrid_engine", "--actor_learning_rate", 1e-3, "--critic_learning_rate", 1e-3,
-                    "--adaptive_kl", "--kl_target", 0.5, "--kl_horizon", 100, "--enable_ema",
-                    "--ppo_epochs", 2, "--max_steps", 7, "--save_interval", 3, critic=tiny_gpt2_reward)
+    args = ppo_args(
+        tiny_gpt2,
+        tmp_path / "prompts.jsonl",
+        out,
+        "--actor_zero_stage",
+        3,
+        "--critic_zero_stage",
+        3,
+        "--enable_hybrid_engine",
+        "--actor_learning_rate",
+        1e-3,
+        "--critic_learning_rate",
+        1e-3,
+        "--adaptive_kl",
+        "--kl_target",
+        0.5,
+        "--kl_horizon",
+        100,
+        "--enable_ema",
+        "--ppo_epochs",
+        2,
+        "--max_steps",
+        7,
+        "--save_interval",
+        3,
+        critic=tiny_gpt2_reward,
+    )
     resumed_at, uninterrupted, proc = kill_after_row_and_resume("step3_ppo.main", args, out, tmp_path, kill_at=5)
     assert resumed_at == 3, resumed_at
     assert os.path.exists(os.path.join(out, "actor", "model.safetensors")), tail(proc)

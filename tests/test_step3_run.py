@@ -1,4 +1,5 @@
 """Step 3 through the deepspeed launcher on 2 CPU ranks under ZeRO-3 (the reference setting)."""
+
 import json
 import os
 
@@ -17,8 +18,10 @@ def test_generation_modes_agree_and_repartition(tiny_llama, tmp_path):
     generation mode runs plain layers (no LoRA wrappers, no ZeRO parameter dicts), then puts the
     same module objects back."""
     out = tmp_path / "generation.json"
-    proc = run_deepspeed("step3_ppo.generation_check", ["--model_name_or_path", tiny_llama, "--lora_dim", 4,
-                                                        "--zero_stage", 3, "--out", out])
+    proc = run_deepspeed(
+        "step3_ppo.generation_check",
+        ["--model_name_or_path", tiny_llama, "--lora_dim", 4, "--zero_stage", 3, "--out", out],
+    )
     assert out.exists(), tail(proc)
     result = json.loads(out.read_text())
     assert result["world_size"] == 2
@@ -42,12 +45,43 @@ def test_two_rank_zero3_hybrid_lr0_log_ratio_and_exports(tiny_gpt2, tiny_gpt2_re
     per-layer hooks (--no_gathered_experience) gives the same log-probs as the hooked training forward."""
     write_prompts(tmp_path / "prompts.jsonl", 40)
     out = str(tmp_path / "out")
-    args = ["--actor_model_name_or_path", tiny_gpt2, "--critic_model_name_or_path", tiny_gpt2_reward,
-            "--data_path", tmp_path / "prompts.jsonl", "--data_split", "0,0,10", "--output_dir", out,
-            "--actor_zero_stage", 3, "--critic_zero_stage", 3, "--enable_hybrid_engine",
-            "--actor_learning_rate", 0, "--critic_learning_rate", 0, "--max_prompt_seq_len", 32,
-            "--max_answer_seq_len", 6, "--per_device_generation_batch_size", 4, "--generation_batches", 2,
-            "--per_device_training_batch_size", 2, "--ppo_epochs", 2, "--max_steps", 2, "--seed", 5]
+    args = [
+        "--actor_model_name_or_path",
+        tiny_gpt2,
+        "--critic_model_name_or_path",
+        tiny_gpt2_reward,
+        "--data_path",
+        tmp_path / "prompts.jsonl",
+        "--data_split",
+        "0,0,10",
+        "--output_dir",
+        out,
+        "--actor_zero_stage",
+        3,
+        "--critic_zero_stage",
+        3,
+        "--enable_hybrid_engine",
+        "--actor_learning_rate",
+        0,
+        "--critic_learning_rate",
+        0,
+        "--max_prompt_seq_len",
+        32,
+        "--max_answer_seq_len",
+        6,
+        "--per_device_generation_batch_size",
+        4,
+        "--generation_batches",
+        2,
+        "--per_device_training_batch_size",
+        2,
+        "--ppo_epochs",
+        2,
+        "--max_steps",
+        2,
+        "--seed",
+        5,
+    ]
     if experience == "hooked":
         args.append("--no_gathered_experience")
     proc = run_deepspeed("step3_ppo.main", args, log_path=str(tmp_path / "log.txt"))

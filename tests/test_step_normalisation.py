@@ -3,6 +3,7 @@ every micro-batch of the gradient-accumulation window and every rank, the last p
 count, in step 1, the DPO step and step 3. The 2-rank case runs the product's loops under the launcher
 (tests/step_normalisation_probe.py) against one plain batch of all the rows; the rest is the arithmetic
 and the loop's boundaries on a stub engine."""
+
 import json
 import os
 
@@ -19,8 +20,13 @@ def test_equal_counts_leave_the_micro_batch_loss_unchanged_bit_for_bit():
     loss, logged = step_normalised_loss({"tokens": term}, {"tokens": 7}, {"tokens": 28.0}, accumulation=2, ranks=2)
     assert torch.equal(loss, term) and logged == pytest.approx(term.item() / 4)
     # unequal counts: accumulation x ranks x count / total (DeepSpeed divides by both again)
-    loss, logged = step_normalised_loss({"tokens": term, "pairs": term}, {"tokens": 3, "pairs": 0},
-                                        {"tokens": 20.0, "pairs": 8.0}, accumulation=2, ranks=2)
+    loss, logged = step_normalised_loss(
+        {"tokens": term, "pairs": term},
+        {"tokens": 3, "pairs": 0},
+        {"tokens": 20.0, "pairs": 8.0},
+        accumulation=2,
+        ranks=2,
+    )
     assert loss.item() == pytest.approx(term.item() * 0.6) and logged == pytest.approx(term.item() * 0.15)
     assert step_normalised_loss({"tokens": term}, {"tokens": 0}, {"tokens": 0.0}, 2, 2)[0].item() == 0.0
 
@@ -38,15 +44,22 @@ def test_sft_and_dpo_counts_are_the_units_their_losses_average_over():
     from utils.data import PreferenceCollator, SFTCollator
     from utils.math.losses import sft_nll
 
-    batch = SFTCollator(0)([{"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]},
-                            {"input_ids": [5, 6], "labels": [-100, -100]}])
+    batch = SFTCollator(0)(
+        [{"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]}, {"input_ids": [5, 6], "labels": [-100, -100]}]
+    )
     assert trained_tokens(batch) == {"tokens": int(sft_nll(torch.zeros(2, 4, 9), batch["labels"])[1])} == {"tokens": 2}
-    pairs = PreferenceCollator(0)([{"prompt_input_ids": [1, 2], "chosen_response_ids": [3, 4, 5],
-                                    "rejected_response_ids": [6]},
-                                   {"prompt_input_ids": [1], "chosen_response_ids": [3], "rejected_response_ids": [6, 7]}])
+    pairs = PreferenceCollator(0)(
+        [
+            {"prompt_input_ids": [1, 2], "chosen_response_ids": [3, 4, 5], "rejected_response_ids": [6]},
+            {"prompt_input_ids": [1], "chosen_response_ids": [3], "rejected_response_ids": [6, 7]},
+        ]
+    )
     options = dict(beta=0.1, loss_type="sigmoid", label_smoothing=0.0)
     assert PreferenceLoss(SimpleNamespace(nll_loss_coef=0.0, **options)).units(pairs) == {"pairs": 2}
-    assert PreferenceLoss(SimpleNamespace(nll_loss_coef=0.5, **options)).units(pairs) == {"pairs": 2, "chosen_tokens": 4}
+    assert PreferenceLoss(SimpleNamespace(nll_loss_coef=0.5, **options)).units(pairs) == {
+        "pairs": 2,
+        "chosen_tokens": 4,
+    }
 
 
 class WindowEngine:
@@ -83,8 +96,13 @@ def test_the_loop_reads_each_window_ahead_and_closes_it_itself(tmp_path):
     2 x count / the window's total (one rank), the last partial window by its own total; the logged loss is
     the window's token mean; a non-finite last micro-batch still closes its window (0 x a replayed one)."""
     engine = WindowEngine(gas=2)
-    batches = [{"n": 1, "loss": 1.0}, {"n": 3, "loss": 2.0}, {"n": 2, "loss": 4.0}, {"n": 2, "loss": float("nan")},
-               {"n": 5, "loss": 3.0}]
+    batches = [
+        {"n": 1, "loss": 1.0},
+        {"n": 3, "loss": 2.0},
+        {"n": 2, "loss": 4.0},
+        {"n": 2, "loss": float("nan")},
+        {"n": 5, "loss": 3.0},
+    ]
     logged = []
     run = make_run(tmp_path, total_steps=3)
 
@@ -92,12 +110,23 @@ def test_the_loop_reads_each_window_ahead_and_closes_it_itself(tmp_path):
         logged.append(means[0])
         return {"train/loss": means[0]}, {}, None
 
-    train_micro_batches(run, engine, batches, Sampler(), lambda b: ({"tokens": torch.tensor(b["loss"])}, ()),
-                        step_metrics, counts=lambda b: {"tokens": b["n"]})
+    train_micro_batches(
+        run,
+        engine,
+        batches,
+        Sampler(),
+        lambda b: ({"tokens": torch.tensor(b["loss"])}, ()),
+        step_metrics,
+        counts=lambda b: {"tokens": b["n"]},
+    )
     run.logger.close()
-    assert engine.calls == [(0.5, False), (3.0, True),  # 1 x 2/4, 2 x 2 x 3/4
-                            (4.0, False), (0.0, True),  # the nan micro-batch: 0 x the first one, still the boundary
-                            (6.0, True)]  # the partial window: 3 x 2 x 5/5
+    assert engine.calls == [
+        (0.5, False),
+        (3.0, True),  # 1 x 2/4, 2 x 2 x 3/4
+        (4.0, False),
+        (0.0, True),  # the nan micro-batch: 0 x the first one, still the boundary
+        (6.0, True),
+    ]  # the partial window: 3 x 2 x 5/5
     assert engine.optimizer_steps == 3 and run.loop.step == 3 and run.loop.bad_steps == 1
     assert logged == pytest.approx([(1 * 1 + 2 * 3) / 4, 4.0 * 2 / 4, 3.0])  # the skipped tokens stay counted
 
@@ -109,8 +138,9 @@ def test_two_ranks_with_accumulation_give_the_gradients_of_one_batch(tiny_gpt2, 
     DeepSpeed applies equals that of one plain batch of all the window's rows within 1e-6 relative, and the
     logged loss is that batch's; the former per-micro-batch normalisation is far off on the same rows."""
     out = tmp_path / "probe.json"
-    proc = run_deepspeed("tests.step_normalisation_probe", [tiny_gpt2, out, tmp_path], timeout=900,
-                         log_path=str(tmp_path / "log.txt"))
+    proc = run_deepspeed(
+        "tests.step_normalisation_probe", [tiny_gpt2, out, tmp_path], timeout=900, log_path=str(tmp_path / "log.txt")
+    )
     assert out.exists(), tail(proc)
     results = json.loads(out.read_text())
     assert results.pop("ranks") == 2

@@ -102,8 +102,9 @@ def test_sft_rows_are_calculator_traces(data):
         assert sorted(numbers_of(expression)) == sorted(numbers_of(question))  # the story's numbers, no others
         if PLAIN.match(question):
             assert question == f"What is {expression}?"
-        assert messages[2]["content"] == ('<tool_call>\n{"name": "calculator", "arguments": {"expression": "'
-                                          + expression + '"}}\n</tool_call>')
+        assert messages[2]["content"] == (
+            '<tool_call>\n{"name": "calculator", "arguments": {"expression": "' + expression + '"}}\n</tool_call>'
+        )
         assert messages[3]["content"] == calculator(expression) == str(value_of(question))
         assert messages[4]["content"] == f"The answer is {messages[3]['content']}."
 
@@ -161,11 +162,13 @@ def test_cli_writes_three_files(tmp_path, capsys):
 
 
 def test_help_answers_without_torch():
-    probe = ("import runpy, sys; sys.argv = ['make_tool_data', '--help']\n"
-             "try:\n    runpy.run_module('data.make_tool_data', run_name='__main__')\n"
-             "except SystemExit as e:\n    assert e.code in (0, None), e.code\n"
-             "assert 'torch' not in sys.modules, 'torch imported for --help'\n"
-             "assert 'transformers' not in sys.modules, 'transformers imported for --help'\n")
+    probe = (
+        "import runpy, sys; sys.argv = ['make_tool_data', '--help']\n"
+        "try:\n    runpy.run_module('data.make_tool_data', run_name='__main__')\n"
+        "except SystemExit as e:\n    assert e.code in (0, None), e.code\n"
+        "assert 'torch' not in sys.modules, 'torch imported for --help'\n"
+        "assert 'transformers' not in sys.modules, 'transformers imported for --help'\n"
+    )
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "usage:" in out.stdout and "--sft" in out.stdout

@@ -3,6 +3,7 @@ Hermes call parser, TRL-style schemas and one-line spec errors, a Toolbox that t
 text for the model (and stops a hung call, C code included, within 2x the timeout), and the python tool's
 sandbox (step3_ppo/agents/python_sandbox.py): no writes outside its folder, no TCP, no signals out, no output,
 process or folder left behind, and nothing run at all without Landlock."""
+
 import json
 import os
 import socket
@@ -30,28 +31,51 @@ needs_landlock = pytest.mark.skipif(not HAS_LANDLOCK, reason="no Landlock here: 
 
 
 def call(name, **arguments) -> str:
-    return f'<tool_call>\n{json.dumps({"name": name, "arguments": arguments})}\n</tool_call>'
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 # ---------------------------------------------------------------- calculator
 
-@pytest.mark.parametrize("expression, expected", [
-    ("(123 * 45 + 6789) / 2", "6162"), ("2 ** 100", "1267650600228229401496703205376"), ("0.1 + 0.2", "0.3"),
-    ("7 / 2", "3.5"), ("-7 // 2", "-4"), ("17 % 5", "2"), ("+-3", "-3"), ("2 ** -1", "0.5"), (" 1_000 * 3 ", "3000"),
-    ("123456789 * 987654321", "121932631112635269"),
-])
+
+@pytest.mark.parametrize(
+    "expression, expected",
+    [
+        ("(123 * 45 + 6789) / 2", "6162"),
+        ("2 ** 100", "1267650600228229401496703205376"),
+        ("0.1 + 0.2", "0.3"),
+        ("7 / 2", "3.5"),
+        ("-7 // 2", "-4"),
+        ("17 % 5", "2"),
+        ("+-3", "-3"),
+        ("2 ** -1", "0.5"),
+        (" 1_000 * 3 ", "3000"),
+        ("123456789 * 987654321", "121932631112635269"),
+    ],
+)
 def test_calculator_values(expression, expected):
     assert calculator(expression) == expected
 
 
-@pytest.mark.parametrize("expression, message", [
-    ("9**9**9", "too large"), ("10**999 * 10**999", "too large"), ("2.0 ** 10000", "too large"),
-    ("1e308 * 10", "too large"), ("1 / 0", "division by zero"), ("5 % 0", "division by zero"),
-    ("x + 1", "not the name 'x'"), ("__import__('os').system('true')", "not a function call"),
-    ("(1).real", "not an attribute"), ("'a' * 3", "not the str"), ("True + 1", "not the bool"),
-    ("(-8) ** 0.5", "not a real number"), ("1 +", "not an arithmetic expression"), ("1 << 3", "allowed"),
-    ("1" * 2000, "longer than"),
-])
+@pytest.mark.parametrize(
+    "expression, message",
+    [
+        ("9**9**9", "too large"),
+        ("10**999 * 10**999", "too large"),
+        ("2.0 ** 10000", "too large"),
+        ("1e308 * 10", "too large"),
+        ("1 / 0", "division by zero"),
+        ("5 % 0", "division by zero"),
+        ("x + 1", "not the name 'x'"),
+        ("__import__('os').system('true')", "not a function call"),
+        ("(1).real", "not an attribute"),
+        ("'a' * 3", "not the str"),
+        ("True + 1", "not the bool"),
+        ("(-8) ** 0.5", "not a real number"),
+        ("1 +", "not an arithmetic expression"),
+        ("1 << 3", "allowed"),
+        ("1" * 2000, "longer than"),
+    ],
+)
 def test_calculator_refusals(expression, message):
     with pytest.raises(ValueError, match=message) as info:
         calculator(expression)
@@ -60,13 +84,15 @@ def test_calculator_refusals(expression, message):
 
 # ---------------------------------------------------------------- parsing
 
+
 def parse(message):
     return TOOL_CALL_PARSERS["hermes"].parse(message)
 
 
 def test_parser_reads_one_and_two_calls():
     assert parse("Let me compute. " + call("calculator", expression="1+1")) == [
-        ToolCall("calculator", {"expression": "1+1"})]
+        ToolCall("calculator", {"expression": "1+1"})
+    ]
     two = parse(call("a", x=1) + " and " + call("b") + " done")
     assert two == [ToolCall("a", {"x": 1}), ToolCall("b", {})]
     assert parse("no call here, just <tool_call the answer") == [] and parse("") == []
@@ -77,13 +103,16 @@ def test_parser_accepts_arguments_as_a_json_string():
     assert parse(f"<tool_call>{body}</tool_call>") == [ToolCall("calculator", {"expression": "2*3"})]
 
 
-@pytest.mark.parametrize("body, name, message", [
-    ('{"name": "calculator", "arguments": {"expression": "1+1"}', None, "not valid JSON"),
-    ('{"arguments": {"expression": "1"}}', None, 'no "name"'),
-    ('["calculator"]', None, "got an array"),
-    ('{"name": "calculator", "arguments": [1, 2]}', "calculator", "got an array"),
-    ('{"name": "calculator", "arguments": "not json"}', "calculator", "not a JSON object"),
-])
+@pytest.mark.parametrize(
+    "body, name, message",
+    [
+        ('{"name": "calculator", "arguments": {"expression": "1+1"}', None, "not valid JSON"),
+        ('{"arguments": {"expression": "1"}}', None, 'no "name"'),
+        ('["calculator"]', None, "got an array"),
+        ('{"name": "calculator", "arguments": [1, 2]}', "calculator", "got an array"),
+        ('{"name": "calculator", "arguments": "not json"}', "calculator", "not a JSON object"),
+    ],
+)
 def test_parser_marks_malformed_calls(body, name, message):
     [parsed] = parse(f"<tool_call>{body}</tool_call>")
     assert parsed.name == name and parsed.arguments is None and message in parsed.error
@@ -131,26 +160,38 @@ def tool_file(tmp_path):
 def test_schema_of_a_trl_style_function(tool_file):
     [tool] = load_tools([f"{tool_file}:get_weather"])
     assert tool.name == "get_weather" and tool.spec == f"{tool_file}:get_weather"
-    assert tool.schema == {"type": "function", "function": {
-        "name": "get_weather", "description": "Gets the current weather in a city.",
-        "parameters": {"type": "object", "properties": {
-            "city": {"type": "string", "description": "The city's name."},
-            "unit": {"type": "string", "description": 'The temperature unit, "celsius" or "fahrenheit".'}},
-            "required": ["city"]},
-        "return": {"type": "string"}}}
+    assert tool.schema == {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Gets the current weather in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "description": "The city's name."},
+                    "unit": {"type": "string", "description": 'The temperature unit, "celsius" or "fahrenheit".'},
+                },
+                "required": ["city"],
+            },
+            "return": {"type": "string"},
+        },
+    }
     [builtin] = load_tools(["calculator"])
     assert builtin.schema["function"]["parameters"]["required"] == ["expression"]
     assert load_tools(["step3_ppo.agents.tools:calculator"])[0].schema == builtin.schema
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("nope", "unknown tool; expected a built-in (calculator, python)"),
-    ("missing_file.py:f", "no such file"),
-    ("{file}:absent", "has no function 'absent'"),
-    ("{file}:no_docstring", "no docstring"),
-    ("{file}:no_hints", "missing a type hint"),
-    ("step3_ppo.no_such_module:f", "no module named"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("nope", "unknown tool; expected a built-in (calculator, python)"),
+        ("missing_file.py:f", "no such file"),
+        ("{file}:absent", "has no function 'absent'"),
+        ("{file}:no_docstring", "no docstring"),
+        ("{file}:no_hints", "missing a type hint"),
+        ("step3_ppo.no_such_module:f", "no module named"),
+    ],
+)
 def test_bad_specs_are_one_line(tool_file, spec, message):
     spec = spec.format(file=tool_file)
     with pytest.raises(ToolError) as info:
@@ -240,11 +281,18 @@ def user_tools(tmp_path):
 def test_every_failed_call_comes_back_as_text(user_tools):
     with Toolbox(user_tools, timeout=30) as box:
         assert box.respond("The answer is 4.") == type(box.respond(""))([], 0, 0)
-        message = " ".join([
-            call("calculator", expression="12 * 12"), call("add", a=2, b=3), call("table", n=2),
-            "<tool_call>{not json}</tool_call>", call("search", query="x"), call("broken", x="1"),
-            call("add", a=1), call("calculator", expression="9**9**9"),
-        ])
+        message = " ".join(
+            [
+                call("calculator", expression="12 * 12"),
+                call("add", a=2, b=3),
+                call("table", n=2),
+                "<tool_call>{not json}</tool_call>",
+                call("search", query="x"),
+                call("broken", x="1"),
+                call("add", a=1),
+                call("calculator", expression="9**9**9"),
+            ]
+        )
         turn = box.respond(message)
     contents = [m["content"] for m in turn.messages]
     assert [m["role"] for m in turn.messages] == ["tool"] * 8 and turn.calls == 8 and turn.errors == 5
@@ -272,13 +320,15 @@ def test_a_hung_call_is_killed_within_twice_the_timeout(user_tools, tool, argume
         turn = box.respond(call(tool, **arguments))
         elapsed = time.monotonic() - started
         assert turn.errors == 1 and elapsed < 2 * timeout, elapsed
-        assert turn.messages[0]["content"] == (f"error: tool '{tool}' ran past the time limit of {timeout:g} s "
-                                               "(its worker process was killed)")
+        assert turn.messages[0]["content"] == (
+            f"error: tool '{tool}' ran past the time limit of {timeout:g} s (its worker process was killed)"
+        )
         assert box.respond(call("regex", text="aaa")).messages[0]["content"] == "True"  # a fresh worker
         assert box.respond(call("add", a=1, b=2)).messages[0]["content"] == "3"
 
 
 # ---------------------------------------------------------------- the python tool
+
 
 def test_python_refuses_to_start_without_landlock(monkeypatch):
     monkeypatch.setattr(python_sandbox, "landlock_abi", lambda: 0)
@@ -390,17 +440,21 @@ def test_python_cannot_outlive_its_timeout(code):
     """Through the Toolbox: the error text, within 2x the timeout; and a process that left the process group
     (setsid) is killed too."""
     timeout = 1.5
-    escape = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    print(os.getpid(), flush=True)\n"
-              "    time.sleep(100)\ntime.sleep(0.3)\n")
+    escape = (
+        "import os, time\nif os.fork() == 0:\n    os.setsid()\n    print(os.getpid(), flush=True)\n"
+        "    time.sleep(100)\ntime.sleep(0.3)\n"
+    )
     with Toolbox(load_tools(["python"]), timeout=timeout) as box:
         started = time.monotonic()
         turn = box.respond(call("python", code=escape + code))
         elapsed = time.monotonic() - started
         content = turn.messages[0]["content"]
         assert turn.errors == 1 and elapsed < 2 * timeout, elapsed
-        assert content.startswith(f"error: tool 'python' ran past the time limit of {timeout:g} s (stopped); "
-                                  "its output before: ")
+        assert content.startswith(
+            f"error: tool 'python' ran past the time limit of {timeout:g} s (stopped); its output before: "
+        )
         escaped = int(content.rsplit(" ", 1)[1])
         assert not _alive(escaped)
         assert box.respond(call("python", code="print('next')")).messages == [
-            {"role": "tool", "name": "python", "content": "next\n"}]
+            {"role": "tool", "name": "python", "content": "next\n"}
+        ]

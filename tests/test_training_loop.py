@@ -3,6 +3,7 @@
 skips counted as overflows (not as bad steps), per-phase peak memory, the resume skip, evaluations every
 K steps in rows of their own, the run's state. fp16 loss scaling needs a GPU, so the overflow is a stub
 engine that follows DeepSpeed's counter semantics; one real engine checks those semantics."""
+
 import argparse
 
 import pytest
@@ -48,13 +49,27 @@ class Sampler:
 
 
 def args_for(tmp_path, num_epochs: int = 1, **extra):
-    return argparse.Namespace(output_dir=str(tmp_path), num_train_epochs=num_epochs, max_bad_steps=3,
-                              enable_tensorboard=False, tensorboard_path=None, **extra)
+    return argparse.Namespace(
+        output_dir=str(tmp_path),
+        num_train_epochs=num_epochs,
+        max_bad_steps=3,
+        enable_tensorboard=False,
+        tensorboard_path=None,
+        **extra,
+    )
 
 
 def make_run(tmp_path, total_steps: int, num_epochs: int = 1, memory=None, **kwargs) -> Run:
-    run = Run(args_for(tmp_path, num_epochs, **kwargs.pop("extra", {})), "test", "test", {}, None, total_steps,
-              memory=memory, **kwargs)
+    run = Run(
+        args_for(tmp_path, num_epochs, **kwargs.pop("extra", {})),
+        "test",
+        "test",
+        {},
+        None,
+        total_steps,
+        memory=memory,
+        **kwargs,
+    )
     run.restore()
     return run
 
@@ -105,8 +120,9 @@ def test_backward_and_step_on_a_real_engine():
 
     init_distributed()
     model = torch.nn.Linear(4, 1)
-    engine = initialize_engine(model, train_ds_config(0, 1, 2, gradient_accumulation_steps=2),
-                               torch.optim.AdamW(model.parameters(), lr=0.1))
+    engine = initialize_engine(
+        model, train_ds_config(0, 1, 2, gradient_accumulation_steps=2), torch.optim.AdamW(model.parameters(), lr=0.1)
+    )
     outcomes = [backward_and_step(engine, engine(torch.ones(2, 4)).sum()) for _ in range(4)]
     assert outcomes == [None, APPLIED, None, APPLIED] and engine.global_steps == 2
     assert OVERFLOW != APPLIED
@@ -140,8 +156,14 @@ def test_phase_memory_records_each_phases_peak():
     if not os.access("/proc/self/clear_refs", os.W_OK):
         pytest.skip("the peak RSS cannot be reset here (no writable /proc/self/clear_refs)")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-c", PHASES], cwd=root, capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": root}).stdout.splitlines()
+    out = subprocess.run(
+        [sys.executable, "-c", PHASES],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": root},
+    ).stdout.splitlines()
     metrics, again = json.loads(out[-2]), json.loads(out[-1])
     assert set(metrics) == {"mem/small_peak_gb", "mem/big_peak_gb", "mem/after_peak_gb"}
     assert metrics["mem/big_peak_gb"] - metrics["mem/small_peak_gb"] >= 250 / 1024
@@ -178,8 +200,9 @@ def test_evaluations_every_k_steps_join_the_steps_row(tmp_path):
         return {"eval/x": float(step), "time/eval_s": 0.0}
 
     for last, expected in ((False, [2, 4]), (True, [2, 4, 5])):
-        run_ = make_run(tmp_path / str(last), total_steps=5, evaluate=evaluate, evaluate_last=last,
-                        extra={"eval_interval": 2})
+        run_ = make_run(
+            tmp_path / str(last), total_steps=5, evaluate=evaluate, evaluate_last=last, extra={"eval_interval": 2}
+        )
         calls.clear()
         for _ in run_.steps(list(range(10)), Sampler()):
             run_.after_step({"train/loss": 1.0})

@@ -1,5 +1,6 @@
 """The tests' fork server (tests/zygote.py) gives a forked run what a fresh `python -m` would get: its
 arguments, environment, stdio and exit status; a failing rank ends the others; a timed-out run leaves no rank."""
+
 import os
 import subprocess
 import time
@@ -18,8 +19,15 @@ def fork_server():
 
 
 def test_a_forked_module_gets_its_arguments_environment_stdio_and_exit_code():
-    proc = subprocess.run(rank_command("tests.zygote_probe", ["a b", "show"], 0, zygote=True), cwd=ROOT, input="hello\n",
-                          env=subprocess_env(PROBE="x1"), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        rank_command("tests.zygote_probe", ["a b", "show"], 0, zygote=True),
+        cwd=ROOT,
+        input="hello\n",
+        env=subprocess_env(PROBE="x1"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 3, proc.stderr
     assert proc.stdout.strip() == f"argv=['a b', 'show'] rank=- world=- probe=x1 cwd={ROOT} stdin=hello"
     assert proc.stderr.strip().endswith("to stderr")
@@ -28,8 +36,15 @@ def test_a_forked_module_gets_its_arguments_environment_stdio_and_exit_code():
 def test_a_forked_script_runs_as_python_script_args():
     """A path ending in .py runs as `python SCRIPT ARGS` (how tests.launch.vllm_python's shim runs the vLLM worker)."""
     script = os.path.join(ROOT, "tests", "zygote_probe.py")
-    proc = subprocess.run(rank_command(script, ["show"], 0, zygote=True), cwd=ROOT, input="hi\n",
-                          env=subprocess_env(PROBE="s"), capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        rank_command(script, ["show"], 0, zygote=True),
+        cwd=ROOT,
+        input="hi\n",
+        env=subprocess_env(PROBE="s"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 3, proc.stderr
     assert proc.stdout.strip() == f"argv=['show'] rank=- world=- probe=s cwd={ROOT} stdin=hi"
 

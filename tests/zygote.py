@@ -23,6 +23,7 @@ user. A second server, `zygote.py SOCKET vllm`, has vLLM imported instead and fo
 run as `python SCRIPT ARGS`) for the tests that pass tests.launch.vllm_python as --vllm_python.
 RLHF_TESTS_ZYGOTE=0 turns both off.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -44,19 +45,47 @@ from ranks import PIDS_FILE_VAR, rank_env  # tests/ is sys.path[0] of the server
 
 # what the ranks of the tests' runs import, first the heavy libraries, then the project's entry points
 PRELOAD = (
-    "torch", "deepspeed", "deepspeed.runtime.zero.muon.muon_optimizer", "torch._inductor.compile_fx",
-    "transformers", "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
-    "transformers.models.opt.modeling_opt", "transformers.models.qwen2.modeling_qwen2",
-    "transformers.models.gpt2.tokenization_gpt2", "transformers.tokenization_utils_fast", "tokenizers",
-    "safetensors.torch", "peft", "datasets", "matplotlib",
-    "step1_sft.main", "step2_reward.main", "step2_dpo.main", "step3_ppo.main", "step3_ppo.eval",
-    "step3_ppo.agents.eval", "step3_ppo.plot", "utils.models.tiny", "utils.models.default", "data.make_demo_data",
+    "torch",
+    "deepspeed",
+    "deepspeed.runtime.zero.muon.muon_optimizer",
+    "torch._inductor.compile_fx",
+    "transformers",
+    "transformers.models.gpt2.modeling_gpt2",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.opt.modeling_opt",
+    "transformers.models.qwen2.modeling_qwen2",
+    "transformers.models.gpt2.tokenization_gpt2",
+    "transformers.tokenization_utils_fast",
+    "tokenizers",
+    "safetensors.torch",
+    "peft",
+    "datasets",
+    "matplotlib",
+    "step1_sft.main",
+    "step2_reward.main",
+    "step2_dpo.main",
+    "step3_ppo.main",
+    "step3_ppo.eval",
+    "step3_ppo.agents.eval",
+    "step3_ppo.plot",
+    "utils.models.tiny",
+    "utils.models.default",
+    "data.make_demo_data",
     "data.make_tool_data",
 )
 # the vLLM worker's (step3_ppo/rollout/vllm_worker.py, a script: --vllm_python points at tests.launch.vllm_python's
 # shim): its imports are ~12 s of its ~17 s start on 2 cores, paid by each of the suite's half-dozen workers
-VLLM_PRELOAD = ("torch", "vllm", "vllm.entrypoints.llm", "vllm.inputs", "vllm.sampling_params", "vllm.v1.engine.core",
-                "vllm.v1.worker.cpu_worker", "vllm.v1.worker.cpu_model_runner", "vllm.model_executor.models.llama")
+VLLM_PRELOAD = (
+    "torch",
+    "vllm",
+    "vllm.entrypoints.llm",
+    "vllm.inputs",
+    "vllm.sampling_params",
+    "vllm.v1.engine.core",
+    "vllm.v1.worker.cpu_worker",
+    "vllm.v1.worker.cpu_model_runner",
+    "vllm.model_executor.models.llama",
+)
 PRELOADS = {"ranks": PRELOAD, "vllm": VLLM_PRELOAD}
 HEADER = struct.Struct("!I")
 GRACE_S = 5.0  # SIGTERM -> SIGKILL, as tests/ranks.py
@@ -75,13 +104,22 @@ def preload(names=PRELOAD) -> list[str]:
 
 # ---------------------------------------------------------------- the front (tests/ranks.py --zygote)
 
+
 def request(sock_path: str, num_ranks: int, port: str, module: str, args: list[str]) -> int:
     """Run MODULE through the server with this process's environment, working directory and stdio; return
     its exit status (the first failed rank's). SIGTERM/SIGINT here are passed on to the ranks."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(sock_path)
-    body = json.dumps({"num_ranks": num_ranks, "port": port, "module": module, "args": args,
-                       "env": dict(os.environ), "cwd": os.getcwd()}).encode()
+    body = json.dumps(
+        {
+            "num_ranks": num_ranks,
+            "port": port,
+            "module": module,
+            "args": args,
+            "env": dict(os.environ),
+            "cwd": os.getcwd(),
+        }
+    ).encode()
     socket.send_fds(conn, [HEADER.pack(len(body))], [0, 1, 2])
     conn.sendall(body)
 
@@ -110,6 +148,7 @@ def request(sock_path: str, num_ranks: int, port: str, module: str, args: list[s
 
 
 # ---------------------------------------------------------------- the server
+
 
 def serve(sock_path: str, kind: str = "ranks") -> None:
     if kind == "vllm":  # as the worker sets it before its imports: its model lives in its own process
@@ -233,10 +272,16 @@ def run_rank(req: dict, fds: list[int], rank: int) -> None:
         os.dup2(fd, target)
         os.close(fd)
     sys.stdin = io.TextIOWrapper(io.FileIO(0, "r", closefd=False), encoding="utf-8")
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8", line_buffering=True,
-                                  write_through=True)
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace",
-                                  line_buffering=True, write_through=True)
+    sys.stdout = io.TextIOWrapper(
+        io.FileIO(1, "w", closefd=False), encoding="utf-8", line_buffering=True, write_through=True
+    )
+    sys.stderr = io.TextIOWrapper(
+        io.FileIO(2, "w", closefd=False),
+        encoding="utf-8",
+        errors="backslashreplace",
+        line_buffering=True,
+        write_through=True,
+    )
     os.chdir(req["cwd"])
     os.environ.clear()
     # N = 0: `python -m MODULE`, one process without the launcher's variables

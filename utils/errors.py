@@ -24,6 +24,7 @@ peer's consequences) stay silent.
 This module imports nothing of the project: the errors subclass `ProjectError` where they are defined,
 so `run_main` needs no list of them (and no import of the modules that define them).
 """
+
 from __future__ import annotations
 
 import atexit
@@ -73,7 +74,7 @@ def _world_size() -> int:
 def report(message: str) -> None:
     """Print `message` as one error line, tagged with this rank in a job of several."""
     text = one_line(message)
-    text = text[len("error:"):].lstrip() if text.startswith("error:") else text
+    text = text[len("error:") :].lstrip() if text.startswith("error:") else text
     tag = f"[rank {_rank()}] " if _world_size() > 1 else ""
     print(f"error: {tag}{text}", file=sys.stderr, flush=True)
 

@@ -1,4 +1,5 @@
 """`python -m bench list | run NAME [--tiny] [--save] [-- ARGS] | index`: the one entry point of bench/."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,15 +19,24 @@ def parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     p = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0].split(": ", 1)[1])
     sub = p.add_subparsers(dest="command", required=True, metavar="{list,run,index}")
     sub.add_parser("list", help="one line per benchmark: name, minutes tiny / full, what it measures")
-    run = sub.add_parser("run", add_help=False, help="run one benchmark (run NAME --help: its own flags too)",
-                         usage="python -m bench run NAME [--tiny] [--save] [-- ARGS passed to the benchmark]")
-    run.add_argument("name", nargs="?", choices=sorted(REGISTRY), metavar="NAME",
-                     help="a name of `python -m bench list`")
-    run.add_argument("--tiny", action="store_true",
-                     help="the benchmark's tiny form (its arguments: bench/README.md's table)")
-    run.add_argument("--save", action="store_true",
-                     help="write the report to bench/results/NAME/DATE-HOST.txt and the run's record (host, sgemm "
-                          "GFLOP/s, command, wall, headline, the benchmark's figures) to .json; then update INDEX.md")
+    run = sub.add_parser(
+        "run",
+        add_help=False,
+        help="run one benchmark (run NAME --help: its own flags too)",
+        usage="python -m bench run NAME [--tiny] [--save] [-- ARGS passed to the benchmark]",
+    )
+    run.add_argument(
+        "name", nargs="?", choices=sorted(REGISTRY), metavar="NAME", help="a name of `python -m bench list`"
+    )
+    run.add_argument(
+        "--tiny", action="store_true", help="the benchmark's tiny form (its arguments: bench/README.md's table)"
+    )
+    run.add_argument(
+        "--save",
+        action="store_true",
+        help="write the report to bench/results/NAME/DATE-HOST.txt and the run's record (host, sgemm "
+        "GFLOP/s, command, wall, headline, the benchmark's figures) to .json; then update INDEX.md",
+    )
     run.add_argument("-h", "--help", action="store_true", help="this help, then the benchmark's own")
     sub.add_parser("index", help="regenerate bench/results/INDEX.md and bench/README.md's table")
     return p, run
@@ -38,8 +48,10 @@ def minutes(value) -> str:
 
 def list_lines() -> list[str]:
     width = max(len(b.name) for b in BENCHMARKS)
-    return [f"{b.name:{width}s}  {minutes(b.minutes[0]):>4s} / {minutes(b.minutes[1]):<4s} min  {b.what}"
-            for b in BENCHMARKS]
+    return [
+        f"{b.name:{width}s}  {minutes(b.minutes[0]):>4s} / {minutes(b.minutes[1]):<4s} min  {b.what}"
+        for b in BENCHMARKS
+    ]
 
 
 def host_record() -> dict:
@@ -59,8 +71,12 @@ def execute(cmd: list[str], log_path: str | None) -> int:
     that does not write its own)."""
     if log_path is None:
         return subprocess.run(cmd, cwd=REPO).returncode
-    with open(log_path, "w") as log, subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                      text=True, errors="replace") as proc:
+    with (
+        open(log_path, "w") as log,
+        subprocess.Popen(
+            cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+        ) as proc,
+    ):
         for line in proc.stdout:
             sys.stdout.write(line)
             sys.stdout.flush()
@@ -95,10 +111,24 @@ def run(bench: Benchmark, tiny: bool, save: bool, extra: list[str]) -> None:
     if save:
         host["sgemm_gflops_after"] = sgemm_gflops()
         shown = [os.path.relpath(part, REPO) if part.startswith(REPO) else part for part in cmd]
-        save_record(bench, base, {"benchmark": bench.name, "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                                  "command": shown, "tiny": tiny, "host": host, "wall_s": round(wall, 1), "exit": rc})
-        print(f"[bench] saved {os.path.relpath(base, REPO)}.{{txt,json}}; updated: "
-              f"{', '.join(results.write_views()) or 'nothing'}", flush=True)
+        save_record(
+            bench,
+            base,
+            {
+                "benchmark": bench.name,
+                "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                "command": shown,
+                "tiny": tiny,
+                "host": host,
+                "wall_s": round(wall, 1),
+                "exit": rc,
+            },
+        )
+        print(
+            f"[bench] saved {os.path.relpath(base, REPO)}.{{txt,json}}; updated: "
+            f"{', '.join(results.write_views()) or 'nothing'}",
+            flush=True,
+        )
     if rc != 0:  # the benchmark printed its own `error:` line (or traceback): one more would repeat it
         print(f"[bench] {bench.name} exited with {rc} after {wall:.0f} s", file=sys.stderr, flush=True)
         raise SystemExit(rc)
@@ -106,9 +136,9 @@ def run(bench: Benchmark, tiny: bool, save: bool, extra: list[str]) -> None:
 
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     p, run_parser = parsers()
-    args = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    args = p.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     if args.command == "list":
         print("\n".join(list_lines()))
     elif args.command == "index":

@@ -16,6 +16,7 @@ step() or reward() that raises anything else, a reply of the wrong shape or a re
 number is EnvFailed (naming the environment and the row): the trajectory ends, and the run stops unless
 `--skip_bad_rewards` drops it. A built-in is one ENVIRONMENTS entry next to its class.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,6 +50,7 @@ class EnvFailed(ProjectError):
 
 # ---------------------------------------------------------------- built-ins
 
+
 class MathRetry:
     """A math problem with retries: a wrong final answer (the last `\\boxed{}` or number, as math_exact
     reads it) gets one line asking again, up to `max_attempts` answers; reward() is 1.0 if the last was right."""
@@ -58,8 +60,10 @@ class MathRetry:
 
     def __init__(self, row: dict):
         if row.get("answer") is None:
-            raise EnvError("math_retry", f"row {row.get('origin') or '?'} has no 'answer' field (the answer each "
-                                         f"attempt is checked against)")
+            raise EnvError(
+                "math_retry",
+                f"row {row.get('origin') or '?'} has no 'answer' field (the answer each attempt is checked against)",
+            )
         self.answer, self.attempts, self.correct = row["answer"], 0, False
 
     def step(self, message: str) -> str | None:
@@ -83,8 +87,10 @@ class BuiltinEnv:
 
 # The one place a built-in is registered: its name is its spec; `--env`'s help follows.
 ENVIRONMENTS: dict[str, BuiltinEnv] = {
-    "math_retry": BuiltinEnv(MathRetry, "a wrong final answer vs the row's 'answer' is asked again, up to 3 "
-                                        "attempts; reward 1 if the last is right"),
+    "math_retry": BuiltinEnv(
+        MathRetry,
+        "a wrong final answer vs the row's 'answer' is asked again, up to 3 attempts; reward 1 if the last is right",
+    ),
 }
 
 
@@ -94,6 +100,7 @@ def environments_help() -> str:
 
 
 # ---------------------------------------------------------------- loading and calling
+
 
 def env_row(prompt_row: dict) -> dict:
     """The row an environment is made from: "prompt", "origin" and the row's other fields, flat (the
@@ -118,12 +125,20 @@ def normalise_reply(reply, env_name: str, origin: str) -> dict | None:
         return None
     if isinstance(reply, str):
         return {"role": "user", "content": reply}
-    if (isinstance(reply, dict) and set(reply) == {"role", "content"} and reply["role"] in ROLES
-            and isinstance(reply["content"], str)):
+    if (
+        isinstance(reply, dict)
+        and set(reply) == {"role", "content"}
+        and reply["role"] in ROLES
+        and isinstance(reply["content"], str)
+    ):
         return dict(reply)
     shown = one_line(repr(reply), 80)
-    raise EnvFailed(env_name, origin, f"step() returned {_a(type(reply).__name__)} ({shown}); expected a str, "
-                                      f"{{'role': 'tool' | 'user', 'content': str}} or None")
+    raise EnvFailed(
+        env_name,
+        origin,
+        f"step() returned {_a(type(reply).__name__)} ({shown}); expected a str, "
+        f"{{'role': 'tool' | 'user', 'content': str}} or None",
+    )
 
 
 def _reward_value(value, env_name: str, origin: str) -> float:

@@ -9,6 +9,7 @@ trajectory, the environment's tokens, truncated trajectories, and how many traje
 of their rendered conversation would have changed (token in, token out trains the generated ids; a
 pipeline that re-tokenises the text would train on those other ids).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,8 +37,12 @@ class ModelGenerate:
 
     def generate(self, input_ids, attention_mask, settings):
         device = model_device(self.model)
-        return generate(self.model, input_ids.to(device), attention_mask.to(device),
-                        **generation_kwargs(settings, self.stop_token_ids, self.pad_token_id)).cpu()
+        return generate(
+            self.model,
+            input_ids.to(device),
+            attention_mask.to(device),
+            **generation_kwargs(settings, self.stop_token_ids, self.pad_token_id),
+        ).cpu()
 
 
 def retokenisation_changes(rows, tokenizer) -> int:
@@ -48,7 +53,7 @@ def retokenisation_changes(rows, tokenizer) -> int:
         ids = row.prompt_ids.tolist() + row.response_ids.tolist()
         conversation = list(row.prompt["prompt"]) + row.agent["messages"]
         rendered = render(tokenizer, conversation)
-        changed += rendered[:len(ids)] != ids
+        changed += rendered[: len(ids)] != ids
     return changed
 
 
@@ -63,8 +68,13 @@ def evaluate_policy(model_dir: str, prompt_rows: list[dict], args, reward_functi
         limits = AgentLimits(args.max_turns, args.max_new_tokens, args.max_trajectory_len, args.max_observation_len)
     else:  # the policy's plain answers, scored by the reward functions
         limits = AgentLimits(1, args.max_new_tokens, args.max_new_tokens, 1)
-    settings = GenerationSettings(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
-                                  temperature=args.temperature, top_p=args.top_p, top_k=args.top_k)
+    settings = GenerationSettings(
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+    )
     toolbox = Toolbox(args.tool_list, args.tool_timeout, args.tool_parser) if args.tool_list else None
     agent = MultiTurn(tokenizer, limits, args.environment, toolbox)
     components = [FunctionReward(f, tokenizer) for f in reward_functions]
@@ -75,8 +85,9 @@ def evaluate_policy(model_dir: str, prompt_rows: list[dict], args, reward_functi
     try:
         with torch.no_grad():
             for i in range(0, len(examples), args.batch_size):
-                out += agent.rollout(engine, collate(examples[i:i + args.batch_size]), settings, 1, stops,
-                                     tokenizer.pad_token_id)
+                out += agent.rollout(
+                    engine, collate(examples[i : i + args.batch_size]), settings, 1, stops, tokenizer.pad_token_id
+                )
     finally:
         if toolbox is not None:
             toolbox.close()
@@ -102,15 +113,21 @@ def format_agent_table(results: dict) -> str:
     keys = [k for k in next(iter(results.values())) if k != "sample"]
     lines = ["policy  " + "  ".join(keys)]
     for name, figures in results.items():
-        lines.append(f"{name}  " + "  ".join(f"{figures[k]:.3f}" if isinstance(figures[k], float) else str(figures[k])
-                                             for k in keys))
+        lines.append(
+            f"{name}  "
+            + "  ".join(f"{figures[k]:.3f}" if isinstance(figures[k], float) else str(figures[k]) for k in keys)
+        )
     return "\n".join(lines)
 
 
 # (column, key in step3_ppo.eval's result, key in a step-3 run's eval/... metrics)
-DEMO_COLUMNS = (("accuracy", "accuracy", "eval/accuracy"), ("tool-call rate", "tool_call_rate", "eval/tool_call_rate"),
-                ("tool calls", "tool_calls_mean", "eval/tool_calls_mean"),
-                ("failed calls", "tool_error_rate", "eval/tool_error_rate"), ("turns", "turns_mean", "eval/turns_mean"))
+DEMO_COLUMNS = (
+    ("accuracy", "accuracy", "eval/accuracy"),
+    ("tool-call rate", "tool_call_rate", "eval/tool_call_rate"),
+    ("tool calls", "tool_calls_mean", "eval/tool_calls_mean"),
+    ("failed calls", "tool_error_rate", "eval/tool_error_rate"),
+    ("turns", "turns_mean", "eval/turns_mean"),
+)
 
 
 def format_tools_demo_table(without_tools: dict, evaluations: list[dict]) -> str:
@@ -118,32 +135,47 @@ def format_tools_demo_table(without_tools: dict, evaluations: list[dict]) -> str
     a run's first and last held-out evaluations (its eval/... metrics rows: after SFT, after RL)."""
     prompts = without_tools["prompts"]
     first, last = evaluations[0], evaluations[-1]
-    rows = [("base model, no tools", [without_tools.get(key, 0.0) for _, key, _ in DEMO_COLUMNS]),
-            (f"after SFT, calculator (step {first['step']})", [first[key] for *_, key in DEMO_COLUMNS]),
-            (f"after GRPO, calculator (step {last['step']})", [last[key] for *_, key in DEMO_COLUMNS])]
+    rows = [
+        ("base model, no tools", [without_tools.get(key, 0.0) for _, key, _ in DEMO_COLUMNS]),
+        (f"after SFT, calculator (step {first['step']})", [first[key] for *_, key in DEMO_COLUMNS]),
+        (f"after GRPO, calculator (step {last['step']})", [last[key] for *_, key in DEMO_COLUMNS]),
+    ]
     width = max(len(name) for name, _ in rows)
-    lines = [f"held-out greedy evaluation on {prompts} word problems (math_exact on the final answer; tool calls and "
-             f"turns per problem, failed calls per call)",
-             f"{'':{width}}  " + "  ".join(f"{title:>14}" for title, *_ in DEMO_COLUMNS)]
+    lines = [
+        f"held-out greedy evaluation on {prompts} word problems (math_exact on the final answer; tool calls and "
+        f"turns per problem, failed calls per call)",
+        f"{'':{width}}  " + "  ".join(f"{title:>14}" for title, *_ in DEMO_COLUMNS),
+    ]
     lines += [f"{name:{width}}  " + "  ".join(f"{value:14.3f}" for value in values) for name, values in rows]
     return "\n".join(lines)
 
 
 def main(argv=None) -> str:
-    p = argparse.ArgumentParser(description="The tool-use demo's table: a model without tools against a step-3 "
-                                            "run's held-out evaluations with them (first and last)")
-    p.add_argument("--without_tools", required=True, metavar="EVAL_JSON",
-                   help="step3_ppo.eval --reward_funcs ... --out FILE of the model without its tools (one policy)")
-    p.add_argument("--run", required=True, metavar="STEP3_DIR", help="a step-3 output directory (metrics.jsonl) "
-                                                                    "run with --tools and --eval_interval")
+    p = argparse.ArgumentParser(
+        description="The tool-use demo's table: a model without tools against a step-3 "
+        "run's held-out evaluations with them (first and last)"
+    )
+    p.add_argument(
+        "--without_tools",
+        required=True,
+        metavar="EVAL_JSON",
+        help="step3_ppo.eval --reward_funcs ... --out FILE of the model without its tools (one policy)",
+    )
+    p.add_argument(
+        "--run",
+        required=True,
+        metavar="STEP3_DIR",
+        help="a step-3 output directory (metrics.jsonl) run with --tools and --eval_interval",
+    )
     args = p.parse_args(argv)
     with open(args.without_tools) as f:
         without_tools = next(iter(json.load(f).values()))
     metrics = os.path.join(args.run, "metrics.jsonl")
     evaluations = [row for row in read_rows(metrics) if "eval/tool_call_rate" in row]
     if not evaluations:
-        raise UsageError(f"{metrics} holds no evaluation with tools (was the run made with --tools and "
-                         f"--eval_interval?)")
+        raise UsageError(
+            f"{metrics} holds no evaluation with tools (was the run made with --tools and --eval_interval?)"
+        )
     table = format_tools_demo_table(without_tools, evaluations)
     print(table)
     return table

@@ -1,6 +1,7 @@
 """The multi-turn flags (--env, --tools and the limits) of step 3's training and evaluation and of chat.py,
 and their checks before any model loads. Imports no torch, so --help and flag errors answer at once; the
 loop itself is step3_ppo/agents/loop.py."""
+
 from __future__ import annotations
 
 from step3_ppo.agents.environments import EnvError, environments_help, load_environment
@@ -13,31 +14,60 @@ AGENT_DEFAULTS = {"max_turns": 4, "max_observation_len": 128, "tool_timeout": 10
 def add_agent_args(parser) -> None:
     """--env, --tools and the multi-turn limits (step 3's training and evaluation, chat.py)."""
     g = parser.add_argument_group("agents: multi-turn rollouts with an environment and tools")
-    g.add_argument("--env", default=None, metavar="SPEC",
-                   help="the environment that answers the policy between turns: a built-in ("
-                        + environments_help().replace("%", "%%")
-                        + "), path/to/file.py:Class or package.module:Class (README: Environments)")
-    g.add_argument("--tools", nargs="+", default=None, metavar="SPEC",
-                   help="functions the policy may call (--tool_parser): built-ins ("
-                        + ", ".join(f"{name} ({t.help})" for name, t in TOOLS.items()).replace("%", "%%")
-                        + "), path/to/file.py:function or package.module:function (TRL's convention: type hints "
-                          "and a docstring with Args)")
-    g.add_argument("--tool_timeout", type=float, default=None,
-                   help=f"seconds one tool call may take; then its process is killed and the model is told "
-                        f"(default {AGENT_DEFAULTS['tool_timeout']:g})")
-    g.add_argument("--tool_parser", default=None, choices=list(TOOL_CALL_PARSERS),
-                   help="how tool calls are read from an answer: "
-                        + "; ".join(f"{name}: {p.help}" for name, p in TOOL_CALL_PARSERS.items()).replace("%", "%%")
-                        + f" (default {AGENT_DEFAULTS['tool_parser']})")
-    g.add_argument("--max_turns", type=int, default=None,
-                   help=f"the policy's turns per trajectory (default {AGENT_DEFAULTS['max_turns']}); "
-                        f"--max_answer_seq_len is per turn")
-    g.add_argument("--max_observation_len", type=int, default=None,
-                   help=f"tokens of one environment or tool reply; longer ones are cut and marked "
-                        f"(default {AGENT_DEFAULTS['max_observation_len']})")
-    g.add_argument("--max_trajectory_len", type=int, default=None,
-                   help="response tokens of a whole trajectory, turns and replies (default: --max_turns x "
-                        "(--max_answer_seq_len + --max_observation_len)); one that reaches it ends, truncated")
+    g.add_argument(
+        "--env",
+        default=None,
+        metavar="SPEC",
+        help="the environment that answers the policy between turns: a built-in ("
+        + environments_help().replace("%", "%%")
+        + "), path/to/file.py:Class or package.module:Class (README: Environments)",
+    )
+    g.add_argument(
+        "--tools",
+        nargs="+",
+        default=None,
+        metavar="SPEC",
+        help="functions the policy may call (--tool_parser): built-ins ("
+        + ", ".join(f"{name} ({t.help})" for name, t in TOOLS.items()).replace("%", "%%")
+        + "), path/to/file.py:function or package.module:function (TRL's convention: type hints "
+        "and a docstring with Args)",
+    )
+    g.add_argument(
+        "--tool_timeout",
+        type=float,
+        default=None,
+        help=f"seconds one tool call may take; then its process is killed and the model is told "
+        f"(default {AGENT_DEFAULTS['tool_timeout']:g})",
+    )
+    g.add_argument(
+        "--tool_parser",
+        default=None,
+        choices=list(TOOL_CALL_PARSERS),
+        help="how tool calls are read from an answer: "
+        + "; ".join(f"{name}: {p.help}" for name, p in TOOL_CALL_PARSERS.items()).replace("%", "%%")
+        + f" (default {AGENT_DEFAULTS['tool_parser']})",
+    )
+    g.add_argument(
+        "--max_turns",
+        type=int,
+        default=None,
+        help=f"the policy's turns per trajectory (default {AGENT_DEFAULTS['max_turns']}); "
+        f"--max_answer_seq_len is per turn",
+    )
+    g.add_argument(
+        "--max_observation_len",
+        type=int,
+        default=None,
+        help=f"tokens of one environment or tool reply; longer ones are cut and marked "
+        f"(default {AGENT_DEFAULTS['max_observation_len']})",
+    )
+    g.add_argument(
+        "--max_trajectory_len",
+        type=int,
+        default=None,
+        help="response tokens of a whole trajectory, turns and replies (default: --max_turns x "
+        "(--max_answer_seq_len + --max_observation_len)); one that reaches it ends, truncated",
+    )
 
 
 def check_agent_args(args) -> None:

@@ -16,6 +16,7 @@ holds it). After a turn: a tool call in it is answered by the tools (step3_ppo/a
 environment (step3_ppo/agents/environments.py) answers; no tools' answer and no environment (or the
 environment's None) ends the episode.
 """
+
 from __future__ import annotations
 
 import math
@@ -46,6 +47,7 @@ class AgentLimits:
     there still goes to the environment, marked truncated); `--max_trajectory_len`: response tokens of the
     whole row, turns and replies (a trajectory reaching it ends, truncated); `--max_observation_len`:
     tokens of one reply's content (cut, marked with OBSERVATION_CUT_MARK)."""
+
     max_turns: int
     max_answer_seq_len: int
     max_trajectory_len: int
@@ -74,18 +76,22 @@ class ReplyRenderer:
         base = render(tokenizer, _PROBE)
         ends = [i for i, t in enumerate(base) if t in stops]
         if not ends:
-            raise AgentError("the chat template puts no end-of-turn or EOS token after an assistant turn; multi-turn "
-                             "rollouts need one (generation stops there)")
-        self.base = base[:ends[-1] + 1]
+            raise AgentError(
+                "the chat template puts no end-of-turn or EOS token after an assistant turn; multi-turn "
+                "rollouts need one (generation stops there)"
+            )
+        self.base = base[: ends[-1] + 1]
         self.turn_end = base[ends[-1]]  # appended (as the environment's) after a turn cut at its length limit
 
     def suffix(self, replies: list[dict]) -> list[int]:
         full = render(self.tokenizer, _PROBE + replies, add_generation_prompt=True)
-        if full[:len(self.base)] != self.base:
-            raise AgentError("the chat template renders an assistant turn differently once replies follow it; "
-                             "multi-turn rollouts append the template's ids after the generated ones and need a "
-                             "template that keeps earlier turns as they are")
-        return full[len(self.base):]
+        if full[: len(self.base)] != self.base:
+            raise AgentError(
+                "the chat template renders an assistant turn differently once replies follow it; "
+                "multi-turn rollouts append the template's ids after the generated ones and need a "
+                "template that keeps earlier turns as they are"
+            )
+        return full[len(self.base) :]
 
     def cut_content(self, content: str, limit: int) -> tuple[str, bool]:
         """A reply's content cut to `limit` tokens (marked), and whether it was cut."""
@@ -98,6 +104,7 @@ class ReplyRenderer:
 @dataclass
 class Trajectory:
     """One episode in progress: its ids so far and what the trainer logs of it."""
+
     prompt_ids: list[int]
     prompt: dict
     env: object | None = None
@@ -143,8 +150,9 @@ class MultiTurn:
         self.env_failures = 0
 
     # ------------------------------------------------------------------ one rollout
-    def rollout(self, engine, prompt_batch: dict, settings, n: int, stop_token_ids, pad_token_id: int,
-                logprobs: bool = False) -> list[Row]:
+    def rollout(
+        self, engine, prompt_batch: dict, settings, n: int, stop_token_ids, pad_token_id: int, logprobs: bool = False
+    ) -> list[Row]:
         ids, mask = prompt_batch["input_ids"], prompt_batch["attention_mask"]
         prompt_rows = prompt_batch.get("rows") or [{} for _ in range(ids.shape[0])]
         trajectories = []
@@ -158,20 +166,30 @@ class MultiTurn:
             live = [t for t in trajectories if not t.done]
             if not all_reduce_max(float(bool(live))):  # every rank runs the same rounds (collective generation)
                 break
-            self.generate_turn(engine, live or trajectories[:1], settings, stops, pad_token_id, logprobs,
-                               discard=not live)
+            self.generate_turn(
+                engine, live or trajectories[:1], settings, stops, pad_token_id, logprobs, discard=not live
+            )
             for t in live:
                 self.answer(t)
         for t in trajectories:
             self.finish(t)
         return [self.to_row(t, logprobs) for t in trajectories]
 
-    def generate_turn(self, engine, live: list[Trajectory], settings, stops: set, pad_token_id: int, logprobs: bool,
-                      discard: bool = False) -> None:
+    def generate_turn(
+        self,
+        engine,
+        live: list[Trajectory],
+        settings,
+        stops: set,
+        pad_token_id: int,
+        logprobs: bool,
+        discard: bool = False,
+    ) -> None:
         """One turn of every live trajectory, generated together (left-padded: positions come from the mask)."""
         room = max(self.limits.max_trajectory_len - len(t.response) for t in live)
-        settings = type(settings)(**{**settings.__dict__,
-                                     "max_new_tokens": max(1, min(self.limits.max_answer_seq_len, room))})
+        settings = type(settings)(
+            **{**settings.__dict__, "max_new_tokens": max(1, min(self.limits.max_answer_seq_len, room))}
+        )
         if settings.min_new_tokens and settings.min_new_tokens > settings.max_new_tokens:
             settings = type(settings)(**{**settings.__dict__, "min_new_tokens": settings.max_new_tokens})
         width = max(len(t.prompt_ids) + len(t.response) for t in live)
@@ -179,8 +197,8 @@ class MultiTurn:
         attention_mask = torch.zeros((len(live), width), dtype=torch.long)
         for b, t in enumerate(live):
             row = t.prompt_ids + t.response
-            input_ids[b, width - len(row):] = torch.tensor(row)
-            attention_mask[b, width - len(row):] = 1
+            input_ids[b, width - len(row) :] = torch.tensor(row)
+            attention_mask[b, width - len(row) :] = 1
         if logprobs:
             sequences, generated_logprobs = engine.generate_with_logprobs(input_ids, attention_mask, settings)
         else:
@@ -199,7 +217,7 @@ class MultiTurn:
                 t.turns_cut += 1
             if not turn:
                 raise AgentError("generation returned no new token; set --min_answer_seq_len >= 1")
-            lp = generated_logprobs[b, :len(turn)].float().tolist() if generated_logprobs is not None else None
+            lp = generated_logprobs[b, : len(turn)].float().tolist() if generated_logprobs is not None else None
             t.append(turn, True, lp)
             t.turns += 1
             t.ended_with_stop = ended
@@ -275,14 +293,25 @@ class MultiTurn:
             self.env_s += time.time() - t0
 
     def to_row(self, t: Trajectory, logprobs: bool) -> Row:
-        row = Row(prompt_ids=torch.tensor(t.prompt_ids), response_ids=torch.tensor(t.response),
-                  ended_with_eos=t.ended_with_stop and not t.truncated, prompt=t.prompt,
-                  response_action_mask=torch.tensor(t.action, dtype=torch.float32))
+        row = Row(
+            prompt_ids=torch.tensor(t.prompt_ids),
+            response_ids=torch.tensor(t.response),
+            ended_with_eos=t.ended_with_stop and not t.truncated,
+            prompt=t.prompt,
+            response_action_mask=torch.tensor(t.action, dtype=torch.float32),
+        )
         if logprobs:  # the generator's own, 0 on the environment's tokens (never read: not actions)
             row.per_action["rollout_logprobs"] = torch.tensor(t.logprobs, dtype=torch.float32)
-        row.agent = {"messages": t.messages, **t.counters(), "env_tokens": len(t.action) - sum(t.action),
-                     "truncated": t.truncated, "turns_cut": t.turns_cut, "observations_cut": t.observations_cut,
-                     "failed": t.failed, "env_reward": t.env_reward}
+        row.agent = {
+            "messages": t.messages,
+            **t.counters(),
+            "env_tokens": len(t.action) - sum(t.action),
+            "truncated": t.truncated,
+            "turns_cut": t.turns_cut,
+            "observations_cut": t.observations_cut,
+            "failed": t.failed,
+            "env_reward": t.env_reward,
+        }
         return row
 
 
@@ -299,23 +328,27 @@ class EnvReward:
 def agent_sums(rows: list[Row]) -> dict:
     """Per-rank sums of the multi-turn counters (the trainer averages them over all ranks' rows)."""
     agents = [r.agent for r in rows if r.agent is not None]
-    return {"agent/rows_sum": len(rows),
-            "agent/turns_sum": sum(a["turns"] for a in agents),
-            "agent/tool_calls_sum": sum(a["tool_calls"] for a in agents),
-            "agent/calling_sum": sum(a["tool_calls"] > 0 for a in agents),  # trajectories with a tool call
-            "agent/tool_errors_sum": sum(a["tool_errors"] for a in agents),
-            "agent/env_tokens_sum": sum(a["env_tokens"] for a in agents),
-            "agent/action_tokens_sum": sum(r.action_count for r in rows),
-            "agent/truncated_sum": sum(a["truncated"] for a in agents),
-            "agent/env_failures_sum": sum(a["failed"] is not None for a in agents)}
+    return {
+        "agent/rows_sum": len(rows),
+        "agent/turns_sum": sum(a["turns"] for a in agents),
+        "agent/tool_calls_sum": sum(a["tool_calls"] for a in agents),
+        "agent/calling_sum": sum(a["tool_calls"] > 0 for a in agents),  # trajectories with a tool call
+        "agent/tool_errors_sum": sum(a["tool_errors"] for a in agents),
+        "agent/env_tokens_sum": sum(a["env_tokens"] for a in agents),
+        "agent/action_tokens_sum": sum(r.action_count for r in rows),
+        "agent/truncated_sum": sum(a["truncated"] for a in agents),
+        "agent/env_failures_sum": sum(a["failed"] is not None for a in agents),
+    }
 
 
 def agent_rates(sums: dict, prefix: str) -> dict:
     """From agent_sums' totals: the fraction of trajectories that called a tool, and of tool calls that failed
     (an error text went back to the model; 0 with no call)."""
     calls = sums["agent/tool_calls_sum"]
-    return {f"{prefix}tool_call_rate": sums["agent/calling_sum"] / max(sums["agent/rows_sum"], 1),
-            f"{prefix}tool_error_rate": sums["agent/tool_errors_sum"] / calls if calls else 0.0}
+    return {
+        f"{prefix}tool_call_rate": sums["agent/calling_sum"] / max(sums["agent/rows_sum"], 1),
+        f"{prefix}tool_error_rate": sums["agent/tool_errors_sum"] / calls if calls else 0.0,
+    }
 
 
 # ---------------------------------------------------------------------------- set-up (flags: agent_flags.py)

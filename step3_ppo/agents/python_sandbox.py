@@ -17,6 +17,7 @@ sockets and fifos, rename across folders, device ioctls) is handled and allowed 
 (UDP is not covered), ABI >= 6 scopes signals and abstract unix sockets to the sandbox. Without Landlock
 the keeper refuses to run the code (exit 125); tools.py checks the ABI before it starts one.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -38,13 +39,13 @@ _PR_SET_NO_NEW_PRIVS, _PR_SET_CHILD_SUBREAPER = 38, 36
 
 # filesystem rights that change something, and the ABI that introduced each
 _WRITE_RIGHTS = {
-    1 << 1: 1,   # WRITE_FILE
-    1 << 4: 1,   # REMOVE_DIR
-    1 << 5: 1,   # REMOVE_FILE
-    1 << 6: 1,   # MAKE_CHAR
-    1 << 7: 1,   # MAKE_DIR
-    1 << 8: 1,   # MAKE_REG
-    1 << 9: 1,   # MAKE_SOCK
+    1 << 1: 1,  # WRITE_FILE
+    1 << 4: 1,  # REMOVE_DIR
+    1 << 5: 1,  # REMOVE_FILE
+    1 << 6: 1,  # MAKE_CHAR
+    1 << 7: 1,  # MAKE_DIR
+    1 << 8: 1,  # MAKE_REG
+    1 << 9: 1,  # MAKE_SOCK
     1 << 10: 1,  # MAKE_FIFO
     1 << 11: 1,  # MAKE_BLOCK
     1 << 12: 1,  # MAKE_SYM
@@ -75,8 +76,12 @@ def _syscall(number: int, *args) -> int:
 def landlock_abi() -> int:
     """The kernel's Landlock ABI version; 0 where it has none (too old, not built in, or disabled at boot)."""
     try:
-        return _syscall(_LANDLOCK_CREATE_RULESET, ctypes.c_void_p(None), ctypes.c_size_t(0),
-                        ctypes.c_uint32(_CREATE_RULESET_VERSION))
+        return _syscall(
+            _LANDLOCK_CREATE_RULESET,
+            ctypes.c_void_p(None),
+            ctypes.c_size_t(0),
+            ctypes.c_uint32(_CREATE_RULESET_VERSION),
+        )
     except SandboxError:
         return 0
 
@@ -88,7 +93,7 @@ def write_rights(abi: int) -> int:
 
 def _ruleset(abi: int, fs: int, net: int, scoped: int) -> int:
     """A new ruleset's fd; the attribute struct is as long as this ABI's (8, 16 or 24 bytes)."""
-    fields = (fs, net, scoped)[:3 if abi >= 6 else 2 if abi >= 4 else 1]
+    fields = (fs, net, scoped)[: 3 if abi >= 6 else 2 if abi >= 4 else 1]
     attr = ctypes.create_string_buffer(struct.pack(f"={len(fields)}Q", *fields), 8 * len(fields))
     return _syscall(_LANDLOCK_CREATE_RULESET, attr, ctypes.c_size_t(8 * len(fields)), ctypes.c_uint32(0))
 
@@ -97,8 +102,7 @@ def _allow_beneath(ruleset: int, path: str, rights: int) -> None:
     fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
     try:
         attr = ctypes.create_string_buffer(struct.pack("=Qi", rights, fd), 12)  # packed struct
-        _syscall(_LANDLOCK_ADD_RULE, ctypes.c_int(ruleset), ctypes.c_int(_RULE_PATH_BENEATH), attr,
-                 ctypes.c_uint32(0))
+        _syscall(_LANDLOCK_ADD_RULE, ctypes.c_int(ruleset), ctypes.c_int(_RULE_PATH_BENEATH), attr, ctypes.c_uint32(0))
     finally:
         os.close(fd)
 

@@ -12,6 +12,7 @@ arguments, a raise, the timeout) is error text for the model, counted, never a c
 stopped in C code: a user tool and the calculator run in a worker process of their own (step3_ppo/function_worker.py,
 killed at the timeout), the python tool in a sandbox process per call (step3_ppo/agents/python_sandbox.py).
 """
+
 from __future__ import annotations
 
 import ast
@@ -60,7 +61,7 @@ def cut(text: str, limit: int = RESULT_LIMIT, what: str = "result") -> str:
     if len(text) <= limit:
         return text
     marker = f"\n[{what} cut at {limit} characters]"
-    return text[:max(limit - len(marker), 0)] + marker
+    return text[: max(limit - len(marker), 0)] + marker
 
 
 def as_text(result) -> str:
@@ -76,8 +77,14 @@ def as_text(result) -> str:
 
 _MAX_DIGITS = 1000  # of any intermediate or final integer: `9**9**9` would take minutes and gigabytes
 _MAX_EXPRESSION = 1000  # characters
-_BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod}
+_BINARY = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+}
 _UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 _ALLOWED = "only numbers, + - * / // % ** and parentheses are allowed"
 
@@ -97,7 +104,7 @@ def _power(base, exponent):
     """`base ** exponent`, refused before it is computed when the result would exceed _MAX_DIGITS digits."""
     if abs(base) > 1 and exponent > 0 and exponent * math.log10(abs(base)) > _MAX_DIGITS:
         raise ValueError(f"the result is too large (more than {_MAX_DIGITS} digits)")
-    return base ** exponent
+    return base**exponent
 
 
 def _describe(node: ast.AST) -> str:
@@ -176,16 +183,25 @@ def landlock_missing() -> str | None:
     if not sys.platform.startswith("linux"):
         return "needs Linux's Landlock to keep the code's writes in its folder (this is not Linux)"
     if python_sandbox.landlock_abi() < 1:
-        return ("needs Linux's Landlock (kernel >= 5.13, 'landlock' in the lsm= boot list) to keep the code's writes "
-                "in its folder; this kernel offers none, and the code is never run unsandboxed")
+        return (
+            "needs Linux's Landlock (kernel >= 5.13, 'landlock' in the lsm= boot list) to keep the code's writes "
+            "in its folder; this kernel offers none, and the code is never run unsandboxed"
+        )
     return None
 
 
 def _sandbox_env(folder: str) -> dict:
     """Nothing of the trainer's environment (tokens, keys); home and temp files in the sandbox's folder."""
     path = os.pathsep.join([os.path.dirname(sys.executable), "/usr/local/bin", "/usr/bin", "/bin"])
-    return {"PATH": path, "HOME": folder, "TMPDIR": folder, "LANG": "C.UTF-8", "OMP_NUM_THREADS": "1",
-            "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    return {
+        "PATH": path,
+        "HOME": folder,
+        "TMPDIR": folder,
+        "LANG": "C.UTF-8",
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
 
 
 def _remove(folder: str) -> None:
@@ -224,8 +240,14 @@ def _read_output(process: subprocess.Popen, deadline: float, cap: int) -> tuple[
             return b"".join(chunks)[:cap], False, True
 
 
-def run_python(code: str, timeout: float = PYTHON_TIMEOUT_S, limit: int = RESULT_LIMIT, *,
-               memory: int = PYTHON_MEMORY, file_size: int = PYTHON_FILE_SIZE) -> SandboxRun:
+def run_python(
+    code: str,
+    timeout: float = PYTHON_TIMEOUT_S,
+    limit: int = RESULT_LIMIT,
+    *,
+    memory: int = PYTHON_MEMORY,
+    file_size: int = PYTHON_FILE_SIZE,
+) -> SandboxRun:
     """Run `code` in a sandbox (step3_ppo/agents/python_sandbox.py: `python -I`, a fresh temporary folder as its working
     directory and only writable place, CPU, memory and file-size limits, no TCP) and remove the folder after.
     Raises ToolError where there is no sandbox (no Landlock): the code is never run without one."""
@@ -235,8 +257,15 @@ def run_python(code: str, timeout: float = PYTHON_TIMEOUT_S, limit: int = RESULT
     folder = tempfile.mkdtemp(prefix="rlhf-python-tool-")
     try:
         command = [sys.executable, "-I", "-u", _SANDBOX, folder, repr(float(timeout)), str(memory), str(file_size)]
-        process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                   cwd=folder, env=_sandbox_env(folder), start_new_session=True)
+        process = subprocess.Popen(
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            cwd=folder,
+            env=_sandbox_env(folder),
+            start_new_session=True,
+        )
         try:
             with contextlib.suppress(BrokenPipeError):  # it ended before reading: its status says why
                 process.stdin.write(code.encode("utf-8", errors="replace"))
@@ -260,14 +289,18 @@ def run_python(code: str, timeout: float = PYTHON_TIMEOUT_S, limit: int = RESULT
         raise ToolError("python", one_line(text, _MESSAGE_LIMIT))
     if over:
         return SandboxRun(_over(text, limit), None, cut=True)
-    return SandboxRun(cut(text, limit, "output"), None if late else status,
-                      timed_out=late or status == python_sandbox.TIMED_OUT, cut=len(text) > limit)
+    return SandboxRun(
+        cut(text, limit, "output"),
+        None if late else status,
+        timed_out=late or status == python_sandbox.TIMED_OUT,
+        cut=len(text) > limit,
+    )
 
 
 def _over(text: str, limit: int) -> str:
     """The output of a run stopped for printing too much, marked so."""
     marker = f"\n[output cut at {limit} characters; the program was stopped]"
-    return text[:max(limit - len(marker), 0)] + marker
+    return text[: max(limit - len(marker), 0)] + marker
 
 
 def _run_text(run: SandboxRun) -> str:
@@ -302,6 +335,7 @@ def _call_python(arguments: dict, timeout: float, limit: int) -> str:
 
 # ---------------------------------------------------------------- registry and loading
 
+
 @dataclass(frozen=True)
 class BuiltinTool:
     """A built-in tool, named in `--tools` by its key in TOOLS. `fn` is the tool as TRL sees it (its signature
@@ -318,8 +352,12 @@ class BuiltinTool:
 # The one place a built-in is registered: its key is its spec and its name in calls.
 TOOLS: dict[str, BuiltinTool] = {
     "calculator": BuiltinTool(calculator, "arithmetic on numbers with + - * / // % ** and parentheses (no eval)"),
-    "python": BuiltinTool(python, "runs the model's code in a sandbox process (Landlock, limits, a temporary "
-                                  "folder); off unless named", call=_call_python, missing=landlock_missing),
+    "python": BuiltinTool(
+        python,
+        "runs the model's code in a sandbox process (Landlock, limits, a temporary folder); off unless named",
+        call=_call_python,
+        missing=landlock_missing,
+    ),
 }
 
 
@@ -354,8 +392,11 @@ def tool_schema(spec: str, fn: Callable) -> dict:
     try:
         return get_json_schema(fn)
     except Exception as exc:
-        raise ToolError(spec, f"needs type hints and a Google-style docstring with an Args section (TRL's convention): "
-                              f"{one_line(exc, _MESSAGE_LIMIT)}") from None
+        raise ToolError(
+            spec,
+            f"needs type hints and a Google-style docstring with an Args section (TRL's convention): "
+            f"{one_line(exc, _MESSAGE_LIMIT)}",
+        ) from None
 
 
 def load_tool(spec: str) -> Tool:
@@ -375,13 +416,15 @@ def load_tools(specs: list[str]) -> list[Tool]:
         tool = load_tool(spec)
         same = next((t for t in tools if t.name == tool.name), None)
         if same is not None:
-            raise ToolError(spec, f"its name '{tool.name}' is also the name of tool {same.spec}; "
-                                  "tool names must differ")
+            raise ToolError(
+                spec, f"its name '{tool.name}' is also the name of tool {same.spec}; tool names must differ"
+            )
         tools.append(tool)
     return tools
 
 
 # ---------------------------------------------------------------- calls
+
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -393,8 +436,15 @@ class ToolCall:
     error: str | None = None
 
 
-_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", int: "a number", float: "a number",
-               bool: "a boolean", type(None): "null"}
+_JSON_TYPES = {
+    dict: "an object",
+    list: "an array",
+    str: "a string",
+    int: "a number",
+    float: "a number",
+    bool: "a boolean",
+    type(None): "null",
+}
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
 
 
@@ -402,11 +452,16 @@ def _hermes_call(body: str) -> ToolCall:
     try:
         data = json.loads(body)
     except json.JSONDecodeError as exc:
-        return ToolCall(None, None, f"the <tool_call> block is not valid JSON ({exc.msg} at line {exc.lineno} "
-                                    f"column {exc.colno})")
+        return ToolCall(
+            None, None, f"the <tool_call> block is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+        )
     if not isinstance(data, dict):
-        return ToolCall(None, None, f'expected a JSON object {{"name": ..., "arguments": {{...}}}}, got '
-                                    f"{_JSON_TYPES.get(type(data), 'a value')}")
+        return ToolCall(
+            None,
+            None,
+            f'expected a JSON object {{"name": ..., "arguments": {{...}}}}, got '
+            f"{_JSON_TYPES.get(type(data), 'a value')}",
+        )
     name = data.get("name")
     if not isinstance(name, str) or not name:
         return ToolCall(None, None, 'the call has no "name" (a string)')
@@ -458,8 +513,10 @@ def tool_system_prompt(schemas: list[dict]) -> str:
     rollout, and the models that need it were never trained on a tool format anyway."""
     functions = [{k: v for k, v in schema.get("function", schema).items() if k != "return"} for schema in schemas]
     listed = "\n".join(json.dumps(function, ensure_ascii=False, separators=(",", ":")) for function in functions)
-    return (f"Tools you can call (JSON schemas):\n{listed}\n"
-            'Call one with <tool_call>{"name": ..., "arguments": {...}}</tool_call>.')
+    return (
+        f"Tools you can call (JSON schemas):\n{listed}\n"
+        'Call one with <tool_call>{"name": ..., "arguments": {...}}</tool_call>.'
+    )
 
 
 def template_supports_tools(tokenizer) -> bool:
@@ -470,6 +527,7 @@ def template_supports_tools(tokenizer) -> bool:
 
 
 # ---------------------------------------------------------------- running
+
 
 @dataclass(frozen=True)
 class ToolTurn:
@@ -512,8 +570,9 @@ class Toolbox:
     def respond(self, message: str) -> ToolTurn:
         calls = self.parse(message)
         answers = [self.answer(call) for call in calls]
-        messages = [{"role": "tool", "name": call.name or "", "content": text}
-                    for call, (text, _) in zip(calls, answers)]
+        messages = [
+            {"role": "tool", "name": call.name or "", "content": text} for call, (text, _) in zip(calls, answers)
+        ]
         return ToolTurn(messages, len(calls), sum(not ok for _, ok in answers))
 
     def answer(self, call: ToolCall) -> tuple[str, bool]:
@@ -541,8 +600,9 @@ class Toolbox:
 
     def worker(self, tool: Tool) -> FunctionWorker:
         if tool.name not in self.workers:
-            self.workers[tool.name] = FunctionWorker(tool.spec, f"{__name__}:tool_function",
-                                                     deadline_name=_DEADLINE_NAME)
+            self.workers[tool.name] = FunctionWorker(
+                tool.spec, f"{__name__}:tool_function", deadline_name=_DEADLINE_NAME
+            )
         return self.workers[tool.name]
 
     def close(self) -> None:

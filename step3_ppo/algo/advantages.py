@@ -7,6 +7,7 @@ whether its advantages are whitened, and its default loss aggregation. The per-t
 utils/math/ops.py's. Before the baseline, step3_ppo/rewards/combine.py makes one sequence reward of several
 reward components (`--reward_weights`, `--reward_norm`).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,8 +19,9 @@ from torch import Tensor
 from utils.math.ops import select
 
 
-def gae_advantages_and_returns(values: Tensor, rewards: Tensor, action_mask: Tensor, gamma: float,
-                               lam: float) -> Tuple[Tensor, Tensor]:
+def gae_advantages_and_returns(
+    values: Tensor, rewards: Tensor, action_mask: Tensor, gamma: float, lam: float
+) -> Tuple[Tensor, Tensor]:
     """Generalised Advantage Estimation over the action positions of each row.
 
     ``delta_t = r_t + gamma * V_{t+1} - V_t``, ``A_t = delta_t + gamma*lam*A_{t+1}``, where the
@@ -115,6 +117,7 @@ class Estimator:
     ``whiten``: advantages whitened over the rollout (``--no_whiten_advantages`` turns it off).
     ``loss_agg``: the default of ``--loss_agg``.
     """
+
     baseline: Callable[[Tensor, Tensor], Tensor] | None
     needs_critic: bool
     whiten: bool
@@ -123,8 +126,9 @@ class Estimator:
     groups: bool = False  # the baseline compares the samples of a prompt: needs --n_samples_per_prompt > 1
 
 
-def advantages_and_returns(estimator: Estimator, values: Tensor, rewards: Tensor, action_mask: Tensor, gamma: float,
-                           lam: float) -> Tuple[Tensor, Tensor]:
+def advantages_and_returns(
+    estimator: Estimator, values: Tensor, rewards: Tensor, action_mask: Tensor, gamma: float, lam: float
+) -> Tuple[Tensor, Tensor]:
     """(advantages, returns) of per-token rewards: GAE with a critic, else the return-to-go (both)."""
     if estimator.needs_critic:
         return gae_advantages_and_returns(values, rewards, action_mask, gamma, lam)
@@ -133,20 +137,52 @@ def advantages_and_returns(estimator: Estimator, values: Tensor, rewards: Tensor
 
 
 ESTIMATORS = {
-    "gae": Estimator(None, needs_critic=True, whiten=True, loss_agg="token_mean",
-                     help="GAE(gamma, lambda) on a critic's values (PPO, InstructGPT; the default)"),
-    "grpo": Estimator(group_normalized, needs_critic=False, whiten=False, loss_agg="seq_mean", groups=True,
-                      help="GRPO: (r - group mean) / group std, no critic; loss per-sequence mean"),
-    "dr_grpo": Estimator(lambda r, g: group_normalized(r, g, scale_by_std=False), needs_critic=False, whiten=False,
-                         loss_agg="constant_norm", groups=True,
-                         help="Dr. GRPO: r - group mean, no std; token sums over the max answer length"),
-    "rloo": Estimator(leave_one_out, needs_critic=False, whiten=False, loss_agg="token_mean", groups=True,
-                      help="RLOO: r - mean of the group's other samples"),
-    "reinforce_pp": Estimator(None, needs_critic=False, whiten=True, loss_agg="token_mean",
-                              help="REINFORCE++: return-to-go of score + per-token KL penalty, whitened over the batch"),
-    "reinforce_pp_baseline": Estimator(lambda r, g: group_normalized(r, g, scale_by_std=False), needs_critic=False,
-                                       whiten=True, loss_agg="token_mean", groups=True,
-                                       help="REINFORCE++ with the group mean subtracted from the score first"),
+    "gae": Estimator(
+        None,
+        needs_critic=True,
+        whiten=True,
+        loss_agg="token_mean",
+        help="GAE(gamma, lambda) on a critic's values (PPO, InstructGPT; the default)",
+    ),
+    "grpo": Estimator(
+        group_normalized,
+        needs_critic=False,
+        whiten=False,
+        loss_agg="seq_mean",
+        groups=True,
+        help="GRPO: (r - group mean) / group std, no critic; loss per-sequence mean",
+    ),
+    "dr_grpo": Estimator(
+        lambda r, g: group_normalized(r, g, scale_by_std=False),
+        needs_critic=False,
+        whiten=False,
+        loss_agg="constant_norm",
+        groups=True,
+        help="Dr. GRPO: r - group mean, no std; token sums over the max answer length",
+    ),
+    "rloo": Estimator(
+        leave_one_out,
+        needs_critic=False,
+        whiten=False,
+        loss_agg="token_mean",
+        groups=True,
+        help="RLOO: r - mean of the group's other samples",
+    ),
+    "reinforce_pp": Estimator(
+        None,
+        needs_critic=False,
+        whiten=True,
+        loss_agg="token_mean",
+        help="REINFORCE++: return-to-go of score + per-token KL penalty, whitened over the batch",
+    ),
+    "reinforce_pp_baseline": Estimator(
+        lambda r, g: group_normalized(r, g, scale_by_std=False),
+        needs_critic=False,
+        whiten=True,
+        loss_agg="token_mean",
+        groups=True,
+        help="REINFORCE++ with the group mean subtracted from the score first",
+    ),
 }
 # OpenRLHF's names for the same estimators
 ALIASES = {"group_norm": "grpo", "reinforce": "reinforce_pp", "reinforce_baseline": "reinforce_pp_baseline"}
@@ -156,7 +192,9 @@ def estimator_name(name: str) -> str:
     """The canonical name of ``name`` (an OpenRLHF alias resolved)."""
     name = ALIASES.get(name, name)
     if name not in ESTIMATORS:
-        raise ValueError(f"unknown advantage estimator {name!r}; choose from {', '.join(list(ESTIMATORS) + list(ALIASES))}")
+        raise ValueError(
+            f"unknown advantage estimator {name!r}; choose from {', '.join(list(ESTIMATORS) + list(ALIASES))}"
+        )
     return name
 
 

@@ -7,6 +7,7 @@ last action. The KL coefficient is fixed or adaptive (the controllers below); sc
 normalised by running statistics (`RunningMoments`). The PPO clip against the OLD policy is a
 different KL and lives in utils/math/losses.py policy_loss.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,8 +31,9 @@ def clip_scores(scores: Tensor, clip_reward_value: Optional[float]) -> Tensor:
     return scores.clamp(-clip_reward_value, clip_reward_value)
 
 
-def compute_rewards(score: Tensor, logprobs: Tensor, ref_logprobs: Tensor, action_mask: Tensor, kl_coef: float,
-                    kl_estimator: str = "k1") -> Tuple[Tensor, Tensor]:
+def compute_rewards(
+    score: Tensor, logprobs: Tensor, ref_logprobs: Tensor, action_mask: Tensor, kl_coef: float, kl_estimator: str = "k1"
+) -> Tuple[Tensor, Tensor]:
     """Per-token rewards: ``-kl_coef * KL`` on every action, plus the score on the last one.
 
     Why: the reward model only scores whole sequences; the dense KL penalty keeps the policy close
@@ -52,8 +54,14 @@ def compute_rewards(score: Tensor, logprobs: Tensor, ref_logprobs: Tensor, actio
     return rewards, kl
 
 
-def length_penalty(lengths: Tensor, ended: Tensor, max_len: int, overlong_buffer_len: int = 0,
-                   overlong_penalty_factor: float = 1.0, truncation_penalty: float = 0.0) -> Tensor:
+def length_penalty(
+    lengths: Tensor,
+    ended: Tensor,
+    max_len: int,
+    overlong_buffer_len: int = 0,
+    overlong_penalty_factor: float = 1.0,
+    truncation_penalty: float = 0.0,
+) -> Tensor:
     """A non-positive addition to each row's sequence reward [B] against the length exploit.
 
     - DAPO's overlong penalty (Yu et al. 2025): answers longer than ``max_len - overlong_buffer_len``

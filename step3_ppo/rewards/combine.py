@@ -1,6 +1,7 @@
 """Several reward components' scores -> one sequence reward per row (`--reward_weights`, `--reward_norm`), and
 the groups whose rewards carry no signal. Pure tensors: the group statistics are the estimators' own
 (step3_ppo/algo/advantages.py)."""
+
 from __future__ import annotations
 
 from typing import Dict, Sequence
@@ -13,8 +14,12 @@ from step3_ppo.algo.advantages import group_normalized, group_stats
 REWARD_NORMS = ("sum_then_normalize", "normalize_then_sum")
 
 
-def combine(scores: Dict[str, Tensor], weights: Sequence[float] | None = None, group_ids: Tensor | None = None,
-            mode: str = "sum_then_normalize") -> Tensor:
+def combine(
+    scores: Dict[str, Tensor],
+    weights: Sequence[float] | None = None,
+    group_ids: Tensor | None = None,
+    mode: str = "sum_then_normalize",
+) -> Tensor:
     """One sequence reward [B] of several reward components' scores ([B] each, by name).
 
     ``sum_then_normalize``: the weighted sum (weights 1.0 by default, in ``scores``' order); the
@@ -35,8 +40,9 @@ def combine(scores: Dict[str, Tensor], weights: Sequence[float] | None = None, g
     if weights is None:
         weights = [1.0] * len(names)
     if len(weights) != len(names):
-        raise ValueError(f"--reward_weights has {len(weights)} values, expected {len(names)} "
-                         f"(one per reward: {', '.join(names)})")
+        raise ValueError(
+            f"--reward_weights has {len(weights)} values, expected {len(names)} (one per reward: {', '.join(names)})"
+        )
     shapes = {tuple(t.shape) for t in scores.values()}
     if len(shapes) != 1:
         raise ValueError(f"combine: reward scores of different shapes {sorted(shapes)}")

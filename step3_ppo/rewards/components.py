@@ -11,6 +11,7 @@ for one that runs no model, and `is_accuracy`: its mean is also the eval's `eval
 The trainer scores every component, then combines them with `--reward_weights` (`combine`, pure, in
 step3_ppo/algo/advantages.py, with `--reward_norm`); step3_ppo/algo/shaping.py turns the total into per-token rewards.
 """
+
 from __future__ import annotations
 
 import os
@@ -81,18 +82,28 @@ class FunctionReward:
         else:
             completions = self.tokenizer.batch_decode([r.response_ids for r in rows], skip_special_tokens=True)
         scores, skipped = score_batch(
-            self.func, prompts=[r.prompt.get("prompt") for r in rows], completions=completions,
-            completion_ids=[r.response_ids.tolist() for r in rows], extra=extra,
-            origins=[r.prompt.get("origin", "") for r in rows], timeout=self.timeout, skip_bad=self.skip_bad,
-            on_skip=self.tell_first_skip, call=self.worker.call if self.worker is not None else None)
+            self.func,
+            prompts=[r.prompt.get("prompt") for r in rows],
+            completions=completions,
+            completion_ids=[r.response_ids.tolist() for r in rows],
+            extra=extra,
+            origins=[r.prompt.get("origin", "") for r in rows],
+            timeout=self.timeout,
+            skip_bad=self.skip_bad,
+            on_skip=self.tell_first_skip,
+            call=self.worker.call if self.worker is not None else None,
+        )
         self.skipped += len(skipped)
         return scores
 
     def tell_first_skip(self, error: str) -> None:
         if not self.told_skip:
             self.told_skip = True
-            print(f"[step3] warning: --skip_bad_rewards: {error}; its rows are skipped (only this function's first "
-                  f"error is printed, reward/skipped_rows counts them)", flush=True)
+            print(
+                f"[step3] warning: --skip_bad_rewards: {error}; its rows are skipped (only this function's first "
+                f"error is printed, reward/skipped_rows counts them)",
+                flush=True,
+            )
 
 
 def unique_names(components: list) -> None:

@@ -20,6 +20,7 @@ the setup is wrong: that always stops the run.
 A built-in is one `BUILTINS` entry (its factory, one line of help, whether it is an accuracy) next to its
 function; the weighted sum of the rewards is `step3_ppo.rewards.combine.combine`.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -54,7 +55,9 @@ class RewardFunctionError(ProjectError):
         self.function, self.problem, self.origin, self.index = function, problem, origin, index
         where = ""
         if origin is not None or index is not None:
-            parts = ([f"row {origin}"] if origin else []) + ([f"index {index} in the batch"] if index is not None else [])
+            parts = ([f"row {origin}"] if origin else []) + (
+                [f"index {index} in the batch"] if index is not None else []
+            )
             where = f" ({', '.join(parts)})"
         super().__init__(one_line(f"reward function {function}: {problem}{where}"))
 
@@ -91,7 +94,7 @@ def _last_boxed(text: str) -> str | None:
             depth += {"{": 1, "}": -1}.get(text[i], 0)
             i += 1
         if depth == 0:
-            return text[start + len(_BOXED):i - 1].strip()
+            return text[start + len(_BOXED) : i - 1].strip()
         start = text.rfind(_BOXED, 0, start)
     return None
 
@@ -202,8 +205,9 @@ class Builtin:
 # The one place a built-in is registered: its name here is its spec and its log name; `--reward_funcs`'
 # help, the README's list (tests/test_reward_funcs.py checks it) and `is_function_spec` follow.
 BUILTINS: dict[str, Builtin] = {
-    "math_exact": Builtin(lambda: math_exact, "the last number or \\boxed{} equals the row's 'answer'",
-                          is_accuracy=True),
+    "math_exact": Builtin(
+        lambda: math_exact, "the last number or \\boxed{} equals the row's 'answer'", is_accuracy=True
+    ),
     "format": Builtin(make_format, "--format_pattern matches"),
     "sentiment": Builtin(make_sentiment, "VADER"),
 }
@@ -215,6 +219,7 @@ def builtins_help() -> str:
 
 
 # ---------------------------------------------------------------- loading
+
 
 def is_function_spec(spec: str) -> bool:
     """True for a built-in name, a `file.py` path, or anything with ':' - unless it is an existing
@@ -248,13 +253,15 @@ def load_reward_function(spec: str, /, **options) -> RewardFunction:
     builtin = BUILTINS.get(spec)
     if builtin is not None:
         declared = _declared(builtin.make, options)
-        return RewardFunction(spec, builtin.make(**declared), is_accuracy=builtin.is_accuracy, spec=spec,
-                              options=declared)
+        return RewardFunction(
+            spec, builtin.make(**declared), is_accuracy=builtin.is_accuracy, spec=spec, options=declared
+        )
     fn = load_object(spec, RewardFunctionError, what="reward function", forms=_forms())
     return RewardFunction(_log_name(spec.rpartition(":")[2].rsplit(".", 1)[-1]), fn, spec=spec, options={})
 
 
 # ---------------------------------------------------------------- calling
+
 
 class _Timeout(BaseException):
     """Raised by the SIGALRM handler; a BaseException so a function's `except Exception` keeps out of it."""
@@ -360,17 +367,29 @@ def _number_like(value) -> bool:
 
 def _check_lengths(completions, completion_ids, extra, origins) -> None:
     n = len(completions)
-    lengths = {"completion_ids": len(completion_ids), "origins": len(origins),
-               **{f"extra[{k!r}]": len(v) for k, v in extra.items()}}
+    lengths = {
+        "completion_ids": len(completion_ids),
+        "origins": len(origins),
+        **{f"extra[{k!r}]": len(v) for k, v in extra.items()},
+    }
     wrong = {k: v for k, v in lengths.items() if v != n}
     if wrong:
         raise ValueError(f"score_batch: {wrong} not aligned with {n} completions")
 
 
-def score_batch(func: RewardFunction, *, prompts: list, completions: list[str], completion_ids: list[list[int]],
-                extra: dict[str, list], origins: list[str], timeout: float | None = None,
-                skip_bad: bool = False, on_skip: Callable[[str], None] | None = None,
-                call: Callable[[dict, float | None], object] | None = None) -> tuple[torch.Tensor, list[int]]:
+def score_batch(
+    func: RewardFunction,
+    *,
+    prompts: list,
+    completions: list[str],
+    completion_ids: list[list[int]],
+    extra: dict[str, list],
+    origins: list[str],
+    timeout: float | None = None,
+    skip_bad: bool = False,
+    on_skip: Callable[[str], None] | None = None,
+    call: Callable[[dict, float | None], object] | None = None,
+) -> tuple[torch.Tensor, list[int]]:
     """`func`'s scores of one batch (float32 [B]) and the indices of the rows it could not score.
 
     Calls `func.fn(prompts=, completions=, completion_ids=, **extra)` once: through `call(kwargs, timeout)`

@@ -5,6 +5,7 @@ step 3 with it (step3_ppo/function_worker.py says how). Here: the worker loads t
 built-in's options (a built-in registered by another module imports that module first), a spec that
 does not load there is a RewardFunctionError saying so, and a deadline is `--reward_timeout`'s.
 """
+
 from __future__ import annotations
 
 from step3_ppo.function_worker import CallFailed, FunctionWorker
@@ -42,5 +43,6 @@ def load(spec: str, options: dict, builtin_module: str | None = None):
     except RewardFunctionError as exc:
         raise RewardFunctionError(exc.function, f"in its worker process: {exc.problem}", exc.origin, exc.index)
     except Exception as exc:
-        raise RewardFunctionError(spec, f"its worker process could not load it: "
-                                        f"{one_line(f'{type(exc).__name__}: {exc}', _MESSAGE_LIMIT)}") from None
+        raise RewardFunctionError(
+            spec, f"its worker process could not load it: {one_line(f'{type(exc).__name__}: {exc}', _MESSAGE_LIMIT)}"
+        ) from None

@@ -20,6 +20,7 @@ may free memory then and wake itself at its next call), `close()` ends what the 
 worker process per node, step3_ppo/rollout/vllm_engine.py); a multi-turn rollout (step3_ppo/agents/loop.py) calls the
 engine once per turn, so both serve both.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -33,8 +34,9 @@ from utils.models.forward import GenerationSettings, generation_kwargs
 
 
 class RolloutEngine(Protocol):
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 settings: GenerationSettings) -> torch.Tensor: ...
+    def generate(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, settings: GenerationSettings
+    ) -> torch.Tensor: ...
 
     def metrics(self) -> dict: ...  # logged with each iteration's (the engine's own costs: weight sync)
 
@@ -60,20 +62,33 @@ class ActorGenerate:
     def close(self) -> None:
         pass
 
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 settings: GenerationSettings) -> torch.Tensor:
+    def generate(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, settings: GenerationSettings
+    ) -> torch.Tensor:
         c = self.config
-        return generate(self.actor, input_ids, attention_mask, hybrid=c.enable_hybrid_engine,
-                        merge_lora=c.merge_lora_for_generation,
-                        **generation_kwargs(settings, c.stop_token_ids, c.pad_token_id))
+        return generate(
+            self.actor,
+            input_ids,
+            attention_mask,
+            hybrid=c.enable_hybrid_engine,
+            merge_lora=c.merge_lora_for_generation,
+            **generation_kwargs(settings, c.stop_token_ids, c.pad_token_id),
+        )
 
-    def generate_with_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                               settings: GenerationSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    def generate_with_logprobs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, settings: GenerationSettings
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The same, with generate's raw logits turned into the sampled tokens' log-probs step by step."""
         c = self.config
-        return generate(self.actor, input_ids, attention_mask, hybrid=c.enable_hybrid_engine,
-                        merge_lora=c.merge_lora_for_generation, logprob_temperature=settings.logprob_temperature,
-                        **generation_kwargs(settings, c.stop_token_ids, c.pad_token_id))
+        return generate(
+            self.actor,
+            input_ids,
+            attention_mask,
+            hybrid=c.enable_hybrid_engine,
+            merge_lora=c.merge_lora_for_generation,
+            logprob_temperature=settings.logprob_temperature,
+            **generation_kwargs(settings, c.stop_token_ids, c.pad_token_id),
+        )
 
 
 @dataclass(frozen=True)
@@ -83,6 +98,7 @@ class RolloutEngineEntry:
     the engine's own flags (step 3 adds every engine's); `check_args(args)`: stops the run on a bad setting of
     them when the engine is chosen; `settings(args)`: what build reads of them, as the config's `engine_settings`
     (so a trainer built from a PPOConfig alone still gets them)."""
+
     build: Callable[..., RolloutEngine]
     help: str
     logprobs: bool = False
@@ -112,10 +128,20 @@ def _vllm(actor, config):
 # A new engine is one entry here and its own module: its class, flags, their checks and settings (with a test that
 # its tokens train at lr=0).
 ROLLOUT_ENGINES: dict[str, RolloutEngineEntry] = {
-    "hf": RolloutEngineEntry(ActorGenerate, "transformers' generate on the actor (with --enable_hybrid_engine: "
-                                            "ZeRO-3 parameters gathered once, KV cache, LoRA merged)", logprobs=True),
-    "vllm": RolloutEngineEntry(_vllm, "a vLLM worker process per node (its own cores; token ids in and out), the "
-                                      "actor's weights synced to it after each optimizer step through shared memory",
-                               logprobs=True, add_args=add_vllm_args, prefetch=True, check_args=check_vllm_args,
-                               settings=VLLMSettings.from_args),
+    "hf": RolloutEngineEntry(
+        ActorGenerate,
+        "transformers' generate on the actor (with --enable_hybrid_engine: "
+        "ZeRO-3 parameters gathered once, KV cache, LoRA merged)",
+        logprobs=True,
+    ),
+    "vllm": RolloutEngineEntry(
+        _vllm,
+        "a vLLM worker process per node (its own cores; token ids in and out), the "
+        "actor's weights synced to it after each optimizer step through shared memory",
+        logprobs=True,
+        add_args=add_vllm_args,
+        prefetch=True,
+        check_args=check_vllm_args,
+        settings=VLLMSettings.from_args,
+    ),
 }

@@ -9,6 +9,7 @@ weights while generating (one matmul per layer instead of three) and the origina
 back bit for bit afterwards. Step 3 also scores the rollout on models gathered once (`gathered`):
 the no-grad forwards need no per-layer fetch and release either.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -80,8 +81,11 @@ def gathered(engine):
         return
     import deepspeed  # lazy: +0.5 s on step 3's --help (deepspeed)
 
-    with (deepspeed.zero.GatheredParameters(partitioned_params(engine.module)), _hooks_lifted(offload),
-          _plain_parameter_dicts(engine.module)):
+    with (
+        deepspeed.zero.GatheredParameters(partitioned_params(engine.module)),
+        _hooks_lifted(offload),
+        _plain_parameter_dicts(engine.module),
+    ):
         yield
 
 
@@ -101,13 +105,18 @@ def _plain_parameter_dicts(module):
     try:
         yield
     finally:
-        changed = [m for m, params in swapped if m._parameters.keys() != params.keys()
-                   or any(m._parameters[k] is not v for k, v in params.items())]
+        changed = [
+            m
+            for m, params in swapped
+            if m._parameters.keys() != params.keys() or any(m._parameters[k] is not v for k, v in params.items())
+        ]
         for m, params in swapped:
             m._parameters = params
         if changed:
-            raise RuntimeError(f"parameters of {type(changed[0]).__name__} were replaced while the model was "
-                               f"gathered; ZeRO-3 would not see them")
+            raise RuntimeError(
+                f"parameters of {type(changed[0]).__name__} were replaced while the model was "
+                f"gathered; ZeRO-3 would not see them"
+            )
 
 
 @contextlib.contextmanager
@@ -120,8 +129,12 @@ def _lora_merged(module):
     if not isinstance(module, PeftModel):
         yield
         return
-    wrapped = [(parent, name, child) for parent in module.modules()
-               for name, child in parent.named_children() if isinstance(child, LoraLayer)]
+    wrapped = [
+        (parent, name, child)
+        for parent in module.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, LoraLayer)
+    ]
     layers = [child for _, _, child in wrapped]
     plain_lora = not any(layer.lora_variant for layer in layers)  # DoRA & co. keep state unmerge resets
     saved = [m.get_base_layer().weight.detach().clone() for m in layers]
@@ -154,18 +167,35 @@ def generation_mode(engine, hybrid: bool, merge_lora: bool = True):
 
 def needs_synced_gpus(engine, hybrid: bool) -> bool:
     """Plain ZeRO-3 generate is collective per token: ranks must keep stepping until all finish."""
-    return (not hybrid and _zero3_offload(engine) is not None and torch.distributed.is_initialized()
-            and torch.distributed.get_world_size() > 1)
+    return (
+        not hybrid
+        and _zero3_offload(engine) is not None
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    )
 
 
 @torch.no_grad()
-def generate(engine, input_ids: torch.Tensor, attention_mask: torch.Tensor, hybrid: bool, merge_lora: bool = True,
-             logprob_temperature: float | None = None, **generation_kwargs):
+def generate(
+    engine,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    hybrid: bool,
+    merge_lora: bool = True,
+    logprob_temperature: float | None = None,
+    **generation_kwargs,
+):
     """Sequences [B, P + T] for left-padded prompts [B, P], in the actor's generation mode; with
     `logprob_temperature`, also the generator's log-probs [B, T] of its tokens (utils.models.forward.generate).
 
     `generation_kwargs` come from utils.models.forward.generation_kwargs (KV cache on).
     """
     with generation_mode(engine, hybrid, merge_lora):
-        return forward_generate(engine.module, input_ids, attention_mask, logprob_temperature=logprob_temperature,
-                                synced_gpus=needs_synced_gpus(engine, hybrid), **generation_kwargs)
+        return forward_generate(
+            engine.module,
+            input_ids,
+            attention_mask,
+            logprob_temperature=logprob_temperature,
+            synced_gpus=needs_synced_gpus(engine, hybrid),
+            **generation_kwargs,
+        )

@@ -20,6 +20,7 @@ with dummy weights: what it generates with are always the trainer's weights.
 The trainer still computes the old log-probs with its own forward; the worker's log-probs only measure
 the generator-trainer mismatch (`rollout/logprob_diff_*`) and feed `--rollout_correction`.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -56,6 +57,7 @@ class RolloutEngineError(ProjectError, RuntimeError):
 @dataclass(frozen=True)
 class VLLMSettings:
     """The `--vllm_*` flags (add_vllm_args), one field each."""
+
     python: str | None = None  # the interpreter with vLLM; None: this one
     mode: str = "auto"  # eager (no compilation / CUDA graphs), compiled, or auto: eager on CPU, compiled on GPU
     kv_cache_gib: float = 1.0
@@ -82,33 +84,58 @@ def vllm_missing(python: str | None) -> str | None:
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"--vllm_python {exe} does not run: {e}"
     if not found:
-        return (f"vLLM is not installed for {exe} (bash scripts/setup.sh --with-vllm installs it; on GPU into "
-                f".venv-vllm, then --vllm_python .venv-vllm/bin/python)")
+        return (
+            f"vLLM is not installed for {exe} (bash scripts/setup.sh --with-vllm installs it; on GPU into "
+            f".venv-vllm, then --vllm_python .venv-vllm/bin/python)"
+        )
     return None
 
 
 def add_vllm_args(parser) -> None:
     """Step 3's `--vllm_*` flags (used with --rollout_engine vllm)."""
     g = parser.add_argument_group("vLLM rollout engine (--rollout_engine vllm; set up by scripts/setup.sh --with-vllm)")
-    g.add_argument("--vllm_python", default=None,
-                   help="the Python interpreter of the environment that has vLLM (default: this one; on GPU the "
-                        "one scripts/setup.sh --with-vllm made in .venv-vllm)")
-    g.add_argument("--vllm_mode", choices=["auto", "eager", "compiled"], default="auto",
-                   help="eager: no compilation or CUDA graphs (on CPU the worker starts in 15-40 s instead of 2-3 "
-                        "minutes and decodes ~20%% slower); compiled: vLLM's default; auto: eager on CPU, compiled on GPU")
+    g.add_argument(
+        "--vllm_python",
+        default=None,
+        help="the Python interpreter of the environment that has vLLM (default: this one; on GPU the "
+        "one scripts/setup.sh --with-vllm made in .venv-vllm)",
+    )
+    g.add_argument(
+        "--vllm_mode",
+        choices=["auto", "eager", "compiled"],
+        default="auto",
+        help="eager: no compilation or CUDA graphs (on CPU the worker starts in 15-40 s instead of 2-3 "
+        "minutes and decodes ~20%% slower); compiled: vLLM's default; auto: eager on CPU, compiled on GPU",
+    )
     g.add_argument("--vllm_kv_cache_gib", type=float, default=1.0, help="the worker's KV cache in GiB")
     g.add_argument("--vllm_tensor_parallel_size", type=int, default=1, help="devices per worker (GPU)")
-    g.add_argument("--vllm_gpu_memory_utilization", type=float, default=0.5,
-                   help="the share of a GPU the worker may take (GPU)")
-    g.add_argument("--vllm_start_timeout_s", type=float, default=900.0,
-                   help="how long to wait for the worker to build its model before stopping the run")
-    g.add_argument("--vllm_threads", type=int, default=None,
-                   help="CPU: the worker's threads (default: every core; the ranks wait while it generates)")
-    g.add_argument("--vllm_sleep", action="store_true",
-                   help="the worker sleeps while the ranks train (vLLM's sleep mode, level 1: weights to CPU memory, "
-                        "KV cache freed) and wakes for the next rollout; GPU only (vLLM refuses it on CPU)")
-    g.add_argument("--vllm_max_model_len", type=int, default=None,
-                   help="longest prompt + answer the worker serves (default: the model's, at most 8192)")
+    g.add_argument(
+        "--vllm_gpu_memory_utilization", type=float, default=0.5, help="the share of a GPU the worker may take (GPU)"
+    )
+    g.add_argument(
+        "--vllm_start_timeout_s",
+        type=float,
+        default=900.0,
+        help="how long to wait for the worker to build its model before stopping the run",
+    )
+    g.add_argument(
+        "--vllm_threads",
+        type=int,
+        default=None,
+        help="CPU: the worker's threads (default: every core; the ranks wait while it generates)",
+    )
+    g.add_argument(
+        "--vllm_sleep",
+        action="store_true",
+        help="the worker sleeps while the ranks train (vLLM's sleep mode, level 1: weights to CPU memory, "
+        "KV cache freed) and wakes for the next rollout; GPU only (vLLM refuses it on CPU)",
+    )
+    g.add_argument(
+        "--vllm_max_model_len",
+        type=int,
+        default=None,
+        help="longest prompt + answer the worker serves (default: the model's, at most 8192)",
+    )
 
 
 def check_vllm_args(args) -> None:
@@ -129,8 +156,8 @@ def _last_error(path: str, limit: int = 400) -> str:
     except OSError:
         return "(no log)"
     starts = [i for i, line in enumerate(lines) if re.match(r"^[\w.]*(Error|Exception)\b", line)]
-    text = " ".join(lines[starts[-1]:]) if starts else (lines or ["(empty log)"])[-1]
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    text = " ".join(lines[starts[-1] :]) if starts else (lines or ["(empty log)"])[-1]
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _set_parent_death_signal() -> None:
@@ -188,13 +215,31 @@ class VLLMRollout:
         model.config.save_pretrained(self.dir)  # the worker builds the architecture from it (weights: dummy)
         max_len = s.max_model_len or min(getattr(model.config, "max_position_embeddings", 8192), 8192)
         temperature = self.config.generation.logprob_temperature
-        cmd = [s.python or sys.executable, WORKER, "--socket", os.path.join(self.dir, "worker.sock"),
-               "--model", self.dir, "--dtype", str(next(model.parameters()).dtype).removeprefix("torch."),
-               "--max_model_len", str(max_len), "--kv_cache_gib", str(s.kv_cache_gib), "--ranks", str(ranks),
-               "--tensor_parallel_size", str(s.tensor_parallel_size),
-               "--gpu_memory_utilization", str(s.gpu_memory_utilization), "--seed", str(self.config.seed),
-               # the trainer's log-probs are at the rollout temperature: vLLM's raw ones are before it
-               "--logprobs_mode", "raw_logprobs" if temperature == 1.0 else "processed_logprobs"]
+        cmd = [
+            s.python or sys.executable,
+            WORKER,
+            "--socket",
+            os.path.join(self.dir, "worker.sock"),
+            "--model",
+            self.dir,
+            "--dtype",
+            str(next(model.parameters()).dtype).removeprefix("torch."),
+            "--max_model_len",
+            str(max_len),
+            "--kv_cache_gib",
+            str(s.kv_cache_gib),
+            "--ranks",
+            str(ranks),
+            "--tensor_parallel_size",
+            str(s.tensor_parallel_size),
+            "--gpu_memory_utilization",
+            str(s.gpu_memory_utilization),
+            "--seed",
+            str(self.config.seed),
+            # the trainer's log-probs are at the rollout temperature: vLLM's raw ones are before it
+            "--logprobs_mode",
+            "raw_logprobs" if temperature == 1.0 else "processed_logprobs",
+        ]
         cmd += ["--mode", s.mode] + (["--sleep"] if s.sleep else [])
         # on CPU the ranks wait while the worker generates: it takes every core, not a rank's share (OMP_NUM_THREADS)
         env = {**os.environ, "VLLM_WORKER_AUTHKEY": self.key, "OMP_NUM_THREADS": str(s.threads or os.cpu_count())}
@@ -202,8 +247,14 @@ class VLLMRollout:
             env.pop(name, None)  # the launcher's process-group variables are the trainer's, not vLLM's
         log = open(os.path.join(self.dir, "worker.log"), "w")
         atexit.register(self.close)  # also on a finished rank's os._exit (utils.errors._finish_now runs atexit)
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     preexec_fn=_set_parent_death_signal)
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=_set_parent_death_signal,
+        )
         log.close()
         self.started = time.time()
 
@@ -216,7 +267,9 @@ class VLLMRollout:
                 pass
         self.failed = True  # close() keeps the log
         status = f" (exit code {code})" if code is not None else ""
-        return RolloutEngineError(f"vLLM worker {what}{status}: {detail or _last_error(self.log)} (its log: {self.log})")
+        return RolloutEngineError(
+            f"vLLM worker {what}{status}: {detail or _last_error(self.log)} (its log: {self.log})"
+        )
 
     def _connect(self) -> None:
         """Wait for the worker's socket (it appears once the model is built), then connect and read hello."""
@@ -328,7 +381,6 @@ class VLLMRollout:
             offset += param.element_size() * torch.Size(shape).numel()
         if self.owner:
             if self.shm is None:
-
                 self.shm = shared_memory.SharedMemory(create=True, size=max(offset, 1))
                 self.flat = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
         group, size = [], 0
@@ -346,11 +398,14 @@ class VLLMRollout:
                         _, param, lora_layer = weights[j]
                         value = param.data
                         if lora_layer is not None:
-                            value = value + sum(lora_layer.get_delta_weight(a) for a in lora_layer.active_adapters
-                                                if a in lora_layer.lora_A).to(value.dtype)
+                            value = value + sum(
+                                lora_layer.get_delta_weight(a)
+                                for a in lora_layer.active_adapters
+                                if a in lora_layer.lora_A
+                            ).to(value.dtype)
                         nbytes = value.numel() * value.element_size()
                         start = layout[j][3]
-                        self.flat[start:start + nbytes].view(value.dtype).view(value.shape).copy_(value)
+                        self.flat[start : start + nbytes].view(value.dtype).view(value.shape).copy_(value)
             group, size = [], 0
         if self.owner:
             self._call({"op": "load", "shm": self.shm.name, "tensors": layout}, "loading weights")
@@ -372,38 +427,64 @@ class VLLMRollout:
 
     def metrics(self) -> dict:
         """Logged per iteration: the last weight sync's seconds and megabytes (this node's worker)."""
-        return {"time/weight_sync_s": self.sync_s, "rollout/weight_sync_mb": self.sync_bytes / 2**20,
-                "rollout/staleness": float(self.staleness)}
+        return {
+            "time/weight_sync_s": self.sync_s,
+            "rollout/weight_sync_mb": self.sync_bytes / 2**20,
+            "rollout/staleness": float(self.staleness),
+        }
 
     # ------------------------------------------------------------------ generation
-    def _request(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, settings: GenerationSettings,
-                 logprobs: bool) -> dict:
+    def _request(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, settings: GenerationSettings, logprobs: bool
+    ) -> dict:
         c = self.config
         prompts = [ids[mask.bool()].tolist() for ids, mask in zip(input_ids, attention_mask)]
-        seeds = (torch.randint(2**31 - 1, (len(prompts),), generator=self.seeds).tolist() if settings.do_sample
-                 else [None] * len(prompts))
-        params = {"max_new_tokens": settings.max_new_tokens, "min_new_tokens": settings.min_new_tokens,
-                  "do_sample": settings.do_sample, "temperature": settings.temperature, "top_p": settings.top_p,
-                  "top_k": settings.top_k, "stop_token_ids": list(c.stop_token_ids), "logprobs": logprobs}
+        seeds = (
+            torch.randint(2**31 - 1, (len(prompts),), generator=self.seeds).tolist()
+            if settings.do_sample
+            else [None] * len(prompts)
+        )
+        params = {
+            "max_new_tokens": settings.max_new_tokens,
+            "min_new_tokens": settings.min_new_tokens,
+            "do_sample": settings.do_sample,
+            "temperature": settings.temperature,
+            "top_p": settings.top_p,
+            "top_k": settings.top_k,
+            "stop_token_ids": list(c.stop_token_ids),
+            "logprobs": logprobs,
+        }
         return {"op": "generate", "prompts": prompts, "params": params, "seeds": seeds}
 
     @staticmethod
     def _key(input_ids, attention_mask, settings, logprobs):
         return input_ids.tolist(), attention_mask.tolist(), settings, logprobs
 
-    def prefetch(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, settings: GenerationSettings,
-                 logprobs: bool = False) -> None:
+    def prefetch(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        settings: GenerationSettings,
+        logprobs: bool = False,
+    ) -> None:
         """Start generating these rows now (`--async_rollout`: while the trainer trains on the current rollout),
         with the weights of the last optimizer step; the `generate` call with the same inputs takes the answers.
         Under ZeRO-3 collective like `generate` (the weight sync)."""
         self.sync_weights()
         request = self._request(input_ids, attention_mask, settings, logprobs)
         self._send(request)
-        self.pending.append({"key": self._key(input_ids, attention_mask, settings, logprobs), "reply": None,
-                             "step": self.synced_step, "prompts": len(request["prompts"])})
+        self.pending.append(
+            {
+                "key": self._key(input_ids, attention_mask, settings, logprobs),
+                "reply": None,
+                "step": self.synced_step,
+                "prompts": len(request["prompts"]),
+            }
+        )
 
-    def _generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, settings: GenerationSettings,
-                  logprobs: bool):
+    def _generate(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, settings: GenerationSettings, logprobs: bool
+    ):
         key = self._key(input_ids, attention_mask, settings, logprobs)
         entry = next((e for e in self.pending if e["key"] == key), None)
         if entry is not None:  # generated ahead, with the weights of an earlier step
@@ -420,16 +501,18 @@ class VLLMRollout:
         answers = torch.full((len(outputs), width), c.pad_token_id, dtype=torch.long)
         generated = torch.zeros((len(outputs), width), dtype=torch.float32)
         for b, out in enumerate(outputs):
-            answers[b, :len(out["ids"])] = torch.tensor(out["ids"], dtype=torch.long)
+            answers[b, : len(out["ids"])] = torch.tensor(out["ids"], dtype=torch.long)
             if logprobs:
-                generated[b, :len(out["ids"])] = torch.tensor(out["logprobs"], dtype=torch.float32)
+                generated[b, : len(out["ids"])] = torch.tensor(out["logprobs"], dtype=torch.float32)
         sequences = torch.cat([input_ids.cpu(), answers], dim=1)
         return (sequences, generated) if logprobs else sequences
 
-    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 settings: GenerationSettings) -> torch.Tensor:
+    def generate(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, settings: GenerationSettings
+    ) -> torch.Tensor:
         return self._generate(input_ids, attention_mask, settings, logprobs=False)
 
-    def generate_with_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                               settings: GenerationSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    def generate_with_logprobs(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, settings: GenerationSettings
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._generate(input_ids, attention_mask, settings, logprobs=True)

@@ -15,6 +15,7 @@ Requests that arrive together from several ranks are generated in one batch. A f
 {"error": "..."} and the worker keeps serving; the worker's own output goes to the log file the trainer
 shows when it dies.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -32,11 +33,19 @@ def parse_args(argv=None):
     p.add_argument("--model", required=True, help="a folder with the model's config.json (weights come by sync)")
     p.add_argument("--dtype", default="float32", help="the actor's dtype (torch name)")
     p.add_argument("--max_model_len", type=int, required=True, help="longest prompt + answer served")
-    p.add_argument("--logprobs_mode", default="raw_logprobs", choices=["raw_logprobs", "processed_logprobs"],
-                   help="vLLM's: raw (before temperature) when the rollout samples at temperature 1, else processed")
+    p.add_argument(
+        "--logprobs_mode",
+        default="raw_logprobs",
+        choices=["raw_logprobs", "processed_logprobs"],
+        help="vLLM's: raw (before temperature) when the rollout samples at temperature 1, else processed",
+    )
     p.add_argument("--kv_cache_gib", type=float, default=1.0, help="KV cache size in GiB")
-    p.add_argument("--mode", choices=["auto", "eager", "compiled"], default="auto",
-                   help="eager: no compilation / CUDA graphs (fast start); auto: eager on CPU, compiled on GPU")
+    p.add_argument(
+        "--mode",
+        choices=["auto", "eager", "compiled"],
+        default="auto",
+        help="eager: no compilation / CUDA graphs (fast start); auto: eager on CPU, compiled on GPU",
+    )
     p.add_argument("--tensor_parallel_size", type=int, default=1, help="devices of this worker (GPU)")
     p.add_argument("--gpu_memory_utilization", type=float, default=0.5, help="share of the GPU it may take (GPU)")
     p.add_argument("--sleep", action="store_true", help="vLLM's sleep mode (GPU; vLLM refuses it on CPU)")
@@ -56,17 +65,29 @@ def build_llm(args):
 
     # a reload that leaves a layer out (rotary tables; a LoRA sync's untouched layers) keeps its tensors: not news
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
-        lambda record: "Failed to load weights" not in record.getMessage())
+        lambda record: "Failed to load weights" not in record.getMessage()
+    )
 
     kwargs = {}
     eager = args.mode == "eager" or (args.mode == "auto" and current_platform.is_cpu())
     if not current_platform.is_cpu():
         kwargs["kv_cache_memory_bytes"] = int(args.kv_cache_gib * 2**30)
         kwargs["gpu_memory_utilization"] = args.gpu_memory_utilization
-    return LLM(model=args.model, dtype=args.dtype, load_format="dummy", skip_tokenizer_init=True,
-               generation_config="vllm", max_model_len=args.max_model_len, enforce_eager=eager,
-               tensor_parallel_size=args.tensor_parallel_size, logprobs_mode=args.logprobs_mode, seed=args.seed,
-               enable_prefix_caching=True, enable_sleep_mode=args.sleep, **kwargs)
+    return LLM(
+        model=args.model,
+        dtype=args.dtype,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        generation_config="vllm",
+        max_model_len=args.max_model_len,
+        enforce_eager=eager,
+        tensor_parallel_size=args.tensor_parallel_size,
+        logprobs_mode=args.logprobs_mode,
+        seed=args.seed,
+        enable_prefix_caching=True,
+        enable_sleep_mode=args.sleep,
+        **kwargs,
+    )
 
 
 def sampling_params(params: dict, seed: int | None):
@@ -76,10 +97,18 @@ def sampling_params(params: dict, seed: int | None):
 
     sample = params["do_sample"]
     return SamplingParams(
-        n=1, max_tokens=params["max_new_tokens"], min_tokens=params.get("min_new_tokens") or 0,
-        temperature=params["temperature"] if sample else 0.0, top_p=params["top_p"] if sample else 1.0,
-        top_k=params["top_k"] if sample and params["top_k"] > 0 else 0, stop_token_ids=list(params["stop_token_ids"]),
-        ignore_eos=True, logprobs=0 if params.get("logprobs") else None, detokenize=False, seed=seed)
+        n=1,
+        max_tokens=params["max_new_tokens"],
+        min_tokens=params.get("min_new_tokens") or 0,
+        temperature=params["temperature"] if sample else 0.0,
+        top_p=params["top_p"] if sample else 1.0,
+        top_k=params["top_k"] if sample and params["top_k"] > 0 else 0,
+        stop_token_ids=list(params["stop_token_ids"]),
+        ignore_eos=True,
+        logprobs=0 if params.get("logprobs") else None,
+        detokenize=False,
+        seed=seed,
+    )
 
 
 def generate(llm, requests: list[dict]) -> list[dict]:
@@ -95,7 +124,7 @@ def generate(llm, requests: list[dict]) -> list[dict]:
     replies, start = [], 0
     for request in requests:
         answers = []
-        for out in outputs[start:start + len(request["prompts"])]:
+        for out in outputs[start : start + len(request["prompts"])]:
             completion = out.outputs[0]
             logprobs = None
             if completion.logprobs is not None:
@@ -130,7 +159,7 @@ def load(llm, request: dict) -> dict:
             for size in shape:
                 count *= size
             nbytes = count * torch.empty((), dtype=dt).element_size()
-            yield name, flat[offset:offset + nbytes].view(dt).view(shape)
+            yield name, flat[offset : offset + nbytes].view(dt).view(shape)
 
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights(), "is_checkpoint_format": True})
     llm.reset_prefix_cache()
@@ -198,8 +227,12 @@ def main(argv=None) -> None:
     import torch
     import vllm
 
-    hello = {"vllm": vllm.__version__, "start_s": round(time.perf_counter() - t0, 2), "threads": torch.get_num_threads(),
-             "affinity": sorted(os.sched_getaffinity(0))}
+    hello = {
+        "vllm": vllm.__version__,
+        "start_s": round(time.perf_counter() - t0, 2),
+        "threads": torch.get_num_threads(),
+        "affinity": sorted(os.sched_getaffinity(0)),
+    }
     # the socket appears once the model is built: the trainer ranks wait for it, connect and read `hello`
     listener = Listener(args.socket, family="AF_UNIX", authkey=key)
     serve(llm, listener, args.ranks, hello)

@@ -86,11 +86,13 @@ def template_name(tokenizer) -> str:
 def require_template(tokenizer, origin: str = "") -> None:
     if not getattr(tokenizer, "chat_template", None):
         where = f"{origin}: " if origin else ""
-        raise DataError(f"{where}conversational rows need a chat template and the tokenizer "
-                        f"({getattr(tokenizer, 'name_or_path', '?')}) has none; the training steps take one with "
-                        "--chat_template FILE (a Jinja file) and save it with their output's tokenizer; the evaluation "
-                        "tools and chat.py read it from the model directory (its tokenizer_config.json "
-                        "'chat_template', or chat_template.jinja)")
+        raise DataError(
+            f"{where}conversational rows need a chat template and the tokenizer "
+            f"({getattr(tokenizer, 'name_or_path', '?')}) has none; the training steps take one with "
+            "--chat_template FILE (a Jinja file) and save it with their output's tokenizer; the evaluation "
+            "tools and chat.py read it from the model directory (its tokenizer_config.json "
+            "'chat_template', or chat_template.jinja)"
+        )
 
 
 @contextlib.contextmanager
@@ -113,14 +115,21 @@ def render(tokenizer, messages: list, add_generation_prompt: bool = False) -> li
     tools = _TOOLS.get()
 
     def call():
-        return tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=add_generation_prompt,
-                                             return_dict=True, **({"tools": tools} if tools else {}))
+        return tokenizer.apply_chat_template(
+            messages,
+            tokenize=True,
+            add_generation_prompt=add_generation_prompt,
+            return_dict=True,
+            **({"tools": tools} if tools else {}),
+        )
 
     try:
         out = _within_time_limit(call, RENDER_TIME_LIMIT_S)
     except _RenderTimeout:
-        raise ChatTemplateError(f"{template_name(tokenizer)}: rendering one conversation ran past "
-                                f"{RENDER_TIME_LIMIT_S:g} s and was stopped (a loop that does not end?)") from None
+        raise ChatTemplateError(
+            f"{template_name(tokenizer)}: rendering one conversation ran past "
+            f"{RENDER_TIME_LIMIT_S:g} s and was stopped (a loop that does not end?)"
+        ) from None
     except DataError:
         raise
     except Exception as exc:  # noqa: BLE001 - whatever the template raised is the template's problem
@@ -145,9 +154,12 @@ def _within_time_limit(call, seconds: float):
     as Python bytecode, so the handler fires inside the loop; a few microseconds per call), else a thread."""
     if not seconds:
         return call()
-    if hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread() \
-            and signal.getitimer(signal.ITIMER_REAL)[0] == 0 \
-            and signal.getsignal(signal.SIGALRM) is not None:  # never disturb someone else's timer or handler
+    if (
+        hasattr(signal, "setitimer")
+        and threading.current_thread() is threading.main_thread()
+        and signal.getitimer(signal.ITIMER_REAL)[0] == 0
+        and signal.getsignal(signal.SIGALRM) is not None
+    ):  # never disturb someone else's timer or handler
         return _call_with_alarm(call, seconds)
     return _call_in_thread(call, seconds)
 
@@ -211,7 +223,7 @@ def end_of_turn_id(tokenizer) -> int | None:
     prompt = render(tokenizer, user, add_generation_prompt=True)
     full = render(tokenizer, user + [{"role": "assistant", "content": _SENTINEL}])
     special = _special_ids(tokenizer)
-    eot = next((t for t in full[len(prompt):] if t in special), None) if full[:len(prompt)] == prompt else None
+    eot = next((t for t in full[len(prompt) :] if t in special), None) if full[: len(prompt)] == prompt else None
     _END_OF_TURN[tokenizer] = (template, eot)
     return eot
 
@@ -241,8 +253,8 @@ def assistant_spans(tokenizer, messages: list) -> tuple[list[int], list[tuple[in
         if m["role"] != "assistant":
             continue
         start = len(render(tokenizer, messages[:i], add_generation_prompt=True)) if i else 0
-        upto = render(tokenizer, messages[:i + 1])
-        if ids[:len(upto)] != upto or start > len(upto):
+        upto = render(tokenizer, messages[: i + 1])
+        if ids[: len(upto)] != upto or start > len(upto):
             raise SkipRow("template_mismatch")
         spans.append((start, _end_of_turn(ids, start, len(upto), stops)))
     return ids, spans
@@ -252,12 +264,12 @@ def reply_ids(tokenizer, prompt: list, replies: list) -> tuple[list[int], list[i
     """(prompt ids ending with the generation prompt, the replies' ids up to their last end-of-turn token)."""
     prompt_ids = render(tokenizer, prompt, add_generation_prompt=True)
     full = render(tokenizer, prompt + replies)
-    if full[:len(prompt_ids)] != prompt_ids:
+    if full[: len(prompt_ids)] != prompt_ids:
         raise SkipRow("template_mismatch")
     stops = stop_token_ids(tokenizer, chat=True)
-    tail = full[len(prompt_ids):]
+    tail = full[len(prompt_ids) :]
     ends = [i for i, t in enumerate(tail) if t in stops]
-    return prompt_ids, tail[:ends[-1] + 1] if ends else tail
+    return prompt_ids, tail[: ends[-1] + 1] if ends else tail
 
 
 def frame_lens(tokenizer, prompt: list, prompt_ids: list) -> tuple[int, int]:

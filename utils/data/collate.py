@@ -11,8 +11,9 @@ from torch.utils.data import DataLoader, DistributedSampler
 from utils.data.tokenize import IGNORE_INDEX
 
 
-def pad_batch(seqs: Sequence[Sequence[int]], pad_value: int, side: str = "right",
-              length: int | None = None) -> torch.Tensor:
+def pad_batch(
+    seqs: Sequence[Sequence[int]], pad_value: int, side: str = "right", length: int | None = None
+) -> torch.Tensor:
     """Pad lists of ints to one length on ``side`` -> LongTensor [B, L]."""
     if side not in ("left", "right"):
         raise ValueError(f"padding side must be 'left' or 'right', got {side!r}")
@@ -21,7 +22,7 @@ def pad_batch(seqs: Sequence[Sequence[int]], pad_value: int, side: str = "right"
     for i, s in enumerate(seqs):
         if len(s):
             start = 0 if side == "right" else length - len(s)
-            out[i, start:start + len(s)] = torch.as_tensor(list(s), dtype=torch.long)
+            out[i, start : start + len(s)] = torch.as_tensor(list(s), dtype=torch.long)
     return out
 
 
@@ -37,9 +38,11 @@ class SFTCollator:
 
     def __call__(self, batch: Sequence[dict]) -> dict:
         ids = [ex["input_ids"] for ex in batch]
-        return {"input_ids": pad_batch(ids, self.pad_token_id),
-                "attention_mask": _mask(ids, "right"),
-                "labels": pad_batch([ex["labels"] for ex in batch], IGNORE_INDEX)}
+        return {
+            "input_ids": pad_batch(ids, self.pad_token_id),
+            "attention_mask": _mask(ids, "right"),
+            "labels": pad_batch([ex["labels"] for ex in batch], IGNORE_INDEX),
+        }
 
 
 class PairCollator:
@@ -52,8 +55,10 @@ class PairCollator:
 
     def __call__(self, batch: Sequence[dict]) -> dict:
         seqs = [ex["chosen_input_ids"] for ex in batch] + [ex["rejected_input_ids"] for ex in batch]
-        return {"input_ids": pad_batch(seqs, self.pad_token_id, self.padding_side),
-                "attention_mask": _mask(seqs, self.padding_side)}
+        return {
+            "input_ids": pad_batch(seqs, self.pad_token_id, self.padding_side),
+            "attention_mask": _mask(seqs, self.padding_side),
+        }
 
 
 class PreferenceCollator:
@@ -74,8 +79,9 @@ class PreferenceCollator:
         responses = [ex[f"{side}_response_ids"] for side in sides for ex in batch]
         out = response_rows(prompts, responses, self.pad_token_id, self.padding_side)
         if all("ref_chosen_logp" in ex for ex in batch):
-            out["ref_logps"] = torch.tensor([ex[f"ref_{side}_logp"] for side in sides for ex in batch],
-                                            dtype=torch.float32)
+            out["ref_logps"] = torch.tensor(
+                [ex[f"ref_{side}_logp"] for side in sides for ex in batch], dtype=torch.float32
+            )
         return out
 
 
@@ -88,7 +94,7 @@ def response_rows(prompts: Sequence, responses: Sequence, pad_token_id: int, pad
     action_mask = torch.zeros((len(seqs), length - 1), dtype=torch.float32)
     for b, (p, r) in enumerate(zip(prompts, responses)):
         start = (0 if padding_side == "right" else length - len(p) - len(r)) + len(p) - 1
-        action_mask[b, start:start + len(r)] = 1
+        action_mask[b, start : start + len(r)] = 1
     return {"input_ids": input_ids, "attention_mask": _mask(seqs, padding_side), "action_mask": action_mask}
 
 
@@ -107,7 +113,7 @@ class UnpairedCollator:
         prompts = [ex["prompt_input_ids"] for ex in batch]
         completions = [ex["completion_response_ids"] for ex in batch]
         shifted = completions[-1:] + completions[:-1]
-        mismatched = [c[:max(self.max_seq_len - len(p), 1)] for p, c in zip(prompts, shifted)]
+        mismatched = [c[: max(self.max_seq_len - len(p), 1)] for p, c in zip(prompts, shifted)]
         out = response_rows(prompts * 2, completions + mismatched, self.pad_token_id, self.padding_side)
         out["desirable"] = torch.tensor([ex["desirable"] for ex in batch], dtype=torch.bool)
         return out
@@ -131,10 +137,14 @@ class PromptCollator:
 
     def __call__(self, batch: Sequence[dict]) -> dict:
         ids = [ex["input_ids"] for ex in batch]
-        return {"input_ids": pad_batch(ids, self.pad_token_id, "left"),
-                "attention_mask": _mask(ids, "left"),
-                "rows": [{"prompt": ex.get("prompt"), "origin": ex.get("origin", ""), "extra": ex.get("extra", {})}
-                         for ex in batch]}
+        return {
+            "input_ids": pad_batch(ids, self.pad_token_id, "left"),
+            "attention_mask": _mask(ids, "left"),
+            "rows": [
+                {"prompt": ex.get("prompt"), "origin": ex.get("origin", ""), "extra": ex.get("extra", {})}
+                for ex in batch
+            ],
+        }
 
 
 def distributed_loader(examples: Sequence, batch_size: int, collate_fn, seed: int, drop_last: bool = False):
@@ -147,6 +157,12 @@ def distributed_loader(examples: Sequence, batch_size: int, collate_fn, seed: in
     ranks = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     sampler = DistributedSampler(examples, num_replicas=ranks, rank=rank, shuffle=True, seed=seed)
-    loader = DataLoader(examples, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn, drop_last=drop_last,
-                        generator=torch.Generator().manual_seed(seed))
+    loader = DataLoader(
+        examples,
+        batch_size=batch_size,
+        sampler=sampler,
+        collate_fn=collate_fn,
+        drop_last=drop_last,
+        generator=torch.Generator().manual_seed(seed),
+    )
     return sampler, loader

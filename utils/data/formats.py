@@ -110,7 +110,7 @@ def check_messages(value, origin: str, field: str, assistant_only: bool = False)
     for i, m in enumerate(value):
         where = f"{origin}: field '{field}'[{i}]"
         if not isinstance(m, dict):
-            raise DataError(f"{where}: expected a message object {{\"role\", \"content\"}}, got {type(m).__name__}")
+            raise DataError(f'{where}: expected a message object {{"role", "content"}}, got {type(m).__name__}')
         role, content = m.get("role"), m.get("content")
         if role not in ROLES:
             raise DataError(f"{where}: 'role' must be one of {'/'.join(ROLES)}, got {role!r}")
@@ -136,7 +136,7 @@ def parse_transcript(text: str) -> list | None:
         marker = next((m for m in markers if rest.startswith(m)), None)
         if marker is None:
             return None
-        rest = rest[len(marker):]
+        rest = rest[len(marker) :]
         ends = [i for i in (rest.find(HH_HUMAN), rest.find(HH_ASSISTANT)) if i >= 0]
         cut = min(ends) if ends else len(rest)
         messages.append({"role": markers[marker], "content": rest[:cut].strip()})
@@ -147,12 +147,12 @@ def parse_transcript(text: str) -> list | None:
 def split_hh(chosen: str, rejected: str | None) -> tuple[str, str, str | None]:
     """(prompt, chosen response, rejected response) of HH-RLHF transcripts; SkipRow("prefix_mismatch")
     when the two sides do not share the text up to their last "\\n\\nAssistant:"."""
-    shared = chosen if rejected is None else chosen[:common_prefix_len(chosen, rejected)]
+    shared = chosen if rejected is None else chosen[: common_prefix_len(chosen, rejected)]
     cut = shared.rfind(HH_ASSISTANT)
     if cut < 0:
         raise SkipRow("prefix_mismatch")
-    prompt = chosen[:cut + len(HH_ASSISTANT)]
-    return prompt, chosen[len(prompt):], None if rejected is None else rejected[len(prompt):]
+    prompt = chosen[: cut + len(HH_ASSISTANT)]
+    return prompt, chosen[len(prompt) :], None if rejected is None else rejected[len(prompt) :]
 
 
 def split_shared_prefix(chosen: list, rejected: list) -> tuple[list, list, list]:
@@ -214,24 +214,36 @@ def normalize_row(obj, origin: str, step: int, fmt: RowFormat = DEFAULT_FORMAT) 
     if raw["chosen"] is None and fmt.chosen_key == "chosen":
         raw["chosen"] = next((obj[k] for k in CHOSEN_SYNONYMS if obj.get(k) is not None), None)
     # step 3 keeps every field but the prompt's for reward functions (an answer, a label, the pair it came from)
-    used = ({fmt.prompt_key, fmt.messages_key} if step == 3 else
-            set(fmt.keys) | (set(CHOSEN_SYNONYMS) if fmt.chosen_key == "chosen" else set()))
+    used = (
+        {fmt.prompt_key, fmt.messages_key}
+        if step == 3
+        else set(fmt.keys) | (set(CHOSEN_SYNONYMS) if fmt.chosen_key == "chosen" else set())
+    )
     label = None
     if step == 2 and fmt.unpaired and raw["rejected"] is None and fmt.label_key in obj:
         label = _label(obj[fmt.label_key], origin)
         if not isinstance(label, bool):
-            raise DataError(f"{origin}: field '{fmt.label_key}' must be true (desirable) or false (undesirable), "
-                            f"got {label!r}")
+            raise DataError(
+                f"{origin}: field '{fmt.label_key}' must be true (desirable) or false (undesirable), got {label!r}"
+            )
         used.add(fmt.label_key)
-    row = {"prompt": None, "chosen": None, "rejected": None, "messages": None,
-           "extra": {k: v for k, v in obj.items() if k not in used}, "origin": origin}
+    row = {
+        "prompt": None,
+        "chosen": None,
+        "rejected": None,
+        "messages": None,
+        "extra": {k: v for k, v in obj.items() if k not in used},
+        "origin": origin,
+    }
     if label is not None:
         row["label"] = label
 
     if raw["messages"] is not None and raw["prompt"] is None:
         if step == 2:
-            raise DataError(f"{origin}: a '{fmt.messages_key}' row has no rejected side; step 2 needs "
-                            f"'{fmt.prompt_key}', '{fmt.chosen_key}' and '{fmt.rejected_key}'")
+            raise DataError(
+                f"{origin}: a '{fmt.messages_key}' row has no rejected side; step 2 needs "
+                f"'{fmt.prompt_key}', '{fmt.chosen_key}' and '{fmt.rejected_key}'"
+            )
         messages = check_messages(raw["messages"], origin, fmt.messages_key)
         if step == 3:
             row["prompt"] = _prompt_of_conversation(messages)
@@ -245,7 +257,9 @@ def normalize_row(obj, origin: str, step: int, fmt: RowFormat = DEFAULT_FORMAT) 
     values = {}
     for name in ("prompt", "chosen", "rejected"):
         if raw[name] is not None and (name == "prompt" or name in needed):
-            values[name] = _text(raw[name], origin, fmt.key(name), assistant_only=name != "prompt" and raw["prompt"] is not None)
+            values[name] = _text(
+                raw[name], origin, fmt.key(name), assistant_only=name != "prompt" and raw["prompt"] is not None
+            )
     if "prompt" not in values:
         # no prompt: HH-RLHF transcripts or TRL's implicit prompt, taken from the sides
         if raw["chosen"] is None:
@@ -256,11 +270,13 @@ def normalize_row(obj, origin: str, step: int, fmt: RowFormat = DEFAULT_FORMAT) 
         c = _text(raw["chosen"], origin, fmt.chosen_key)
         r = None if raw["rejected"] is None or step != 2 else _text(raw["rejected"], origin, fmt.rejected_key)
         if r is not None and is_chat(c) != is_chat(r):
-            raise DataError(f"{origin}: fields '{fmt.chosen_key}' and '{fmt.rejected_key}' must both be strings "
-                            "or both message lists")
+            raise DataError(
+                f"{origin}: fields '{fmt.chosen_key}' and '{fmt.rejected_key}' must both be strings "
+                "or both message lists"
+            )
         if is_chat(c) and r is None:
             prompt = _prompt_of_conversation(c)
-            parts = (prompt, c[len(prompt):], None)
+            parts = (prompt, c[len(prompt) :], None)
         elif is_chat(c):
             parts = split_shared_prefix(c, r)
         elif HH_ASSISTANT not in c:
@@ -275,8 +291,10 @@ def normalize_row(obj, origin: str, step: int, fmt: RowFormat = DEFAULT_FORMAT) 
             raise _missing(origin, name, fmt, obj)
     chat = [is_chat(values[n]) for n in values]
     if any(chat) and not all(chat):
-        raise DataError(f"{origin}: fields {[fmt.key(n) for n in values]} mix strings and message lists; "
-                        "give all as strings or all as message lists")
+        raise DataError(
+            f"{origin}: fields {[fmt.key(n) for n in values]} mix strings and message lists; "
+            "give all as strings or all as message lists"
+        )
     if not any(chat) and fmt.apply_chat_template:
         values = _templated(values)
     if step == 1 and is_chat(values["prompt"]):
@@ -290,7 +308,7 @@ def _templated(values: dict) -> dict:
     """--apply_chat_template on string rows: the prompt a user turn (an HH transcript its own turns),
     each response an assistant turn."""
     prompt = values["prompt"]
-    turns = parse_transcript(prompt[:-len(HH_ASSISTANT)]) if prompt.endswith(HH_ASSISTANT) else None
+    turns = parse_transcript(prompt[: -len(HH_ASSISTANT)]) if prompt.endswith(HH_ASSISTANT) else None
     out = {"prompt": turns if turns and all(m["content"] for m in turns) else _turn("user", prompt)}
     for name in ("chosen", "rejected"):
         if name in values:

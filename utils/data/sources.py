@@ -95,7 +95,7 @@ def _decode(raw: bytes, path: str) -> str:
     """UTF-8 text of a file's bytes (a leading BOM is dropped); bad bytes raise
     DataError naming the file, line and column (not a byte offset)."""
     if raw.startswith(codecs.BOM_UTF8):
-        raw = raw[len(codecs.BOM_UTF8):]
+        raw = raw[len(codecs.BOM_UTF8) :]
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -103,8 +103,7 @@ def _decode(raw: bytes, path: str) -> str:
         breaks = list(re.finditer(rb"\r\n|\r|\n", raw[:pos]))
         line, line_start = len(breaks) + 1, (breaks[-1].end() if breaks else 0)
         column = len(raw[line_start:pos].decode("utf-8", errors="replace")) + 1
-        raise DataError(f"{path}:{line}: not valid UTF-8 "
-                        f"(byte 0x{raw[pos]:02x} at column {column})") from None
+        raise DataError(f"{path}:{line}: not valid UTF-8 (byte 0x{raw[pos]:02x} at column {column})") from None
 
 
 def _read_bytes(path: str) -> bytes:
@@ -174,8 +173,9 @@ def _read_json(path: str) -> tuple[list, list | None]:
         lists = [k for k, v in doc.items() if isinstance(v, list)]
         if len(lists) == 1:
             return items(doc[lists[0]], at[lists[0]]), None
-    raise DataError(f"{path}: expected a JSON list of rows, or an object with one list of rows "
-                    f"(or 'train'/'eval' lists)")
+    raise DataError(
+        f"{path}: expected a JSON list of rows, or an object with one list of rows (or 'train'/'eval' lists)"
+    )
 
 
 def _read_csv(path: str) -> list:
@@ -198,8 +198,10 @@ def _read_csv(path: str) -> list:
                         raise DataError(f"{path}:{start}: CSV header repeats column(s) {dup}")
                     continue
                 if len(values) != len(header):
-                    raise DataError(f"{path}:{start}: CSV row has {len(values)} values, the header "
-                                    f"(line {header_line}) has {len(header)} columns")
+                    raise DataError(
+                        f"{path}:{start}: CSV row has {len(values)} values, the header "
+                        f"(line {header_line}) has {len(header)} columns"
+                    )
                 records.append((dict(zip(header, values)), f"{path}:{start}"))
         except csv.Error as e:
             raise DataError(f"{path}:{reader.line_num}: malformed CSV ({e})") from None
@@ -246,22 +248,30 @@ _SHARD_RE = re.compile(r"^(?P<split>.+?)-(?P<index>\d+)-of-(?P<total>\d+)$")
 def _folder_data_files(folder: str, names: list) -> list:
     """The data files of a folder: plain files with a DATA_EXTS extension, less
     hidden files and ``datasets`` metadata (README.md etc. are not data)."""
-    return sorted(n for n in names if _data_ext(n) and not n.startswith(".")
-                  and n not in DATASETS_META_FILES and os.path.isfile(os.path.join(folder, n)))
+    return sorted(
+        n
+        for n in names
+        if _data_ext(n)
+        and not n.startswith(".")
+        and n not in DATASETS_META_FILES
+        and os.path.isfile(os.path.join(folder, n))
+    )
 
 
 def _split_files(folder: str, split: str, names: list) -> list:
     """The file(s) of one split: one ``split.EXT`` or a complete set of
     ``split-00000-of-0000N.EXT`` shards (sorted by shard index)."""
-    plain = [n for n in names if not _SHARD_RE.match(n[:-len(_data_ext(n))])]
+    plain = [n for n in names if not _SHARD_RE.match(n[: -len(_data_ext(n))])]
     shards = {}
     for n in names:
-        m = _SHARD_RE.match(n[:-len(_data_ext(n))])
+        m = _SHARD_RE.match(n[: -len(_data_ext(n))])
         if m:
             shards.setdefault((int(m["index"]), int(m["total"])), []).append(n)
     if len(plain) > 1 or (plain and shards):
-        raise DataError(f"{folder}: several {split} files ({', '.join(names)}); keep one "
-                        f"(or shards named {split}-00000-of-00002.jsonl, {split}-00001-of-00002.jsonl)")
+        raise DataError(
+            f"{folder}: several {split} files ({', '.join(names)}); keep one "
+            f"(or shards named {split}-00000-of-00002.jsonl, {split}-00001-of-00002.jsonl)"
+        )
     if plain:
         return plain
     totals = {total for _, total in shards}
@@ -269,8 +279,7 @@ def _split_files(folder: str, split: str, names: list) -> list:
     missing = sorted({(i, t) for t in totals for i in range(t)} - set(shards))
     if dup or len(totals) > 1 or missing or any(i >= t for i, t in shards):
         want = ", ".join(f"{split}-{i:05d}-of-{t:05d}.*" for i, t in missing) or "none"
-        raise DataError(f"{folder}: incomplete or inconsistent {split} shards ({', '.join(names)}; "
-                        f"missing: {want})")
+        raise DataError(f"{folder}: incomplete or inconsistent {split} shards ({', '.join(names)}; missing: {want})")
     return [shards[k][0] for k in sorted(shards)]
 
 
@@ -305,7 +314,7 @@ def _read_folder(folder: str, names: list) -> tuple[list, list | None]:
     by_split: dict = {}
     others = []
     for n in files:
-        stem = n[:-len(_data_ext(n))]
+        stem = n[: -len(_data_ext(n))]
         m = _SHARD_RE.match(stem)
         split = (m["split"] if m else stem).lower()
         if split == "train" or split in FOLDER_EVAL_NAMES:
@@ -316,17 +325,23 @@ def _read_folder(folder: str, names: list) -> tuple[list, list | None]:
         train_names, eval_names = files, []
     else:
         if "train" not in by_split:
-            raise DataError(f"{folder}: no training file (train.jsonl, train.json, train.csv, ... or "
-                            f"train-00000-of-00001.* shards); the folder has: {', '.join(sorted(names))}")
+            raise DataError(
+                f"{folder}: no training file (train.jsonl, train.json, train.csv, ... or "
+                f"train-00000-of-00001.* shards); the folder has: {', '.join(sorted(names))}"
+            )
         if others:
-            raise DataError(f"{folder}: data file(s) {', '.join(others)} match neither the training "
-                            f"name (train.*) nor a held-out name ({'/'.join(FOLDER_EVAL_NAMES)}.*); "
-                            f"rename them or move them out of the folder")
+            raise DataError(
+                f"{folder}: data file(s) {', '.join(others)} match neither the training "
+                f"name (train.*) nor a held-out name ({'/'.join(FOLDER_EVAL_NAMES)}.*); "
+                f"rename them or move them out of the folder"
+            )
         held_out = [s for s in FOLDER_EVAL_NAMES if s in by_split]
         if len(held_out) > 1:
             named = ", ".join(n for s in held_out for n in by_split[s])
-            raise DataError(f"{folder}: several held-out files ({named}); keep one as the eval split "
-                            f"(eval/test/dev/valid/validation) and move the others out of the folder")
+            raise DataError(
+                f"{folder}: several held-out files ({named}); keep one as the eval split "
+                f"(eval/test/dev/valid/validation) and move the others out of the folder"
+            )
         train_names = _split_files(folder, "train", by_split["train"])
         eval_names = _split_files(folder, held_out[0], by_split[held_out[0]]) if held_out else []
     if len(train_names) == 1 and not eval_names:  # one file: its own splits, as when given alone
@@ -335,9 +350,11 @@ def _read_folder(folder: str, names: list) -> tuple[list, list | None]:
     for n in train_names:
         recs, ev = _read_data_file(os.path.join(folder, n))
         if ev is not None:
-            raise DataError(f"{os.path.join(folder, n)}: has its own eval split, but the folder "
-                            + ("has a held-out file" if eval_names else "has several training files")
-                            + "; put held-out rows in one eval.* file")
+            raise DataError(
+                f"{os.path.join(folder, n)}: has its own eval split, but the folder "
+                + ("has a held-out file" if eval_names else "has several training files")
+                + "; put held-out rows in one eval.* file"
+            )
         train += recs
     if not eval_names:
         return train, None
@@ -345,8 +362,7 @@ def _read_folder(folder: str, names: list) -> tuple[list, list | None]:
     for n in eval_names:
         recs, ev = _read_data_file(os.path.join(folder, n))
         if ev is not None:
-            raise DataError(f"{os.path.join(folder, n)}: a held-out file holds one list of rows, "
-                            f"not train/eval lists")
+            raise DataError(f"{os.path.join(folder, n)}: a held-out file holds one list of rows, not train/eval lists")
         evals += recs
     return train, evals
 
@@ -364,8 +380,9 @@ def _read_hf_dataset(source: str) -> tuple[list, list | None]:
         else:
             ds = datasets.load_dataset(source)
     except Exception as e:  # datasets raises many types; the user needs the source name
-        raise DataError(f"{source}: not a JSON file/folder and datasets could not load it "
-                        f"({type(e).__name__}: {e})") from None
+        raise DataError(
+            f"{source}: not a JSON file/folder and datasets could not load it ({type(e).__name__}: {e})"
+        ) from None
     if isinstance(ds, datasets.Dataset):
         ds = {"train": ds}
     if "train" not in ds:
@@ -382,8 +399,12 @@ def _looks_like_path(source: str) -> bool:
     """True when a missing ``source`` is clearly meant as a local path (so we
     report it missing instead of asking the hub for a dataset of that name)."""
     first = source.replace(os.sep, "/").split("/")[0]
-    return (_data_ext(source) is not None or source.startswith((".", "/", "~"))
-            or source.count("/") >= 2 or ("/" in source and os.path.isdir(first)))
+    return (
+        _data_ext(source) is not None
+        or source.startswith((".", "/", "~"))
+        or source.count("/") >= 2
+        or ("/" in source and os.path.isdir(first))
+    )
 
 
 def load_source(source: str) -> Source:
@@ -397,8 +418,10 @@ def load_source(source: str) -> Source:
     path = os.path.expanduser(source)
     if os.path.isfile(path) and _data_ext(path):
         train, ev = _read_data_file(path)
-    elif os.path.isdir(path) and _folder_data_files(path, _listdir(path)) and not any(
-        n in ("dataset_dict.json", "state.json") for n in _listdir(path)
+    elif (
+        os.path.isdir(path)
+        and _folder_data_files(path, _listdir(path))
+        and not any(n in ("dataset_dict.json", "state.json") for n in _listdir(path))
     ):
         train, ev = _read_folder(path, _listdir(path))
     elif os.path.exists(path) or not _looks_like_path(source):
@@ -446,8 +469,11 @@ def source_files(source: str) -> list[str]:
     data_files = _folder_data_files(path, names)
     if data_files and not any(n in ("dataset_dict.json", "state.json") for n in names):
         return [os.path.join(source, n) for n in data_files]
-    return sorted(os.path.join(source, os.path.relpath(os.path.join(folder, n), path))
-                  for folder, _, files in os.walk(path) for n in files)
+    return sorted(
+        os.path.join(source, os.path.relpath(os.path.join(folder, n), path))
+        for folder, _, files in os.walk(path)
+        for n in files
+    )
 
 
 def content_hashes(sources: list[str]) -> dict[str, str]:

@@ -107,8 +107,9 @@ def split_bounds(n: int, fractions: Sequence[float]) -> list[int]:
     return bounds + [n]
 
 
-def split_source(src: Source, fractions: Sequence[float], step: int, seed: int,
-                 eval_fraction: float) -> tuple[list, list]:
+def split_source(
+    src: Source, fractions: Sequence[float], step: int, seed: int, eval_fraction: float
+) -> tuple[list, list]:
     """(this step's train records, eval records) of one source.
 
     The permutation depends only on (seed, the source's content) and is applied to the raw
@@ -124,7 +125,7 @@ def split_source(src: Source, fractions: Sequence[float], step: int, seed: int,
     else:
         ev = src.eval
     b = split_bounds(len(order), fractions)
-    return [src.train[i] for i in order[b[step - 1]:b[step]]], ev
+    return [src.train[i] for i in order[b[step - 1] : b[step]]], ev
 
 
 def row_key(row: dict, step: int) -> str:
@@ -147,15 +148,18 @@ def repeats(train: list, evals: list, step: int) -> tuple[list[int], list[int]]:
     return duplicates, [i for i, row in enumerate(evals) if row_key(row, step) in seen]
 
 
-def report_repeats(train: list, evals: list, step: int, dedupe: bool,
-                   log: Callable[[str], None]) -> tuple[list, list, dict]:
+def report_repeats(
+    train: list, evals: list, step: int, dedupe: bool, log: Callable[[str], None]
+) -> tuple[list, list, dict]:
     """Count exact duplicate training rows and eval rows also in training, in one line; with ``dedupe``
     drop them (the later copies from training, those rows from eval). Returns (train, eval, counts)."""
     duplicates, overlap = repeats(train, evals, step)
     counts = {"duplicate_train": len(duplicates), "eval_in_train": len(overlap)}
     action = "dropped (--dedupe)" if dedupe else "--dedupe drops them" if duplicates or overlap else "nothing to drop"
-    log(f"[data] {STEP_NAMES[step]}: {len(duplicates)} of {len(train)} training rows are exact duplicates of "
-        f"another, {len(overlap)} of {len(evals)} eval rows are also training rows; {action}")
+    log(
+        f"[data] {STEP_NAMES[step]}: {len(duplicates)} of {len(train)} training rows are exact duplicates of "
+        f"another, {len(overlap)} of {len(evals)} eval rows are also training rows; {action}"
+    )
     if dedupe:
         drop_train, drop_eval = set(duplicates), set(overlap)
         train = [row for i, row in enumerate(train) if i not in drop_train]
@@ -163,10 +167,17 @@ def report_repeats(train: list, evals: list, step: int, dedupe: bool,
     return train, evals, counts
 
 
-def build_step_rows(data_paths: Sequence[str], data_split: str, step: int, seed: int,
-                    sft_only_data_path: Sequence[str] = (), eval_fraction: float = 0.1,
-                    log: Callable[[str], None] = print, fmt: RowFormat = DEFAULT_FORMAT,
-                    dedupe: bool = False) -> StepRows:
+def build_step_rows(
+    data_paths: Sequence[str],
+    data_split: str,
+    step: int,
+    seed: int,
+    sft_only_data_path: Sequence[str] = (),
+    eval_fraction: float = 0.1,
+    log: Callable[[str], None] = print,
+    fmt: RowFormat = DEFAULT_FORMAT,
+    dedupe: bool = False,
+) -> StepRows:
     """Train/eval rows of ``step`` (1, 2 or 3) blended from all sources.
 
     Each source contributes its step part (see ``split_source``) and its whole
@@ -190,8 +201,13 @@ def build_step_rows(data_paths: Sequence[str], data_split: str, step: int, seed:
         tr_rec, ev_rec = split_source(src, (1.0, 0.0, 0.0) if whole else fractions, step, seed, eval_fraction)
         skipped = {}
         tr, ev = _normalize_all(tr_rec, step, fmt, skipped), _normalize_all(ev_rec, step, fmt, skipped)
-        stats["sources"][name] = {"read": len(src.train) + len(src.eval or []),
-                                  "train": len(tr), "eval": len(ev), "sft_only": whole, "skipped": skipped}
+        stats["sources"][name] = {
+            "read": len(src.train) + len(src.eval or []),
+            "train": len(tr),
+            "eval": len(ev),
+            "sft_only": whole,
+            "skipped": skipped,
+        }
         for reason, n in skipped.items():
             stats["skipped"][reason] = stats["skipped"].get(reason, 0) + n
         if skipped:
@@ -205,15 +221,21 @@ def build_step_rows(data_paths: Sequence[str], data_split: str, step: int, seed:
     names = data_paths + sft_only
     stats["skipped_empty"] = stats["skipped"].get("empty", 0) + stats["skipped"].get("empty_turn", 0)
     if not train and not evals and stats["skipped"]:
-        raise DataError(f"{STEP_NAMES[step]}: all {sum(stats['skipped'].values())} rows of this step's share of "
-                        f"sources {names} were skipped as empty or teaching nothing ({describe_skips(stats['skipped'])}; "
-                        "empty: a required field empty or whitespace)")
+        raise DataError(
+            f"{STEP_NAMES[step]}: all {sum(stats['skipped'].values())} rows of this step's share of "
+            f"sources {names} were skipped as empty or teaching nothing ({describe_skips(stats['skipped'])}; "
+            "empty: a required field empty or whitespace)"
+        )
     if not train:
-        raise DataError(f"{STEP_NAMES[step]}: 0 training rows from sources {names} with "
-                        f"--data_split {data_split} (fractions {[round(f, 3) for f in fractions]}); "
-                        f"give this step a larger share or more data")
-    log(f"[data] {STEP_NAMES[step]}: {len(train)} train / {len(evals)} eval rows from "
+        raise DataError(
+            f"{STEP_NAMES[step]}: 0 training rows from sources {names} with "
+            f"--data_split {data_split} (fractions {[round(f, 3) for f in fractions]}); "
+            f"give this step a larger share or more data"
+        )
+    log(
+        f"[data] {STEP_NAMES[step]}: {len(train)} train / {len(evals)} eval rows from "
         f"{len(names)} source(s); read {stats['rows_read']}, skipped_empty {stats['skipped_empty']}"
         + (f" (all skips: {describe_skips(stats['skipped'])})" if set(stats["skipped"]) - {"empty"} else "")
-        + ("" if evals else "; WARNING: eval split is empty"))
+        + ("" if evals else "; WARNING: eval split is empty")
+    )
     return StepRows(train=train, eval=evals, stats=stats)

@@ -22,6 +22,7 @@ Layout of ``DIR/<sha256>/``:
 Nothing loaded is pickled: safetensors holds raw tensors and JSON holds the rest, so reading a
 cache entry can never run code (the project's promise for every file it loads).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -51,8 +52,9 @@ Examples = list[dict]
 Built = tuple[Examples, dict]
 
 
-def cached_examples(cache_dir: str | None, key: dict, build: Callable[[], Built],
-                    log: Callable[[str], None] = print) -> Built:
+def cached_examples(
+    cache_dir: str | None, key: dict, build: Callable[[], Built], log: Callable[[str], None] = print
+) -> Built:
     """``build()``'s ``(examples, stats)``, from the cache entry of ``key`` in ``cache_dir`` when it
     is complete, else built (by rank 0 only when there are several ranks) and written there."""
     if cache_dir is None:
@@ -82,13 +84,17 @@ def _shared(cache_dir: str, entry: str, build: Callable[[], Built], log) -> Buil
             _barrier_and_flag(True)
             raise
     if _barrier_and_flag(failed):
-        raise DataError(f"--data_output_path: rank 0 failed to build the tokenised data in {entry} "
-                        "(its error is in rank 0's output)")
+        raise DataError(
+            f"--data_output_path: rank 0 failed to build the tokenised data in {entry} "
+            "(its error is in rank 0's output)"
+        )
     if result is not None:
         return result
     if not is_complete(entry):
-        raise DataError(f"--data_output_path: rank {dist.rank()} does not see the tokenised data rank 0 "
-                        f"wrote to {entry}; the folder must be on a file system every rank reads")
+        raise DataError(
+            f"--data_output_path: rank {dist.rank()} does not see the tokenised data rank 0 "
+            f"wrote to {entry}; the folder must be on a file system every rank reads"
+        )
     return _load_logged(entry, log)
 
 
@@ -106,8 +112,7 @@ def _load_or_build(cache_dir: str, entry: str, build: Callable[[], Built], log) 
     start = time.perf_counter()
     examples, stats = build()
     _write(cache_dir, entry, examples, stats)
-    log(f"[data] tokenised data cached in {entry} ({len(examples)} examples, "
-        f"{time.perf_counter() - start:.1f} s)")
+    log(f"[data] tokenised data cached in {entry} ({len(examples)} examples, {time.perf_counter() - start:.1f} s)")
     return examples, stats
 
 
@@ -145,8 +150,9 @@ def _make_temp(cache_dir: str, name: str) -> str:
         os.makedirs(cache_dir, exist_ok=True)
         return tempfile.mkdtemp(prefix=f".{name}.tmp.", dir=cache_dir)
     except OSError as e:
-        raise DataError(f"--data_output_path {cache_dir}: cannot write the tokenised data there "
-                        f"({e.strerror or e})") from None
+        raise DataError(
+            f"--data_output_path {cache_dir}: cannot write the tokenised data there ({e.strerror or e})"
+        ) from None
 
 
 def _write_files(folder: str, examples: Examples, stats: dict) -> None:
@@ -157,10 +163,19 @@ def _write_files(folder: str, examples: Examples, stats: dict) -> None:
         tensors[f"{field}.values"], tensors[f"{field}.offsets"] = values, offsets
         if absent:
             missing[field] = absent
-    json_fields = {str(i): {k: ex[k] for k in JSON_FIELDS if k in ex} for i, ex in enumerate(examples)
-                   if any(k in ex for k in JSON_FIELDS)}
-    meta = {"format_version": FORMAT_VERSION, "count": len(examples), "fields": fields,
-            "missing": missing, "json_fields": json_fields, "stats": stats}
+    json_fields = {
+        str(i): {k: ex[k] for k in JSON_FIELDS if k in ex}
+        for i, ex in enumerate(examples)
+        if any(k in ex for k in JSON_FIELDS)
+    }
+    meta = {
+        "format_version": FORMAT_VERSION,
+        "count": len(examples),
+        "fields": fields,
+        "missing": missing,
+        "json_fields": json_fields,
+        "stats": stats,
+    }
     save_file(tensors, os.path.join(folder, TENSORS))
     with open(os.path.join(folder, META), "w", encoding="utf-8") as f:
         json.dump(meta, f)
@@ -229,8 +244,9 @@ def _unflatten(tensors: dict, field: str, n: int, entry: str) -> list[list[int]]
     values = _python_ints(tensors[f"{field}.values"])
     offsets = tensors[f"{field}.offsets"].tolist()
     if len(offsets) != n + 1 or offsets[-1] != len(values):
-        raise DataError(f"--data_output_path: cache entry {entry} is inconsistent (field {field!r}); "
-                        "delete it to rebuild")
+        raise DataError(
+            f"--data_output_path: cache entry {entry} is inconsistent (field {field!r}); delete it to rebuild"
+        )
     return [values[a:b] for a, b in zip(offsets, offsets[1:])]
 
 

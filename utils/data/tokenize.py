@@ -34,8 +34,9 @@ def _eos(tokenizer) -> int:
     return eos
 
 
-def fit_prompt(prefix: list, prompt: list, longest_tail: int, max_len: int,
-               suffix: Sequence[int] = ()) -> tuple[list, bool]:
+def fit_prompt(
+    prefix: list, prompt: list, longest_tail: int, max_len: int, suffix: Sequence[int] = ()
+) -> tuple[list, bool]:
     """Left-truncate the prompt body so prefix+prompt+suffix+tail fits (>= 1 prompt token kept).
 
     Left truncation keeps the end of the prompt ("...Assistant:"), which is
@@ -57,10 +58,14 @@ def tokenizer_fingerprint(tokenizer) -> dict:
     """What identifies a tokenizer's output for the tokenised-data cache: its vocabulary, special
     tokens, BOS rule and chat template."""
     vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
-    return {"name": getattr(tokenizer, "name_or_path", ""), "size": len(tokenizer),
-            "vocab_sha256": hashlib.sha256(vocab.encode("utf-8")).hexdigest(),
-            "special": [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id],
-            "bos_prefix": bos_prefix(tokenizer), "chat_template": getattr(tokenizer, "chat_template", None)}
+    return {
+        "name": getattr(tokenizer, "name_or_path", ""),
+        "size": len(tokenizer),
+        "vocab_sha256": hashlib.sha256(vocab.encode("utf-8")).hexdigest(),
+        "special": [tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id],
+        "bos_prefix": bos_prefix(tokenizer),
+        "chat_template": getattr(tokenizer, "chat_template", None),
+    }
 
 
 def _check_len(max_len: int, tokenizer) -> None:
@@ -86,8 +91,7 @@ def _sft_chat(row: dict, tokenizer, max_seq_len: int, last_turn_only: bool, stat
     return {"input_ids": ids, "labels": labels}
 
 
-def tokenize_sft(rows: Sequence[dict], tokenizer, max_seq_len: int,
-                 last_turn_only: bool = False) -> tuple[list, dict]:
+def tokenize_sft(rows: Sequence[dict], tokenizer, max_seq_len: int, last_turn_only: bool = False) -> tuple[list, dict]:
     """SFT examples, loss only on the responses.
 
     String rows: ids = prompt + response + eos, the prompt left-truncated. Conversations (chat
@@ -125,7 +129,12 @@ def prompt_parts(row: dict, tokenizer, replies: Sequence[str] = (), room: int | 
     prompt = row["prompt"]
     if isinstance(prompt, str):
         eos = _eos(tokenizer)
-        return bos_prefix(tokenizer), encode(tokenizer, prompt), [], [encode(tokenizer, row[k]) + [eos] for k in replies]
+        return (
+            bos_prefix(tokenizer),
+            encode(tokenizer, prompt),
+            [],
+            [encode(tokenizer, row[k]) + [eos] for k in replies],
+        )
     require_template(tokenizer, row.get("origin", ""))
     tails, prompt_ids = [], None
     for k in replies:
@@ -139,7 +148,7 @@ def prompt_parts(row: dict, tokenizer, replies: Sequence[str] = (), room: int | 
     head, foot = frame_lens(tokenizer, prompt, prompt_ids)
     if head + foot + 1 + min(1, longest) > room:
         raise SkipRow("too_long")
-    return prompt_ids[:head], prompt_ids[head:len(prompt_ids) - foot], prompt_ids[len(prompt_ids) - foot:], tails
+    return prompt_ids[:head], prompt_ids[head : len(prompt_ids) - foot], prompt_ids[len(prompt_ids) - foot :], tails
 
 
 def fit_replies(row: dict, tokenizer, keys: Sequence[str], max_seq_len: int, stats: dict) -> tuple[list, list]:
@@ -240,8 +249,9 @@ def _unpaired(prompt_ids: list, completion_ids: list, desirable: bool) -> dict:
     return {"prompt_input_ids": prompt_ids, "completion_response_ids": completion_ids, "desirable": bool(desirable)}
 
 
-def tokenize_prompts(rows: Sequence[dict], tokenizer, max_prompt_seq_len: int, tools: list | None = None
-                     ) -> tuple[list, dict]:
+def tokenize_prompts(
+    rows: Sequence[dict], tokenizer, max_prompt_seq_len: int, tools: list | None = None
+) -> tuple[list, dict]:
     """PPO prompts; long prompts keep their last tokens (the part the answer follows) and a template's
     header.  Each example keeps, for reward functions, its row's prompt as given (``prompt``), where it
     came from (``origin``) and its other fields (``extra``). ``tools``: JSON schemas the chat template
@@ -301,7 +311,7 @@ def tokenize_texts(texts: Sequence[str], tokenizer, max_seq_len: int) -> tuple[l
     out = []
     for text in texts:
         ids = prefix + encode(tokenizer, text) + [eos]
-        chunks = [ids[i:i + max_seq_len] for i in range(0, len(ids), max_seq_len)]
+        chunks = [ids[i : i + max_seq_len] for i in range(0, len(ids), max_seq_len)]
         stats["split_texts"] += len(chunks) > 1
         out += [{"input_ids": c, "labels": list(c)} for c in chunks if len(c) > 1]
     stats["examples"] = len(out)

@@ -31,37 +31,59 @@ One concern per module (imports go one way, each from utils only):
 Generation settings are utils.models.forward's `GenerationSettings`, the same as step 3's rollout.
 Every public name is re-exported here: `from utils.evaluation import X`.
 """
+
 from utils.evaluation.answers import Answer, generate_answers, generate_answers_from_ids, retokenize
 from utils.evaluation.compare import (
-                                      CI_LEVEL,
-                                      METRIC_COLUMNS,
-                                      ComparisonSpec,
-                                      check_policy_names,
-                                      compare_policies,
-                                      format_table,
-                                      summarize,
+    CI_LEVEL,
+    METRIC_COLUMNS,
+    ComparisonSpec,
+    check_policy_names,
+    compare_policies,
+    format_table,
+    summarize,
 )
 from utils.evaluation.intervals import bootstrap_mean_ci, paired_outcomes, win_rate_ci
 from utils.evaluation.judge import SentimentJudge, TfidfSentimentJudge, default_judges, movie_reviews_csv
 from utils.evaluation.loading import (
-                                      DEFAULT_PROMPTS,
-                                      REPO_ROOT,
-                                      default_device,
-                                      load_policy,
-                                      load_prompts,
-                                      load_reward_model,
-                                      same_vocabulary,
+    DEFAULT_PROMPTS,
+    REPO_ROOT,
+    default_device,
+    load_policy,
+    load_prompts,
+    load_reward_model,
+    same_vocabulary,
 )
 from utils.evaluation.scoring import kl_to_reference, reward_scores, sequence_logprobs
 from utils.evaluation.tfidf import TfidfSettings
 
 __all__ = [
-    "DEFAULT_PROMPTS", "REPO_ROOT", "default_device", "load_policy", "load_prompts", "load_reward_model",
+    "DEFAULT_PROMPTS",
+    "REPO_ROOT",
+    "default_device",
+    "load_policy",
+    "load_prompts",
+    "load_reward_model",
     "same_vocabulary",
-    "Answer", "generate_answers", "generate_answers_from_ids", "retokenize",
-    "kl_to_reference", "reward_scores", "sequence_logprobs",
-    "bootstrap_mean_ci", "paired_outcomes", "win_rate_ci",
-    "SentimentJudge", "TfidfSentimentJudge", "TfidfSettings", "default_judges", "movie_reviews_csv",
-    "CI_LEVEL", "METRIC_COLUMNS", "ComparisonSpec", "check_policy_names", "compare_policies", "format_table",
+    "Answer",
+    "generate_answers",
+    "generate_answers_from_ids",
+    "retokenize",
+    "kl_to_reference",
+    "reward_scores",
+    "sequence_logprobs",
+    "bootstrap_mean_ci",
+    "paired_outcomes",
+    "win_rate_ci",
+    "SentimentJudge",
+    "TfidfSentimentJudge",
+    "TfidfSettings",
+    "default_judges",
+    "movie_reviews_csv",
+    "CI_LEVEL",
+    "METRIC_COLUMNS",
+    "ComparisonSpec",
+    "check_policy_names",
+    "compare_policies",
+    "format_table",
     "summarize",
 ]

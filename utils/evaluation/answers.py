@@ -1,4 +1,5 @@
 """Generation for evaluation: `Answer`s of a policy (prompts tokenised like training), re-tokenisation."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -22,8 +23,16 @@ class Answer(Row):
     text: str = ""
 
 
-def generate_answers(model, tokenizer, prompts: Sequence[str], settings: GenerationSettings, batch_size: int = 8,
-                     seed: int = 0, max_prompt_len: int | None = None, logprobs: bool = False) -> list[Answer]:
+def generate_answers(
+    model,
+    tokenizer,
+    prompts: Sequence[str],
+    settings: GenerationSettings,
+    batch_size: int = 8,
+    seed: int = 0,
+    max_prompt_len: int | None = None,
+    logprobs: bool = False,
+) -> list[Answer]:
     """One answer per prompt, decoded as `settings` say (greedy, beam search or sampling; one beam
     unless `settings.num_beams` asks for more), generated in left-padded batches of `batch_size`;
     stops at EOS (and for message-list prompts, rendered with the chat template as in training, at
@@ -41,14 +50,23 @@ def generate_answers(model, tokenizer, prompts: Sequence[str], settings: Generat
     """
     prompts = list(prompts)
     examples, _ = tokenize_prompts([{"prompt": p} for p in prompts], tokenizer, max_prompt_len or _NO_PROMPT_LIMIT)
-    return generate_answers_from_ids(model, tokenizer, [ex["input_ids"] for ex in examples], settings, batch_size,
-                                     seed, prompts, logprobs=logprobs)
+    return generate_answers_from_ids(
+        model, tokenizer, [ex["input_ids"] for ex in examples], settings, batch_size, seed, prompts, logprobs=logprobs
+    )
 
 
 @torch.no_grad()
-def generate_answers_from_ids(model, tokenizer, prompt_ids: Sequence[Sequence[int]], settings: GenerationSettings,
-                              batch_size: int = 8, seed: int = 0, prompts: Sequence | None = None,
-                              stop_ids: Sequence[int] | None = None, logprobs: bool = False) -> list[Answer]:
+def generate_answers_from_ids(
+    model,
+    tokenizer,
+    prompt_ids: Sequence[Sequence[int]],
+    settings: GenerationSettings,
+    batch_size: int = 8,
+    seed: int = 0,
+    prompts: Sequence | None = None,
+    stop_ids: Sequence[int] | None = None,
+    logprobs: bool = False,
+) -> list[Answer]:
     """`generate_answers` for prompts already tokenised (lists of ids, used as they are); ``stop_ids``
     default to EOS, plus the template's end-of-turn token when ``prompts`` are message lists."""
     prompt_ids = [list(ids) for ids in prompt_ids]
@@ -72,20 +90,31 @@ def generate_answers_from_ids(model, tokenizer, prompt_ids: Sequence[Sequence[in
     with eval_mode(model), torch.random.fork_rng(devices=devices, device_type=device.type):
         torch.manual_seed(seed)
         for start in range(0, len(prompt_ids), batch_size):
-            batch = collate([{"input_ids": ids} for ids in prompt_ids[start:start + batch_size]])
+            batch = collate([{"input_ids": ids} for ids in prompt_ids[start : start + batch_size]])
             if logprobs:
-                sequences, generated = generate(model, batch["input_ids"], batch["attention_mask"],
-                                                logprob_temperature=1.0, **kwargs)
+                sequences, generated = generate(
+                    model, batch["input_ids"], batch["attention_mask"], logprob_temperature=1.0, **kwargs
+                )
             else:
                 sequences, generated = generate(model, batch["input_ids"], batch["attention_mask"], **kwargs), None
             rows = split_generation(sequences, batch["input_ids"], batch["attention_mask"], stop_ids)
-            for i, (prompt, row) in enumerate(zip(texts[start:start + batch_size], rows)):
+            for i, (prompt, row) in enumerate(zip(texts[start : start + batch_size], rows)):
                 text = tokenizer.decode(row.response_ids.tolist(), skip_special_tokens=True)
-                per_action = {} if generated is None else {
-                    "logprobs": generated[i, :row.response_ids.numel()].float().cpu().clone()}
-                answers.append(Answer(prompt_ids=row.prompt_ids, response_ids=row.response_ids,
-                                      ended_with_eos=row.ended_with_eos, prompt=prompt, text=text,
-                                      per_action=per_action))
+                per_action = (
+                    {}
+                    if generated is None
+                    else {"logprobs": generated[i, : row.response_ids.numel()].float().cpu().clone()}
+                )
+                answers.append(
+                    Answer(
+                        prompt_ids=row.prompt_ids,
+                        response_ids=row.response_ids,
+                        ended_with_eos=row.ended_with_eos,
+                        prompt=prompt,
+                        text=text,
+                        per_action=per_action,
+                    )
+                )
     return answers
 
 
@@ -98,7 +127,13 @@ def retokenize(answers: Sequence[Answer], tokenizer) -> list[Answer]:
         if not response:
             response = [end]
         prompt_ids = tokenize_prompts([{"prompt": a.prompt}], tokenizer, _NO_PROMPT_LIMIT)[0][0]["input_ids"]
-        out.append(Answer(prompt_ids=torch.tensor(prompt_ids),
-                          response_ids=torch.tensor(response), ended_with_eos=a.ended_with_eos,
-                          prompt=a.prompt, text=a.text))
+        out.append(
+            Answer(
+                prompt_ids=torch.tensor(prompt_ids),
+                response_ids=torch.tensor(response),
+                ended_with_eos=a.ended_with_eos,
+                prompt=a.prompt,
+                text=a.text,
+            )
+        )
     return out

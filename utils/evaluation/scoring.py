@@ -1,4 +1,5 @@
 """Scoring for evaluation: reward-model scores, response log-probabilities and the KL to a reference."""
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -14,7 +15,7 @@ def _batches(rows: Sequence[Row], batch_size: int):
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     for start in range(0, len(rows), batch_size):
-        yield list(rows[start:start + batch_size])
+        yield list(rows[start : start + batch_size])
 
 
 @torch.no_grad()
@@ -40,7 +41,9 @@ def _pad_id(model) -> int:
 
 
 @torch.no_grad()
-def sequence_logprobs(model, rows: Sequence[Row], batch_size: int = 8, pad_token_id: int | None = None) -> list[torch.Tensor]:
+def sequence_logprobs(
+    model, rows: Sequence[Row], batch_size: int = 8, pad_token_id: int | None = None
+) -> list[torch.Tensor]:
     """Per row, log p(response token | prefix) of each response token ([t] fp32 tensors)."""
     pad = _pad_id(model) if pad_token_id is None else pad_token_id
     out: list[torch.Tensor] = []
@@ -50,13 +53,14 @@ def sequence_logprobs(model, rows: Sequence[Row], batch_size: int = 8, pad_token
             logprobs = token_logprobs(model, batch).cpu()
             p = batch["prompt_len"]
             for b, row in enumerate(chunk):
-                out.append(logprobs[b, p - 1:p - 1 + row.response_ids.numel()].clone())
+                out.append(logprobs[b, p - 1 : p - 1 + row.response_ids.numel()].clone())
     return out
 
 
 @torch.no_grad()
-def kl_to_reference(policy, reference, rows: Sequence[Row], batch_size: int = 8,
-                    pad_token_id: int | None = None) -> list[float]:
+def kl_to_reference(
+    policy, reference, rows: Sequence[Row], batch_size: int = 8, pad_token_id: int | None = None
+) -> list[float]:
     """Per row: sum over its response tokens of log p_policy - log p_reference (k1).
 
     Evaluated on the POLICY's own responses this estimates KL(policy || reference) per sequence

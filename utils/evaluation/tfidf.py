@@ -5,6 +5,7 @@ n-gram keys and `np.unique` for the counts, torch CSR for the sparse products) s
 fit in ~10 s on one core; scoring a few hundred responses goes through a plain dict lookup, which gives the same
 features (tests check both paths agree).
 """
+
 from __future__ import annotations
 
 import math
@@ -55,9 +56,12 @@ class Csr:
             crow = np.concatenate([[0], np.cumsum(np.bincount(self.rows, minlength=self.shape[0]))])
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # "sparse CSR support is in beta"
-                a = torch.sparse_csr_tensor(torch.from_numpy(crow.astype(np.int64)),
-                                            torch.from_numpy(self.indices.astype(np.int64)),
-                                            torch.from_numpy(self.data.astype(np.float64)), size=self.shape)
+                a = torch.sparse_csr_tensor(
+                    torch.from_numpy(crow.astype(np.int64)),
+                    torch.from_numpy(self.indices.astype(np.int64)),
+                    torch.from_numpy(self.data.astype(np.float64)),
+                    size=self.shape,
+                )
                 self._t = (a, a.t().to_sparse_csr())
         return self._t
 
@@ -114,22 +118,25 @@ def fit_vectorizer(texts: Sequence[str], settings: TfidfSettings = TfidfSettings
         raise ValueError(f"ngram_max must be 1 or 2, got {settings.ngram_max}")
     keys, owners, words, n_words = _term_keys(docs, settings.ngram_max)
     span = n_words + n_words * n_words
-    if n * span >= 2 ** 62:
+    if n * span >= 2**62:
         raise ValueError(f"{n} documents of {n_words} distinct words overflow the int64 (document, term) keys")
     pairs, counts = np.unique(owners * span + keys, return_counts=True)  # (doc, term) with its count
     pair_keys, pair_docs = pairs % span, pairs // span
     terms, df = np.unique(pair_keys, return_counts=True)
     keep = df >= settings.min_df
     terms, df = terms[keep], df[keep]
-    top = np.lexsort((terms, -df))[:settings.max_features]  # most frequent first, then by key
+    top = np.lexsort((terms, -df))[: settings.max_features]  # most frequent first, then by key
     selected = np.sort(terms[top])
     df_selected = df[np.searchsorted(terms, selected)]
     vocabulary = [_key_text(int(k), words, n_words) for k in selected]
     idf = np.log((1.0 + n) / (1.0 + df_selected)) + 1.0
 
     col = np.searchsorted(selected, pair_keys)
-    inside = (col < selected.size) & (selected[np.minimum(col, max(selected.size - 1, 0))] == pair_keys) \
-        if selected.size else np.zeros(pair_keys.shape, bool)
+    inside = (
+        (col < selected.size) & (selected[np.minimum(col, max(selected.size - 1, 0))] == pair_keys)
+        if selected.size
+        else np.zeros(pair_keys.shape, bool)
+    )
     col, rows, counts = col[inside], pair_docs[inside], counts[inside].astype(np.float64)
     data = _sublinear_tfidf(counts, idf[col], rows, n)
     return vocabulary, idf, Csr(data, col.astype(np.int64), rows.astype(np.int64), (n, len(vocabulary)))
@@ -147,8 +154,9 @@ def transform(texts: Sequence[str], vocabulary_index: dict[str, int], idf: np.nd
             data.append(k)
             rows.append(r)
     cols_a, rows_a = np.asarray(cols, dtype=np.int64), np.asarray(rows, dtype=np.int64)
-    values = _sublinear_tfidf(np.asarray(data, dtype=np.float64), idf[cols_a], rows_a, len(texts)) \
-        if cols else np.zeros(0)
+    values = (
+        _sublinear_tfidf(np.asarray(data, dtype=np.float64), idf[cols_a], rows_a, len(texts)) if cols else np.zeros(0)
+    )
     return Csr(values, cols_a, rows_a, (len(texts), idf.size))
 
 
@@ -164,8 +172,9 @@ def _loss_grad(x: Csr, y: np.ndarray, theta: np.ndarray, l2: float):
     return loss, grad
 
 
-def fit_logistic(x: Csr, labels: Sequence[int], settings: TfidfSettings = TfidfSettings(),
-                 log: Callable[[str], None] | None = None) -> tuple[np.ndarray, float, dict]:
+def fit_logistic(
+    x: Csr, labels: Sequence[int], settings: TfidfSettings = TfidfSettings(), log: Callable[[str], None] | None = None
+) -> tuple[np.ndarray, float, dict]:
     """(weights, bias, info) of L2-regularised logistic regression by L-BFGS (memory 10, Armijo
     backtracking): full batch, deterministic, no learning rate to tune."""
     y = np.asarray(labels, dtype=np.float64)

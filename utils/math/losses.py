@@ -19,6 +19,7 @@ a pad label, a stored 0 against a live -inf), and ``where(mask, f(x), 0)`` alone
 back-propagates ``0 * f'(x) = nan`` into ``x``. ``tests/test_losses.py`` checks that every loss's
 gradient is finite with nan/inf in all padded positions.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -30,11 +31,38 @@ from torch import Tensor
 
 from utils.math.ops import aggregate, kl_estimate, masked_mean, select
 
-__all__ = ["IGNORE_INDEX", "sft_nll", "pairwise_loss", "pair_metrics", "policy_loss", "gspo_loss", "cispo_loss",
-           "entropy_bonus", "PolicyLoss", "POLICY_LOSSES", "GSPO_CLIPRANGE_LOW", "GSPO_CLIPRANGE_HIGH", "value_loss",
-           "PairLogps", "PairLoss", "PairOption", "PAIR_LOSSES", "simpo_pair_loss", "orpo_pair_loss", "DPO_LOSS_TYPES",
-           "UnpairedLogps", "kto_reference_point", "kto_loss", "unpaired_stats", "unpaired_loss", "pair_loss",
-           "dpo_loss", "response_nll", "KL_LOSS_ESTIMATORS", "kl_penalty_loss"]
+__all__ = [
+    "IGNORE_INDEX",
+    "sft_nll",
+    "pairwise_loss",
+    "pair_metrics",
+    "policy_loss",
+    "gspo_loss",
+    "cispo_loss",
+    "entropy_bonus",
+    "PolicyLoss",
+    "POLICY_LOSSES",
+    "GSPO_CLIPRANGE_LOW",
+    "GSPO_CLIPRANGE_HIGH",
+    "value_loss",
+    "PairLogps",
+    "PairLoss",
+    "PairOption",
+    "PAIR_LOSSES",
+    "simpo_pair_loss",
+    "orpo_pair_loss",
+    "DPO_LOSS_TYPES",
+    "UnpairedLogps",
+    "kto_reference_point",
+    "kto_loss",
+    "unpaired_stats",
+    "unpaired_loss",
+    "pair_loss",
+    "dpo_loss",
+    "response_nll",
+    "KL_LOSS_ESTIMATORS",
+    "kl_penalty_loss",
+]
 
 IGNORE_INDEX = -100
 
@@ -52,8 +80,9 @@ def sft_nll(logits: Tensor, labels: Tensor) -> Tuple[Tensor, Tensor]:
     shift_labels = labels[:, 1:].to(logits.device)
     mask = shift_labels != IGNORE_INDEX
     shift_logits = select(logits[:, :-1].float(), mask.unsqueeze(-1))
-    nll = F.cross_entropy(shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.clamp(min=0).reshape(-1),
-                          reduction="none").view_as(shift_labels)
+    nll = F.cross_entropy(
+        shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.clamp(min=0).reshape(-1), reduction="none"
+    ).view_as(shift_labels)
     return select(nll, mask).sum(), mask.sum()
 
 
@@ -65,12 +94,17 @@ def pairwise_loss(chosen_scores: Tensor, rejected_scores: Tensor, margin: float 
 def pair_metrics(chosen_scores: Tensor, rejected_scores: Tensor) -> dict:
     """accuracy (strict chosen > rejected), mean chosen/rejected scores and mean margin, as floats."""
     c, r = chosen_scores.detach().float(), rejected_scores.detach().float()
-    return {"accuracy": (c > r).float().mean().item(), "chosen_mean": c.mean().item(),
-            "rejected_mean": r.mean().item(), "margin_mean": (c - r).mean().item()}
+    return {
+        "accuracy": (c > r).float().mean().item(),
+        "chosen_mean": c.mean().item(),
+        "rejected_mean": r.mean().item(),
+        "margin_mean": (c - r).mean().item(),
+    }
 
 
-def _clipped_surrogate(ratio: Tensor, advantages: Tensor, low: float, high: float,
-                       dual_clip: float | None) -> Tuple[Tensor, Tensor]:
+def _clipped_surrogate(
+    ratio: Tensor, advantages: Tensor, low: float, high: float, dual_clip: float | None
+) -> Tuple[Tensor, Tensor]:
     """(per-token loss, where the clip is active) of PPO's pessimistic bound
     ``max(-A * ratio, -A * clip(ratio, 1 - low, 1 + high))``, capped at ``-A * dual_clip`` where A < 0."""
     pg1 = -advantages * ratio
@@ -83,8 +117,9 @@ def _clipped_surrogate(ratio: Tensor, advantages: Tensor, low: float, high: floa
     return loss, pg2 > pg1
 
 
-def _masked_inputs(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, action_mask: Tensor,
-                   loss_mask: Tensor | None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def _masked_inputs(
+    logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, action_mask: Tensor, loss_mask: Tensor | None
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(logprobs, log_ratio to the old policy, advantages), each selected on ``action_mask`` before any
     arithmetic (0 elsewhere, whatever the padding holds), and ``loss_mask`` (default ``action_mask``)."""
     logprobs, old_logprobs = select(logprobs, action_mask), select(old_logprobs, action_mask)
@@ -105,16 +140,28 @@ def _policy_stats(log_ratio: Tensor, clipped: Tensor, loss_mask: Tensor) -> Dict
     monitor); ``log_ratio_max_abs``, max |per-token log-ratio| over every action (``log_ratio`` is 0 elsewhere)."""
     with torch.no_grad():
         lr = log_ratio.detach()
-        return {"clipfrac": masked_mean(clipped.float(), loss_mask),
-                "approx_kl": masked_mean(0.5 * lr**2, loss_mask),
-                "log_ratio_max_abs": lr.abs().max() if lr.numel() else lr.new_zeros(())}
+        return {
+            "clipfrac": masked_mean(clipped.float(), loss_mask),
+            "approx_kl": masked_mean(0.5 * lr**2, loss_mask),
+            "log_ratio_max_abs": lr.abs().max() if lr.numel() else lr.new_zeros(()),
+        }
 
 
-def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, action_mask: Tensor,
-                cliprange: float = 0.2, loss_mask: Tensor | None = None, loss_agg: str = "token_mean",
-                agg_constant: float | None = None, *, cliprange_low: float | None = None,
-                cliprange_high: float | None = None, dual_clip: float | None = None,
-                weights: Tensor | None = None) -> Tuple[Tensor, Dict[str, Tensor]]:
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    action_mask: Tensor,
+    cliprange: float = 0.2,
+    loss_mask: Tensor | None = None,
+    loss_agg: str = "token_mean",
+    agg_constant: float | None = None,
+    *,
+    cliprange_low: float | None = None,
+    cliprange_high: float | None = None,
+    dual_clip: float | None = None,
+    weights: Tensor | None = None,
+) -> Tuple[Tensor, Dict[str, Tensor]]:
     """PPO clipped surrogate over the actions of the mini-batch, aggregated by ``loss_agg``
     (utils.math.ops.aggregate: token mean by default, per-sequence mean, or Dr. GRPO's constant).
 
@@ -147,10 +194,20 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, acti
 GSPO_CLIPRANGE_LOW, GSPO_CLIPRANGE_HIGH = 3e-4, 4e-4  # the ranges of the GSPO paper's experiments (2507.18071)
 
 
-def gspo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, action_mask: Tensor,
-              loss_mask: Tensor | None = None, loss_agg: str = "seq_mean", agg_constant: float | None = None, *,
-              cliprange_low: float | None = None, cliprange_high: float | None = None,
-              dual_clip: float | None = None, weights: Tensor | None = None) -> Tuple[Tensor, Dict[str, Tensor]]:
+def gspo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    action_mask: Tensor,
+    loss_mask: Tensor | None = None,
+    loss_agg: str = "seq_mean",
+    agg_constant: float | None = None,
+    *,
+    cliprange_low: float | None = None,
+    cliprange_high: float | None = None,
+    dual_clip: float | None = None,
+    weights: Tensor | None = None,
+) -> Tuple[Tensor, Dict[str, Tensor]]:
     """GSPO (Zheng et al. 2025, 2507.18071): the clipped surrogate on the SEQUENCE's importance ratio
     ``s_i = exp(mean over row i's actions of (logprobs - old_logprobs))`` (the length-normalised
     sequence likelihood ratio), in the paper's per-token form GSPO-token:
@@ -169,8 +226,9 @@ def gspo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, action
     """
     low = GSPO_CLIPRANGE_LOW if cliprange_low is None else cliprange_low
     high = GSPO_CLIPRANGE_HIGH if cliprange_high is None else cliprange_high
-    logprobs, log_ratio, advantages, loss_mask = _masked_inputs(logprobs, old_logprobs, advantages, action_mask,
-                                                                loss_mask)
+    logprobs, log_ratio, advantages, loss_mask = _masked_inputs(
+        logprobs, old_logprobs, advantages, action_mask, loss_mask
+    )
     sequence_log_ratio = masked_mean(log_ratio.detach(), action_mask, dim=-1).unsqueeze(-1)
     ratio = torch.exp(sequence_log_ratio + logprobs - logprobs.detach())
     per_token, clipped = _clipped_surrogate(ratio, advantages, low, high, dual_clip)
@@ -178,10 +236,19 @@ def gspo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, action
     return aggregate(per_token, loss_mask, loss_agg, agg_constant), _policy_stats(log_ratio, clipped, loss_mask)
 
 
-def cispo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, action_mask: Tensor,
-               cliprange: float = 0.2, loss_mask: Tensor | None = None, loss_agg: str = "token_mean",
-               agg_constant: float | None = None, *,
-               cliprange_high: float | None = None, weights: Tensor | None = None) -> Tuple[Tensor, Dict[str, Tensor]]:
+def cispo_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    action_mask: Tensor,
+    cliprange: float = 0.2,
+    loss_mask: Tensor | None = None,
+    loss_agg: str = "token_mean",
+    agg_constant: float | None = None,
+    *,
+    cliprange_high: float | None = None,
+    weights: Tensor | None = None,
+) -> Tuple[Tensor, Dict[str, Tensor]]:
     """CISPO (MiniMax-M1, 2506.13585): ``loss = agg(-sg(min(ratio, 1 + eps_high)) * A * logprobs)``,
     token mean by default (the paper's 1 / sum |o_i|). The importance weight is clipped and detached
     and multiplies a REINFORCE term, so every token keeps a gradient, ``-sg(w) * A``, however far its
@@ -192,17 +259,20 @@ def cispo_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, actio
     its gradient is. Stats: ``_policy_stats`` (``clipfrac``: the weight is capped).
     """
     high = cliprange if cliprange_high is None else cliprange_high
-    logprobs, log_ratio, advantages, loss_mask = _masked_inputs(logprobs, old_logprobs, advantages, action_mask,
-                                                                loss_mask)
+    logprobs, log_ratio, advantages, loss_mask = _masked_inputs(
+        logprobs, old_logprobs, advantages, action_mask, loss_mask
+    )
     ratio = torch.exp(log_ratio.detach())
     weight = torch.clamp(ratio, max=1.0 + high)
-    loss = aggregate(_weighted(-weight * advantages * logprobs, weights, action_mask), loss_mask, loss_agg,
-                     agg_constant)
+    loss = aggregate(
+        _weighted(-weight * advantages * logprobs, weights, action_mask), loss_mask, loss_agg, agg_constant
+    )
     return loss, _policy_stats(log_ratio, ratio > 1.0 + high, loss_mask)
 
 
-def entropy_bonus(entropy: Tensor, action_mask: Tensor, loss_agg: str = "token_mean",
-                  agg_constant: float | None = None) -> Tensor:
+def entropy_bonus(
+    entropy: Tensor, action_mask: Tensor, loss_agg: str = "token_mean", agg_constant: float | None = None
+) -> Tensor:
     """The policy's entropy (nats per token) over the actions, aggregated as the policy loss is; step 3
     subtracts ``--entropy_coef`` times it from the actor loss (OpenRLHF's ``entropy_coef``, veRL's
     ``entropy_coeff``), which pushes against the entropy collapse of RL on a few answers."""
@@ -217,6 +287,7 @@ class PolicyLoss:
     `log_ratio_max_abs` (tensors); `options` names the RL settings (PPOConfig fields, flags of the same
     name) it reads besides those; `help` is the flag's one line; `loss_agg`: its own default of
     `--loss_agg` (None: the advantage estimator's)."""
+
     fn: Callable[..., Tuple[Tensor, Dict[str, Tensor]]]
     help: str
     options: Tuple[str, ...] = ()
@@ -225,22 +296,34 @@ class PolicyLoss:
 
 # A new policy loss is one entry here and its pure function above (with a hand-computed test).
 POLICY_LOSSES: Dict[str, PolicyLoss] = {
-    "ppo": PolicyLoss(policy_loss, "PPO's clipped surrogate, ratio against the rollout-time policy clipped to "
-                                   "[1 - --cliprange_low, 1 + --cliprange_high] (Schulman et al. 2017; clip-higher: "
-                                   "DAPO), optional --dual_clip",
-                      options=("cliprange", "cliprange_low", "cliprange_high", "dual_clip")),
-    "gspo": PolicyLoss(gspo_loss, "GSPO's surrogate on the sequence ratio exp(mean log-ratio), clipped to "
-                                  "[1 - 3e-4, 1 + 4e-4] unless --cliprange_low/high say otherwise, sequence mean "
-                                  "(Zheng et al. 2025)",
-                       options=("cliprange_low", "cliprange_high", "dual_clip"), loss_agg="seq_mean"),
-    "cispo": PolicyLoss(cispo_loss, "CISPO's REINFORCE term weighted by the detached ratio capped at "
-                                    "1 + --cliprange_high, token mean (MiniMax-M1 2025)",
-                        options=("cliprange", "cliprange_high"), loss_agg="token_mean"),
+    "ppo": PolicyLoss(
+        policy_loss,
+        "PPO's clipped surrogate, ratio against the rollout-time policy clipped to "
+        "[1 - --cliprange_low, 1 + --cliprange_high] (Schulman et al. 2017; clip-higher: "
+        "DAPO), optional --dual_clip",
+        options=("cliprange", "cliprange_low", "cliprange_high", "dual_clip"),
+    ),
+    "gspo": PolicyLoss(
+        gspo_loss,
+        "GSPO's surrogate on the sequence ratio exp(mean log-ratio), clipped to "
+        "[1 - 3e-4, 1 + 4e-4] unless --cliprange_low/high say otherwise, sequence mean "
+        "(Zheng et al. 2025)",
+        options=("cliprange_low", "cliprange_high", "dual_clip"),
+        loss_agg="seq_mean",
+    ),
+    "cispo": PolicyLoss(
+        cispo_loss,
+        "CISPO's REINFORCE term weighted by the detached ratio capped at "
+        "1 + --cliprange_high, token mean (MiniMax-M1 2025)",
+        options=("cliprange", "cliprange_high"),
+        loss_agg="token_mean",
+    ),
 }
 
 
-def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, action_mask: Tensor,
-               cliprange_value: float) -> Tuple[Tensor, Dict[str, Tensor]]:
+def value_loss(
+    values: Tensor, old_values: Tensor, returns: Tensor, action_mask: Tensor, cliprange_value: float
+) -> Tuple[Tensor, Dict[str, Tensor]]:
     """Clipped value loss: ``0.5 * mean(max((V - R)^2, (V_clip - R)^2))`` over actions.
 
     ``V_clip = old_values + clamp(values - old_values, ±cliprange_value)``. Why: keeps the critic
@@ -262,9 +345,15 @@ def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, action_mask:
 KL_LOSS_ESTIMATORS = ("k2", "k3")
 
 
-def kl_penalty_loss(logprobs: Tensor, ref_logprobs: Tensor, action_mask: Tensor, loss_agg: str = "token_mean",
-                    agg_constant: float | None = None, estimator: str = "k3",
-                    old_logprobs: Tensor | None = None) -> Tensor:
+def kl_penalty_loss(
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    action_mask: Tensor,
+    loss_agg: str = "token_mean",
+    agg_constant: float | None = None,
+    estimator: str = "k3",
+    old_logprobs: Tensor | None = None,
+) -> Tensor:
     """KL(actor || reference) as a loss term (GRPO-style), aggregated as the policy loss is.
 
     ``k2`` (step 3's default, ``--kl_loss_estimator``): ``sg(pi / pi_old) * 0.5 * (logprobs - ref)**2``.
@@ -297,6 +386,7 @@ class PairLogps:
     """SEQUENCE log-probs [B] of a batch of preference pairs (summed over each response's tokens), the
     reference's (None when the loss needs no reference) and the responses' token counts (None unless
     the loss needs lengths)."""
+
     chosen: Tensor
     rejected: Tensor
     ref_chosen: Tensor | None = None
@@ -332,8 +422,10 @@ def ipo_pair_loss(p: PairLogps, beta: float) -> Tuple[Tensor, Tensor, Tensor]:
 
 def _per_token(p: PairLogps) -> Tuple[Tensor, Tensor]:
     """The responses' average log-prob per token (fp32): the length-normalised sequence scores."""
-    return (p.chosen.float() / p.chosen_tokens.float().clamp(min=1.0),
-            p.rejected.float() / p.rejected_tokens.float().clamp(min=1.0))
+    return (
+        p.chosen.float() / p.chosen_tokens.float().clamp(min=1.0),
+        p.rejected.float() / p.rejected_tokens.float().clamp(min=1.0),
+    )
 
 
 def simpo_pair_loss(p: PairLogps, beta: float, simpo_gamma: float = 0.5) -> Tuple[Tensor, Tensor, Tensor]:
@@ -352,8 +444,12 @@ def orpo_pair_loss(p: PairLogps, beta: float, orpo_lambda: float = 0.1) -> Tuple
     per token (the entry's `nll_coef` 1: the SFT term). `beta` is not read. Rewards: ``avg`` of each."""
     chosen, rejected = _per_token(p)
     # log(1 - exp(avg)) for avg < 0; avg == 0 (P = 1) would be -inf: clamp just below
-    log_odds = (chosen - torch.log1p(-torch.exp(chosen.clamp(max=-1e-6)))
-                - rejected + torch.log1p(-torch.exp(rejected.clamp(max=-1e-6))))
+    log_odds = (
+        chosen
+        - torch.log1p(-torch.exp(chosen.clamp(max=-1e-6)))
+        - rejected
+        + torch.log1p(-torch.exp(rejected.clamp(max=-1e-6)))
+    )
     return -orpo_lambda * F.logsigmoid(log_odds), chosen, rejected
 
 
@@ -361,6 +457,7 @@ def orpo_pair_loss(p: PairLogps, beta: float, orpo_lambda: float = 0.1) -> Tuple
 class UnpairedLogps:
     """SEQUENCE log-probs [B] of unpaired examples (KTO) under the policy and the reference, their labels
     (``desirable`` [B] bool: thumbs-up) and the batch's reference point ``z0`` (``kto_reference_point``)."""
+
     logps: Tensor
     ref_logps: Tensor
     desirable: Tensor
@@ -373,15 +470,16 @@ def kto_reference_point(kl_logps: Tensor, ref_kl_logps: Tensor, reduce: Callable
     so the estimate reads the policy's drift, not the batch's own labels): the mean of ``logp - ref_logp``
     over those rows, clamped at 0, detached (no gradient flows through z0). ``reduce([sum, count]) ->
     [sum, count]`` sums over ranks first (utils.runtime.distributed.all_reduce_sum), so every rank uses one z0."""
-    diff = (kl_logps.detach().double() - ref_kl_logps.detach().double())
+    diff = kl_logps.detach().double() - ref_kl_logps.detach().double()
     totals = [diff.sum().item(), float(diff.numel())]
     if reduce is not None:
         totals = reduce(totals)
     return torch.tensor(max(totals[0] / max(totals[1], 1.0), 0.0), dtype=torch.float32, device=kl_logps.device)
 
 
-def kto_loss(p: UnpairedLogps, beta: float, kto_desirable_weight: float = 1.0,
-             kto_undesirable_weight: float = 1.0) -> Tuple[Tensor, Tensor]:
+def kto_loss(
+    p: UnpairedLogps, beta: float, kto_desirable_weight: float = 1.0, kto_undesirable_weight: float = 1.0
+) -> Tuple[Tensor, Tensor]:
     """KTO (Ethayarajh et al. 2024, arXiv 2402.01306), per example: with ``r = logp - ref_logp`` (the
     implicit reward over beta) and z0 the reference point, a desirable example costs
     ``w_d * (1 - sigmoid(beta * (r - z0)))``, an undesirable one ``w_u * (1 - sigmoid(beta * (z0 - r)))``:
@@ -391,8 +489,11 @@ def kto_loss(p: UnpairedLogps, beta: float, kto_desirable_weight: float = 1.0,
     ratio = p.logps.float() - p.ref_logps.detach().float()
     z0 = p.z0.detach().float()
     desirable = p.desirable.bool()
-    losses = torch.where(desirable, kto_desirable_weight * (1 - torch.sigmoid(beta * (ratio - z0))),
-                         kto_undesirable_weight * (1 - torch.sigmoid(beta * (z0 - ratio))))
+    losses = torch.where(
+        desirable,
+        kto_desirable_weight * (1 - torch.sigmoid(beta * (ratio - z0))),
+        kto_undesirable_weight * (1 - torch.sigmoid(beta * (z0 - ratio))),
+    )
     return losses, beta * ratio
 
 
@@ -400,14 +501,19 @@ def unpaired_stats(rewards: Tensor, desirable: Tensor) -> Dict[str, Tensor]:
     """Sums and counts of the implicit rewards of each kind (detached), so that means over micro-batches
     and ranks stay exact; an accuracy is not defined without pairs."""
     rewards, desirable = rewards.detach().float(), desirable.bool()
-    return {"desirable_reward_sum": rewards[desirable].sum(), "desirable_count": desirable.sum().float(),
-            "undesirable_reward_sum": rewards[~desirable].sum(), "undesirable_count": (~desirable).sum().float()}
+    return {
+        "desirable_reward_sum": rewards[desirable].sum(),
+        "desirable_count": desirable.sum().float(),
+        "undesirable_reward_sum": rewards[~desirable].sum(),
+        "undesirable_count": (~desirable).sum().float(),
+    }
 
 
 @dataclass(frozen=True)
 class PairOption:
     """A setting of one pair loss, offered as the DPO step's flag `--<name>`; `minimum` (with `strict`: >)
     its lower bound, checked with the other flags."""
+
     default: float
     help: str
     minimum: float | None = None
@@ -425,6 +531,7 @@ class PairLoss:
     term; --nll_loss_coef is then refused); `reads_beta` False: --beta is refused (ORPO). `unpaired`:
     the loss reads single labelled examples, not pairs (KTO): `fn(examples: UnpairedLogps, beta,
     **options) -> (losses [B], rewards [B])`, through `unpaired_loss`."""
+
     fn: Callable[..., Tuple[Tensor, Tensor, Tensor]]
     help: str
     needs_reference: bool = True
@@ -438,25 +545,58 @@ class PairLoss:
 
 # A new pair loss (SimPO, ORPO, ...) is one entry here and its pure function above (with a hand-computed test).
 PAIR_LOSSES: Dict[str, PairLoss] = {
-    "sigmoid": PairLoss(sigmoid_pair_loss, "DPO's -log sigmoid(beta * margin of log-ratios) (Rafailov et al. 2023)",
-                        options={"label_smoothing": PairOption(
-                            0.0, "conservative DPO: the probability that a pair's label is flipped, in [0, 0.5)")}),
+    "sigmoid": PairLoss(
+        sigmoid_pair_loss,
+        "DPO's -log sigmoid(beta * margin of log-ratios) (Rafailov et al. 2023)",
+        options={
+            "label_smoothing": PairOption(
+                0.0, "conservative DPO: the probability that a pair's label is flipped, in [0, 0.5)"
+            )
+        },
+    ),
     "ipo": PairLoss(ipo_pair_loss, "IPO's squared target margin 1 / (2 beta) (Azar et al. 2023)"),
-    "simpo": PairLoss(simpo_pair_loss, "SimPO's -log sigmoid(beta * margin of per-token log-probs - gamma), no "
-                      "reference (Meng et al. 2024; --beta default 2.0)", needs_reference=False, needs_lengths=True,
-                      default_beta=2.0, options={"simpo_gamma": PairOption(
-                          0.5, "SimPO's target margin gamma between the beta-scaled per-token log-probs (>= 0)", minimum=0.0)}),
-    "orpo": PairLoss(orpo_pair_loss, "ORPO's chosen NLL per token + lambda * -log sigmoid(log odds ratio of the "
-                     "per-token likelihoods), no reference (Hong et al. 2024; no --beta)", needs_reference=False,
-                     needs_lengths=True, nll_coef=1.0, reads_beta=False, options={"orpo_lambda": PairOption(
-                         0.1, "ORPO's weight lambda of the odds-ratio term against the NLL (> 0)", minimum=0.0, strict=True)}),
-    "kto": PairLoss(kto_loss, "KTO's 1 - sigmoid(beta * (log-ratio - z0)) of unpaired desirable / undesirable examples "
-                    "(their sign flipped), z0 the policy's KL to the reference on mismatched pairs (Ethayarajh et al. "
-                    "2024; rows {prompt, completion, label}, or pairs: one of each)", unpaired=True, options={
-                        "kto_desirable_weight": PairOption(1.0, "KTO's weight of the desirable examples' loss (> 0)",
-                                                           minimum=0.0, strict=True),
-                        "kto_undesirable_weight": PairOption(1.0, "KTO's weight of the undesirable examples' loss (> 0)",
-                                                             minimum=0.0, strict=True)}),
+    "simpo": PairLoss(
+        simpo_pair_loss,
+        "SimPO's -log sigmoid(beta * margin of per-token log-probs - gamma), no "
+        "reference (Meng et al. 2024; --beta default 2.0)",
+        needs_reference=False,
+        needs_lengths=True,
+        default_beta=2.0,
+        options={
+            "simpo_gamma": PairOption(
+                0.5, "SimPO's target margin gamma between the beta-scaled per-token log-probs (>= 0)", minimum=0.0
+            )
+        },
+    ),
+    "orpo": PairLoss(
+        orpo_pair_loss,
+        "ORPO's chosen NLL per token + lambda * -log sigmoid(log odds ratio of the "
+        "per-token likelihoods), no reference (Hong et al. 2024; no --beta)",
+        needs_reference=False,
+        needs_lengths=True,
+        nll_coef=1.0,
+        reads_beta=False,
+        options={
+            "orpo_lambda": PairOption(
+                0.1, "ORPO's weight lambda of the odds-ratio term against the NLL (> 0)", minimum=0.0, strict=True
+            )
+        },
+    ),
+    "kto": PairLoss(
+        kto_loss,
+        "KTO's 1 - sigmoid(beta * (log-ratio - z0)) of unpaired desirable / undesirable examples "
+        "(their sign flipped), z0 the policy's KL to the reference on mismatched pairs (Ethayarajh et al. "
+        "2024; rows {prompt, completion, label}, or pairs: one of each)",
+        unpaired=True,
+        options={
+            "kto_desirable_weight": PairOption(
+                1.0, "KTO's weight of the desirable examples' loss (> 0)", minimum=0.0, strict=True
+            ),
+            "kto_undesirable_weight": PairOption(
+                1.0, "KTO's weight of the undesirable examples' loss (> 0)", minimum=0.0, strict=True
+            ),
+        },
+    ),
 }
 DPO_LOSS_TYPES = tuple(PAIR_LOSSES)
 
@@ -469,14 +609,18 @@ def pair_loss(pairs: PairLogps, beta: float, loss_type: str = "sigmoid", **optio
     losses, chosen_rewards, rejected_rewards = PAIR_LOSSES[loss_type].fn(pairs, beta, **options)
     with torch.no_grad():
         chosen_rewards, rejected_rewards = chosen_rewards.detach(), rejected_rewards.detach()
-        stats = {"chosen_reward": chosen_rewards.mean(), "rejected_reward": rejected_rewards.mean(),
-                 "accuracy": (chosen_rewards > rejected_rewards).float().mean(),
-                 "margin": (chosen_rewards - rejected_rewards).mean()}
+        stats = {
+            "chosen_reward": chosen_rewards.mean(),
+            "rejected_reward": rejected_rewards.mean(),
+            "accuracy": (chosen_rewards > rejected_rewards).float().mean(),
+            "margin": (chosen_rewards - rejected_rewards).mean(),
+        }
     return losses.mean(), stats
 
 
-def unpaired_loss(examples: UnpairedLogps, beta: float, loss_type: str = "kto",
-                  **options) -> Tuple[Tensor, Dict[str, Tensor]]:
+def unpaired_loss(
+    examples: UnpairedLogps, beta: float, loss_type: str = "kto", **options
+) -> Tuple[Tensor, Dict[str, Tensor]]:
     """Mean loss of a batch of unpaired examples by the `PAIR_LOSSES` entry `loss_type` (one with
     `unpaired`), with the stats of `unpaired_stats` and z0."""
     _check_loss(loss_type, beta, unpaired=True)
@@ -490,17 +634,27 @@ def _check_loss(loss_type: str, beta: float, unpaired: bool) -> None:
     if loss_type not in PAIR_LOSSES:
         raise ValueError(f"unknown DPO loss type {loss_type!r}; choose from {', '.join(PAIR_LOSSES)}")
     if PAIR_LOSSES[loss_type].unpaired != unpaired:
-        raise ValueError(f"loss type {loss_type!r} reads {'unpaired examples' if not unpaired else 'pairs'}: "
-                         f"use {'unpaired_loss' if not unpaired else 'pair_loss'}")
+        raise ValueError(
+            f"loss type {loss_type!r} reads {'unpaired examples' if not unpaired else 'pairs'}: "
+            f"use {'unpaired_loss' if not unpaired else 'pair_loss'}"
+        )
     if beta <= 0:
         raise ValueError(f"beta must be > 0, got {beta}")
 
 
-def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor, ref_rejected_logps: Tensor,
-             beta: float, loss_type: str = "sigmoid", **options) -> Tuple[Tensor, Dict[str, Tensor]]:
+def dpo_loss(
+    chosen_logps: Tensor,
+    rejected_logps: Tensor,
+    ref_chosen_logps: Tensor,
+    ref_rejected_logps: Tensor,
+    beta: float,
+    loss_type: str = "sigmoid",
+    **options,
+) -> Tuple[Tensor, Dict[str, Tensor]]:
     """`pair_loss` of pairs scored against a reference (every loss of the DPO family that has one)."""
-    return pair_loss(PairLogps(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps), beta, loss_type,
-                     **options)
+    return pair_loss(
+        PairLogps(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps), beta, loss_type, **options
+    )
 
 
 def response_nll(logps: Tensor, token_counts: Tensor) -> Tensor:

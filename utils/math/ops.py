@@ -22,6 +22,7 @@ selects with ``torch.where`` (``select``) instead of multiplying by the mask (``
 and the losses (utils/math/losses.py) select their inputs BEFORE any arithmetic, so that no gradient
 at a pad is ``0 * nan``.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -30,10 +31,23 @@ import torch
 from torch import Tensor
 
 __all__ = [
-    "select", "masked_sum", "masked_mean", "LOSS_AGGREGATIONS", "aggregate", "masked_var", "masked_whiten", "explained_variance",
-    "logprobs_from_logits", "entropy_from_logits", "KL_ESTIMATORS", "kl_estimate", "ROLLOUT_CORRECTIONS",
+    "select",
+    "masked_sum",
+    "masked_mean",
+    "LOSS_AGGREGATIONS",
+    "aggregate",
+    "masked_var",
+    "masked_whiten",
+    "explained_variance",
+    "logprobs_from_logits",
+    "entropy_from_logits",
+    "KL_ESTIMATORS",
+    "kl_estimate",
+    "ROLLOUT_CORRECTIONS",
     "rollout_correction_weights",
-    "position_ids_from_attention_mask", "last_one_index", "sequence_score",
+    "position_ids_from_attention_mask",
+    "last_one_index",
+    "sequence_score",
 ]
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -239,8 +253,9 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") -
 ROLLOUT_CORRECTIONS = ("none", "tis", "icepop", "seq_mask_tis")
 
 
-def rollout_correction_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, action_mask: Tensor,
-                               mode: str = "none", threshold: float = 2.0) -> Tensor:
+def rollout_correction_weights(
+    old_logprobs: Tensor, rollout_logprobs: Tensor, action_mask: Tensor, mode: str = "none", threshold: float = 2.0
+) -> Tensor:
     """Per-action off-policy weights ``[B, L-1]`` (no gradient; 0 off ``action_mask``) for tokens that the
     rollout engine sampled with log-probs ``rollout_logprobs`` and that the trainer's own forward scores
     ``old_logprobs`` (the OLD policy, which the policy loss's ratio is taken against).

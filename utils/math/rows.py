@@ -11,6 +11,7 @@ position ids come from the attention mask in every forward, a row's tokens get i
 positions however much padding its batch needs, so log-probs agree between the rollout batch and
 any PPO mini-batch (the trlx bug this layout rules out).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -41,8 +42,13 @@ class Row:
         return self.response_ids.numel() if m is None else int(m.sum())
 
 
-def split_generation(sequences: torch.Tensor, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                     stop_token_ids, samples_per_prompt: int = 1) -> list[Row]:
+def split_generation(
+    sequences: torch.Tensor,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    stop_token_ids,
+    samples_per_prompt: int = 1,
+) -> list[Row]:
     """Cut `generate` output [B, P+T] into rows: real prompt tokens, response up to the first EOS.
 
     ``stop_token_ids``: the EOS id, or the ids that end a response (EOS and a chat template's
@@ -64,8 +70,13 @@ def split_generation(sequences: torch.Tensor, prompt_ids: torch.Tensor, prompt_m
         if response.numel() == 0:
             raise ValueError("generation returned no new token; set --min_answer_seq_len >= 1")
         p = i // samples_per_prompt
-        rows.append(Row(prompt_ids=prompt_ids[p][prompt_mask[p].bool()].clone(), response_ids=response.clone(),
-                        ended_with_eos=bool(ended)))
+        rows.append(
+            Row(
+                prompt_ids=prompt_ids[p][prompt_mask[p].bool()].clone(),
+                response_ids=response.clone(),
+                ended_with_eos=bool(ended),
+            )
+        )
     return rows
 
 
@@ -89,14 +100,20 @@ def pack(rows: list[Row], pad_token_id: int) -> dict:
     action_mask = torch.zeros((len(rows), length - 1), dtype=torch.float32)
     for b, row in enumerate(rows):
         p, t = row.prompt_ids.numel(), row.response_ids.numel()
-        input_ids[b, prompt_len - p:prompt_len] = row.prompt_ids
-        input_ids[b, prompt_len:prompt_len + t] = row.response_ids
-        attention_mask[b, prompt_len - p:prompt_len + t] = 1
-        action_mask[b, prompt_len - 1:prompt_len - 1 + t] = 1 if row.response_action_mask is None else \
-            row.response_action_mask.float()
+        input_ids[b, prompt_len - p : prompt_len] = row.prompt_ids
+        input_ids[b, prompt_len : prompt_len + t] = row.response_ids
+        attention_mask[b, prompt_len - p : prompt_len + t] = 1
+        action_mask[b, prompt_len - 1 : prompt_len - 1 + t] = (
+            1 if row.response_action_mask is None else row.response_action_mask.float()
+        )
     trained = torch.tensor([float(r.trained) for r in rows])[:, None]
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "action_mask": action_mask,
-            "loss_mask": action_mask * trained, "prompt_len": prompt_len}
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "action_mask": action_mask,
+        "loss_mask": action_mask * trained,
+        "prompt_len": prompt_len,
+    }
 
 
 def to_token_layout(rows: list[Row], name: str, prompt_len: int, length: int) -> torch.Tensor:
@@ -104,7 +121,7 @@ def to_token_layout(rows: list[Row], name: str, prompt_len: int, length: int) ->
     out = torch.zeros((len(rows), length - 1), dtype=torch.float32)
     for b, row in enumerate(rows):
         values = row.per_action[name]
-        out[b, prompt_len - 1:prompt_len - 1 + values.numel()] = values
+        out[b, prompt_len - 1 : prompt_len - 1 + values.numel()] = values
     return out
 
 
@@ -112,4 +129,4 @@ def from_token_layout(rows: list[Row], name: str, values: torch.Tensor, prompt_l
     """Store a packed batch's per-action values [B, L-1] back into the rows (action positions only)."""
     for b, row in enumerate(rows):
         t = row.response_ids.numel()
-        row.per_action[name] = values[b, prompt_len - 1:prompt_len - 1 + t].detach().float().cpu().clone()
+        row.per_action[name] = values[b, prompt_len - 1 : prompt_len - 1 + t].detach().float().cpu().clone()

@@ -13,6 +13,7 @@ Tokenizer facts (as converted): eos `<|im_end|>` (2), pad `<|im_end|>` (2, i.e. 
 bos `<|im_start|>` (1), unk `<|endoftext|>` (0); has a ChatML chat template; vocab 49152; tied
 embeddings. `utils.models.loading.load_tokenizer` adds a distinct `<pad>` on load (the model is then resized).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,7 +31,6 @@ MODEL_NAME = "SmolLM2-135M-Instruct"
 MARKER = ".conversion_complete"
 MAX_POSITIONS = 8192  # the model's max_position_embeddings; the GGUF tokenizer says "unbounded"
 REQUIRED_FILES = ("config.json", "model.safetensors", "generation_config.json", "tokenizer_config.json")
-
 
 
 def default_model_dir() -> str:
@@ -51,7 +51,8 @@ def gguf_package_dir() -> str:
 def is_complete(path: str) -> bool:
     """True when `path` is a finished conversion (marker written last, files present)."""
     return os.path.isfile(os.path.join(path, MARKER)) and all(
-        os.path.isfile(os.path.join(path, f)) for f in REQUIRED_FILES)
+        os.path.isfile(os.path.join(path, f)) for f in REQUIRED_FILES
+    )
 
 
 def _strip_quantization(model) -> None:
@@ -79,7 +80,10 @@ def convert(out_dir: str) -> None:
     model.config.name_or_path = MODEL_NAME
     gen = model.generation_config
     gen.bos_token_id, gen.eos_token_id, gen.pad_token_id = (
-        tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+    )
     model.save_pretrained(out_dir)
     with open(os.path.join(out_dir, "config.json")) as f:
         if "quantization_config" in json.load(f):
@@ -145,15 +149,17 @@ def verify(path: str, question: str = "What is the capital of France?", max_new_
 
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                           add_generation_prompt=True)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
     inputs = tokenizer(prompt, return_tensors="pt", add_special_tokens=False)
     pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    kwargs = generation_kwargs(GenerationSettings(max_new_tokens=max_new_tokens, do_sample=False),
-                               tokenizer.eos_token_id, pad_token_id)
+    kwargs = generation_kwargs(
+        GenerationSettings(max_new_tokens=max_new_tokens, do_sample=False), tokenizer.eos_token_id, pad_token_id
+    )
     with eval_mode(model):
         out = generate(model, inputs["input_ids"], inputs["attention_mask"], **kwargs)
-    return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    return tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True).strip()
 
 
 def describe(path: str) -> dict:

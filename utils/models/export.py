@@ -6,6 +6,7 @@ the model, LoRA merged there, and only that copy is saved. Every step's final ou
 here (policies: `export_hf_model`; reward models and critics: utils/models/reward_model.py), apart from
 the resumable training checkpoints of utils/train/checkpoint.py, which keep DeepSpeed's own format.
 """
+
 from __future__ import annotations
 
 import copy

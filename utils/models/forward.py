@@ -12,6 +12,7 @@ whether the model is a DeepSpeed engine (any ZeRO stage) or a plain module:
 Generation settings (greedy or sampling, temperature, top-p, top-k) are built into `generate`
 keyword arguments in one place too, for step 3's rollout, its evaluation, prompt_eval and chat.py.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -66,8 +67,9 @@ def eval_mode(*models):
 # --------------------------------------------------------------------------- #
 # Forwards
 # --------------------------------------------------------------------------- #
-def causal_lm_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int = 0,
-                     shared_prompt_len: int = 0) -> Tensor:
+def causal_lm_logits(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int = 0, shared_prompt_len: int = 0
+) -> Tensor:
     """Logits [B, L, V] of a causal LM: mask-derived position ids, no KV cache, inputs on its device.
 
     With `logits_to_keep` K (0 < K < L) only the last K positions' logits [B, K, V]: transformers' own
@@ -86,14 +88,23 @@ def causal_lm_logits(model: nn.Module, input_ids: Tensor, attention_mask: Tensor
         cache = shared_prompt_cache(model, input_ids[:, :p], attention_mask[:, :p], always=True)
         if cache is not None:
             input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-            return model(input_ids=input_ids[:, p - 1:], attention_mask=attention_mask,
-                         position_ids=position_ids_from_attention_mask(attention_mask)[:, p - 1:], cache=cache,
-                         use_cache=True).logits
+            return model(
+                input_ids=input_ids[:, p - 1 :],
+                attention_mask=attention_mask,
+                position_ids=position_ids_from_attention_mask(attention_mask)[:, p - 1 :],
+                cache=cache,
+                use_cache=True,
+            ).logits
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     keep = logits_to_keep if 0 < logits_to_keep < input_ids.shape[1] else 0
     extra = {"logits_to_keep": keep} if keep and _takes_logits_to_keep(type(_hf_model(model))) else {}
-    out = model(input_ids=input_ids, attention_mask=attention_mask,
-                position_ids=position_ids_from_attention_mask(attention_mask), use_cache=False, **extra)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids_from_attention_mask(attention_mask),
+        use_cache=False,
+        **extra,
+    )
     return out.logits[:, -keep:] if keep and not extra else out.logits
 
 
@@ -108,8 +119,14 @@ def _takes_logits_to_keep(model_class: type) -> bool:
     return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
-def token_logprobs(model: nn.Module, batch: dict, temperature: float = 1.0, return_entropy: bool = False,
-                   entropy_grad: bool = False, share_prompts: bool = False):
+def token_logprobs(
+    model: nn.Module,
+    batch: dict,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    entropy_grad: bool = False,
+    share_prompts: bool = False,
+):
     """log p(token i+1 | prefix) [B, L-1] fp32 of a packed batch (utils.math.rows.pack: input_ids,
     attention_mask, prompt_len, ...), in the layout of utils/math/ops.py; optionally with the per-token entropy,
     detached (a monitor) unless `entropy_grad` (an entropy bonus in the loss: its softmax is kept for
@@ -127,11 +144,16 @@ def token_logprobs(model: nn.Module, batch: dict, temperature: float = 1.0, retu
     """
     input_ids = batch["input_ids"]
     skipped = max(int(batch.get("prompt_len", 1)) - 1, 0)  # positions before the first prediction of a response token
-    logits = causal_lm_logits(model, input_ids, batch["attention_mask"], input_ids.shape[1] - skipped,
-                              shared_prompt_len=skipped + 1 if share_prompts else 0)[:, :-1]
+    logits = causal_lm_logits(
+        model,
+        input_ids,
+        batch["attention_mask"],
+        input_ids.shape[1] - skipped,
+        shared_prompt_len=skipped + 1 if share_prompts else 0,
+    )[:, :-1]
     if temperature != 1.0:
         logits = logits / temperature
-    logprobs = _front_pad(logprobs_from_logits(logits, input_ids[:, 1 + skipped:]), skipped)
+    logprobs = _front_pad(logprobs_from_logits(logits, input_ids[:, 1 + skipped :]), skipped)
     if return_entropy:
         return logprobs, _front_pad(entropy_from_logits(logits if entropy_grad else logits.detach()), skipped)
     return logprobs
@@ -184,6 +206,7 @@ def sequence_scores(model: nn.Module, input_ids: Tensor, attention_mask: Tensor)
 @dataclass
 class GenerationSettings:
     """How answers are decoded; utils/train/flags.py add_generation_args defines the flags of the sampling part."""
+
     max_new_tokens: int
     do_sample: bool = True
     temperature: float = 1.0
@@ -211,8 +234,13 @@ def generation_kwargs(settings: GenerationSettings, stop_token_ids, pad_token_id
     so a model's generation_config cannot switch them on behind our back). ``stop_token_ids``: EOS,
     or a list of the tokens that end a response (EOS and a chat template's end-of-turn token)."""
     stop = [stop_token_ids] if isinstance(stop_token_ids, int) else list(stop_token_ids)
-    kwargs = {"max_new_tokens": settings.max_new_tokens, "do_sample": settings.do_sample,
-              "eos_token_id": stop[0] if len(stop) == 1 else stop, "pad_token_id": pad_token_id, "use_cache": True}
+    kwargs = {
+        "max_new_tokens": settings.max_new_tokens,
+        "do_sample": settings.do_sample,
+        "eos_token_id": stop[0] if len(stop) == 1 else stop,
+        "pad_token_id": pad_token_id,
+        "use_cache": True,
+    }
     if settings.min_new_tokens is not None:
         kwargs["min_new_tokens"] = settings.min_new_tokens
     if settings.num_beams is not None:
@@ -225,8 +253,9 @@ def generation_kwargs(settings: GenerationSettings, stop_token_ids, pad_token_id
 
 
 @torch.no_grad()
-def generate(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, logprob_temperature: float | None = None,
-             **kwargs):
+def generate(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, logprob_temperature: float | None = None, **kwargs
+):
     """Sequences [B, P + T] of a plain (unwrapped) causal LM for left-padded prompts [B, P], on its device.
 
     With `logprob_temperature`: (sequences, the generator's own log-probs [B, T] fp32 of the tokens it
@@ -245,9 +274,10 @@ def generate(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, logpro
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     if logprob_temperature is None:
         return model.generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
-    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, output_logits=True,
-                         return_dict_in_generate=True, **kwargs)
-    return out.sequences, sampled_logprobs(out.logits, out.sequences[:, input_ids.shape[1]:], logprob_temperature)
+    out = model.generate(
+        input_ids=input_ids, attention_mask=attention_mask, output_logits=True, return_dict_in_generate=True, **kwargs
+    )
+    return out.sequences, sampled_logprobs(out.logits, out.sequences[:, input_ids.shape[1] :], logprob_temperature)
 
 
 def shared_prompt_cache(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, always: bool = False):
@@ -260,8 +290,9 @@ def shared_prompt_cache(model: nn.Module, input_ids: Tensor, attention_mask: Ten
     anyway), the prompt is one token, or the model's cache cannot be copied by rows."""
     if input_ids.shape[1] < 2:
         return None
-    unique, inverse = torch.unique(torch.cat([input_ids, attention_mask.to(input_ids.dtype)], 1), dim=0,
-                                   return_inverse=True)
+    unique, inverse = torch.unique(
+        torch.cat([input_ids, attention_mask.to(input_ids.dtype)], 1), dim=0, return_inverse=True
+    )
     if len(unique) == len(input_ids) and not always:
         return None
     rows = torch.arange(len(input_ids), device=input_ids.device)
@@ -269,8 +300,13 @@ def shared_prompt_cache(model: nn.Module, input_ids: Tensor, attention_mask: Ten
     device = model_device(model)
     mask = attention_mask[first, :-1].to(device)
     extra = {"logits_to_keep": 1} if _takes_logits_to_keep(type(_hf_model(model))) else {}
-    out = model(input_ids=input_ids[first, :-1].to(device), attention_mask=mask,
-                position_ids=position_ids_from_attention_mask(mask), use_cache=True, **extra)
+    out = model(
+        input_ids=input_ids[first, :-1].to(device),
+        attention_mask=mask,
+        position_ids=position_ids_from_attention_mask(mask),
+        use_cache=True,
+        **extra,
+    )
     cache = getattr(out, "past_key_values", None)
     if cache is None or not hasattr(cache, "batch_select_indices"):
         return None
@@ -283,6 +319,8 @@ def sampled_logprobs(step_logits, tokens: Tensor, temperature: float = 1.0) -> T
     [B, T, V] stack); `step_logits` is `generate`'s tuple of T raw [B, V] logits."""
     if len(step_logits) != tokens.shape[1]:
         raise ValueError(f"{len(step_logits)} steps of logits for {tokens.shape[1]} generated tokens")
-    columns = [logprobs_from_logits(logits.float() / temperature, tokens[:, t].to(logits.device))
-               for t, logits in enumerate(step_logits)]
+    columns = [
+        logprobs_from_logits(logits.float() / temperature, tokens[:, t].to(logits.device))
+        for t, logits in enumerate(step_logits)
+    ]
     return torch.stack(columns, dim=1) if columns else tokens.new_zeros(tokens.shape, dtype=torch.float32)

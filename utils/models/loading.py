@@ -4,6 +4,7 @@ The rule that lives here so no step can get it wrong: the pad token is distinct 
 masks built from `input_ids != pad` would hide EOS, the action that carries the reward in step 3).
 How models are run (position ids from the attention mask in every forward) is utils/models/forward.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,8 +20,15 @@ from utils.errors import ProjectError, one_line
 PAD_TOKEN = "<pad>"
 
 _DROPOUT_ATTRS = (
-    "dropout", "attention_dropout", "hidden_dropout", "activation_dropout", "resid_pdrop",
-    "embd_pdrop", "attn_pdrop", "summary_first_dropout", "hidden_dropout_prob",
+    "dropout",
+    "attention_dropout",
+    "hidden_dropout",
+    "activation_dropout",
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+    "summary_first_dropout",
+    "hidden_dropout_prob",
     "attention_probs_dropout_prob",
 )
 
@@ -35,10 +43,12 @@ class ModelFlagError(ProjectError, ValueError):
 
 SAFE_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # what from_pretrained(use_safetensors=True) reads
 # Why pickled weights are refused, and the one-liner that converts them (torch.load(weights_only=True) underneath)
-CONVERT_HINT = ("pickled weights can run code when loaded, so only safetensors are read; convert the directory once "
-                "with: python -c \"from transformers import AutoModelForCausalLM as M; "
-                "M.from_pretrained('{src}', use_safetensors=False, weights_only=True)"
-                ".save_pretrained('{dst}', safe_serialization=True)\"")
+CONVERT_HINT = (
+    "pickled weights can run code when loaded, so only safetensors are read; convert the directory once "
+    'with: python -c "from transformers import AutoModelForCausalLM as M; '
+    "M.from_pretrained('{src}', use_safetensors=False, weights_only=True)"
+    ".save_pretrained('{dst}', safe_serialization=True)\""
+)
 
 
 def check_model_path(path: str, what: str = "model") -> None:
@@ -64,13 +74,20 @@ def check_weight_files(path: str, what: str = "model") -> None:
     names = os.listdir(path)
     if any(name in names for name in SAFE_WEIGHTS):
         return
-    pickled = sorted(name for name in names  # what from_pretrained(use_safetensors=False) would unpickle
-                     if name.startswith("pytorch_model") and name.endswith((".bin", ".bin.index.json")))
+    pickled = sorted(
+        name
+        for name in names  # what from_pretrained(use_safetensors=False) would unpickle
+        if name.startswith("pytorch_model") and name.endswith((".bin", ".bin.index.json"))
+    )
     if pickled:
-        raise ModelLoadError(f"{what} directory {path!r} has only pickled weights ({', '.join(pickled[:3])}"
-                             f"{', ...' if len(pickled) > 3 else ''}); " + CONVERT_HINT.format(src=path, dst=path))
-    raise ModelLoadError(f"{what} directory {path!r} has no weights ({' or '.join(SAFE_WEIGHTS)}): an interrupted "
-                         f"save or copy, or a directory that holds only a config or tokenizer?")
+        raise ModelLoadError(
+            f"{what} directory {path!r} has only pickled weights ({', '.join(pickled[:3])}"
+            f"{', ...' if len(pickled) > 3 else ''}); " + CONVERT_HINT.format(src=path, dst=path)
+        )
+    raise ModelLoadError(
+        f"{what} directory {path!r} has no weights ({' or '.join(SAFE_WEIGHTS)}): an interrupted "
+        f"save or copy, or a directory that holds only a config or tokenizer?"
+    )
 
 
 def check_remote_code(path: str, trust_remote_code: bool, what: str = "model") -> None:
@@ -82,9 +99,11 @@ def check_remote_code(path: str, trust_remote_code: bool, what: str = "model") -
         auto_map = _json_field(os.path.join(path, name), "auto_map")
         if auto_map:
             code = sorted({str(ref).split("--")[-1].split(".")[0] + ".py" for ref in _flat(auto_map) if ref})
-            raise ModelLoadError(f"{what} directory {path!r} ships its own Python code ('auto_map' in {name}: "
-                                 f"{', '.join(code) or '?'}), which loading would run; read it, and pass "
-                                 f"--trust_remote_code if you trust it")
+            raise ModelLoadError(
+                f"{what} directory {path!r} ships its own Python code ('auto_map' in {name}: "
+                f"{', '.join(code) or '?'}), which loading would run; read it, and pass "
+                f"--trust_remote_code if you trust it"
+            )
 
 
 def _json_field(file: str, key: str):
@@ -118,12 +137,15 @@ def check_precision_supported(ds_config: dict | None) -> None:
     for dtype, ok in supported.items():
         if ds_config.get(dtype, {}).get("enabled") and not ok:
             others = [d for d, other_ok in supported.items() if other_ok] + ["fp32"]
-            raise ModelFlagError(f"--dtype {dtype} is not supported on this device ({accelerator.device_name()}); "
-                                 f"use --dtype {' or '.join(others)}")
+            raise ModelFlagError(
+                f"--dtype {dtype} is not supported on this device ({accelerator.device_name()}); "
+                f"use --dtype {' or '.join(others)}"
+            )
 
 
-def load_tokenizer(path: str, trust_remote_code: bool = False, padding_side: str = "right",
-                   chat_template: str | None = None):
+def load_tokenizer(
+    path: str, trust_remote_code: bool = False, padding_side: str = "right", chat_template: str | None = None
+):
     """Load a tokenizer and give it a pad token distinct from EOS (added if needed).
 
     ``chat_template`` (a Jinja file, ``--chat_template``) replaces the tokenizer's own template; it
@@ -167,9 +189,15 @@ def zero3_model_context(ds_config: dict | None):
     return None
 
 
-def load_causal_lm(path: str, tokenizer=None, ds_config: dict | None = None, dropout: float | None = None,
-                   trust_remote_code: bool = False, base_model_only: bool = False,
-                   attn_implementation: str | None = None) -> nn.Module:
+def load_causal_lm(
+    path: str,
+    tokenizer=None,
+    ds_config: dict | None = None,
+    dropout: float | None = None,
+    trust_remote_code: bool = False,
+    base_model_only: bool = False,
+    attn_implementation: str | None = None,
+) -> nn.Module:
     """Load a causal LM (or only its backbone, for reward/critic models) from a directory.
 
     Built partitioned when `ds_config` is ZeRO-3. Embeddings are resized when the tokenizer has
@@ -189,16 +217,21 @@ def load_causal_lm(path: str, tokenizer=None, ds_config: dict | None = None, dro
     cls = AutoModel if base_model_only else AutoModelForCausalLM
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
     try:
-        model = cls.from_pretrained(path, config=config, trust_remote_code=trust_remote_code, dtype=torch.float32,
-                                    use_safetensors=True, **extra)
+        model = cls.from_pretrained(
+            path, config=config, trust_remote_code=trust_remote_code, dtype=torch.float32, use_safetensors=True, **extra
+        )
     except Exception as exc:
         unreadable = unreadable_weight_files(path)
         if unreadable:
-            raise ModelLoadError(f"model directory {path!r}: {unreadable[0][0]} cannot be read ({unreadable[0][1]}); "
-                                 f"the file is truncated or corrupt (an interrupted save or copy?)") from exc
+            raise ModelLoadError(
+                f"model directory {path!r}: {unreadable[0][0]} cannot be read ({unreadable[0][1]}); "
+                f"the file is truncated or corrupt (an interrupted save or copy?)"
+            ) from exc
         if not os.path.isdir(path) and "use_safetensors" in str(exc):  # a hub model with pickled weights only
-            raise ModelLoadError(f"model {path!r} has no safetensors weights; "
-                                 + CONVERT_HINT.format(src=path, dst=path.rsplit("/", 1)[-1])) from exc
+            raise ModelLoadError(
+                f"model {path!r} has no safetensors weights; "
+                + CONVERT_HINT.format(src=path, dst=path.rsplit("/", 1)[-1])
+            ) from exc
         raise
     model._hf_ds_config = hf_ds_config  # keep alive: ZeRO-3 hooks refer to it through a weakref
     if tokenizer is not None:
@@ -244,12 +277,16 @@ def lora_target_modules(model: nn.Module, module_name_filter: str) -> list[str]:
     """
     from transformers.pytorch_utils import Conv1D  # lazy: +0.8 s on every --help (transformers)
 
-    names = [name for name, module in model.named_modules()
-             if isinstance(module, (nn.Linear, Conv1D)) and module_name_filter in name
-             and not name.endswith(_NEVER_LORA)]
+    names = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, (nn.Linear, Conv1D)) and module_name_filter in name and not name.endswith(_NEVER_LORA)
+    ]
     if not names:
-        raise ModelFlagError(f"--lora_module_name {module_name_filter!r} matches no Linear layer of the model "
-                             f"(layer names look like {_linear_names_sample(model)})")
+        raise ModelFlagError(
+            f"--lora_module_name {module_name_filter!r} matches no Linear layer of the model "
+            f"(layer names look like {_linear_names_sample(model)})"
+        )
     return names
 
 
@@ -257,21 +294,36 @@ def _linear_names_sample(model: nn.Module, shown: int = 4) -> str:
     """A few distinct Linear/Conv1D layer names (their last part), to show what --lora_module_name can match."""
     from transformers.pytorch_utils import Conv1D  # lazy: +0.8 s on every --help (transformers)
 
-    names = dict.fromkeys(name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                          if isinstance(module, (nn.Linear, Conv1D)) and not name.endswith(_NEVER_LORA))
+    names = dict.fromkeys(
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, (nn.Linear, Conv1D)) and not name.endswith(_NEVER_LORA)
+    )
     return ", ".join(list(names)[:shown]) or "none"
 
 
-def apply_lora(model: nn.Module, lora_dim: int, module_name_filter: str, lora_alpha: float | None = None,
-               only_optimize_lora: bool = False, modules_to_save: list[str] | None = None) -> nn.Module:
+def apply_lora(
+    model: nn.Module,
+    lora_dim: int,
+    module_name_filter: str,
+    lora_alpha: float | None = None,
+    only_optimize_lora: bool = False,
+    modules_to_save: list[str] | None = None,
+) -> nn.Module:
     """Wrap `model` with peft LoRA adapters; base weights stay trainable unless `only_optimize_lora`."""
     from peft import LoraConfig, get_peft_model  # lazy: +3 s on every --help (peft)
     from transformers.pytorch_utils import Conv1D  # lazy: +0.8 s on every --help (transformers)
 
     targets = lora_target_modules(model, module_name_filter)
     fan_in_fan_out = isinstance(model.get_submodule(targets[0]), Conv1D)
-    config = LoraConfig(r=lora_dim, lora_alpha=lora_alpha or lora_dim, target_modules=targets, lora_dropout=0.0,
-                        fan_in_fan_out=fan_in_fan_out, modules_to_save=modules_to_save)
+    config = LoraConfig(
+        r=lora_dim,
+        lora_alpha=lora_alpha or lora_dim,
+        target_modules=targets,
+        lora_dropout=0.0,
+        fan_in_fan_out=fan_in_fan_out,
+        modules_to_save=modules_to_save,
+    )
     peft_model = get_peft_model(model, config)
     if not only_optimize_lora:
         for name, param in peft_model.named_parameters():

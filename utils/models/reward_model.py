@@ -20,6 +20,7 @@ would tie every pair and make the "before training" accuracy meaningless). Only 
 that: step 3 and the evaluation load with `require_value_head=True`, which refuses such a
 directory, and refuse a reward-model directory as a policy (`check_policy_dir`).
 """
+
 from __future__ import annotations
 
 import json
@@ -57,7 +58,8 @@ def check_reward_model_dir(path: str, what: str = "reward model") -> None:
         raise ModelLoadError(
             f"{what} directory {path!r} has no {VALUE_HEAD_FILE}, so it is not a reward model from step 2 "
             f"(it looks like a step-1/SFT or base model directory); pass the output directory of step2_reward "
-            f"(it has {VALUE_HEAD_FILE} and {REWARD_MODEL_FILE})")
+            f"(it has {VALUE_HEAD_FILE} and {REWARD_MODEL_FILE})"
+        )
 
 
 def check_policy_dir(path: str, what: str = "policy") -> None:
@@ -69,7 +71,8 @@ def check_policy_dir(path: str, what: str = "policy") -> None:
     if found:
         raise ModelLoadError(
             f"{what} directory {path!r} has {' and '.join(found)}, so it is a reward model from step 2, not a "
-            f"policy; pass a causal LM (the output directory of step1_sft or a base model)")
+            f"policy; pass a causal LM (the output directory of step1_sft or a base model)"
+        )
 
 
 def backbone_hidden_size(config) -> int:
@@ -114,9 +117,16 @@ class RewardModel(nn.Module):
         return _plain_backbone(self.backbone).config
 
     @classmethod
-    def from_pretrained(cls, path: str, tokenizer=None, ds_config: dict | None = None, dropout: float | None = None,
-                        trust_remote_code: bool = False, attn_implementation: str | None = None,
-                        require_value_head: bool = False) -> "RewardModel":
+    def from_pretrained(
+        cls,
+        path: str,
+        tokenizer=None,
+        ds_config: dict | None = None,
+        dropout: float | None = None,
+        trust_remote_code: bool = False,
+        attn_implementation: str | None = None,
+        require_value_head: bool = False,
+    ) -> "RewardModel":
         """Backbone of a causal LM / step-1 / step-2 directory; v_head from `value_head.safetensors` if there.
 
         Without that file the head is fresh (step 2's input), unless `require_value_head` (step 3's
@@ -127,16 +137,25 @@ class RewardModel(nn.Module):
         """
         if require_value_head:
             check_reward_model_dir(path)
-        backbone = load_causal_lm(path, tokenizer, ds_config, dropout, trust_remote_code, base_model_only=True,
-                                  attn_implementation=attn_implementation)
+        backbone = load_causal_lm(
+            path,
+            tokenizer,
+            ds_config,
+            dropout,
+            trust_remote_code,
+            base_model_only=True,
+            attn_implementation=attn_implementation,
+        )
         v_head = None
         head_file = os.path.join(path, VALUE_HEAD_FILE)
         if os.path.isfile(head_file):
             try:
                 weight = load_file(head_file)["weight"].float()
             except Exception as exc:
-                raise ModelLoadError(f"reward model directory {path!r}: {VALUE_HEAD_FILE} cannot be read ({exc}); "
-                                     f"the file is truncated or corrupt (an interrupted save or copy?)") from exc
+                raise ModelLoadError(
+                    f"reward model directory {path!r}: {VALUE_HEAD_FILE} cannot be read ({exc}); "
+                    f"the file is truncated or corrupt (an interrupted save or copy?)"
+                ) from exc
             v_head = nn.Linear(weight.shape[1], 1, bias=False)
             with torch.no_grad():
                 v_head.weight.copy_(weight)
@@ -144,8 +163,12 @@ class RewardModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Per-token values [B, L] (fp32), with mask-derived position ids and no KV cache."""
-        out = self.backbone(input_ids=input_ids, attention_mask=attention_mask,
-                            position_ids=position_ids_from_attention_mask(attention_mask), use_cache=False)
+        out = self.backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_attention_mask(attention_mask),
+            use_cache=False,
+        )
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         return self.v_head(hidden).squeeze(-1).float()
 
@@ -164,10 +187,14 @@ def _write_reward_dir(backbone: nn.Module, v_head_weight: torch.Tensor, tokenize
         tokenizer.save_pretrained(out_dir)
     weight = v_head_weight.detach().to("cpu", torch.float32).contiguous()
     save_file({"weight": weight}, os.path.join(out_dir, VALUE_HEAD_FILE))
-    info = {"class": "RewardModel", "score": "value at the last real token (last 1 of attention_mask)",
-            "position_ids": "cumsum(attention_mask) - 1, clipped at 0", "hidden_size": int(weight.shape[1]),
-            "backbone_model_type": getattr(backbone.config, "model_type", None),
-            "value_head": VALUE_HEAD_FILE}
+    info = {
+        "class": "RewardModel",
+        "score": "value at the last real token (last 1 of attention_mask)",
+        "position_ids": "cumsum(attention_mask) - 1, clipped at 0",
+        "hidden_size": int(weight.shape[1]),
+        "backbone_model_type": getattr(backbone.config, "model_type", None),
+        "value_head": VALUE_HEAD_FILE,
+    }
     with open(os.path.join(out_dir, REWARD_MODEL_FILE), "w") as f:
         json.dump(info, f, indent=2)
 
@@ -187,8 +214,8 @@ def export_reward_model(engine, tokenizer, out_dir: str) -> None:
     """Write engine.module (a RewardModel, any ZeRO stage, LoRA or not) to `out_dir`. Call on ALL ranks."""
     state_dict = gather_full_state_dict(engine)  # collective under ZeRO-3
     if is_rank0():
-        backbone_state = {k[len("backbone."):]: v for k, v in state_dict.items() if k.startswith("backbone.")}
-        head_state = {k[len("v_head."):]: v for k, v in state_dict.items() if k.startswith("v_head.")}
+        backbone_state = {k[len("backbone.") :]: v for k, v in state_dict.items() if k.startswith("backbone.")}
+        head_state = {k[len("v_head.") :]: v for k, v in state_dict.items() if k.startswith("v_head.")}
         other = sorted(k for k in state_dict if not k.startswith(("backbone.", "v_head.")))
         if other or set(head_state) != {"weight"}:
             raise RuntimeError(f"unexpected reward model keys: {other or sorted(head_state)}")

@@ -29,6 +29,7 @@ So all three accept `position_ids`.
 `make_tiny_model_cached(arch)` builds once into `<RLHF_CACHE or <repo>/.cache>/tiny/<arch>` and is safe
 when several processes call it at once (build into a temp dir, then `os.rename`).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,11 +46,12 @@ PAD_TOKEN = "<pad>"
 EOS_TOKEN = "<|endoftext|>"
 # `chat=True`: ChatML, whose end-of-turn token is not EOS (as in Qwen or Llama 3, unlike SmolLM2)
 CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
-CHATML_TEMPLATE_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "chat_templates", "chatml.jinja")
+CHATML_TEMPLATE_FILE = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "chat_templates", "chatml.jinja"
+)
 _MARKER = ".tiny_model_complete"
 # Bump when the builder's output changes, so cached directories are rebuilt.
 _BUILD_VERSION = 1
-
 
 
 def _gpt2_bpe_files() -> tuple[str, str]:
@@ -74,7 +76,8 @@ def build_gpt2_tokenizer(max_positions: int = 512, chat: bool = False):
         shutil.copyfile(encoder, os.path.join(folder, "vocab.json"))
         shutil.copyfile(bpe, os.path.join(folder, "merges.txt"))
         tokenizer = GPT2TokenizerFast.from_pretrained(
-            folder, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, unk_token=EOS_TOKEN)
+            folder, bos_token=EOS_TOKEN, eos_token=EOS_TOKEN, unk_token=EOS_TOKEN
+        )
     tokenizer.add_special_tokens({"pad_token": PAD_TOKEN})
     if chat:
         tokenizer.add_special_tokens({"additional_special_tokens": list(CHATML_TOKENS)})
@@ -85,8 +88,17 @@ def build_gpt2_tokenizer(max_positions: int = 512, chat: bool = False):
     return tokenizer
 
 
-def tiny_config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: int, hidden_size: int = 64,
-                num_layers: int = 2, num_heads: int = 4, max_positions: int = 512):
+def tiny_config(
+    arch: str,
+    vocab_size: int,
+    bos_id: int,
+    eos_id: int,
+    pad_id: int,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    max_positions: int = 512,
+):
     """The config of a tiny `arch` model (see the module docstring)."""
     if hidden_size % num_heads:
         raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
@@ -94,31 +106,66 @@ def tiny_config(arch: str, vocab_size: int, bos_id: int, eos_id: int, pad_id: in
     if arch == "gpt2":
         from transformers import GPT2Config  # lazy: +2.5 s on a cached --print_path (transformers)
 
-        return GPT2Config(vocab_size=vocab_size, n_positions=max_positions, n_embd=hidden_size,
-                          n_layer=num_layers, n_head=num_heads, n_inner=4 * hidden_size,
-                          resid_pdrop=0.1, embd_pdrop=0.1, attn_pdrop=0.1,
-                          tie_word_embeddings=True, **ids)
+        return GPT2Config(
+            vocab_size=vocab_size,
+            n_positions=max_positions,
+            n_embd=hidden_size,
+            n_layer=num_layers,
+            n_head=num_heads,
+            n_inner=4 * hidden_size,
+            resid_pdrop=0.1,
+            embd_pdrop=0.1,
+            attn_pdrop=0.1,
+            tie_word_embeddings=True,
+            **ids,
+        )
     if arch == "llama":
         from transformers import LlamaConfig  # lazy: +2.5 s on a cached --print_path (transformers)
 
         kv_heads = num_heads // 2 if num_heads % 2 == 0 else num_heads  # divides num_heads (GQA when even)
-        return LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                           num_hidden_layers=num_layers, num_attention_heads=num_heads,
-                           num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
-                           attention_dropout=0.0, tie_word_embeddings=True, **ids)
+        return LlamaConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=2 * hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=kv_heads,
+            max_position_embeddings=max_positions,
+            attention_dropout=0.0,
+            tie_word_embeddings=True,
+            **ids,
+        )
     if arch == "opt":
         from transformers import OPTConfig  # lazy: +2.5 s on a cached --print_path (transformers)
 
-        return OPTConfig(vocab_size=vocab_size, hidden_size=hidden_size, ffn_dim=4 * hidden_size,
-                         num_hidden_layers=num_layers, num_attention_heads=num_heads,
-                         max_position_embeddings=max_positions, word_embed_proj_dim=hidden_size,
-                         dropout=0.1, attention_dropout=0.0, layerdrop=0.0, do_layer_norm_before=True,
-                         tie_word_embeddings=True, **ids)
+        return OPTConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            ffn_dim=4 * hidden_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            max_position_embeddings=max_positions,
+            word_embed_proj_dim=hidden_size,
+            dropout=0.1,
+            attention_dropout=0.0,
+            layerdrop=0.0,
+            do_layer_norm_before=True,
+            tie_word_embeddings=True,
+            **ids,
+        )
     raise ValueError(f"unknown arch {arch!r}; choose one of {ARCHS}")
 
 
-def make_tiny_model(arch: str, out_dir: str, seed: int = 0, hidden_size: int = 64, num_layers: int = 2,
-                    num_heads: int = 4, max_positions: int = 512, chat: bool = False) -> str:
+def make_tiny_model(
+    arch: str,
+    out_dir: str,
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    max_positions: int = 512,
+    chat: bool = False,
+) -> str:
     """Write a tiny random causal LM of `arch` plus the GPT-2 tokenizer into `out_dir`; return it.
     `chat`: the tokenizer also has ChatML's tokens and template (end-of-turn `<|im_end|>` != EOS)."""
     import torch  # lazy: +1.7 s on a cached --print_path (torch)
@@ -127,8 +174,17 @@ def make_tiny_model(arch: str, out_dir: str, seed: int = 0, hidden_size: int = 6
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose one of {ARCHS}")
     tokenizer = build_gpt2_tokenizer(max_positions, chat)
-    config = tiny_config(arch, len(tokenizer), tokenizer.bos_token_id, tokenizer.eos_token_id,
-                         tokenizer.pad_token_id, hidden_size, num_layers, num_heads, max_positions)
+    config = tiny_config(
+        arch,
+        len(tokenizer),
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+        hidden_size,
+        num_layers,
+        num_heads,
+        max_positions,
+    )
     from utils.models.loading import hf_zero3_disabled  # lazy: +1.7 s on a cached --print_path (torch, via this)
 
     torch.manual_seed(seed)
@@ -137,7 +193,10 @@ def make_tiny_model(arch: str, out_dir: str, seed: int = 0, hidden_size: int = 6
     assert model.get_input_embeddings().weight.shape[0] >= len(tokenizer)
     gen = model.generation_config
     gen.bos_token_id, gen.eos_token_id, gen.pad_token_id = (
-        tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id)
+        tokenizer.bos_token_id,
+        tokenizer.eos_token_id,
+        tokenizer.pad_token_id,
+    )
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
@@ -196,22 +255,34 @@ def _read_marker(path: str):
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", choices=ARCHS, required=True, help="transformers architecture of the model")
-    parser.add_argument("--out", default=None,
-                        help="folder to write; default: the shared cache entry for --arch (default sizes only)")
-    parser.add_argument("--print_path", action="store_true",
-                        help="print only the model folder on stdout (for scripts); all else goes to stderr")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seed of the random weights, with --out (default %(default)s)")
-    parser.add_argument("--hidden", type=int, default=64,
-                        help="hidden size (a multiple of --heads), with --out (default %(default)s)")
-    parser.add_argument("--layers", type=int, default=2,
-                        help="number of transformer layers, with --out (default %(default)s)")
+    parser.add_argument(
+        "--out", default=None, help="folder to write; default: the shared cache entry for --arch (default sizes only)"
+    )
+    parser.add_argument(
+        "--print_path",
+        action="store_true",
+        help="print only the model folder on stdout (for scripts); all else goes to stderr",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the random weights, with --out (default %(default)s)"
+    )
+    parser.add_argument(
+        "--hidden", type=int, default=64, help="hidden size (a multiple of --heads), with --out (default %(default)s)"
+    )
+    parser.add_argument(
+        "--layers", type=int, default=2, help="number of transformer layers, with --out (default %(default)s)"
+    )
     parser.add_argument("--heads", type=int, default=4, help="attention heads, with --out (default %(default)s)")
-    parser.add_argument("--max_positions", type=int, default=512,
-                        help="longest sequence in tokens (position table, tokenizer's model_max_length), "
-                             "with --out (default %(default)s)")
-    parser.add_argument("--chat", action="store_true",
-                        help="with --out: the tokenizer also has ChatML's tokens and template")
+    parser.add_argument(
+        "--max_positions",
+        type=int,
+        default=512,
+        help="longest sequence in tokens (position table, tokenizer's model_max_length), "
+        "with --out (default %(default)s)",
+    )
+    parser.add_argument(
+        "--chat", action="store_true", help="with --out: the tokenizer also has ChatML's tokens and template"
+    )
     args = parser.parse_args(argv)
     if args.chat and args.out is None:
         parser.error("--chat needs --out (the shared cache entries have no chat template)")
@@ -219,9 +290,16 @@ def main(argv=None) -> None:
     def make() -> str:
         if args.out is None:
             return make_tiny_model_cached(args.arch)
-        return make_tiny_model(args.arch, args.out, seed=args.seed, hidden_size=args.hidden,
-                               num_layers=args.layers, num_heads=args.heads, max_positions=args.max_positions,
-                               chat=args.chat)
+        return make_tiny_model(
+            args.arch,
+            args.out,
+            seed=args.seed,
+            hidden_size=args.hidden,
+            num_layers=args.layers,
+            num_heads=args.heads,
+            max_positions=args.max_positions,
+            chat=args.chat,
+        )
 
     if args.print_path:
         print_path_for_scripts(make)

@@ -8,6 +8,7 @@ accelerator samples RSS only when asked (a "max" that misses every peak between 
 CPU the kernel's own high-water mark of the process (VmHWM, reset through /proc/self/clear_refs) is
 read instead.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -1,4 +1,5 @@
 """The project's cache folder (converted default model, tiny test models) and how entries are made."""
+
 from __future__ import annotations
 
 import os

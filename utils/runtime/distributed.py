@@ -1,4 +1,5 @@
 """Process-group set-up that works with the `deepspeed` launcher, torchrun, or no launcher at all."""
+
 from __future__ import annotations
 
 import ctypes
@@ -27,13 +28,23 @@ def init_distributed(timeout_s: int = 600) -> None:
     import deepspeed  # lazy: +0.5 s on every --help (deepspeed)
 
     if "RANK" not in os.environ:
-        os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
+        os.environ.update(
+            {
+                "RANK": "0",
+                "LOCAL_RANK": "0",
+                "WORLD_SIZE": "1",
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(free_port()),
+            }
+        )
     tune_malloc()
     accelerator.set_local_device()
     extensions.load_comm_op()  # per-checkout build, our own lock, no silent wait on a stale one
-    deepspeed.init_distributed(dist_backend=accelerator.communication_backend(),
-                               timeout=datetime.timedelta(seconds=timeout_s), auto_mpi_discovery=False)
+    deepspeed.init_distributed(
+        dist_backend=accelerator.communication_backend(),
+        timeout=datetime.timedelta(seconds=timeout_s),
+        auto_mpi_discovery=False,
+    )
     _share_failures()
     _unlink_shm_buffer()
 
@@ -47,9 +58,11 @@ def start_process(args) -> None:
 
 # glibc mallopt parameters (malloc.h) and the values `tune_malloc` sets (mallopt takes C ints).
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_MAX = -1, -2, -4
-MALLOC_TUNING = {"MALLOC_MMAP_MAX_": (_M_MMAP_MAX, 0),
-                 "MALLOC_TRIM_THRESHOLD_": (_M_TRIM_THRESHOLD, 2**31 - 1),
-                 "MALLOC_TOP_PAD_": (_M_TOP_PAD, 1 << 30)}
+MALLOC_TUNING = {
+    "MALLOC_MMAP_MAX_": (_M_MMAP_MAX, 0),
+    "MALLOC_TRIM_THRESHOLD_": (_M_TRIM_THRESHOLD, 2**31 - 1),
+    "MALLOC_TOP_PAD_": (_M_TOP_PAD, 1 << 30),
+}
 
 
 def malloc_tuning_wanted(env=os.environ) -> bool:
@@ -95,8 +108,10 @@ def _unlink_shm_buffer() -> None:
     rank and never removes it: each run leaked 140 MB of RAM (tmpfs) per 2 ranks, even on a clean
     exit, until the machine ran out of memory. The mappings stay valid after the name is unlinked.
     """
-    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-            f"{os.environ.get('MASTER_PORT', '')}_{torch.distributed.get_rank()}")
+    name = (
+        f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+        f"{os.environ.get('MASTER_PORT', '')}_{torch.distributed.get_rank()}"
+    )
     if not os.path.exists(name):
         return
     torch.distributed.barrier()  # every rank has opened every other rank's buffer
@@ -153,7 +168,7 @@ def rank_batches(examples: list, batch_size: int, max_batches: int = 0) -> list[
     shard = examples[r::n_ranks]
     per_rank = -(-len(examples) // n_ranks)
     n_batches = -(-per_rank // batch_size)
-    batches = [(shard[i * batch_size:(i + 1) * batch_size], 1.0) for i in range(n_batches)]
+    batches = [(shard[i * batch_size : (i + 1) * batch_size], 1.0) for i in range(n_batches)]
     filler = examples[:batch_size]
     if max_batches > 0:
         batches = batches[:max_batches]

@@ -16,6 +16,7 @@ unfinished). Refusing instead would only make the user delete the same file by h
 outside the project building in the same folder is not covered: keep TORCH_EXTENSIONS_DIR per checkout.
 `python -m utils.runtime.extensions` builds the op ahead of any run (scripts/setup.sh).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -60,8 +61,10 @@ def build_lock(build_dir: str, say: Callable[[str], None] = print, say_after_s: 
         os.write(fd, f"{os.getpid()}@{socket.gethostname()}\n".encode())
         stale = os.path.join(build_dir, TORCH_LOCK)
         if os.path.exists(stale):
-            say(f"[extensions] removed the stale build lock {stale} (its build was killed: no process holds "
-                f"{OUR_LOCK}); rebuilding")
+            say(
+                f"[extensions] removed the stale build lock {stale} (its build was killed: no process holds "
+                f"{OUR_LOCK}); rebuilding"
+            )
             os.remove(stale)
         yield
     finally:
@@ -78,8 +81,10 @@ def _acquire(fd: int, build_dir: str, say: Callable[[str], None], say_after_s: f
         except BlockingIOError:
             if not said and time.time() - start > say_after_s:
                 holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "pid unknown"
-                say(f"[extensions] waiting for {holder} (pid@host), which is building or loading a DeepSpeed op "
-                    f"in {build_dir}")
+                say(
+                    f"[extensions] waiting for {holder} (pid@host), which is building or loading a DeepSpeed op "
+                    f"in {build_dir}"
+                )
                 said = True
             time.sleep(0.1)
 
@@ -115,8 +120,11 @@ def main() -> int:
     """Prebuild the op (scripts/setup.sh), so that no run pays for the build or waits on another's."""
     build_dir = load_comm_op()
     os.makedirs(use_checkout_dir(), exist_ok=True)  # done: scripts/setup.sh asks again only when it is missing
-    print(f"[setup] DeepSpeed's communication op is built in {build_dir}" if build_dir else
-          "[setup] no DeepSpeed communication op to build on this accelerator")
+    print(
+        f"[setup] DeepSpeed's communication op is built in {build_dir}"
+        if build_dir
+        else "[setup] no DeepSpeed communication op to build on this accelerator"
+    )
     return 0
 
 

@@ -1,7 +1,8 @@
 """A free TCP port on the loopback interface (standard library only, so shell scripts can ask cheaply).
 
-    python -m utils.runtime.ports        # prints one port number
+python -m utils.runtime.ports        # prints one port number
 """
+
 from __future__ import annotations
 
 import socket

@@ -2,6 +2,7 @@
 
 Exporting the trained model as a `from_pretrained` directory is utils/models/export.py.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,11 @@ class CheckpointWriteError(CheckpointError):
 def rng_state() -> dict:
     """This rank's random generators, in types `torch.load(weights_only=True)` accepts."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": random.getstate(), "numpy": [kind, torch.from_numpy(keys.copy()), pos, has_gauss, cached],
-             "torch": torch.get_rng_state()}
+    state = {
+        "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(keys.copy()), pos, has_gauss, cached],
+        "torch": torch.get_rng_state(),
+    }
     device_state = accelerator.rng_state()
     if device_state is not None:
         state["accelerator"] = device_state
@@ -93,8 +97,10 @@ class TrainingCheckpoints:
     def latest(self) -> str | None:
         path = self.pointed()
         if path is not None and not os.path.exists(os.path.join(path, COMPLETE_FILE)):
-            raise CheckpointError(f"{os.path.join(self.root, LATEST_FILE)} names {os.path.basename(path)!r}, "
-                                  f"which is missing or incomplete")
+            raise CheckpointError(
+                f"{os.path.join(self.root, LATEST_FILE)} names {os.path.basename(path)!r}, "
+                f"which is missing or incomplete"
+            )
         return path
 
     def save(self, step: int, engines: dict, shared_state: dict, rank_state: dict) -> str:
@@ -148,12 +154,21 @@ class TrainingCheckpoints:
         if is_rank0():
             shutil.rmtree(tmp, ignore_errors=True)
         pointed = self.pointed()
-        where = (f"--resume continues from {os.path.basename(pointed)}, the latest checkpoint" if pointed
-                 else "no earlier checkpoint exists: start the run again with --overwrite_output_dir")
+        where = (
+            f"--resume continues from {os.path.basename(pointed)}, the latest checkpoint"
+            if pointed
+            else "no earlier checkpoint exists: start the run again with --overwrite_output_dir"
+        )
         raise CheckpointWriteError(f"{first}; the partial checkpoint {tmp} was removed; {where}")
 
-    def load(self, engines: dict, path: str | None = None, layout: dict | None = None,
-             universal: bool = False, flags: dict | None = None) -> tuple[dict, dict]:
+    def load(
+        self,
+        engines: dict,
+        path: str | None = None,
+        layout: dict | None = None,
+        universal: bool = False,
+        flags: dict | None = None,
+    ) -> tuple[dict, dict]:
         """Restore every engine from the latest (or given) checkpoint; returns (shared, this rank's) state.
 
         `layout` (data_layout) must match the one the checkpoint was written with, else the run is
@@ -172,24 +187,32 @@ class TrainingCheckpoints:
                 f"checkpoint {path} was written by {shared['world_size']} ranks but this run has {world_size()}: "
                 f"ZeRO optimizer states are partitioned per rank, so resume with {shared['world_size']} ranks, "
                 f"or add --universal_checkpoint to convert the checkpoint to DeepSpeed's universal format and "
-                f"load it on {world_size()} (or start a new run from exported weights)")
+                f"load it on {world_size()} (or start a new run from exported weights)"
+            )
         saved = shared.get("layout")
         if layout is not None and saved is not None:
-            differ = [f"{key} {saved[key]!r} (this run: {value!r})" for key, value in layout.items()
-                      if key in saved and saved[key] != value]
+            differ = [
+                f"{key} {saved[key]!r} (this run: {value!r})"
+                for key, value in layout.items()
+                if key in saved and saved[key] != value
+            ]
             if differ:
                 raise CheckpointError(
                     f"checkpoint {path} was written with another data layout: {'; '.join(differ)}. The resumed run "
                     f"would skip or repeat the wrong rows: resume with the checkpoint's settings, or start a new "
-                    f"run (--overwrite_output_dir)")
+                    f"run (--overwrite_output_dir)"
+                )
         changed = changed_flags(shared.get("flags"), flags)
         if changed:
             raise CheckpointError(
                 f"checkpoint {path} was written with other settings, which cannot change mid-run: "
                 f"{'; '.join(changed)}. Resume with the checkpoint's values, or start a new run "
-                f"(--overwrite_output_dir)")
+                f"(--overwrite_output_dir)"
+            )
         if sorted(engines) != shared["engines"]:
-            raise CheckpointError(f"checkpoint {path} holds engines {shared['engines']}, this run has {sorted(engines)}")
+            raise CheckpointError(
+                f"checkpoint {path} holds engines {shared['engines']}, this run has {sorted(engines)}"
+            )
         for name, engine in engines.items():
             if not _has_optimizer(engine):
                 weights = os.path.join(path, f"{name}.safetensors")
@@ -236,8 +259,11 @@ class TrainingCheckpoints:
             return
         files = [os.path.join(path, f"rank{rank():05d}.pt")]
         for name, engine in engines.items():
-            files.append(engine._get_ckpt_name(os.path.join(path, name), DS_TAG) if _has_optimizer(engine)
-                         else os.path.join(path, f"{name}.safetensors"))
+            files.append(
+                engine._get_ckpt_name(os.path.join(path, name), DS_TAG)
+                if _has_optimizer(engine)
+                else os.path.join(path, f"{name}.safetensors")
+            )
         for file in files:
             if not os.path.isfile(file):
                 raise BrokenCheckpoint(f"{file} is missing")
@@ -248,12 +274,15 @@ class TrainingCheckpoints:
         it points at may be another run's), said once."""
         if os.path.islink(self.root):
             if not getattr(self, "_said_link", False):
-                print(f"[checkpoint] {self.root} is a symlink to {os.path.realpath(self.root)}: old checkpoints "
-                      f"there are not pruned", flush=True)
+                print(
+                    f"[checkpoint] {self.root} is a symlink to {os.path.realpath(self.root)}: old checkpoints "
+                    f"there are not pruned",
+                    flush=True,
+                )
                 self._said_link = True
             return
         tags = sorted(t for t in os.listdir(self.root) if t.startswith("step-"))
-        for tag in tags[:-self.keep] if self.keep > 0 else []:
+        for tag in tags[: -self.keep] if self.keep > 0 else []:
             if tag != keep_tag:
                 remove_entry(os.path.join(self.root, tag))
 
@@ -293,9 +322,17 @@ def _convert_to_universal(engine_dir: str) -> str:
 
                 # one process (no worker pool forked from a rank); the ZeRO info DeepSpeed only writes for
                 # tensor-parallel models is injected
-                ds_to_universal.main(argparse.Namespace(
-                    input_folder=source, output_folder=tmp, num_extract_workers=1, num_merge_workers=1,
-                    keep_temp_folder=False, strict=True, inject_missing_state=True))
+                ds_to_universal.main(
+                    argparse.Namespace(
+                        input_folder=source,
+                        output_folder=tmp,
+                        num_extract_workers=1,
+                        num_merge_workers=1,
+                        keep_temp_folder=False,
+                        strict=True,
+                        inject_missing_state=True,
+                    )
+                )
                 os.rename(tmp, target)
             for file in sorted(glob.glob(os.path.join(target, "**", "*.pt"), recursive=True)):
                 safe_torch_load(file)
@@ -435,6 +472,7 @@ def _save_weights(engine, path: str) -> None:
 @torch.no_grad()
 def _load_weights(engine, path: str) -> None:
     import deepspeed  # lazy: +0.5 s on every --help (deepspeed)
+
     zero3 = is_zero3(engine)
     state_dict = load_file(path) if is_rank0() or not zero3 else None
     for name, param in engine.module.named_parameters():
@@ -452,6 +490,7 @@ def _fail_point(name: str) -> None:
 @dataclass
 class LoopState:
     """Where a training loop stands; saved with every checkpoint."""
+
     step: int = 0  # optimizer steps (steps 1, 2) or PPO iterations (step 3) done
     epoch: int = 0
     batches_in_epoch: int = 0  # loader batches of `epoch` already consumed
@@ -461,17 +500,31 @@ class LoopState:
 
 
 # What decides which rows a resumed run reads next (the loader's order, batch boundaries, the rows).
-DATA_LAYOUT_FLAGS = ("data_path", "data_split", "sft_only_data_path", "eval_fraction", "seed", "max_seq_len",
-                     "dedupe", "max_prompt_seq_len", "per_device_train_batch_size", "gradient_accumulation_steps",
-                     "per_device_generation_batch_size", "generation_batches", "per_device_training_batch_size")
+DATA_LAYOUT_FLAGS = (
+    "data_path",
+    "data_split",
+    "sft_only_data_path",
+    "eval_fraction",
+    "seed",
+    "max_seq_len",
+    "dedupe",
+    "max_prompt_seq_len",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "per_device_generation_batch_size",
+    "generation_batches",
+    "per_device_training_batch_size",
+)
 
 
 def data_layout(args, rows: int) -> dict:
     """The run's data layout, saved with each checkpoint and compared on --resume: the flags of
     DATA_LAYOUT_FLAGS it has (as given) and the number of training rows (a changed file changes it).
     The world size is compared separately."""
-    return {**{f"--{name}": getattr(args, name) for name in DATA_LAYOUT_FLAGS if hasattr(args, name)},
-            "training rows": rows}
+    return {
+        **{f"--{name}": getattr(args, name) for name in DATA_LAYOUT_FLAGS if hasattr(args, name)},
+        "training rows": rows,
+    }
 
 
 def run_flags(args) -> dict:
@@ -491,8 +544,11 @@ def changed_flags(saved: dict | None, given: dict | None) -> list[str]:
     if not saved or not given:
         return []
     skip = RESUMABLE_FLAGS | DERIVED_ATTRIBUTES
-    return [f"--{name} {saved[name]!r} (this run: {given[name]!r})" for name in sorted(saved)
-            if name in given and name not in skip and saved[name] != given[name]]
+    return [
+        f"--{name} {saved[name]!r} (this run: {given[name]!r})"
+        for name in sorted(saved)
+        if name in given and name not in skip and saved[name] != given[name]
+    ]
 
 
 # Flags naming the files a run trains on (their content is hashed: data_hashes)
@@ -513,8 +569,11 @@ def changed_data(saved: dict | None, given: dict | None) -> list[str]:
     if saved is None or given is None:
         return []
     changed = [f"{path} (edited)" for path in sorted(saved) if path in given and saved[path] != given[path]]
-    return (changed + [f"{path} (gone)" for path in sorted(set(saved) - set(given))]
-            + [f"{path} (new)" for path in sorted(set(given) - set(saved))])
+    return (
+        changed
+        + [f"{path} (gone)" for path in sorted(set(saved) - set(given))]
+        + [f"{path} (new)" for path in sorted(set(given) - set(saved))]
+    )
 
 
 class Checkpointing:
@@ -563,9 +622,11 @@ class Checkpointing:
             if path != candidates[-1]:
                 print_rank0(f"[checkpoint] {path} is broken ({problems[-1]}); trying the previous one")
         else:
-            raise CheckpointError(f"no intact checkpoint under {self.store.root} ({'; '.join(problems) or 'none complete'}"
-                                  f"): restore the missing files from a copy of the checkpoint, or start a new run "
-                                  f"with --overwrite_output_dir")
+            raise CheckpointError(
+                f"no intact checkpoint under {self.store.root} ({'; '.join(problems) or 'none complete'}"
+                f"): restore the missing files from a copy of the checkpoint, or start a new run "
+                f"with --overwrite_output_dir"
+            )
         for key in ("layout", "flags", "data"):
             shared.pop(key, None)
         rng = rank_state.pop("rng", None)
@@ -578,12 +639,17 @@ class Checkpointing:
             # rows are done: on the new ranks that is this many batches of each one's new shard
             consumed = loop.batches_in_epoch * shared["world_size"]
             loop.batches_in_epoch = consumed // world_size()
-            exact = "" if consumed % world_size() == 0 else (
-                f"; {consumed % world_size()} batch(es) of rows are read again (not divisible)")
-            print_rank0(f"[checkpoint] resuming {shared['world_size']} ranks' checkpoint on {world_size()} ranks "
-                        f"(universal checkpoint): weights, optimizer and scheduler are restored exactly, the rest of "
-                        f"epoch {loop.epoch} is re-sharded (each rank skips {loop.batches_in_epoch} batches{exact}), so "
-                        f"the row order differs from an uninterrupted run")
+            exact = (
+                ""
+                if consumed % world_size() == 0
+                else (f"; {consumed % world_size()} batch(es) of rows are read again (not divisible)")
+            )
+            print_rank0(
+                f"[checkpoint] resuming {shared['world_size']} ranks' checkpoint on {world_size()} ranks "
+                f"(universal checkpoint): weights, optimizer and scheduler are restored exactly, the rest of "
+                f"epoch {loop.epoch} is re-sharded (each rank skips {loop.batches_in_epoch} batches{exact}), so "
+                f"the row order differs from an uninterrupted run"
+            )
         self.last_path = path
         return loop, shared, rank_state
 
@@ -604,13 +670,16 @@ class Checkpointing:
             raise CheckpointError(
                 f"checkpoint {path} was trained on other data: {', '.join(changed)}. The resumed run would read "
                 f"other rows than the checkpoint's position assumes: restore the data, add "
-                f"--resume_ignore_data_change to go on with the new data, or start a new run (--overwrite_output_dir)")
+                f"--resume_ignore_data_change to go on with the new data, or start a new run (--overwrite_output_dir)"
+            )
         if self.ignore_data_change and layout is not None:
             layout = {k: v for k, v in layout.items() if k != "training rows"}
         loaded = self.store.load(self.engines, path, layout, self.universal, self.flags)
         if changed:
-            print_rank0(f"[checkpoint] --resume_ignore_data_change: resuming {path} on changed training data "
-                        f"({', '.join(changed)})")
+            print_rank0(
+                f"[checkpoint] --resume_ignore_data_change: resuming {path} on changed training data "
+                f"({', '.join(changed)})"
+            )
         return loaded
 
     def metrics_logger(self, args, loop: LoopState):
@@ -618,12 +687,18 @@ class Checkpointing:
         to the step it resumed from and continues the same W&B run."""
         return logger_from_args(args, keep_until_step=loop.step if self.last_path else None)
 
-    def maybe_save(self, loop: LoopState, shared: dict | None = None, rank_state: dict | None = None,
-                   force: bool = False) -> None:
+    def maybe_save(
+        self, loop: LoopState, shared: dict | None = None, rank_state: dict | None = None, force: bool = False
+    ) -> None:
         if not force and (self.interval <= 0 or loop.step % self.interval):
             return
-        shared = {**(shared or {}), "loop": asdict(loop), **({"layout": self.layout} if self.layout else {}),
-                  "flags": self.flags, **({"data": self.data} if self.data is not None else {})}
+        shared = {
+            **(shared or {}),
+            "loop": asdict(loop),
+            **({"layout": self.layout} if self.layout else {}),
+            "flags": self.flags,
+            **({"data": self.data} if self.data is not None else {}),
+        }
         rank_state = {**(rank_state or {}), "rng": rng_state()}
         self.last_path = self.store.save(loop.step, self.engines, shared, rank_state)
 
@@ -648,7 +723,9 @@ class BadStepGuard:
         self.loop.bad_in_a_row += 1
         if self.loop.bad_in_a_row >= self.max_in_a_row:
             where = self.checkpointing.last_path if self.checkpointing else None
-            raise NonFiniteUpdates(f"{self.loop.bad_in_a_row} consecutive updates had a non-finite loss or reward "
-                                   f"(--max_bad_steps {self.max_in_a_row}); stopping. Last checkpoint: "
-                                   f"{where or 'none'}")
+            raise NonFiniteUpdates(
+                f"{self.loop.bad_in_a_row} consecutive updates had a non-finite loss or reward "
+                f"(--max_bad_steps {self.max_in_a_row}); stopping. Last checkpoint: "
+                f"{where or 'none'}"
+            )
         return False

@@ -1,4 +1,5 @@
 """DeepSpeed configuration dictionaries for training and frozen (inference-only) engines."""
+
 from __future__ import annotations
 
 DTYPES = ("fp32", "bf16", "fp16")
@@ -18,26 +19,37 @@ def _zero_section(stage: int, offload_params: bool, offload_optimizer: bool) -> 
         # 1.0-1.1 GB peak RSS per SmolLM2 step-3 rank at 0.98x the time (bench/memory_step3.py A/B).
         section["reduce_bucket_size"] = 50_000_000
     if stage == 3:
-        section.update({
-            # Small models: keep parameters below this size unpartitioned (fewer gathers).
-            "stage3_param_persistence_threshold": 1e4,
-            "stage3_max_live_parameters": 3e7,
-            "stage3_prefetch_bucket_size": 3e7,
-            "stage3_gather_16bit_weights_on_model_save": False,
-            "memory_efficient_linear": False,
-        })
+        section.update(
+            {
+                # Small models: keep parameters below this size unpartitioned (fewer gathers).
+                "stage3_param_persistence_threshold": 1e4,
+                "stage3_max_live_parameters": 3e7,
+                "stage3_prefetch_bucket_size": 3e7,
+                "stage3_gather_16bit_weights_on_model_save": False,
+                "memory_efficient_linear": False,
+            }
+        )
     return section
 
 
 def _precision_sections(dtype: str) -> dict:
     if dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {DTYPES}, got {dtype!r}")
-    return {"bf16": {"enabled": dtype == "bf16"},
-            "fp16": {"enabled": dtype == "fp16", "loss_scale_window": 100, "initial_scale_power": 16}}
+    return {
+        "bf16": {"enabled": dtype == "bf16"},
+        "fp16": {"enabled": dtype == "fp16", "loss_scale_window": 100, "initial_scale_power": 16},
+    }
 
 
-def train_ds_config(zero_stage: int, world_size: int, micro_batch_size: int, gradient_accumulation_steps: int = 1,
-                    dtype: str = "fp32", offload: bool = False, gradient_clipping: float = 1.0) -> dict:
+def train_ds_config(
+    zero_stage: int,
+    world_size: int,
+    micro_batch_size: int,
+    gradient_accumulation_steps: int = 1,
+    dtype: str = "fp32",
+    offload: bool = False,
+    gradient_clipping: float = 1.0,
+) -> dict:
     """Config of an engine that trains: ZeRO stage, precision, clipping, accumulation, optional CPU offload."""
     return {
         "train_micro_batch_size_per_gpu": micro_batch_size,
@@ -52,8 +64,9 @@ def train_ds_config(zero_stage: int, world_size: int, micro_batch_size: int, gra
     }
 
 
-def eval_ds_config(zero_stage: int, world_size: int, micro_batch_size: int = 1, dtype: str = "fp32",
-                   offload: bool = False) -> dict:
+def eval_ds_config(
+    zero_stage: int, world_size: int, micro_batch_size: int = 1, dtype: str = "fp32", offload: bool = False
+) -> dict:
     """Config of a frozen engine (reference, reward model): no optimizer; ZeRO-3 partitions it, else stage 0.
 
     `offload` puts its parameters in CPU memory, fetched layer by layer for each forward: that is

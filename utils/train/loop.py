@@ -1,6 +1,7 @@
 """What the three steps share to train an engine: optimizer, schedule, DeepSpeed init, the loop of steps 1-2.
 
 The flags are defined in utils/train/flags.py."""
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields
@@ -26,8 +27,9 @@ from utils.train.flags import PER_MODEL_FLAGS
 from utils.train.metrics_logger import print_rank0
 
 
-def optimizer_param_groups(model: torch.nn.Module, weight_decay: float, learning_rate: float,
-                           lora_learning_rate: float) -> list[dict]:
+def optimizer_param_groups(
+    model: torch.nn.Module, weight_decay: float, learning_rate: float, lora_learning_rate: float
+) -> list[dict]:
     """No decay on biases and norms; LoRA weights get their own learning rate (as DeepSpeed-Chat)."""
     groups = {"decay": [], "no_decay": [], "lora": []}
     for name, param in model.named_parameters():
@@ -39,9 +41,11 @@ def optimizer_param_groups(model: torch.nn.Module, weight_decay: float, learning
             groups["no_decay"].append(param)
         else:
             groups["decay"].append(param)
-    result = [{"params": groups["decay"], "weight_decay": weight_decay, "lr": learning_rate},
-              {"params": groups["no_decay"], "weight_decay": 0.0, "lr": learning_rate},
-              {"params": groups["lora"], "weight_decay": 0.0, "lr": lora_learning_rate}]
+    result = [
+        {"params": groups["decay"], "weight_decay": weight_decay, "lr": learning_rate},
+        {"params": groups["no_decay"], "weight_decay": 0.0, "lr": learning_rate},
+        {"params": groups["lora"], "weight_decay": 0.0, "lr": lora_learning_rate},
+    ]
     return [g for g in result if g["params"]]
 
 
@@ -66,15 +70,17 @@ def build_optimizer(param_groups: list[dict], learning_rate: float, offload: boo
 def build_scheduler(optimizer, name: str, num_warmup_steps: int, num_training_steps: int):
     from transformers import get_scheduler  # lazy: +0.8 s on every --help (transformers)
 
-    return get_scheduler(name, optimizer=optimizer, num_warmup_steps=num_warmup_steps,
-                         num_training_steps=max(num_training_steps, 1))
+    return get_scheduler(
+        name, optimizer=optimizer, num_warmup_steps=num_warmup_steps, num_training_steps=max(num_training_steps, 1)
+    )
 
 
 def initialize_engine(model, ds_config: dict, optimizer=None, lr_scheduler=None):
     import deepspeed  # lazy: +0.5 s on every --help (deepspeed)
 
-    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                                      config=ds_config, dist_init_required=False)
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=lr_scheduler, config=ds_config, dist_init_required=False
+    )
     return engine
 
 
@@ -95,6 +101,7 @@ def enable_gradient_checkpointing(model) -> None:
 @dataclass
 class EngineSpec:
     """How one trained model becomes a DeepSpeed engine (step 1, step 2, step 3's actor and critic)."""
+
     learning_rate: float
     weight_decay: float = 0.0
     lora_dim: int = 0
@@ -126,15 +133,36 @@ def step_examples(args, tokenizer, step: int, tokenize, settings: dict, with_eva
     cache_dir = getattr(args, "data_output_path", None)
     dedupe = getattr(args, "dedupe", False)
     # the key (a hash of the whole vocabulary, a walk of every source folder) only when there is a cache
-    key = {"step": step, "sources": [source_fingerprint(p) for p in args.data_path],
-           "sft_only": [source_fingerprint(p) for p in sft_only], "data_split": args.data_split, "seed": args.seed,
-           "eval_fraction": args.eval_fraction, "format": asdict(fmt),
-           "tokenizer": tokenizer_fingerprint(tokenizer), "with_eval": with_eval, **settings,
-           **({"dedupe": True} if dedupe else {})} if cache_dir else {}  # absent when off: older caches still match
+    key = (
+        {
+            "step": step,
+            "sources": [source_fingerprint(p) for p in args.data_path],
+            "sft_only": [source_fingerprint(p) for p in sft_only],
+            "data_split": args.data_split,
+            "seed": args.seed,
+            "eval_fraction": args.eval_fraction,
+            "format": asdict(fmt),
+            "tokenizer": tokenizer_fingerprint(tokenizer),
+            "with_eval": with_eval,
+            **settings,
+            **({"dedupe": True} if dedupe else {}),
+        }
+        if cache_dir
+        else {}
+    )  # absent when off: older caches still match
 
     def build():
-        rows = build_step_rows(args.data_path, args.data_split, step=step, seed=args.seed, sft_only_data_path=sft_only,
-                               eval_fraction=args.eval_fraction, log=print_rank0, fmt=fmt, dedupe=dedupe)
+        rows = build_step_rows(
+            args.data_path,
+            args.data_split,
+            step=step,
+            seed=args.seed,
+            sft_only_data_path=sft_only,
+            eval_fraction=args.eval_fraction,
+            log=print_rank0,
+            fmt=fmt,
+            dedupe=dedupe,
+        )
         train, train_stats = tokenize(rows.train)
         evals, eval_stats = tokenize(rows.eval) if with_eval else ([], {})
         return train + evals, {"n_train": len(train), "train": train_stats, "eval": eval_stats}
@@ -147,11 +175,15 @@ def step_examples(args, tokenizer, step: int, tokenize, settings: dict, with_eva
 def check_pair_splits(train_pairs: list, train_stats: dict, eval_pairs: list) -> None:
     """The step-2 trainers (reward model, DPO) stop before any model loads when a split is empty."""
     if not train_pairs:
-        raise DataError(f"no usable training pairs (skipped_bad_pairs {train_stats['skipped_bad_pairs']}, "
-                        f"other skips: {describe_skips(train_stats['skipped'])})")
+        raise DataError(
+            f"no usable training pairs (skipped_bad_pairs {train_stats['skipped_bad_pairs']}, "
+            f"other skips: {describe_skips(train_stats['skipped'])})"
+        )
     if not eval_pairs:
-        raise UsageError("no held-out pairs to evaluate (the eval split is empty: --eval_fraction 0, or "
-                         "too few rows); give --eval_fraction > 0 or a source with an eval/test file")
+        raise UsageError(
+            "no held-out pairs to evaluate (the eval split is empty: --eval_fraction 0, or "
+            "too few rows); give --eval_fraction > 0 or a source with an eval/test file"
+        )
 
 
 def total_training_steps(updates: int, args) -> int:
@@ -168,24 +200,34 @@ def micro_batch_schedule(examples: list, collator, args):
     sampler, loader = distributed_loader(examples, args.per_device_train_batch_size, collator, args.seed)
     updates = len(loader) * args.num_train_epochs // args.gradient_accumulation_steps
     if updates == 0:
-        raise UsageError(f"no optimizer step would be taken: {len(loader)} micro-batches per rank per epoch x "
-                         f"{args.num_train_epochs} epochs is less than --gradient_accumulation_steps "
-                         f"{args.gradient_accumulation_steps} ({len(examples)} examples, --per_device_train_batch_size "
-                         f"{args.per_device_train_batch_size})")
+        raise UsageError(
+            f"no optimizer step would be taken: {len(loader)} micro-batches per rank per epoch x "
+            f"{args.num_train_epochs} epochs is less than --gradient_accumulation_steps "
+            f"{args.gradient_accumulation_steps} ({len(examples)} examples, --per_device_train_batch_size "
+            f"{args.per_device_train_batch_size})"
+        )
     return sampler, loader, total_training_steps(updates, args)
 
 
 def train_ds_config_from_args(args) -> dict:
     """Steps 1-2: the DeepSpeed config of the one trained engine, from the common flags."""
-    return train_ds_config(args.zero_stage, world_size(), args.per_device_train_batch_size,
-                           args.gradient_accumulation_steps, args.dtype, args.offload, args.gradient_clipping)
+    return train_ds_config(
+        args.zero_stage,
+        world_size(),
+        args.per_device_train_batch_size,
+        args.gradient_accumulation_steps,
+        args.dtype,
+        args.offload,
+        args.gradient_clipping,
+    )
 
 
 def spec_from_args(args, prefix: str = "") -> EngineSpec:
     """The EngineSpec of one trained model: its own flags (utils.train.flags.PER_MODEL_FLAGS, read as
     `--{prefix}name`: step 3's actor_/critic_) and the run's shared ones (`--name`)."""
-    return EngineSpec(**{f.name: getattr(args, (prefix if f.name in PER_MODEL_FLAGS else "") + f.name)
-                         for f in fields(EngineSpec)})
+    return EngineSpec(
+        **{f.name: getattr(args, (prefix if f.name in PER_MODEL_FLAGS else "") + f.name) for f in fields(EngineSpec)}
+    )
 
 
 def add_lora(model: torch.nn.Module, spec: EngineSpec) -> torch.nn.Module:
@@ -193,8 +235,9 @@ def add_lora(model: torch.nn.Module, spec: EngineSpec) -> torch.nn.Module:
     if spec.lora_dim <= 0:
         return model
     if hasattr(model, "backbone"):
-        model.backbone = apply_lora(model.backbone, spec.lora_dim, spec.lora_module_name, spec.lora_alpha,
-                                    spec.only_optimize_lora)
+        model.backbone = apply_lora(
+            model.backbone, spec.lora_dim, spec.lora_module_name, spec.lora_alpha, spec.only_optimize_lora
+        )
         return model
     return apply_lora(model, spec.lora_dim, spec.lora_module_name, spec.lora_alpha, spec.only_optimize_lora)
 

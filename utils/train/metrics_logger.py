@@ -8,6 +8,7 @@ backend. Backends (rank 0 only):
 A new backend is one small class with `log(step, row)` and `close()` (see `Backend`); pass extra
 ones with `MetricsLogger(..., backends=[...])`.
 """
+
 from __future__ import annotations
 
 import json
@@ -125,9 +126,18 @@ class WandbBackend:
     WANDB_DIR/wandb/offline-run-*-<id>/ and are uploaded with `wandb sync`.
     """
 
-    def __init__(self, output_dir: str, project: str | None = None, run_name: str | None = None,
-                 entity: str | None = None, wandb_dir: str | None = None, mode: str | None = None,
-                 config: dict | None = None, resume: bool = False, wandb=None):
+    def __init__(
+        self,
+        output_dir: str,
+        project: str | None = None,
+        run_name: str | None = None,
+        entity: str | None = None,
+        wandb_dir: str | None = None,
+        mode: str | None = None,
+        config: dict | None = None,
+        resume: bool = False,
+        wandb=None,
+    ):
         wandb = wandb or import_wandb()
         id_path = os.path.join(output_dir, WANDB_ID_FILE)
         run_id = None
@@ -141,9 +151,17 @@ class WandbBackend:
                 f.write(run_id + "\n")
         wandb_dir = wandb_dir or output_dir
         os.makedirs(wandb_dir, exist_ok=True)
-        self.run = wandb.init(project=project, entity=entity, name=run_name, dir=wandb_dir, mode=mode,
-                              id=run_id, resume="allow", allow_val_change=True,
-                              config=_config_value(dict(config or {})))
+        self.run = wandb.init(
+            project=project,
+            entity=entity,
+            name=run_name,
+            dir=wandb_dir,
+            mode=mode,
+            id=run_id,
+            resume="allow",
+            allow_val_change=True,
+            config=_config_value(dict(config or {})),
+        )
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
 
@@ -157,11 +175,22 @@ class WandbBackend:
 class MetricsLogger:
     """Writes on rank 0 only; every row carries `step` so runs can be compared row by row."""
 
-    def __init__(self, output_dir: str, enable_tensorboard: bool = False, tensorboard_dir: str | None = None,
-                 keep_until_step: int | None = None, *, enable_wandb: bool = False,
-                 wandb_project: str | None = None, wandb_run_name: str | None = None,
-                 wandb_entity: str | None = None, wandb_dir: str | None = None, wandb_mode: str | None = None,
-                 config: dict | None = None, backends: list[Backend] | None = None):
+    def __init__(
+        self,
+        output_dir: str,
+        enable_tensorboard: bool = False,
+        tensorboard_dir: str | None = None,
+        keep_until_step: int | None = None,
+        *,
+        enable_wandb: bool = False,
+        wandb_project: str | None = None,
+        wandb_run_name: str | None = None,
+        wandb_entity: str | None = None,
+        wandb_dir: str | None = None,
+        wandb_mode: str | None = None,
+        config: dict | None = None,
+        backends: list[Backend] | None = None,
+    ):
         """A new run starts a new metrics.jsonl; a resumed one (`keep_until_step` given) keeps the rows
         up to `keep_until_step` and continues the same W&B run. `config` (e.g. vars(args)) goes to W&B."""
         self.active = is_rank0()
@@ -174,8 +203,19 @@ class MetricsLogger:
         if enable_tensorboard:
             self.backends.append(TensorBoardBackend(tensorboard_dir or os.path.join(output_dir, "tensorboard")))
         if enable_wandb:
-            self.backends.append(WandbBackend(output_dir, wandb_project, wandb_run_name, wandb_entity, wandb_dir,
-                                              wandb_mode, config, resume=keep_until_step is not None, wandb=wandb))
+            self.backends.append(
+                WandbBackend(
+                    output_dir,
+                    wandb_project,
+                    wandb_run_name,
+                    wandb_entity,
+                    wandb_dir,
+                    wandb_mode,
+                    config,
+                    resume=keep_until_step is not None,
+                    wandb=wandb,
+                )
+            )
         self.backends.extend(backends or [])
 
     def log(self, step: int, metrics: dict) -> None:
@@ -197,7 +237,10 @@ def logger_from_args(args, keep_until_step: int | None = None) -> MetricsLogger:
     (default: the output directory's name, as the flag's help says), args.wandb_entity, args.wandb_dir,
     args.wandb_mode; vars(args) becomes the W&B run config."""
     return MetricsLogger(
-        args.output_dir, args.enable_tensorboard, args.tensorboard_path, keep_until_step=keep_until_step,
+        args.output_dir,
+        args.enable_tensorboard,
+        args.tensorboard_path,
+        keep_until_step=keep_until_step,
         enable_wandb=getattr(args, "enable_wandb", False),
         wandb_project=getattr(args, "wandb_project", None),
         wandb_run_name=getattr(args, "wandb_run_name", None) or os.path.basename(os.path.normpath(args.output_dir)),

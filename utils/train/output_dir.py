@@ -12,6 +12,7 @@ in one interpreter), or with the process.
 
 This module imports nothing of the project but utils.errors (utils/train/flags.py calls it).
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -46,8 +47,10 @@ def lock_output_dir(path: str, flag: str = "--output_dir") -> bool:
     except BlockingIOError:
         pid, _, host = _owner(fd).partition("@")
         os.close(fd)
-        raise OutputDirBusy(f"{flag} {path} is in use by another run (pid {pid} on {host or 'an unknown host'}): "
-                            f"wait for it to end, or choose another {flag}") from None
+        raise OutputDirBusy(
+            f"{flag} {path} is in use by another run (pid {pid} on {host or 'an unknown host'}): "
+            f"wait for it to end, or choose another {flag}"
+        ) from None
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}@{socket.gethostname()}\n".encode())
     _held[real] = fd

@@ -14,6 +14,7 @@ progress bar, evaluation every `--eval_interval` steps and the export with its r
 
 The micro-batch loop with gradient accumulation is `utils.train.loop.train_micro_batches` over this.
 """
+
 from __future__ import annotations
 
 import time
@@ -38,8 +39,12 @@ def loop_metrics(loop: LoopState, memory: PhaseMemory) -> dict:
     what is measured). Collective: every rank calls it."""
     peaks = memory.metrics()
     names = sorted(peaks)
-    return {"epoch": loop.epoch, "train/bad_steps": loop.bad_steps, "train/overflow_steps": loop.overflow_steps,
-            **dict(zip(names, all_reduce_max_list([peaks[n] for n in names])))}
+    return {
+        "epoch": loop.epoch,
+        "train/bad_steps": loop.bad_steps,
+        "train/overflow_steps": loop.overflow_steps,
+        **dict(zip(names, all_reduce_max_list([peaks[n] for n in names]))),
+    }
 
 
 def memory_postfix(metrics: dict) -> dict:
@@ -53,6 +58,7 @@ class ReloadCheck:
     """How `Run.finish` proves the exported directory holds the engine's model: `forward(model, batch)`
     of the engine and of `reload()` (the directory loaded unpartitioned, rank 0) on `batch`; the
     largest difference is logged as `export/<quantity>_max_abs_diff`."""
+
     quantity: str  # the metric's name: "logits", "score", "logp"
     described: str  # the same in the printed line: "logits", "scores", "sequence log-probs"
     engine: object
@@ -71,9 +77,18 @@ class Run:
     `train_s`. `state` is the run's shared state, saved with every checkpoint and given back by
     `restore` on resume."""
 
-    def __init__(self, args, name: str, label: str, engines: dict, layout: dict | None, total_steps: int,
-                 memory: PhaseMemory | None = None, evaluate: Callable[[int], dict] | None = None,
-                 evaluate_last: bool = False):
+    def __init__(
+        self,
+        args,
+        name: str,
+        label: str,
+        engines: dict,
+        layout: dict | None,
+        total_steps: int,
+        memory: PhaseMemory | None = None,
+        evaluate: Callable[[int], dict] | None = None,
+        evaluate_last: bool = False,
+    ):
         self.args, self.name, self.label, self.total_steps = args, name, label, total_steps
         self.checkpointing = Checkpointing(args, engines, layout)
         self.memory = memory if memory is not None else PhaseMemory()
@@ -110,9 +125,11 @@ class Run:
             saved_total = shared.get("total_steps")
             if saved_total is not None and saved_total != self.total_steps:
                 # the scheduler's state comes back exactly, but its schedule is sized by the new length
-                print_rank0(f"[{self.name}] the run is now {self.total_steps} steps long, not {saved_total} "
-                            f"(--max_steps, --num_train_epochs or the number of ranks changed): the learning-rate "
-                            f"schedule continues from step {loop.step} over the new length")
+                print_rank0(
+                    f"[{self.name}] the run is now {self.total_steps} steps long, not {saved_total} "
+                    f"(--max_steps, --num_train_epochs or the number of ranks changed): the learning-rate "
+                    f"schedule continues from step {loop.step} over the new length"
+                )
         elif before is not None:
             state, metrics = before()
             self.state = dict(state)
@@ -169,15 +186,20 @@ class Run:
         saved before that step still resumes at them): step 3's `--async_rollout` generates them while the
         current step trains. None when the next step starts a new epoch or there is none."""
         loop = self.loop
-        if (self._epoch is None or loop.step + 1 >= self.total_steps
-                or loop.batches_in_epoch + count > self._epoch[1]):
+        if self._epoch is None or loop.step + 1 >= self.total_steps or loop.batches_in_epoch + count > self._epoch[1]:
             return None
         while len(self._peeked) < count:
             self._peeked.append(next(self._epoch[0]))
         return list(self._peeked[:count])
 
-    def after_step(self, metrics: dict, postfix: dict | Callable[[dict], dict] | None = None, line: str | None = None,
-                   state: dict | None = None, rank_state: dict | None = None) -> dict:
+    def after_step(
+        self,
+        metrics: dict,
+        postfix: dict | Callable[[dict], dict] | None = None,
+        line: str | None = None,
+        state: dict | None = None,
+        rank_state: dict | None = None,
+    ) -> dict:
         """One optimizer step (RL iteration) is done: count it, log `metrics` with the loop's own
         (`loop_metrics`), print `line` under `--print_loss`, evaluate when due, move the progress bar
         (`postfix`, or `postfix(evaluation)` to show the evaluation's figures), and checkpoint when `--save_interval` says so, with the run's state updated by
@@ -227,8 +249,9 @@ class Run:
             diff = reload_max_abs_diff(check.engine, check.reload, check.forward, check.batch)
             compared = f"reloaded {check.described} differ from the engine's by at most {diff:.2e}; "
         seconds = time.time() - start
-        print_rank0(f"[{self.name}] saved {what} to {out_dir} ({compared}export{' and check' * bool(compared)} "
-                    f"{seconds:.1f} s)")
+        print_rank0(
+            f"[{self.name}] saved {what} to {out_dir} ({compared}export{' and check' * bool(compared)} {seconds:.1f} s)"
+        )
         if check is not None:
             self.log(self.loop.step, {f"export/{check.quantity}_max_abs_diff": diff, "time/export_s": seconds})
         self.logger.close()

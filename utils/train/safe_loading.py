@@ -2,6 +2,7 @@
 plain classes DeepSpeed pickles, for our own reads and for DeepSpeed's `load_checkpoint` (its own loader unpickles
 anything). The errors of a checkpoint that cannot be resumed from live here, below utils/train/checkpoint.py,
 which uses them."""
+
 from __future__ import annotations
 
 import pickle
@@ -53,8 +54,9 @@ def safe_torch_load(path: str, map_location=None):
     except pickle.UnpicklingError as e:
         refused = re.search(r"GLOBAL ([\w.]+)", str(e))
         what = f" ({refused.group(1)})" if refused else ""
-        raise CheckpointError(f"{path} holds objects other than tensors and plain data{what} "
-                              f"and was not loaded") from None
+        raise CheckpointError(
+            f"{path} holds objects other than tensors and plain data{what} and was not loaded"
+        ) from None
 
 
 class WeightsOnlyCheckpointEngine:
