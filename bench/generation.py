@@ -658,7 +658,8 @@ def overhead_table(args, modes: dict, r2: dict) -> list[str]:
     ca, cb = modes["hybrid_steps"]["steps_cpu_s"], modes["hybrid_proposed"]["steps_cpu_s"]
     out = [
         f"  per-call overhead of the hybrid mode: (3s) replays step3_ppo.rollout.hybrid's steps one by one on a "
-        f"4-token prompt with 1 new token, (3p) the proposed variant; rank 0, medians of {args.overhead_repeats} calls each, "
+        f"4-token prompt with 1 new token, (3p) the proposed variant; rank 0, medians of {args.overhead_repeats} "
+        "calls each, "
         f"interleaved; wall s and CPU s",
         f"    {'step':36s} {'(3s) wall':>10s} {'(3p) wall':>10s} {'(3s) cpu':>9s} {'(3p) cpu':>9s}",
     ]
@@ -674,6 +675,7 @@ def ratio_lines(modes: dict, r1: dict, r2: dict, ratio_31: float) -> list[str]:
     tps = {k: v["tokens_per_s_per_rank"] for k, v in modes.items()}
     cpu_s = {k: v["cpu_seconds_rank0"] for k, v in modes.items()}
     hybrid = modes["hybrid"]
+    enter_exit = sum(v for k, v in hybrid.get("enter_exit_decode_s", {}).items() if k != "decode")
     return [
         "",
         f"ratio 3/2  hybrid / plain ZeRO-3           = {tps['hybrid'] / tps['plain']:.2f}x   (target >= 4x)",
@@ -687,8 +689,8 @@ def ratio_lines(modes: dict, r1: dict, r2: dict, ratio_31: float) -> list[str]:
         f"3/1b = {cpu_s['unsharded'] / cpu_s['hybrid']:.2f}",
         *(
             [
-                f"enter + exit of the hybrid mode = {sum(v for k, v in hybrid['enter_exit_decode_s'].items() if k != 'decode'):.2f} s "
-                f"= {100 * sum(v for k, v in hybrid['enter_exit_decode_s'].items() if k != 'decode') / hybrid['seconds']:.0f}% "
+                f"enter + exit of the hybrid mode = {enter_exit:.2f} s "
+                f"= {100 * enter_exit / hybrid['seconds']:.0f}% "
                 f"of a hybrid call (wall, rank 0)"
             ]
             if "enter_exit_decode_s" in hybrid

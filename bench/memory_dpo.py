@@ -1,6 +1,7 @@
 """Peak memory per rank of the DPO step with a reference (sigmoid DPO) against a reference-free loss (SimPO),
 on the demo's DPO settings (scripts/step2_dpo/run_cpu.sh: 2 ranks, ZeRO-2, fp32, LoRA rank 16 with the base
-frozen, 4 pairs x 2 accumulation per rank, the demo pairs; SimPO at beta 2.0, both with the NLL term), the losses alternating (AB BA ...).
+frozen, 4 pairs x 2 accumulation per rank, the demo pairs; SimPO at beta 2.0, both with the NLL term), the losses
+alternating (AB BA ...).
 
     .venv/bin/python bench/memory_dpo.py [--steps 6] [--rounds 2] [--losses sigmoid,simpo] [--tiny]
 

@@ -25,8 +25,8 @@ callbacks on rank 0 (includes TRL's per-step logging and its two gc.collect() ca
 generation = TRL's generation context (unwrap_model_for_generation: ZeRO-3 gather, generate,
 release; ours: the hybrid generation mode's enter + generate + exit), experience = from there to
 the first grad-enabled forward, training = from there to the end of the iteration's updates
-and logging; 'other' = the rest of TRL's iteration (its two gc.collect() calls, data loading). samples/s = rollout rows of both ranks / iteration seconds. The two runs go one after
-the other (ours first), each alone on the shared machine.
+and logging; 'other' = the rest of TRL's iteration (its two gc.collect() calls, data loading). samples/s = rollout rows
+of both ranks / iteration seconds. The two runs go one after the other (ours first), each alone on the shared machine.
 """
 
 from __future__ import annotations

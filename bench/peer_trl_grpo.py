@@ -508,9 +508,9 @@ def run_ours(args, model_dir: str) -> dict:
 
 def trl_model_dir(model_dir: str, tokenizer_len: int) -> str:
     """The model directory TRL loads: itself, or (when the project's tokenizer added a pad token the embedding
-    lacks, e.g. SmolLM2) a copy resized as utils.models.loading resizes ours (mean_resizing), made once under bench/runs:
-    TRL builds its reference from the policy's directory, so an in-memory resize would leave the reference short
-    of the pad row. Called after our run (the child's ru_maxrss would count in ours)."""
+    lacks, e.g. SmolLM2) a copy resized as utils.models.loading resizes ours (mean_resizing), made once under
+    bench/runs: TRL builds its reference from the policy's directory, so an in-memory resize would leave the reference
+    short of the pad row. Called after our run (the child's ru_maxrss would count in ours)."""
     with open(os.path.join(model_dir, "config.json")) as f:
         vocab = json.load(f)["vocab_size"]
     if vocab >= tokenizer_len:

@@ -436,7 +436,8 @@ def parse_args(argv=None):
         "--ab_variant",
         choices=["hybrid", "logits_to_keep"],
         default="hybrid",
-        help="hybrid: plain vs hybrid generation; logits_to_keep: the proposed logits_to_keep_logprobs vs the project's",
+        help="hybrid: plain vs hybrid generation; logits_to_keep: the proposed logits_to_keep_logprobs vs the "
+        "project's",
     )
     add_run_args(
         p, 29541, 600, save_help="also write the printed report to this file, and the figures as JSON beside it (path)"

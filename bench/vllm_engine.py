@@ -164,7 +164,8 @@ def report(r: dict) -> list[str]:
         f"{med(r['sync_s']):.2f} s (" + ", ".join(f"{s:.2f}" for s in r["sync_s"]) + ")",
         f"peak RSS: a rank {r['rank_peak_gib']:.2f} GiB, the worker {r['worker_peak_gib']:.2f} GiB",
         "",
-        "| new tokens | hybrid tokens/s | vLLM tokens/s | vLLM / hybrid (median; spread over rounds) | greedy rows equal |",
+        "| new tokens | hybrid tokens/s | vLLM tokens/s | vLLM / hybrid (median; spread over rounds) "
+        "| greedy rows equal |",
         "|---|---|---|---|---|",
     ]
     for n, x in r["lengths"].items():

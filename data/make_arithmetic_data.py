@@ -1,11 +1,12 @@
 """Generate a verifiable arithmetic task offline (GRPO demo: no reward model).
 
-Each row is a chat prompt (an optional system turn and a user question such as "What is 23 + 8? Answer with the number only.")
-and the exact answer as a string; the `math_exact` reward compares the last number of a completion
+Each row is a chat prompt (an optional system turn and a user question such as "What is 23 + 8? Answer with the number
+only.") and the exact answer as a string; the `math_exact` reward compares the last number of a completion
 (or the content of its last \\boxed{...}) against `answer`. Rows are deterministic for a seed, and no
 eval question appears in the train file.
 
-    python -m data.make_arithmetic_data --out DIR [--train 2000] [--eval 200] [--seed 0] [--difficulty add30] [--system TEXT]
+    python -m data.make_arithmetic_data --out DIR [--train 2000] [--eval 200] [--seed 0] [--difficulty add30]
+        [--system TEXT]
 """
 
 from __future__ import annotations

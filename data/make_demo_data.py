@@ -207,10 +207,10 @@ whole review's label does not describe a short span of it. Each sentence was lig
 words (k = 3..5, drawn with the seed) leave a rest of 3..40 words, and cut into the DeepSpeed-Chat
 template prompt = `"Human: Continue this movie review: {{first k words}}\\n\\nAssistant:"`, response =
 `" " + rest of the sentence`, written {layout}. `sft/*.jsonl` hold these SFT rows, balanced between positive
-and negative sentences so that the SFT policy is neutral; `pairs/*.jsonl` hold pairs where the prompt is a sentence's prefix, the sentence's own rest is the side of its
-label and the rest of a different, opposite-label sentence is the other side, so chosen is always a
-positive continuation and rejected a negative one (the reward model learns to prefer positive text and
-PPO pushes the policy towards it). `test/prompts.jsonl` holds prompts only (half of them positive
+and negative sentences so that the SFT policy is neutral; `pairs/*.jsonl` hold pairs where the prompt is a sentence's
+prefix, the sentence's own rest is the side of its label and the rest of a different, opposite-label sentence is the
+other side, so chosen is always a positive continuation and rejected a negative one (the reward model learns to prefer
+positive text and PPO pushes the policy towards it). `test/prompts.jsonl` holds prompts only (half of them positive
 sentences' prefixes): the test split, read by the demo's final evaluation and nothing else; the eval
 files are the dev split (held-out figures during training, and every choice of the demo's settings).
 Sentences were split per label into disjoint train, dev (eval) and test pools before any file was

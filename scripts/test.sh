@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Sets up (idempotent, with vLLM for the rollout-engine tests), then runs the whole test suite on CPU.
+# Sets up (idempotent, with vLLM for the rollout-engine tests), lints, then runs the whole test suite on CPU.
 # Extra arguments go to pytest; test files or ids among them (tests/...) run instead of the whole suite.
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -13,4 +13,10 @@ export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.cache/torch_extensio
 # and on each other). --dist worksteal: an idle worker takes tests queued on the other.
 targets=(tests)
 for arg in "$@"; do case "$arg" in tests|tests/*) targets=() ;; esac; done
+# The linter and the format check first (about a second; settings in pyproject.toml): the whole suite's runs only,
+# so that one test file can be run while its module is being edited.
+if [ "${#targets[@]}" -gt 0 ]; then
+  .venv/bin/ruff check --quiet . || { echo "error: ruff check failed (fix, or .venv/bin/ruff check --fix .)" >&2; exit 1; }
+  .venv/bin/ruff format --check --quiet . || { echo "error: not formatted (.venv/bin/ruff format .)" >&2; exit 1; }
+fi
 exec .venv/bin/python -m pytest "${targets[@]}" -q -p no:cacheprovider -n "${RLHF_TEST_WORKERS:-2}" --dist worksteal "$@"

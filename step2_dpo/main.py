@@ -168,7 +168,8 @@ def parse_args(argv=None):
             )
     if args.precompute_ref_log_probs and not PAIR_LOSSES[args.loss_type].needs_reference:
         fail(
-            f"--precompute_ref_log_probs: --loss_type {args.loss_type} is reference-free, there is nothing to precompute"
+            f"--precompute_ref_log_probs: --loss_type {args.loss_type} is reference-free, "
+            "there is nothing to precompute"
         )
     if args.offload_reference_model and reference_kind(args) != "engine":
         fail(

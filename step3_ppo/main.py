@@ -939,7 +939,8 @@ def _print_answer(tokenizer, row, step: int) -> None:
     prompt = tokenizer.decode(row.prompt_ids, skip_special_tokens=True)
     answer = tokenizer.decode(row.response_ids, skip_special_tokens=True)
     print(
-        f"\n[step3 {step}] prompt: {prompt!r}\n[step3 {step}] answer: {answer!r}\n[step3 {step}] score: {row.score:.3f}",
+        f"\n[step3 {step}] prompt: {prompt!r}\n[step3 {step}] answer: {answer!r}"
+        f"\n[step3 {step}] score: {row.score:.3f}",
         flush=True,
     )
 

@@ -96,7 +96,8 @@ def interval_series(rows: list[dict], key: str) -> tuple[list, list, list]:
 
 def plot_curves(metrics_jsonl_path: str, out_png: str) -> str:
     """Write a PNG of the 3 training panels (reward, KL, response length over `step`; a multi-turn run's turns
-    and tool calls a 4th), then one panel per `eval/...` key (rows without it skipped; its interval shaded when logged); returns `out_png`.
+    and tool calls a 4th), then one panel per `eval/...` key (rows without it skipped; its interval shaded when logged);
+    returns `out_png`.
 
     Missing metrics leave their panel with a "no data" note instead of failing.
     """

@@ -112,8 +112,8 @@ MODEL_METHODS = {"generate", "forward"}
 # bench/step3.py's logits_to_keep_logprobs is the A/B's PROPOSED alternative to utils.models.forward.token_logprobs
 # (the LM head only over the response positions): a variant of the helper, placing its inputs itself with
 # utils.models.forward.model_device. The trainer's generate_rows calls a rollout engine's `generate`, not a model's:
-# the engine places its inputs itself (ActorGenerate through step3_ppo.rollout.hybrid.generate -> utils.models.forward, whose
-# own call is checked here); so does the multi-turn rollout's generate_turn (step3_ppo/agents/loop.py), the same
+# the engine places its inputs itself (ActorGenerate through step3_ppo.rollout.hybrid.generate -> utils.models.forward,
+# whose own call is checked here); so does the multi-turn rollout's generate_turn (step3_ppo/agents/loop.py), the same
 # engine turn by turn, and bench/vllm_engine.py's worker, which times both engines. The vLLM worker's generate
 # is vLLM's own `LLM.generate` on token-id lists (vLLM places them on its device). Each exception is one named
 # function, never a whole file or folder.

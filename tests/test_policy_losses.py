@@ -222,16 +222,19 @@ def autograd_of(f, x):
 @pytest.mark.parametrize("loss_agg", ["token_mean", "seq_mean", "constant_norm"])
 def test_ppo_gradient_matches_finite_differences(option, loss_agg):
     old = FD_LP - LOG_RATIOS
-    f = lambda lp: losses.policy_loss(
-        lp,
-        old,
-        FD_ADV,
-        FD_MASK,
-        0.2,
-        loss_agg=loss_agg,
-        agg_constant=5,  # noqa: E731
-        **PPO_OPTIONS[option],
-    )[0]
+
+    def f(lp):
+        return losses.policy_loss(
+            lp,
+            old,
+            FD_ADV,
+            FD_MASK,
+            0.2,
+            loss_agg=loss_agg,
+            agg_constant=5,
+            **PPO_OPTIONS[option],
+        )[0]
+
     assert torch.allclose(autograd_of(f, FD_LP), finite_difference(f, FD_LP), atol=1e-8)
 
 
@@ -272,15 +275,14 @@ def test_kl_loss_gradient_matches_finite_differences(estimator):
     the policy); k3 has no weight: plain differences."""
     ref, old = FD_LP - 0.3 * LOG_RATIOS - 0.2, FD_LP - LOG_RATIOS
     if estimator == "k2":
-        f = lambda lp: losses.kl_penalty_loss(
-            lp,
-            ref,
-            FD_MASK,
-            estimator="k2",  # noqa: E731
-            old_logprobs=old + (lp - FD_LP),
-        )
+
+        def f(lp):
+            return losses.kl_penalty_loss(lp, ref, FD_MASK, estimator="k2", old_logprobs=old + (lp - FD_LP))
     else:
-        f = lambda lp: losses.kl_penalty_loss(lp, ref, FD_MASK, estimator="k3")  # noqa: E731
+
+        def f(lp):
+            return losses.kl_penalty_loss(lp, ref, FD_MASK, estimator="k3")
+
     grad = autograd_of(
         lambda lp: losses.kl_penalty_loss(lp, ref, FD_MASK, estimator=estimator, old_logprobs=old), FD_LP
     )

@@ -1,4 +1,5 @@
-"""Hand-computed checks of the pure RL math: utils.math.ops, utils.math.losses, step3_ppo.algo.shaping, step3_ppo.algo.advantages.
+"""Hand-computed checks of the pure RL math: utils.math.ops, utils.math.losses, step3_ppo.algo.shaping,
+step3_ppo.algo.advantages.
 
 Expected numbers are written out (or derived with plain python/math), never
 obtained by calling the function under test.

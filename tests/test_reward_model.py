@@ -281,12 +281,15 @@ def test_eval_cli_errors(tiny_gpt2, tiny_gpt2_reward, tmp_path):
 
 
 def test_saving_uses_the_export_module_not_the_training_checkpoints():
-    """utils.models.reward_model writes its directories through utils.models.export (gather, plain copy with LoRA merged);
-    importing it loads nothing of the resumable training checkpoints."""
+    """utils.models.reward_model writes its directories through utils.models.export (gather, plain copy with LoRA
+    merged); importing it loads nothing of the resumable training checkpoints."""
     import subprocess
     import sys
 
-    code = "import sys; import utils.models.reward_model; print('utils.models.export' in sys.modules, 'utils.train.checkpoint' in sys.modules)"
+    code = (
+        "import sys; import utils.models.reward_model; "
+        "print('utils.models.export' in sys.modules, 'utils.train.checkpoint' in sys.modules)"
+    )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, check=True).stdout
     assert out.split() == ["True", "False"]

@@ -330,8 +330,9 @@ def even_first_token(completions, completion_ids, **kwargs):
 
 def test_two_ranks_zero3_grpo_learns_with_the_vllm_worker(tiny_llama_32, tmp_path, worker_python):
     """Two ranks under ZeRO-3 (+ the hybrid engine's gathered scoring) share one worker (their requests batched
-    together), the weights are gathered for each sync, and GRPO learns a reward it can learn (the first answer token even, among the top 8),
-    with the generator-trainer mismatch ~0 on every iteration (the worker always has the latest weights)."""
+    together), the weights are gathered for each sync, and GRPO learns a reward it can learn (the first answer token
+    even, among the top 8), with the generator-trainer mismatch ~0 on every iteration (the worker always has the latest
+    weights)."""
     write_rows(tmp_path, 64)
     (tmp_path / "even.py").write_text(EVEN)
     out = str(tmp_path / "out")

@@ -15,12 +15,13 @@ when the front dies (a test's timeout).
 
 A rank runs the module as `python -u -m MODULE` would (runpy, `__main__`, its exit code, the atexit hooks,
 unbuffered stdio), in the request's environment. The front learns the ranks' pids (and writes them where
-RLHF_TESTS_RANK_PIDS says: a test that SIGKILLs a run waits for them to end, tests.launch.kill_group). What a fresh interpreter would do differently: variables
-read while importing keep the server's values (the tests set the same ones: tests.launch.subprocess_env;
-a rank's OMP_NUM_THREADS is applied with torch.set_num_threads, since libgomp read the server's when loaded), and numpy's global random state is the server's (the project
-seeds its own generators). The multi-node and launcher runs still start fresh interpreters; so does every
-user. A second server, `zygote.py SOCKET vllm`, has vLLM imported instead and forks the vLLM worker (a script,
-run as `python SCRIPT ARGS`) for the tests that pass tests.launch.vllm_python as --vllm_python.
+RLHF_TESTS_RANK_PIDS says: a test that SIGKILLs a run waits for them to end, tests.launch.kill_group). What a fresh
+interpreter would do differently: variables read while importing keep the server's values (the tests set the same ones:
+tests.launch.subprocess_env; a rank's OMP_NUM_THREADS is applied with torch.set_num_threads, since libgomp read the
+server's when loaded), and numpy's global random state is the server's (the project seeds its own generators). The
+multi-node and launcher runs still start fresh interpreters; so does every user. A second server, `zygote.py SOCKET
+vllm`, has vLLM imported instead and forks the vLLM worker (a script, run as `python SCRIPT ARGS`) for the tests that
+pass tests.launch.vllm_python as --vllm_python.
 RLHF_TESTS_ZYGOTE=0 turns both off.
 """
 

@@ -1,5 +1,5 @@
-"""A module for tests/test_zygote.py to run as `python -m tests.zygote_probe ACTION...` or as a script (directly or forked by
-the tests' fork server): prints what a process was given, exits with a code, or sleeps."""
+"""A module for tests/test_zygote.py to run as `python -m tests.zygote_probe ACTION...` or as a script (directly or
+forked by the tests' fork server): prints what a process was given, exits with a code, or sleeps."""
 
 import os
 import sys

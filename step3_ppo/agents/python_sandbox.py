@@ -8,7 +8,8 @@ subreaper, then forks the runner, which adds resource limits and a nested Landlo
 scopes signals (so the code cannot kill its keeper) and runs the code. At the runner's end or at the
 timeout the keeper kills every process left under it, including ones that left the process group with
 setsid (orphans are reparented to the subreaper), and exits: 124 past the timeout, else the runner's
-status (128 + signal for a signal; the code's own 124 or 125 as 1); a SIGTERM (tools.py: too much output) ends it all the same way.
+status (128 + signal for a signal; the code's own 124 or 125 as 1); a SIGTERM (tools.py: too much output) ends it all
+the same way.
 
 Landlock (Linux >= 5.13, ABI from `landlock_abi()`) is the part that cannot be skipped: every write-type
 filesystem right the kernel knows (write, truncate, create/remove files, directories, links, devices,

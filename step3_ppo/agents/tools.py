@@ -508,9 +508,9 @@ TOOL_CALL_PARSERS: dict[str, ToolCallParser] = {
 
 def tool_system_prompt(schemas: list[dict]) -> str:
     """The tools as a system block, for a chat template that has no `tools` variable: each tool's function
-    schema as one line of compact JSON (its return type left out), then the Hermes call form parse_hermes reads. Kept short (106 SmolLM2
-    tokens for the calculator, against 216 in Qwen 2.5's wording): the block is in every prompt of every
-    rollout, and the models that need it were never trained on a tool format anyway."""
+    schema as one line of compact JSON (its return type left out), then the Hermes call form parse_hermes reads. Kept
+    short (106 SmolLM2 tokens for the calculator, against 216 in Qwen 2.5's wording): the block is in every prompt of
+    every rollout, and the models that need it were never trained on a tool format anyway."""
     functions = [{k: v for k, v in schema.get("function", schema).items() if k != "return"} for schema in schemas]
     listed = "\n".join(json.dumps(function, ensure_ascii=False, separators=(",", ":")) for function in functions)
     return (

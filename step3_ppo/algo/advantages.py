@@ -30,9 +30,9 @@ def gae_advantages_and_returns(
     (left padding); whatever sits in padding must neither bootstrap the last action nor leak into
     the recursion. A multi-turn row has an environment's tokens (mask 0) between its turns: the
     recursion steps over them, so a turn's last action bootstraps from the next turn's first
-    (the episode goes on) and only the row's last action is terminal. Outputs are 0 outside the mask; ``returns = advantages + values`` on actions
-    (the critic's regression target). Both are detached. Vectorised over the batch, sequential
-    over time.
+    (the episode goes on) and only the row's last action is terminal. Outputs are 0 outside the mask; ``returns =
+    advantages + values`` on actions (the critic's regression target). Both are detached. Vectorised over the batch,
+    sequential over time.
     """
     with torch.no_grad():
         m = action_mask != 0

@@ -2,8 +2,8 @@
 
 Runs as a plain script under the Python that has vLLM (`--vllm_python`: the project's venv on CPU, its own
 environment on GPU), so it imports nothing of the project: only the standard library, torch and vllm. It
-listens on a Unix socket (created once the model is built: its appearance says "ready"); each trainer rank of the node connects and sends JSON requests (bytes framed by
-multiprocessing.connection, never pickles):
+listens on a Unix socket (created once the model is built: its appearance says "ready"); each trainer rank of the node
+connects and sends JSON requests (bytes framed by multiprocessing.connection, never pickles):
   {"op": "generate", "prompts": [[ids]], "params": {...}, "seeds": [...]}
       -> {"outputs": [{"ids": [...], "logprobs": [...] | null}]}: token ids in, token ids out, no text
   {"op": "load", "shm": name, "tensors": [[name, dtype, shape, offset], ...]}

@@ -17,7 +17,8 @@ The package has layers, each usable on its own (imports go one way,
 * ``rows``: selecting and normalising the rows of one step
   (``build_step_rows``), or of one source's eval split (``read_rows``);
 * ``tokenize``: tokenising rows (``tokenize_sft``/``tokenize_pairs``/
-  ``tokenize_preference_pairs``/``tokenize_unpaired``/``tokenize_prompts``) and plain texts (``read_texts``/``tokenize_texts``);
+  ``tokenize_preference_pairs``/``tokenize_unpaired``/``tokenize_prompts``) and plain texts
+  (``read_texts``/``tokenize_texts``);
 * ``collate``: padding batches (``SFTCollator``/``PairCollator``/
   ``PreferenceCollator``/``UnpairedCollator``/``PromptCollator``) and the distributed loader (``distributed_loader``);
 * ``cache``: tokenised examples kept on disk for later runs and the other

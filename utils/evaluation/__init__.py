@@ -16,8 +16,8 @@ Every mean and win rate comes with a 95% percentile-bootstrap interval over the 
 Prompts are tokenised exactly as in training (`utils.data.tokenize_prompts`: no special tokens,
 plus BOS only where the tokenizer's config adds one), left-padded by `PromptCollator`; responses
 are cut at their first EOS by `utils.math.rows.split_generation`, and packed for scoring by
-`utils.math.rows.pack` (every forward goes through utils/models/forward.py: mask-derived position ids), so a score does not
-depend on the batch a row happens to be in.
+`utils.math.rows.pack` (every forward goes through utils/models/forward.py: mask-derived position ids), so a score does
+not depend on the batch a row happens to be in.
 
 One concern per module (imports go one way, each from utils only):
 - `loading`: the models (eval mode, fp32) and their tokenizers, `same_vocabulary`, `load_prompts`;

@@ -4,8 +4,8 @@
 plus `v_head = Linear(hidden, 1, bias=False)`, which maps every token's last hidden state to a
 value ([B, L], fp32). A sequence's score is the value at its LAST REAL token (the EOS that ends
 the response), read through the attention mask (utils.models.forward.sequence_scores), so it is right
-for left and right padding of any amount and for pad == EOS. Every forward passes mask-derived position ids and no KV cache, so a
-score does not change with padding even for GPT-2's absolute positions.
+for left and right padding of any amount and for pad == EOS. Every forward passes mask-derived position ids and no KV
+cache, so a score does not change with padding even for GPT-2's absolute positions.
 
 Saved layout (a directory that `RewardModel.from_pretrained` reloads with identical scores):
 - the backbone as a plain `from_pretrained` directory (config, `model.safetensors`, LoRA merged),

@@ -1,1 +1,2 @@
-"""A training run: its lifecycle (Run), the micro-batch loop, checkpoints, flags, metrics logging, output directory, DeepSpeed configs."""
+"""A training run: its lifecycle (Run), the micro-batch loop, checkpoints, flags, metrics logging, output directory,
+DeepSpeed configs."""

@@ -202,8 +202,9 @@ class Run:
     ) -> dict:
         """One optimizer step (RL iteration) is done: count it, log `metrics` with the loop's own
         (`loop_metrics`), print `line` under `--print_loss`, evaluate when due, move the progress bar
-        (`postfix`, or `postfix(evaluation)` to show the evaluation's figures), and checkpoint when `--save_interval` says so, with the run's state updated by
-        `state` and this rank's `rank_state`. Collective. Returns the evaluation's metrics ({} if none)."""
+        (`postfix`, or `postfix(evaluation)` to show the evaluation's figures), and checkpoint when `--save_interval`
+        says so, with the run's state updated by `state` and this rank's `rank_state`. Collective. Returns the
+        evaluation's metrics ({} if none)."""
         loop = self.loop
         loop.step += 1
         metrics = {**metrics, **loop_metrics(loop, self.memory)}
