@@ -22,6 +22,7 @@ the keeper refuses to run the code (exit 125); tools.py checks the ABI before it
 from __future__ import annotations
 
 import ctypes
+import linecache
 import os
 import resource
 import select
@@ -150,8 +151,6 @@ def set_limits(timeout: float, memory: int, file_size: int) -> None:
 
 def run_code(code: str) -> int:
     """Run `code` as `__main__`; its exit status (a traceback on stderr, as Python shows one, for a raise)."""
-    import linecache
-
     linecache.cache["<code>"] = (len(code), None, code.splitlines(True), "<code>")  # source lines in tracebacks
     try:
         exec(compile(code, "<code>", "exec"), {"__name__": "__main__", "__builtins__": __builtins__})

@@ -20,9 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import time
 import traceback
+from multiprocessing import resource_tracker, shared_memory
+from multiprocessing.connection import Listener, wait
+
+import torch
 
 
 def parse_args(argv=None):
@@ -58,10 +63,8 @@ def build_llm(args):
     tokenizer (token ids in and out) and no generation_config defaults (the trainer passes every setting)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(args.kv_cache_gib))))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # this process is the worker: the model lives here
-    import logging
-
-    from vllm import LLM
-    from vllm.platforms import current_platform
+    from vllm import LLM  # lazy: vLLM reads the VLLM_* variables set just above when it is imported
+    from vllm.platforms import current_platform  # lazy: as LLM
 
     # a reload that leaves a layer out (rotary tables; a LoRA sync's untouched layers) keeps its tensors: not news
     logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(
@@ -93,7 +96,7 @@ def build_llm(args):
 def sampling_params(params: dict, seed: int | None):
     """The trainer's settings as vLLM's: its stop tokens only (ignore_eos: the model's own EOS ends an answer
     only when the trainer lists it), greedy as temperature 0, the sampled token's log-prob when asked."""
-    from vllm import SamplingParams
+    from vllm import SamplingParams  # lazy: vLLM only after build_llm set its VLLM_* variables
 
     sample = params["do_sample"]
     return SamplingParams(
@@ -113,7 +116,7 @@ def sampling_params(params: dict, seed: int | None):
 
 def generate(llm, requests: list[dict]) -> list[dict]:
     """Every request's prompts in one `generate` call; each request's outputs in its prompts' order."""
-    from vllm.inputs import TokensPrompt
+    from vllm.inputs import TokensPrompt  # lazy: as SamplingParams
 
     prompts, params = [], []
     for request in requests:
@@ -141,10 +144,6 @@ _blocks = {}  # shared-memory blocks by name, mapped once: the trainer unlinks t
 def load(llm, request: dict) -> dict:
     """Weights from the trainer's shared memory block into the model in place (checkpoint names and layout:
     vLLM fuses and repacks them itself), then the prefix cache dropped (its KV came from the old weights)."""
-    from multiprocessing import resource_tracker, shared_memory
-
-    import torch
-
     t0 = time.perf_counter()
     if request["shm"] not in _blocks:
         shm = shared_memory.SharedMemory(name=request["shm"])
@@ -168,8 +167,6 @@ def load(llm, request: dict) -> dict:
 
 def serve(llm, listener, ranks: int, hello: dict) -> None:
     """Answer the ranks' requests until one sends "close" (or every rank has hung up)."""
-    from multiprocessing.connection import wait
-
     conns = [listener.accept() for _ in range(ranks)]
     for conn in conns:
         conn.send_bytes(json.dumps(hello).encode())
@@ -219,13 +216,10 @@ def serve(llm, listener, ranks: int, hello: dict) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    from multiprocessing.connection import Listener
-
     key = os.environ.pop(args.authkey_env).encode()
     t0 = time.perf_counter()
     llm = build_llm(args)
-    import torch
-    import vllm
+    import vllm  # lazy: imported by build_llm, after its VLLM_* variables are set
 
     hello = {
         "vllm": vllm.__version__,
