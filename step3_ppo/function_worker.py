@@ -29,8 +29,8 @@ from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 
 from utils.errors import ProjectError, one_line
+from utils.runtime.cache_dir import REPO_ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 START_LIMIT_S = 300.0  # loading the function (the user's own imports: torch, a judge) on a loaded machine
 _MESSAGE_LIMIT = 200
 _live: set[subprocess.Popen] = set()  # killed at exit: a worker stuck in a call never reads EOF
@@ -85,7 +85,7 @@ class FunctionWorker:
     def start(self) -> None:
         self.stop()
         parent_end, child_end = Pipe()  # a socket pair: both ends send and receive
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([REPO_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])}
         command = [sys.executable, "-m", "step3_ppo.function_worker", str(child_end.fileno()), str(os.getpid())]
         # its own process group: a kill at the deadline ends what it started, and Ctrl-C is the trainer's to handle
         self.process = subprocess.Popen(

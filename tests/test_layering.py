@@ -28,7 +28,7 @@ ALLOWED = {
     "utils.default_model": {"utils.models"},
     "step3_ppo.algo": {"utils.math"},
     "step3_ppo.specs": {"utils.errors"},
-    "step3_ppo.function_worker": {"utils.errors"},
+    "step3_ppo.function_worker": {"utils.errors", "utils.runtime"},
     "step3_ppo.rollout": {"utils"},
     "step3_ppo.rewards": {"utils", "step3_ppo.specs", "step3_ppo.function_worker", "step3_ppo.algo"},  # algo: combine
     "step3_ppo.agents": {

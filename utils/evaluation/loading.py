@@ -12,8 +12,8 @@ from utils.data import DEFAULT_FORMAT, RowFormat, read_rows
 from utils.models.loading import load_causal_lm, load_tokenizer
 from utils.models.reward_model import RewardModel, check_policy_dir
 from utils.runtime.accelerator import local_device
+from utils.runtime.cache_dir import REPO_ROOT
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEFAULT_PROMPTS = os.path.join("data", "demo", "pairs", "eval.jsonl")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 
+# the checkout's root: the cache, the JIT op's folder and the worker's PYTHONPATH are found from it (one home)
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

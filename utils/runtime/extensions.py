@@ -27,8 +27,9 @@ import sys
 import time
 from typing import Callable
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CHECKOUT_DIR = os.path.join(ROOT, ".cache", "torch_extensions")
+from utils.runtime.cache_dir import REPO_ROOT
+
+CHECKOUT_DIR = os.path.join(REPO_ROOT, ".cache", "torch_extensions")
 TORCH_LOCK = "lock"  # torch.utils.cpp_extension's FileBaton in the op's build folder
 OUR_LOCK = ".rlhf_build.lock"
 
