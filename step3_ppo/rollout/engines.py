@@ -65,20 +65,15 @@ class ActorGenerate:
     def generate(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, settings: GenerationSettings
     ) -> torch.Tensor:
-        c = self.config
-        return generate(
-            self.actor,
-            input_ids,
-            attention_mask,
-            hybrid=c.enable_hybrid_engine,
-            merge_lora=c.merge_lora_for_generation,
-            **generation_kwargs(settings, c.stop_token_ids, c.pad_token_id),
-        )
+        return self._generate(input_ids, attention_mask, settings)
 
     def generate_with_logprobs(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, settings: GenerationSettings
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The same, with generate's raw logits turned into the sampled tokens' log-probs step by step."""
+        return self._generate(input_ids, attention_mask, settings, logprob_temperature=settings.logprob_temperature)
+
+    def _generate(self, input_ids, attention_mask, settings: GenerationSettings, **logprobs):
         c = self.config
         return generate(
             self.actor,
@@ -86,7 +81,7 @@ class ActorGenerate:
             attention_mask,
             hybrid=c.enable_hybrid_engine,
             merge_lora=c.merge_lora_for_generation,
-            logprob_temperature=settings.logprob_temperature,
+            **logprobs,
             **generation_kwargs(settings, c.stop_token_ids, c.pad_token_id),
         )
 
