@@ -32,7 +32,8 @@ from utils.train.flags import add_device_arg, add_generation_args, resolve_gener
 TEMPLATES = ("auto", "chat", "human_assistant")
 
 
-def parse_args(argv=None):
+def build_parser():
+    """The argument parser of this entry point (the reference pages of docs/ are generated from it)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--model_name_or_path",
@@ -52,10 +53,17 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0, help="random seed of the sampling (turn t uses this + t)")
     add_device_arg(p)
     p.add_argument("--trust_remote_code", action="store_true", help="allow model code shipped with the model")
-    from step3_ppo.agents.flags import add_agent_args, check_agent_args  # no torch: --help stays fast
+    from step3_ppo.agents.flags import add_agent_args  # no torch: --help stays fast
 
     add_agent_args(p)
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
+    from step3_ppo.agents.flags import check_agent_args  # no torch: --help stays fast
+
     if args.max_new_tokens < 1:
         p.error(f"--max_new_tokens must be >= 1, got {args.max_new_tokens}")
     args.max_answer_seq_len = args.max_new_tokens  # per turn, as step 3's flag

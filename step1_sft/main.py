@@ -32,7 +32,8 @@ from utils.train.metrics_logger import print_rank0
 from utils.train.run import ReloadCheck, Run
 
 
-def parse_args(argv=None):
+def build_parser():
+    """The argument parser of this entry point (the reference pages of docs/ are generated from it)."""
     parser = single_model_parser(__doc__.splitlines()[0], "local from_pretrained directory or hub name")
     parser.add_argument(
         "--train_on_last_turn_only",
@@ -45,7 +46,11 @@ def parse_args(argv=None):
         default=0,
         help="perplexity on at most this many held-out batches per rank (0: all held-out rows)",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_args(argv)
     check_range(args, 0, ("eval_iters",))
     validate_training_args(args, positive=BATCH_FLAGS)
     return args

@@ -83,7 +83,8 @@ from utils.train.run import ReloadCheck, Run
 SIDES = ("chosen", "rejected")
 
 
-def parse_args(argv=None):
+def build_parser():
+    """The argument parser of this entry point (the reference pages of docs/ are generated from it)."""
     parser = single_model_parser(
         __doc__.splitlines()[0],
         "causal LM directory (step 1 output) or hub name: the starting policy and the reference",
@@ -128,6 +129,11 @@ def parse_args(argv=None):
     )
     add_offload_reference_arg(g)
     add_pair_eval_args(parser)
+    return parser
+
+
+def parse_args(argv=None):
+    parser = build_parser()
     args = parser.parse_args(argv)
     entry = PAIR_LOSSES[args.loss_type]
     if args.beta is not None and not entry.reads_beta:

@@ -37,14 +37,19 @@ from utils.train.metrics_logger import print_rank0
 from utils.train.run import ReloadCheck, Run
 
 
-def parse_args(argv=None):
+def build_parser():
+    """The argument parser of this entry point (the reference pages of docs/ are generated from it)."""
     parser = single_model_parser(
         __doc__.splitlines()[0], "causal LM directory (step 1 output) or hub name: the backbone"
     )
     g = parser.add_argument_group("reward model")
     g.add_argument("--margin", type=float, default=0.0, help="loss margin: -log sigmoid(chosen - rejected - margin)")
     add_pair_eval_args(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_args(argv)
     check_range(args, 0, ("eval_interval", "eval_iters"))
     validate_training_args(args, positive=BATCH_FLAGS)
     return args

@@ -42,7 +42,8 @@ from utils.models.loading import ModelLoadError, check_model_path, check_remote_
 from utils.train.flags import add_device_arg, add_format_args, add_generation_args, fail, resolve_generation_args
 
 
-def parse_args(argv=None):
+def build_parser():
+    """The argument parser of this entry point (the reference pages of docs/ are generated from it)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sft_model", required=True, help="step 1 output directory (also the KL reference)")
     p.add_argument(
@@ -96,6 +97,11 @@ def parse_args(argv=None):
         "(greedy by default; with --env/--tools through step 3's multi-turn loop; default "
         "math_exact there): their means, the first accuracy-like one as the accuracy",
     )
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
     args.max_answer_seq_len = args.max_new_tokens  # per turn, as step 3's flag
     check_agent_args(args)

@@ -82,7 +82,8 @@ MODEL_DEFAULTS = {
 }
 
 
-def parse_args(argv=None):
+def build_parser():
+    """The argument parser of this entry point (the reference pages of docs/ are generated from it)."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_data_args(p)
     add_model_args(
@@ -462,6 +463,11 @@ def parse_args(argv=None):
         default=1,
         help="PPO iterations between printed answers (with --print_answers)",
     )
+    return p
+
+
+def parse_args(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
     validate_args(args)
     return args
