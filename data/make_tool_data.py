@@ -1,4 +1,4 @@
-"""Generate the tool-use demo's data offline (issue 28: SFT on calculator traces, then GRPO with --tools calculator).
+"""Generate the tool-use demo's data offline (SFT on calculator traces, then GRPO with --tools calculator).
 
 The task is multi-digit arithmetic that SmolLM2-135M-Instruct gets wrong alone: half the problems are 3-digit
 x 2-digit products, half sums of four 2-digit terms; every answer is a non-negative integer, checked by

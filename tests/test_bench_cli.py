@@ -59,7 +59,7 @@ def test_worker_argv_leaves_step3_its_own_arguments():
 
 
 def test_peer_benchmarks_alternate_the_sides_and_report_the_spread():
-    """Issue 32: one side after the other let a load change decide the ratio; the sides now alternate
+    """Run one side after the other, a load change on the host would decide the ratio: the sides alternate
     (AB, BA, ...) and the report gives each round's ratio with the median and spread."""
     from bench.common import alternate, median_result, rounds_lines
 

@@ -61,7 +61,7 @@ def test_other_data_file_beside_train_and_eval_is_refused(tmp_path):
     write(tmp_path / "d" / "extra.jsonl", rows(2, "x"))
     with pytest.raises(DataError, match=r"d: data file\(s\) extra\.jsonl match neither"):
         D.load_source(str(tmp_path / "d"))
-    # also beside a lone train file (today it was merged in)
+    # also beside a lone train file (not merged into the training rows)
     os.remove(tmp_path / "d" / "eval.jsonl")
     with pytest.raises(DataError, match=r"extra\.jsonl match neither"):
         D.load_source(str(tmp_path / "d"))

@@ -1,4 +1,4 @@
-"""Exact duplicate training rows and eval rows that are also training rows (issue 30, point 11b): counted in one
+"""Exact duplicate training rows and eval rows that are also training rows: counted in one
 line at data load, dropped with --dedupe, which is part of the data layout a resume compares and of the
 tokenised cache's key."""
 

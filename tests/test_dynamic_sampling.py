@@ -1,4 +1,4 @@
-"""DAPO's dynamic sampling (issue 27, point 5): with a reward that is constant for some prompts, the
+"""DAPO's dynamic sampling: with a reward that is constant for some prompts, the
 iteration generates further prompt batches until it holds the groups with signal it asked for (at most
 --max_sampling_rounds rounds, then it trains on what it has), every kept group has reward variance, the
 generated / kept / dropped groups are logged; the extra batches come from the run's loader and count in

@@ -1,4 +1,4 @@
-"""Nothing silent, nothing lost, errors a person can read (issue 14): flags out of range, runs that would train
+"""Nothing silent, nothing lost, errors a person can read: flags out of range, runs that would train
 nothing, an output directory that is an input or holds a previous run, an empty eval split, rows all
 skipped as empty, and one `error:` line (no traceback, once for two ranks) for the project's own errors."""
 

@@ -1,4 +1,4 @@
-"""DeepSpeed's JIT-built CPU communication op (issue 30, point 11a): a per-checkout build folder set by the
+"""DeepSpeed's JIT-built CPU communication op: a per-checkout build folder set by the
 scripts and the test launcher, and a stale torch build `lock` (its builder killed) removed with one line
 instead of a silent wait forever."""
 

@@ -1,4 +1,4 @@
-"""Every command-line flag of every entry point has a help that says what it does (issue 26, point 5).
+"""Every command-line flag of every entry point has a help that says what it does.
 
 Two views of the same rule, so neither a flag built from a table (utils/train/flags.py PER_MODEL_FLAGS,
 added with `**spec`) nor a flag of a module that is not imported anywhere slips through:

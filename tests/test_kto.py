@@ -1,4 +1,4 @@
-"""KTO (issue 29): the loss and its reference point against hand-computed values, unpaired feedback rows
+"""KTO: the loss and its reference point against hand-computed values, unpaired feedback rows
 through the data layer (TRL's {prompt, completion, label}, conversational too; pairs give one of each),
 the mismatched rows of its collator, its flags and refusals, and a short run that learns."""
 

@@ -1,5 +1,5 @@
-"""One run per output directory, inputs never inside it, deletions never through a symlink (issue 30,
-point 6). In process: the checks run in parse_args, before any model loads; the live run holding the
+"""One run per output directory, inputs never inside it, deletions never through a symlink. In
+process: the checks run in parse_args, before any model loads; the live run holding the
 lock is a small subprocess (the lock is an OS lock: it must belong to another process)."""
 
 import json

@@ -1,4 +1,4 @@
-"""The reference-free preference losses of the DPO step (issue 29): SimPO and ORPO as PAIR_LOSSES entries,
+"""The reference-free preference losses of the DPO step: SimPO and ORPO as PAIR_LOSSES entries,
 checked against hand-computed values, their gradients, their flags, and a short run of each."""
 
 import math

@@ -1,4 +1,4 @@
-"""A failure on any rank ends the whole job within seconds, shown once (issue 30, point 1): the failing rank
+"""A failure on any rank ends the whole job within seconds, shown once: the failing rank
 prints its one `error: [rank N] ...` line (a bug: its traceback) and exits at once, the launcher ends the
 others; when every rank fails the same way only the first to claim the report on the process group's
 store shows it. In process with a stand-in store for run_main's choices; through the launcher for a step-3
@@ -58,7 +58,7 @@ class DeadStore:
 def rank_of_two(monkeypatch):
     """`as_rank(r, store)`: this process as rank r of 2 with `store` (None: no process group yet); os._exit
     raises Exited. Python's own excepthook: torch's, which an earlier test in this process may have installed,
-    prefixes each line with "[rankN]: " (tests/test_errors.py before this file failed the traceback test)."""
+    prefixes each line with "[rankN]: " (it does once tests/test_errors.py has run in this process)."""
 
     def exit_now(code):
         raise Exited(code)

@@ -102,7 +102,7 @@ def test_resume_with_another_data_layout_is_refused(tiny_gpt2, sft_data, tmp_pat
     data would skip or repeat rows silently, so it is refused, naming what differs (one checkpoint, two
     refused resumes). Another number of ranks is refused too, naming --universal_checkpoint: checked in
     test_resume_on_another_world_size_through_the_universal_checkpoint on its 2-rank checkpoint, in this
-    process (one 2-rank launch less, issue 32)."""
+    process (one 2-rank launch less, to keep the suite short)."""
     out = str(tmp_path / "out")
     args = common_args(tiny_gpt2, sft_data, out, steps=2) + ["--zero_stage", 0, "--save_interval", 2]
     step1(args)

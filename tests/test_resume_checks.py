@@ -1,4 +1,4 @@
-"""What a --resume checks before it continues (issue 30, points 2, 7, 9), in this process:
+"""What a --resume checks before it continues, in this process:
 - the training data's content: a file edited in place (same row count) is refused, naming it, unless
   --resume_ignore_data_change (then one line says so);
 - the flags: one that is not declared resumable (utils.train.flags.RESUMABLE_FLAGS) is refused, naming it and
@@ -77,7 +77,7 @@ def train(args, rows: int = len(ROWS)) -> Run:
     return run
 
 
-# ---------------------------------------------------------------------------------------------- point 2: data
+# -------------------------------------------------------------------------------------------------------- data
 def test_a_data_file_edited_in_place_is_refused_naming_it_unless_told(tmp_path, capsys):
     data = write_rows(tmp_path / "rows.jsonl", ROWS)
     train(run_args(tmp_path))
@@ -124,7 +124,7 @@ def test_the_data_hash_covers_every_file_a_source_reads(tmp_path):
     assert content_hashes([str(tmp_path / "data")])[path] != hashes[path]
 
 
-# ---------------------------------------------------------------------------------------------- point 7: flags
+# -------------------------------------------------------------------------------------------------------- flags
 def test_a_changed_flag_is_refused_naming_it_and_both_values(tmp_path):
     write_rows(tmp_path / "rows.jsonl", ROWS)
     train(run_args(tmp_path))
@@ -210,7 +210,7 @@ def test_every_resumable_flag_is_a_flag_of_an_entry_point(monkeypatch):
     assert sorted(RESUMABLE_FLAGS - dests) == []
 
 
-# ---------------------------------------------------------------------------------------------- point 9: disk
+# -------------------------------------------------------------------------------------------------------- disk
 @pytest.fixture(scope="module")
 def dist():
     from utils.runtime.distributed import init_distributed

@@ -1,4 +1,4 @@
-"""Resume coverage (issue 30, point 5): step 1's own SIGKILL and exact resume (2 ranks, ZeRO-3, dropout
+"""Resume coverage: step 1's own SIGKILL and exact resume (2 ranks, ZeRO-3, dropout
 on); the universal checkpoint (2 ranks -> 1, gradient accumulation 2) for step 2's reward model and for
 step 3's actor, critic and EMA; DPO in half precision under ZeRO 0 and 1. Every combination tried resumes
 (ZeRO-2/3, the hybrid engine, a weights-only engine, accumulation 2), so none is refused. Accumulation leaves
@@ -47,8 +47,8 @@ def test_step1_two_rank_zero3_with_dropout_resumes_exactly_after_sigkill(tiny_gp
     that wrote the checkpoint went on from memory). The resumed run (weights, optimizer, scheduler, every
     rank's RNG and the loader's position from the checkpoint) logs the same figures: without the RNG
     states the dropout masks differ and the losses are ~1e-3 off. The resumed run is also step 1's 2-rank
-    ZeRO-3 full fine-tune check (it was a launch of its own, test_step1_run, until issue 32): it learns, its
-    export reloads with the engine's logits and is not the empty tensors of a naive ZeRO-3 save."""
+    ZeRO-3 full fine-tune check (not a launch of its own in test_step1_run, to keep the suite short): it learns,
+    its export reloads with the engine's logits and is not the empty tensors of a naive ZeRO-3 save."""
     out = str(tmp_path / "out")
     args = common_args(tiny_gpt2, sft_data, out, steps=8) + [
         "--zero_stage",

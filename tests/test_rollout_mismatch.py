@@ -1,4 +1,4 @@
-"""The generator's own log-probs against the trainer's (issue 27, point 6): each correction by hand on small
+"""The generator's own log-probs against the trainer's: each correction by hand on small
 tensors, the weights in the policy losses, generate's log-probs against the trainer's forward, and at lr 0
 `rollout/logprob_diff_max` flat and small over 5 iterations with every metric finite."""
 

@@ -1,4 +1,4 @@
-"""Model directories and chat templates are untrusted input (issue 30): weights are read from safetensors
+"""Model directories and chat templates are untrusted input: weights are read from safetensors
 only (a pickled-only directory is refused with the one-liner that converts it), a directory naming its own
 Python code (auto_map) needs --trust_remote_code and then finishes step 1, and a chat template renders in
 transformers' Jinja sandbox under a time limit. Every refusal is one line naming the directory or the

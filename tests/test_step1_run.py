@@ -71,7 +71,7 @@ def check_run(out: str, proc) -> list[dict]:
 
 
 # step 1's 2-rank ZeRO-3 full fine-tune (learns, exports what it trained, no empty ZeRO-3 tensors) is checked on
-# the resumed run of tests/test_resume_coverage.py's SIGKILL test: one 2-rank launch less (issue 32)
+# the resumed run of tests/test_resume_coverage.py's SIGKILL test: one 2-rank launch less, to keep the suite short
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """lr = 0 keeps the log-ratio at 0 (<= 1e-4) for every `--policy_loss` x {clip-higher, dual-clip, entropy
-bonus} at 4 samples per prompt (issue 27), with the unbiased KL loss and GDPO's normalize-then-sum on two
+bonus} at 4 samples per prompt, with the unbiased KL loss and GDPO's normalize-then-sum on two
 reward functions: in this process (ZeRO-0, one rank, llama) for each combination, and one 2-rank
 ZeRO-3 + hybrid run through the launcher for gspo. The settings go through the flags, as a user gives them.
 """

@@ -1,4 +1,4 @@
-"""One normalisation over the whole optimizer step (issue 27, point 4): a token (sequence, pair) mean over
+"""One normalisation over the whole optimizer step: a token (sequence, pair) mean over
 every micro-batch of the gradient-accumulation window and every rank, the last partial window by its own
 count, in step 1, the DPO step and step 3. The 2-rank case runs the product's loops under the launcher
 (tests/step_normalisation_probe.py) against one plain batch of all the rows; the rest is the arithmetic

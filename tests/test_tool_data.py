@@ -1,4 +1,4 @@
-"""Tests of the tool-use demo's data generator (data/make_tool_data.py, issue 28): fast, the tiny chat model only."""
+"""Tests of the tool-use demo's data generator (data/make_tool_data.py): fast, the tiny chat model only."""
 
 import json
 import os

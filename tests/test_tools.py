@@ -1,4 +1,4 @@
-"""Tools for multi-turn rollouts (step3_ppo/agents/tools.py, issue 28): the calculator's values and refusals, the
+"""Tools for multi-turn rollouts (step3_ppo/agents/tools.py): the calculator's values and refusals, the
 Hermes call parser, TRL-style schemas and one-line spec errors, a Toolbox that turns every failed call into
 text for the model (and stops a hung call, C code included, within 2x the timeout), and the python tool's
 sandbox (step3_ppo/agents/python_sandbox.py): no writes outside its folder, no TCP, no signals out, no output,

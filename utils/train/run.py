@@ -1,6 +1,6 @@
 """The life of one training run, the same for every entry point: restore -> steps -> after_step -> finish.
 
-`Run` owns what every step used to write out for itself: the loop position (`LoopState`), resumable
+`Run` owns what every step would otherwise write out for itself: the loop position (`LoopState`), resumable
 checkpoints (`Checkpointing`), the metrics logger, the bad-step guard, the per-phase peak memory, the
 progress bar, evaluation every `--eval_interval` steps and the export with its reload check. A step's
 `main` keeps its flags, its models and what is truly its own (a loss, an RL iteration):
