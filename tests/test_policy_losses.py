@@ -1,16 +1,18 @@
-"""The policy losses of step 3 and their options (issue 27, points 1-3 and 7), pure tensors: hand-computed
-values of ppo (clip-higher, dual-clip), gspo and cispo, the entropy bonus, the KL loss forms and GDPO's
-normalize-then-sum; a float64 finite-difference check of every loss's gradient; each KL loss form's
-expected gradient against the EXACT gradient of KL(pi || ref) on a small categorical distribution; the
-flags' checks. The nan/inf-padding checks of the same losses are in tests/test_losses.py; lr=0 through
-the trainer in tests/test_step3_policy_losses_lr0.py."""
+"""The policy losses of step 3 and their options (clip-higher, dual-clip, the entropy bonus, the KL loss forms,
+GDPO's normalize-then-sum), pure tensors: hand-computed values of ppo, gspo and cispo; a float64 finite-difference
+check of every loss's gradient; each KL loss form's expected gradient against the EXACT gradient of KL(pi || ref) on
+a small categorical distribution; the flags' checks; the reference page's list of the losses. The nan/inf-padding
+checks of the same losses are in tests/test_losses.py; lr=0 through the trainer in
+tests/test_step3_policy_losses_lr0.py."""
 
 import math
 import os
+import re
 
 import pytest
 import torch
 
+from scripts import gen_reference
 from step3_ppo.algo.advantages import group_normalized
 from step3_ppo.rewards.combine import combine
 from utils.errors import UsageError
@@ -322,7 +324,7 @@ def test_normalize_then_sum_by_hand():
         combine({"a": a}, None, groups, "gdpo")
 
 
-# --------------------------------------------------------------------------- flags and README
+# --------------------------------------------------------------------------- flags and the reference page
 def rl_args(*extra):
     return [
         "--actor_model_name_or_path",
@@ -371,9 +373,28 @@ def test_k3_as_a_loss_prints_its_bias(capsys):
     assert "warning" not in capsys.readouterr().out
 
 
-def test_readme_lists_every_policy_loss():
-    with open(os.path.join(ROOT, "README.md")) as f:
-        text = f.read()
-    section = text[text.index("## Step 3: PPO") : text.index("## Step 3 without a critic")]
-    for name in losses.POLICY_LOSSES:
-        assert f"| `{name}`" in section, name
+def test_the_reference_page_lists_every_policy_loss_with_its_help():
+    """docs/reference/registries.md (kept equal to the generator's output by tests/test_docs_reference.py) has a row
+    per `--policy_loss` with its help and the flags it reads; an entry registered later shows there too."""
+    with open(os.path.join(ROOT, gen_reference.REGISTRIES_PAGE)) as f:
+        rows = section_rows(f.read(), "## Policy losses")
+    assert [row[0] for row in rows] == [f"`{name}`" for name in losses.POLICY_LOSSES]
+    for row, (name, entry) in zip(rows, losses.POLICY_LOSSES.items()):
+        assert row[1] == gen_reference.cell(entry.help), name
+        assert all(f"`--{option}`" in row[2] for option in entry.options), name
+
+
+def test_a_registered_policy_loss_shows_on_the_reference_page(monkeypatch):
+    monkeypatch.setitem(
+        losses.POLICY_LOSSES, "toy_pg", losses.PolicyLoss(losses.policy_loss, "a toy | loss", ("dual_clip",))
+    )
+    rows = section_rows(gen_reference.registries_page(), "## Policy losses")
+    assert ["`toy_pg`", "a toy \\| loss", "`--dual_clip`", "the estimator's"] in rows
+
+
+def section_rows(page: str, heading: str) -> list[list[str]]:
+    """The cells of the table rows under `heading` (up to the next `## `), header and rule left out."""
+    body = page[page.index(heading + "\n") + len(heading) :]
+    body = body[: body.index("\n## ")] if "\n## " in body else body
+    lines = [line for line in body.splitlines() if line.startswith("| ")][1:]
+    return [[c.strip() for c in re.split(r"(?<!\\)\|", line)[1:-1]] for line in lines]

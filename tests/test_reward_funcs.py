@@ -1,6 +1,6 @@
 """Step 3's reward functions (step3_ppo/rewards/functions.py): the built-ins and their registry (loader, flag help,
-README list), loading specs, the batch call's checks (count, finiteness, raise, timeout, skip_bad) and the
-weighted combination (step3_ppo/rewards/components.py). Pure Python, fast."""
+the reference page's list), loading specs, the batch call's checks (count, finiteness, raise, timeout, skip_bad)
+and the weighted combination (step3_ppo/rewards/components.py). Pure Python, fast."""
 
 import itertools
 import math
@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 
+from scripts import gen_reference
 from step3_ppo.rewards.combine import combine
 from step3_ppo.rewards.components import FunctionReward, RewardModelReward
 from step3_ppo.rewards.functions import (
@@ -29,8 +30,8 @@ from step3_ppo.rewards.functions import (
     score_batch,
 )
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
-README_LIST = "The built-in reward functions (`BUILTINS`"  # the line that opens the README's list
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REFERENCE_LIST = "## Built-in reward functions"  # the heading of the reference page's table of the built-ins
 
 
 def batch(completions, **extra):
@@ -122,7 +123,7 @@ def test_format_invalid_regex_fails_at_load():
 
 
 def test_registry_entries():
-    assert list(BUILTINS)[:3] == ["math_exact", "format", "sentiment"]  # the order of the flag's help and the README
+    assert list(BUILTINS)[:3] == ["math_exact", "format", "sentiment"]  # the order of --help and the docs
     assert [name for name, b in BUILTINS.items() if b.is_accuracy] == ["math_exact"]
     for name, builtin in BUILTINS.items():
         assert name.isidentifier(), name  # the spec is the log name: reward/<name>_mean
@@ -174,18 +175,31 @@ def test_a_factory_taking_kwargs_gets_every_option(monkeypatch):
     assert seen == {"spec": "a flag named spec", "format_pattern": None} and func.is_accuracy
 
 
-def test_readme_lists_exactly_the_builtins():
-    with open(README) as f:
+def test_the_reference_page_lists_exactly_the_builtins():
+    """docs/reference/registries.md (kept equal to the generator's output by tests/test_docs_reference.py) has one row
+    per built-in, in BUILTINS' order, with its help, whether it is an accuracy and the flags its factory reads."""
+    with open(os.path.join(ROOT, gen_reference.REGISTRIES_PAGE)) as f:
         lines = f.read().splitlines()
-    start = next(i for i, line in enumerate(lines) if README_LIST in line)
-    rest = lines[start + 1 :]
-    first = next(i for i, line in enumerate(rest) if line.startswith("- "))
-    listed = [line.replace("`", "") for line in itertools.takewhile(lambda line: line.startswith("- "), rest[first:])]
-    expected = [f"- {name}: {builtin.help}" for name, builtin in BUILTINS.items()]
+    start = lines.index(REFERENCE_LIST)
+    section = itertools.takewhile(lambda line: not line.startswith("## "), lines[start + 1 :])
+    listed = [line for line in section if line.startswith("| `")]
+    expected = [
+        f"| `{name}` | {gen_reference.cell(b.help)} | {'yes' if b.is_accuracy else 'no'} | "
+        + (", ".join(f"`--{o}`" for o in gen_reference.builtin_options(b.make)) or gen_reference.NONE)
+        + " |"
+        for name, b in BUILTINS.items()
+    ]
     assert listed == expected, (
-        "README.md's list of built-in reward functions differs from BUILTINS; it should "
-        "read (code in backticks as you like):\n" + "\n".join(expected)
+        f"{gen_reference.REGISTRIES_PAGE}'s list of built-in reward functions differs from BUILTINS; regenerate it "
+        f"with: {gen_reference.COMMAND}"
     )
+    assert gen_reference.builtin_options(BUILTINS["format"].make) == ["format_pattern"]
+
+
+def test_a_registered_builtin_shows_on_the_reference_page(monkeypatch):
+    monkeypatch.setitem(BUILTINS, "toy_len", Builtin(make_toy, "len(completion) / --max_answer_seq_len"))
+    page = gen_reference.registries_page()
+    assert "| `toy_len` | len(completion) / `--max_answer_seq_len` | no | `--max_answer_seq_len` |" in page
 
 
 # ---------------------------------------------------------------- loading
