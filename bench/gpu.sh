@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# ONE prepared check for a machine with one GPU (issue 13): steps 1-3 on a tiny model and on a
+# ONE prepared check for a machine with one GPU and no network: steps 1-3 on a tiny model and on a
 # SmolLM2-135M-shaped one in bf16 (ZeRO-3 + hybrid generation mode), the lr=0 invariant on CUDA in
 # fp32 with TF32 off, the run_single_gpu.sh configurations (LoRA, offloaded frozen models), and the
 # generation benchmark; prints s/step, tokens/s and peak memory per phase, and writes a dated report
@@ -7,7 +7,7 @@
 #
 # On the GPU machine (no network; its own python3 and CUDA torch; no deepspeed): first, HERE,
 #   bash bench/gpu_prepare.sh                       # wheels, SmolLM2's config+tokenizer, demo data
-# then there, through the device tool, carrying bench/gpu_carry:
+# then copy the tree with bench/gpu_carry to the GPU machine and run there:
 #   bash bench/gpu.sh                                (ends in about 6 minutes: GPU_RUN_BUDGET_S=330)
 # Without CUDA it runs its CPU fallback (tiny model, the same runs) in the repository's venv:
 #   bash bench/gpu.sh

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Prepares what bench/gpu.sh needs on the GPU machine (no network there; Python 3.12 and its own CUDA
-# torch, transformers, peft, ...; no deepspeed: ../shared/notes/gpu-machine.md), into bench/gpu_carry/
-# (git-ignored; the device tool's call carries it: carry=["bench/gpu_carry"], 64 MiB in all):
+# torch, transformers, peft, ...; no deepspeed), into bench/gpu_carry/ (git-ignored; it travels with the
+# tree, copied to the GPU machine, so it is kept under 60 MiB):
 #   wheels/   deepspeed (pure Python, ops compiled just in time there) and the packages that machine
 #             lacks or holds in other versions than requirements.txt pins, for Python 3.12 x86-64
 #   smollm2/  SmolLM2-135M-Instruct's config and tokenizer (no weights: a random model of that shape
 #             is made there; the converted 540 MB fp32 weights do not travel)
 #   data/     the demo data (sft/ and pairs/)
-# usage: bash bench/gpu_prepare.sh        (run on this machine, in the repository's venv)
+# usage: bash bench/gpu_prepare.sh        (on a machine with network, in the repository's venv)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CARRY="$ROOT/bench/gpu_carry"
@@ -36,5 +36,5 @@ cp -r "$ROOT/data/demo_raw/sft" "$ROOT/data/demo_raw/pairs" "$CARRY/data/"
 
 ls -l "$CARRY/wheels"
 total_kb="$(du -sk "$CARRY" | cut -f1)"
-echo "bench/gpu_carry: $((total_kb / 1024)) MiB (the device tool carries 64 MiB with the working tree)"
+echo "bench/gpu_carry: $((total_kb / 1024)) MiB (copied with the tree to the GPU machine; at most 60 MiB)"
 [ "$total_kb" -lt $((60 * 1024)) ] || { echo "error: bench/gpu_carry is over 60 MiB" >&2; exit 1; }

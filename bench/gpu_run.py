@@ -5,7 +5,7 @@
 
 In priority order (later runs are skipped, and the report says so, when --budget_s is spent):
   tiny llama:  step 1 (ZeRO-3), step 2 (ZeRO-3), step 3 (ZeRO-3 + hybrid generation mode), the lr=0
-               check (fp32, TF32 off: max |log ratio| <= 1e-4, promise 1)
+               check (fp32, TF32 off: max |log ratio| <= 1e-4, the lr=0 guarantee)
   SmolLM2-135M-shaped (random weights from its config, GPU only): the same four runs, then
                scripts/step{1_sft,2_reward,3_ppo}/run_single_gpu.sh as they are (LoRA, bf16, gradient
                checkpointing; step 3 with the frozen reference and reward model offloaded),
@@ -21,7 +21,7 @@ s/step and samples/s (steps 1-2: time/train_s over the steps, first step include
 median iteration after the first), generated tokens/s (step 3: generated tokens / generation time)
 and the peak memory of each phase (mem/*: accelerator memory allocated on a GPU, peak RSS on CPU).
 The report is printed and written to bench/results/gpu/DATE-gpu[-cpu-fallback].txt (+ .json), and to
-$OUT when set (the device tool brings $OUT back).
+$OUT when set (a folder that whoever runs the check on the GPU machine copies back).
 """
 
 from __future__ import annotations

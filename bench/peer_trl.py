@@ -11,8 +11,8 @@ min = max; TRL has no stop token, so it always generates response_length tokens)
 temperature 1 (top_k 0, top_p 1), PPO mini-batch (--train_batch_size), PPO epochs, fp32 (TRL:
 bf16=False and ACCELERATE_MIXED_PRECISION=no), no gradient checkpointing (TRL's default is on:
 turned off), the same ZeRO stage on both sides (--zero_stage, default 3; ours: --actor/critic_zero_stage
-and --enable_hybrid_engine; TRL: through accelerate's environment (ACCELERATE_USE_DEEPSPEED,
-shared/notes) with the same ZeRO section as ours, ds3_gather_for_generation=True), torch AdamW on
+and --enable_hybrid_engine; TRL: through accelerate's environment (ACCELERATE_USE_DEEPSPEED
+and its DEEPSPEED_* variables) with the same ZeRO section as ours, ds3_gather_for_generation=True), torch AdamW on
 both sides, no eval generations (num_sample_generations=0), no saving.
 
 TRL batch mapping: per_device_train_batch_size = rollout per rank, gradient_accumulation_steps 1,
@@ -104,7 +104,7 @@ def worker(argv) -> None:
 
     from accelerate import PartialState  # TRL's venv: imported here, also to keep --help fast
 
-    # before the config and the models (shared/notes); without backend="gloo" it reports 1 process on CPU
+    # before the config and the models; without backend="gloo" it reports 1 process on CPU
     state = PartialState(backend="gloo")
     if state.num_processes != int(os.environ.get("WORLD_SIZE", "1")):
         raise BenchError(
@@ -451,7 +451,7 @@ def parse_args(argv=None):
         type=int,
         default=None,
         help="with --malloc_tuning: MALLOC_TRIM_THRESHOLD_ for both sides instead of tune_malloc's "
-        "2^31-1 (bytes; mallopt takes an int, the variable does not: shared/notes used 17179869184)",
+        "2^31-1 (bytes; mallopt takes an int, the variable does not: 16 GiB is 17179869184)",
     )
     p.add_argument(
         "--rounds",

@@ -128,7 +128,7 @@ def worker(argv) -> None:
     args = worker_args(argv)
     from accelerate import PartialState  # TRL's venv: imported here, also to keep --help fast
 
-    state = PartialState(backend="gloo")  # before the config and the models (shared/notes/peer-trl.md)
+    state = PartialState(backend="gloo")  # before the config and the models: gloo, or 1 process on CPU
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if state.num_processes != launched:
         raise BenchError(f"accelerate counts {state.num_processes} process(es) of the {launched} launched")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The step-2 alternatives side by side on the demo's data and settings (issue 29's table): the demo's
+# The step-2 alternatives side by side on the demo's data and settings (the DPO-family results table): the demo's
 # step 1 and step 2 (reward model, for the evaluation's RM column), then scripts/step2_dpo/run_cpu.sh
 # once per loss from the same step-1 model (LOSS_TYPE: each loss with its own flags), then one
 # step3_ppo.eval of every output against SFT on the demo's 128 held-out prompts (reward model, both
