@@ -22,11 +22,11 @@ Greedy decoding by default; `--do_sample` samples.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 from utils.errors import UsageError
+from utils.train.config_file import ConfigFileParser
 from utils.train.flags import add_device_arg, add_generation_args, resolve_generation_args
 
 TEMPLATES = ("auto", "chat", "human_assistant")
@@ -34,7 +34,7 @@ TEMPLATES = ("auto", "chat", "human_assistant")
 
 def build_parser():
     """The argument parser of this entry point (the reference pages of docs/ are generated from it)."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ConfigFileParser(description=__doc__.splitlines()[0])
     p.add_argument(
         "--model_name_or_path",
         required=True,

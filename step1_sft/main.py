@@ -19,6 +19,7 @@ from utils.models.forward import causal_lm_logits, eval_mode, lm_nll
 from utils.models.loading import load_causal_lm
 from utils.runtime.distributed import all_reduce_sum, rank_batches
 from utils.train.checkpoint import data_layout
+from utils.train.config_file import write_run_config
 from utils.train.flags import BATCH_FLAGS, check_range, single_model_parser, validate_training_args
 from utils.train.loop import (
     build_trained_engine,
@@ -89,6 +90,7 @@ def logits_of(model, batch: dict) -> torch.Tensor:
 
 def main(argv=None):
     args = parse_args(argv)
+    write_run_config(args, "step1_sft.main")  # OUTPUT_DIR/config.yaml (rank 0): `--config` it to rerun these flags
     tokenizer, train_examples, train_stats, eval_examples, eval_stats = start_single_model_run(
         args,
         1,

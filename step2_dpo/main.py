@@ -57,6 +57,7 @@ from utils.models.forward import eval_mode, sequence_logprobs
 from utils.models.loading import load_causal_lm
 from utils.runtime.distributed import all_reduce_sum, rank_batches, world_size
 from utils.train.checkpoint import data_layout
+from utils.train.config_file import write_run_config
 from utils.train.ds_config import eval_ds_config
 from utils.train.flags import (
     BATCH_FLAGS,
@@ -536,6 +537,7 @@ def build_reference(args, tokenizer, policy) -> Reference:
 
 def main(argv=None):
     args = parse_args(argv)
+    write_run_config(args, "step2_dpo.main")  # OUTPUT_DIR/config.yaml (rank 0): `--config` it to rerun these flags
     unpaired = PAIR_LOSSES[args.loss_type].unpaired
     tokenize = tokenize_unpaired if unpaired else tokenize_preference_pairs
     tokenizer, train_pairs, train_stats, eval_pairs, eval_stats = start_single_model_run(

@@ -23,6 +23,7 @@ from utils.models.loading import load_tokenizer
 from utils.models.reward_model import RewardModel, export_reward_model
 from utils.runtime.distributed import all_reduce_sum, rank_batches
 from utils.train.checkpoint import data_layout
+from utils.train.config_file import write_run_config
 from utils.train.flags import BATCH_FLAGS, add_pair_eval_args, check_range, single_model_parser, validate_training_args
 from utils.train.loop import (
     build_trained_engine,
@@ -95,6 +96,7 @@ def _format_eval(metrics: dict) -> str:
 
 def main(argv=None):
     args = parse_args(argv)
+    write_run_config(args, "step2_reward.main")  # OUTPUT_DIR/config.yaml (rank 0): `--config` it to rerun these flags
     tokenizer, train_pairs, train_stats, eval_pairs, eval_stats = start_single_model_run(
         args, 2, lambda rows, tok: tokenize_pairs(rows, tok, args.max_seq_len), {"max_seq_len": args.max_seq_len}
     )

@@ -17,7 +17,6 @@ Single process, plain fp32 models (GPU if available; two policies in memory at o
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -39,12 +38,13 @@ from utils.evaluation import (
 from utils.evaluation.loading import default_device
 from utils.models.forward import GenerationSettings
 from utils.models.loading import ModelLoadError, check_model_path, check_remote_code, check_weight_files
+from utils.train.config_file import ConfigFileParser, write_config
 from utils.train.flags import add_device_arg, add_format_args, add_generation_args, fail, resolve_generation_args
 
 
 def build_parser():
     """The argument parser of this entry point (the reference pages of docs/ are generated from it)."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ConfigFileParser(description=__doc__.splitlines()[0])
     p.add_argument("--sft_model", required=True, help="step 1 output directory (also the KL reference)")
     p.add_argument(
         "--rlhf_model",
@@ -160,6 +160,8 @@ def agent_main(args, policies: list[tuple[str, str]]) -> dict:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.out:  # the flags next to the result (without --out nothing is written, the flags neither)
+        write_config(config_path(args.out), args, "step3_ppo.eval")
     others = other_policies(args)
     flags = [("--sft_model", args.sft_model)]
     if args.rlhf_model is not None:
@@ -214,6 +216,11 @@ def main(argv=None) -> dict:
     print(format_table(result), flush=True)
     write_result(args.out, result)
     return result
+
+
+def config_path(out: str) -> str:
+    """Where the resolved flags of a run with --out OUT go: eval.json -> eval.config.yaml."""
+    return os.path.splitext(out)[0] + ".config.yaml"
 
 
 def write_result(path: str | None, result: dict) -> None:

@@ -54,6 +54,7 @@ from utils.models.loading import check_model_path, load_tokenizer
 from utils.models.reward_model import check_policy_dir, check_reward_model_dir, export_reward_model
 from utils.runtime.distributed import is_rank0, rank, start_process, world_size
 from utils.train.checkpoint import data_layout
+from utils.train.config_file import ConfigFileParser, write_run_config
 from utils.train.flags import (
     add_checkpoint_args,
     add_data_args,
@@ -84,7 +85,7 @@ MODEL_DEFAULTS = {
 
 def build_parser():
     """The argument parser of this entry point (the reference pages of docs/ are generated from it)."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ConfigFileParser(description=__doc__.splitlines()[0])
     add_data_args(p)
     add_model_args(
         p,
@@ -928,6 +929,7 @@ def export(prepared: Setup) -> None:
 
 def main(argv=None):
     args = parse_args(argv)
+    write_run_config(args, "step3_ppo.main")  # OUTPUT_DIR/config.yaml (rank 0): `--config` it to rerun these flags
     prepared = setup(args)
     try:
         run = train(prepared)  # a RewardFunctionError on any rank is shown once, by run_main (utils/errors.py)

@@ -16,6 +16,7 @@ import os
 from typing import Sequence
 
 from utils.errors import UsageError
+from utils.train.config_file import ConfigFileParser
 from utils.train.output_dir import is_within, lock_output_dir, remove_entry
 
 SCHEDULER_TYPES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup")
@@ -413,7 +414,7 @@ def add_offload_reference_arg(group) -> None:
 
 def single_model_parser(description: str, model_help: str) -> argparse.ArgumentParser:
     """Steps 1 and 2 (one trained model): data, model, batch, training, checkpoint and output flags."""
-    parser = argparse.ArgumentParser(description=description)
+    parser = ConfigFileParser(description=description)
     add_data_args(parser)
     add_model_args(parser, {"": model_help})
     add_batch_args(parser)
