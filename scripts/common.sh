@@ -78,16 +78,6 @@ tools_inputs() {  # the tool-use demo's step 3 (run_tools_cpu.sh): a step-1 acto
   CRITIC=none
   default_data "$ROOT/data/tools/rl" data.make_tool_data "$ROOT/data/tools"
 }
-# The GPU GRPO scripts' settings (run_grpo_single_gpu.sh, run_grpo_single_node.sh; one preset, two launchers):
-# GPU-sized batches, bf16, ZeRO-3 + hybrid generation, 8 answers per prompt, math_exact (format logged at weight 0).
-GRPO_GPU_FLAGS=(--advantage_estimator grpo --n_samples_per_prompt 8
-  --reward_funcs math_exact format --reward_weights 1.0 0.0 --format_pattern '^\s*\d+\s*\.?\s*$'
-  --actor_zero_stage 3 --enable_hybrid_engine --dtype bf16
-  --max_prompt_seq_len 128 --max_answer_seq_len 64 --temperature 0.7
-  --per_device_generation_batch_size 32 --per_device_training_batch_size 64 --ppo_epochs 1
-  --actor_learning_rate 1e-6 --kl_ctl 0.02 --kl_in_loss --num_train_epochs 1
-  --eval_interval 10 --eval_num_prompts 200 --seed 1234)
-
 # Multi-node: MULTI_NODE_MODE=ssh (default; the launcher reaches every host of the hostfile over
 # pdsh/ssh) or no_ssh (start THIS node only: NODE_RANK, MASTER_ADDR, MASTER_PORT must be set, e.g.
 # by a scheduler). The output directory must be on a filesystem every node sees.
@@ -119,7 +109,9 @@ multi_node_launcher() {  # prints the launcher prefix for the given hostfile
 #                            multi_node   multi_node_launcher ${HOSTFILE:-./hostfile} (see above)
 # MODULE       step1_sft.main, step2_reward.main, step2_dpo.main or step3_ppo.main
 # DEMO_SOURCE  the data/demo source used when DATA is unset: sft or pairs (made on first use)
-# STEP FLAGS   the step's own flags (--data_split ...); everything after -- is the run script's "$@".
+# STEP FLAGS   the step's own flags: --config configs/STEP/PRESET.yaml (the run's settings, one preset per script;
+#              docs/guides/configuration.md) and those the script's env variables set (MAX_STEPS, DTYPE);
+#              everything after -- is the run script's "$@" (command-line flags win over the preset's).
 # Launched: LAUNCHER --module MODULE MODEL_ARGS --data_path $DATA STEP_FLAGS --output_dir OUTPUT_DIR
 # EXTRA_ARGS (last, so they override), where MODEL_ARGS is --model_name_or_path $MODEL (steps 1, 2)
 # or --actor_model_name_or_path $ACTOR --critic_model_name_or_path $CRITIC (step 3) and $DATA is

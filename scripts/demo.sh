@@ -73,8 +73,8 @@ if [ "$TASK" = tools ]; then
   start=$(date +%s)
   T="$OUTPUT_ROOT/tools" TOOLS_DATA="$ROOT/data/tools"
   BASE_EVAL=(--num_prompts 128 --max_new_tokens 48 --batch_size 32)
-  S1=(--max_seq_len 224 --max_steps 10 --learning_rate 2e-5 --lr_scheduler_type constant --num_warmup_steps 0
-      --overwrite_output_dir) S3=(--overwrite_output_dir)
+  # step 1's settings on the calculator traces: configs/demo/tools_step1_sft.yaml, over run_cpu.sh's preset
+  S1=(--config configs/demo/tools_step1_sft.yaml --max_steps 10 --overwrite_output_dir) S3=(--overwrite_output_dir)
   if [ "$QUICK" = 1 ]; then  # a tiny random model with ChatML and a small copy of the data: a smoke test
     BASE="$(python -m utils.models.tiny --arch llama --chat --out "$OUTPUT_ROOT/tiny_chat_llama" --print_path)"
     TOOLS_DATA="$OUTPUT_ROOT/tools_data"
@@ -116,17 +116,9 @@ if [ "$QUICK" = 1 ]; then  # a smoke test reads a few steps' rows: a small copy 
 fi
 python -m data.make_demo_data --out "$DEMO_DATA" --format "$DEMO_FORMAT" "${DATA_SIZES[@]}" >/dev/null
 STEP1="$OUTPUT_ROOT/step1" STEP2="$OUTPUT_ROOT/step2" STEP3="$OUTPUT_ROOT/step3" DPO="$OUTPUT_ROOT/step2_dpo"
-# Step 3 of the demo: RLOO on the reward model (4 answers per prompt, no critic), DAPO's overlong penalty
-# on the last 6 of the 24 tokens and 10 off an answer cut at 24 tokens without its end-of-turn (TRL's
-# missing_eos_penalty: the reward model never saw an unfinished answer, and a 20-step one scored them ~7 above
-# finished ones, which RL exploited: EOS fraction 0.59 -> 0, judges at chance on the dev split); the generator's
-# log-probs as the old ones (no forward after generation: ~2.5 s of ~28 s per iteration); 10 iterations
-# (--max_steps 10 below) of 4 prompts x 4 answers per rank at lr 5e-5. PPO with a critic (run_cpu.sh's own
-# settings) raised the reward model's score but not the independent judge's (win rate 0.41 on 64 prompts);
-# this one wins on both judges (docs/demo_eval.txt).
-RL=(--advantage_estimator rloo --n_samples_per_prompt 4 --per_device_generation_batch_size 4
-    --per_device_training_batch_size 8 --actor_learning_rate 5e-5 --overlong_buffer_len 6 --overlong_penalty_factor 1.0
-    --truncation_penalty 10 --old_logprobs rollout)
+# Step 3 of the demo: RLOO on the reward model with DAPO's overlong penalty, over run_cpu.sh's PPO preset
+# (configs/demo/step3_rloo.yaml says what and why); 10 iterations (--max_steps 10 below)
+RL=(--config configs/demo/step3_rloo.yaml)
 if [ "$QUICK" = 1 ]; then
   BASE="$(tiny_model llama)"
   # held-out pairs: two batches of 8 per rank (32 of the 64), enough to show the figures
@@ -140,12 +132,12 @@ if [ "$QUICK" = 1 ]; then
     S2+=(--chat_template utils/chat_templates/chatml.jinja) S3+=(--max_prompt_seq_len 96)
 else
   BASE="$(default_model)"
-  # the 20-minute budget (issue 32), settings chosen on the dev split (--eval_split dev; 4 configurations tried,
-  # README): 20 steps of step 1 (its loss levels off by step ~20 of 40), 40 of step 2 (20 gave a reward model
-  # whose scores RL exploited, above), 10 RL iterations (12 measured 20 min 25 s from a fresh clone); step 1's
-  # perplexity on 64 of the 300 held-out rows (2 batches of 16 per rank) and step 2's accuracy on 64 of the 300
-  # held-out pairs (1 batch of 32 per rank), each evaluation ~80% cheaper than on all 300; the final evaluation
-  # in batches of 64 (~10% faster than 32)
+  # the demo's 20-minute budget, settings chosen on the dev split (--eval_split dev; 4
+  # configurations tried, README): 20 steps of step 1 (its loss levels off by step ~20 of 40), 40 of step 2 (20 gave
+  # a reward model whose scores RL exploited: configs/demo/step3_rloo.yaml), 10 RL iterations (12 measured
+  # 20 min 25 s from a fresh clone); step 1's perplexity on 64 of the 300 held-out rows (2 batches of 16 per rank)
+  # and step 2's accuracy on 64 of the 300 held-out pairs (1 batch of 32 per rank), each evaluation ~80% cheaper
+  # than on all 300; the final evaluation in batches of 64 (~10% faster than 32)
   S1=(--max_steps 20 --num_warmup_steps 3 --eval_iters 2) S2=(--max_steps 40 --eval_iters 1) SD=()
   S3=("${RL[@]}" --max_steps 10) EVAL=(--num_prompts 256 --batch_size 64)
 fi

@@ -10,11 +10,13 @@ while a function wins over any PATH entry and needs no change to the scripts.
 from __future__ import annotations
 
 import glob
+import importlib
 import os
 import re
 import subprocess
 
 import pytest
+import yaml
 
 from tests.launch import ROOT, subprocess_env
 
@@ -98,14 +100,21 @@ def test_launch_step_launches_through_run_logged():
     assert "python -m utils.runtime.ports" in common and "import socket" not in common
 
 
+def script_preset(script: str) -> str:
+    """The preset (configs/...yaml) the script's launch_step call passes: exactly one."""
+    (preset,) = re.findall(r"--config (configs/\S+\.yaml)", code_lines(read(script)))
+    return preset
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_data_split_convention(script):
     """data/demo/sft feeds step 1 only (10,0,0); steps 2 and 3 share data/demo/pairs (0,5,5); the GRPO and
-    tools scripts' prompt rows are all step 3's (0,0,1)."""
-    splits = re.findall(r"--data_split\s+(\S+)", code_lines(read(script)))
+    tools scripts' prompt rows are all step 3's (0,0,1). The split is the script's preset's, not its own flag."""
+    assert "--data_split" not in code_lines(read(script))
+    with open(os.path.join(ROOT, script_preset(script))) as f:
+        split = yaml.safe_load(f)["data_split"]
     step3_only = "/run_grpo_" in script or "/run_tools_" in script
-    expected = "0,0,1" if step3_only else "10,0,0" if "/step1_sft/" in script else "0,5,5"
-    assert splits == [expected]
+    assert split == ("0,0,1" if step3_only else "10,0,0" if "/step1_sft/" in script else "0,5,5")
 
 
 STUB = """#!/bin/sh
@@ -136,6 +145,18 @@ def launched(text: str) -> list[str]:
     return [line[len("ARG ") :] for line in text.splitlines() if line.startswith("ARG ")]
 
 
+def parsed(argv: list[str]):
+    """The flags the launched module's parser reads from a launch (its --config presets read from the
+    repository root, where the scripts run), before any check."""
+    module = argv[argv.index("--module") + 1]
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        return importlib.import_module(module).build_parser().parse_args(argv[argv.index("--module") + 2 :])
+    finally:
+        os.chdir(cwd)
+
+
 def test_preamble_cpu_step1(tmp_path):
     out = tmp_path / "new" / "out"  # made by the helper, parents included
     proc, demo = run_with_stub(
@@ -163,9 +184,11 @@ def test_preamble_cpu_step1(tmp_path):
         "/some/model",
         "--data_path",
     ]
-    assert argv[9:12] == [f"{demo}/sft", "--data_split", "10,0,0"]
+    assert argv[9:12] == [f"{demo}/sft", "--config", "configs/step1_sft/cpu.yaml"]
     assert argv[-4:] == ["--output_dir", str(out), "--foo", "a b"]  # "$@" extras come last
-    assert argv[argv.index("--max_steps") + 1] == "7" and argv[argv.index("--zero_stage") + 1] == "2"
+    assert argv[argv.index("--max_steps") + 1] == "7"  # MAX_STEPS, over the preset's 40
+    args = parsed(argv[:-2])
+    assert (args.max_steps, args.zero_stage, args.data_split) == (7, 2, "10,0,0")
     assert f"[step1] model /some/model, data {demo}/sft, output {out}" in proc.stdout
 
 
@@ -192,7 +215,7 @@ def test_preamble_step3_defaults(tmp_path):
         "/d/a",
         "/d/b",
     ]
-    assert argv[11:13] == ["--data_split", "0,5,5"]
+    assert argv[11:13] == ["--config", "configs/step3_ppo/ppo_single_node.yaml"]
     assert argv[-2:] == ["--output_dir", str(out)] and (out / "train.log").is_file()
 
 
@@ -229,8 +252,9 @@ def test_preamble_multi_node_no_ssh(tmp_path):
         "--module",
         "step2_reward.main",
     ]
-    assert argv[11:16] == ["--model_name_or_path", "/m", "--data_path", f"{demo}/pairs", "--data_split"]
-    assert argv[argv.index("--dtype") + 1] == "fp32"
+    assert argv[11:16] == ["--model_name_or_path", "/m", "--data_path", f"{demo}/pairs", "--config"]
+    assert argv[argv.index("--dtype") + 1] == "fp32"  # DTYPE, over the preset's bf16
+    assert parsed(argv[:-1]).dtype == "fp32"
     assert argv[-3:] == ["--output_dir", str(out), "--x"]
 
 
@@ -262,12 +286,14 @@ def test_preamble_grpo_has_no_critic(tmp_path):
     argv = launched(proc.stdout)
     assert argv[4:10] == ["--module", "step3_ppo.main", "--actor_model_name_or_path", "/a", "--data_path", "/d"]
     assert "--critic_model_name_or_path" not in argv
-    assert argv[argv.index("--reward_funcs") + 1 : argv.index("--reward_funcs") + 3] == ["math_exact", "format"]
-    assert argv[-4:] == ["--output_dir", str(out), "--max_steps", "1"]
+    args = parsed(argv)
+    assert args.critic_model_name_or_path is None
+    assert (args.reward_funcs, args.reward_weights) == (["math_exact", "format"], [1.0, 0.0])
+    assert argv[-4:] == ["--output_dir", str(out), "--max_steps", "1"] and args.max_steps == 1
 
 
 @pytest.mark.parametrize("kind", ["cpu", "single_gpu", "single_node"])
-def test_dpo_scripts_launch_flags_step2_dpo_accepts(kind, tmp_path, tiny_gpt2):
+def test_dpo_scripts_launch_flags_step2_dpo_accepts(kind, tmp_path, tiny_gpt2, monkeypatch):
     """What a DPO script launches parses with step2_dpo's own flags (a misspelt or contradictory flag
     would stop the real run); it announces itself as step2_dpo."""
     from step2_dpo.main import parse_args
@@ -284,6 +310,7 @@ def test_dpo_scripts_launch_flags_step2_dpo_accepts(kind, tmp_path, tiny_gpt2):
     assert f"[step2_dpo] model {tiny_gpt2}" in proc.stdout
     argv = launched(proc.stdout)
     assert argv[argv.index("--module") + 1] == "step2_dpo.main"
+    monkeypatch.chdir(ROOT)  # the scripts run from the repository root, the presets' paths are relative to it
     args = parse_args(argv[argv.index("--module") + 2 :])
     assert args.output_dir == str(out) and args.beta == 0.1
 
@@ -292,7 +319,7 @@ def test_dpo_scripts_launch_flags_step2_dpo_accepts(kind, tmp_path, tiny_gpt2):
     "loss,beta,nll",
     [("sigmoid", 0.1, 1.0), ("ipo", 0.1, 1.0), ("simpo", 2.0, 1.0), ("orpo", None, 0.0), ("kto", 0.1, 0.0)],
 )
-def test_dpo_cpu_script_gives_each_loss_its_flags(loss, beta, nll, tmp_path, tiny_gpt2):
+def test_dpo_cpu_script_gives_each_loss_its_flags(loss, beta, nll, tmp_path, tiny_gpt2, monkeypatch):
     """LOSS_TYPE (demo.sh --with_dpo LOSS) picks the loss and the flags it takes: ORPO refuses --beta and
     --nll_loss_coef (its own NLL term), SimPO gets its paper's beta; each launch parses with step2_dpo's flags."""
     from step2_dpo.main import parse_args
@@ -307,6 +334,7 @@ def test_dpo_cpu_script_gives_each_loss_its_flags(loss, beta, nll, tmp_path, tin
     )
     assert proc.returncode == 3, proc.stdout + proc.stderr
     argv = launched(proc.stdout)
+    monkeypatch.chdir(ROOT)
     args = parse_args(argv[argv.index("--module") + 2 :])
     assert (args.loss_type, args.nll_loss_coef) == (loss, nll)
     assert args.beta == beta or (beta is None and "--beta" not in argv)

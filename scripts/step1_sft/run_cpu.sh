@@ -9,9 +9,5 @@
 #      NUM_RANKS (2), MAX_STEPS (40), MASTER_PORT (a free one). Log: OUTPUT_DIR/train.log.
 source "$(dirname "$0")/../common.sh"
 launch_step cpu step1_sft.main sft \
-  --data_split 10,0,0 \
-  --zero_stage 2 --dtype fp32 --max_seq_len 80 \
-  --per_device_train_batch_size 8 --per_device_eval_batch_size 16 --gradient_accumulation_steps 1 \
-  --learning_rate 5e-5 --lr_scheduler_type cosine --num_warmup_steps 5 --weight_decay 0.0 \
-  --num_train_epochs 1 --max_steps "${MAX_STEPS:-40}" --seed 1234 --dropout 0.0 \
+  --config configs/step1_sft/cpu.yaml ${MAX_STEPS:+--max_steps "$MAX_STEPS"} \
   -- "$@"

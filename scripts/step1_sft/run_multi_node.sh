@@ -8,8 +8,5 @@
 #      DTYPE (bf16). Log: OUTPUT_DIR/train.log.node$NODE_RANK (node0 in ssh mode).
 source "$(dirname "$0")/../common.sh"
 launch_step multi_node step1_sft.main sft \
-  --data_split 10,0,0 \
-  --zero_stage 3 --dtype "${DTYPE:-bf16}" --max_seq_len 512 \
-  --per_device_train_batch_size 4 --per_device_eval_batch_size 4 \
-  --learning_rate 9.65e-6 --num_train_epochs 4 --seed 1234 \
+  --config configs/step1_sft/multi_node.yaml ${DTYPE:+--dtype "$DTYPE"} \
   -- "$@"

@@ -5,9 +5,5 @@
 #      MASTER_PORT (a free one). Log: OUTPUT_DIR/train.log.
 source "$(dirname "$0")/../common.sh"
 launch_step single_gpu step1_sft.main sft \
-  --data_split 10,0,0 \
-  --zero_stage 0 --dtype bf16 --max_seq_len 512 --gradient_checkpointing \
-  --lora_dim 128 --only_optimize_lora --lora_learning_rate 5e-4 \
-  --per_device_train_batch_size 8 --per_device_eval_batch_size 8 \
-  --learning_rate 1e-3 --num_train_epochs 1 --seed 1234 \
+  --config configs/step1_sft/single_gpu_lora.yaml \
   -- "$@"

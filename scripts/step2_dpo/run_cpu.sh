@@ -16,20 +16,12 @@
 #      kto: beta 0.1, each pair one desirable and one undesirable example).
 #      Log: OUTPUT_DIR/train.log.
 source "$(dirname "$0")/../common.sh"
+# the preset is sigmoid DPO; another LOSS_TYPE layers its own preset on it (configs/step2_dpo/loss_LOSS.yaml)
 case "${LOSS_TYPE:-sigmoid}" in
-  sigmoid|ipo) LOSS=(--loss_type "${LOSS_TYPE:-sigmoid}" --beta 0.1 --nll_loss_coef 1.0) ;;
-  simpo) LOSS=(--loss_type simpo --beta 2.0 --nll_loss_coef 1.0) ;;
-  orpo) LOSS=(--loss_type orpo) ;;
-  kto) LOSS=(--loss_type kto --beta 0.1) ;;
+  sigmoid) LOSS=() ;;
+  ipo|simpo|orpo|kto) LOSS=(--config "configs/step2_dpo/loss_$LOSS_TYPE.yaml") ;;
   *) echo "LOSS_TYPE must be sigmoid, ipo, simpo, orpo or kto, got $LOSS_TYPE" >&2; exit 2 ;;
 esac
 launch_step cpu step2_dpo.main pairs \
-  --data_split 0,5,5 \
-  --zero_stage 2 --dtype fp32 --max_seq_len 80 \
-  --per_device_train_batch_size 4 --per_device_eval_batch_size 32 --gradient_accumulation_steps 2 \
-  --lora_dim 16 --only_optimize_lora --lora_learning_rate 2e-3 \
-  --learning_rate 2e-3 --lr_scheduler_type cosine --num_warmup_steps 2 --weight_decay 0.0 \
-  "${LOSS[@]}" \
-  --num_train_epochs 1 --max_steps "${MAX_STEPS:-40}" --seed 1234 --dropout 0.0 \
-  --eval_interval 0 --eval_iters 0 \
+  --config configs/step2_dpo/cpu.yaml "${LOSS[@]}" ${MAX_STEPS:+--max_steps "$MAX_STEPS"} \
   -- "$@"

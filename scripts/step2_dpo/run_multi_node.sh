@@ -9,9 +9,5 @@
 #      default data/demo/pairs), DTYPE (bf16). Log: OUTPUT_DIR/train.log.node$NODE_RANK (node0 in ssh mode).
 source "$(dirname "$0")/../common.sh"
 launch_step multi_node step2_dpo.main pairs \
-  --data_split 0,5,5 \
-  --zero_stage 3 --dtype "${DTYPE:-bf16}" --max_seq_len 512 \
-  --per_device_train_batch_size 4 --per_device_eval_batch_size 4 \
-  --learning_rate 1e-6 --weight_decay 0.0 --num_train_epochs 1 --num_warmup_steps 10 --seed 1234 \
-  --beta 0.1 --dropout 0.0 --eval_interval 100 --eval_iters 100 \
+  --config configs/step2_dpo/multi_node.yaml ${DTYPE:+--dtype "$DTYPE"} \
   -- "$@"

@@ -11,11 +11,5 @@
 #      Log: OUTPUT_DIR/train.log.
 source "$(dirname "$0")/../common.sh"
 launch_step cpu step2_reward.main pairs \
-  --data_split 0,5,5 \
-  --zero_stage 2 --dtype fp32 --max_seq_len 80 \
-  --per_device_train_batch_size 4 --per_device_eval_batch_size 32 --gradient_accumulation_steps 2 \
-  --lora_dim 16 --only_optimize_lora --lora_learning_rate 2e-3 \
-  --learning_rate 2e-3 --lr_scheduler_type cosine --num_warmup_steps 2 --weight_decay 0.0 \
-  --num_train_epochs 1 --max_steps "${MAX_STEPS:-40}" --seed 1234 --dropout 0.0 \
-  --eval_interval 0 --eval_iters 0 \
+  --config configs/step2_reward/cpu.yaml ${MAX_STEPS:+--max_steps "$MAX_STEPS"} \
   -- "$@"

@@ -8,9 +8,5 @@
 #      default data/demo/pairs), DTYPE (bf16). Log: OUTPUT_DIR/train.log.node$NODE_RANK (node0 in ssh mode).
 source "$(dirname "$0")/../common.sh"
 launch_step multi_node step2_reward.main pairs \
-  --data_split 0,5,5 \
-  --zero_stage 3 --dtype "${DTYPE:-bf16}" --max_seq_len 512 \
-  --per_device_train_batch_size 4 --per_device_eval_batch_size 4 \
-  --learning_rate 9.65e-6 --weight_decay 0.1 --num_train_epochs 1 --seed 1234 \
-  --dropout 0.0 --eval_interval 100 --eval_iters 100 \
+  --config configs/step2_reward/multi_node.yaml ${DTYPE:+--dtype "$DTYPE"} \
   -- "$@"

@@ -5,10 +5,5 @@
 #      default data/demo/pairs), MASTER_PORT (a free one). Log: OUTPUT_DIR/train.log.
 source "$(dirname "$0")/../common.sh"
 launch_step single_gpu step2_reward.main pairs \
-  --data_split 0,5,5 \
-  --zero_stage 0 --dtype bf16 --max_seq_len 512 --gradient_checkpointing \
-  --lora_dim 128 --only_optimize_lora --lora_learning_rate 5e-4 \
-  --per_device_train_batch_size 8 --per_device_eval_batch_size 8 \
-  --learning_rate 5e-5 --weight_decay 0.1 --num_train_epochs 1 --num_warmup_steps 0 --seed 1234 \
-  --eval_interval 100 --eval_iters 100 \
+  --config configs/step2_reward/single_gpu_lora.yaml \
   -- "$@"

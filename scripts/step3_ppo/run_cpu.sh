@@ -9,11 +9,5 @@
 #      Log: OUTPUT_DIR/train.log.
 source "$(dirname "$0")/../common.sh"
 launch_step cpu step3_ppo.main pairs \
-  --data_split 0,5,5 \
-  --actor_zero_stage 3 --critic_zero_stage 3 --enable_hybrid_engine --dtype fp32 \
-  --max_prompt_seq_len 32 --max_answer_seq_len 24 --min_answer_seq_len 2 --temperature 1.0 --top_k 50 \
-  --per_device_generation_batch_size 8 --generation_batches 1 --per_device_training_batch_size 4 --ppo_epochs 1 \
-  --actor_learning_rate 2e-5 --critic_learning_rate 5e-5 --lr_scheduler_type constant \
-  --kl_ctl 0.05 --clip_reward_value 5 --max_steps "${MAX_STEPS:-15}" --seed 1234 --print_answers \
-  --print_answers_interval 10 \
+  --config configs/step3_ppo/ppo_cpu.yaml ${MAX_STEPS:+--max_steps "$MAX_STEPS"} \
   -- "$@"

@@ -13,11 +13,5 @@
 source "$(dirname "$0")/../common.sh"
 grpo_inputs || exit
 launch_step cpu step3_ppo.main arithmetic \
-  --data_split 0,0,1 --advantage_estimator grpo --n_samples_per_prompt 4 \
-  --reward_funcs math_exact format --reward_weights 1.0 0.0 --format_pattern '^\s*\d+\s*\.?\s*$' \
-  --actor_zero_stage 3 --enable_hybrid_engine --dtype fp32 \
-  --max_prompt_seq_len 64 --max_answer_seq_len 16 --min_answer_seq_len 1 --temperature 0.7 --top_k 50 \
-  --per_device_generation_batch_size 4 --generation_batches 1 --per_device_training_batch_size 16 --ppo_epochs 1 \
-  --actor_learning_rate 1e-5 --lr_scheduler_type constant --kl_ctl 0.05 --kl_in_loss \
-  --old_logprobs rollout --eval_interval 10 --eval_num_prompts 128 --max_steps "${MAX_STEPS:-20}" --seed 1234 \
+  --config configs/step3_ppo/grpo_arithmetic_cpu.yaml ${MAX_STEPS:+--max_steps "$MAX_STEPS"} \
   -- "$@"

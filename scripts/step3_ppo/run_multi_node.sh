@@ -10,9 +10,5 @@
 #      (node0 in ssh mode).
 source "$(dirname "$0")/../common.sh"
 launch_step multi_node step3_ppo.main pairs \
-  --data_split 0,5,5 \
-  --actor_zero_stage 3 --critic_zero_stage 3 --enable_hybrid_engine --dtype "${DTYPE:-bf16}" \
-  --max_prompt_seq_len 256 --max_answer_seq_len 256 \
-  --per_device_generation_batch_size 4 --per_device_training_batch_size 4 --ppo_epochs 1 \
-  --actor_learning_rate 9.65e-6 --critic_learning_rate 5e-6 --num_train_epochs 1 --seed 1234 \
+  --config configs/step3_ppo/ppo_multi_node.yaml ${DTYPE:+--dtype "$DTYPE"} \
   -- "$@"

@@ -6,11 +6,5 @@
 #      ("src ..."; default data/demo/pairs), MASTER_PORT (a free one). Log: OUTPUT_DIR/train.log.
 source "$(dirname "$0")/../common.sh"
 launch_step single_gpu step3_ppo.main pairs \
-  --data_split 0,5,5 \
-  --actor_zero_stage 2 --critic_zero_stage 2 --offload_reference_model --offload_reward_model --dtype bf16 \
-  --actor_lora_dim 128 --critic_lora_dim 128 --only_optimize_lora --actor_gradient_checkpointing \
-  --critic_gradient_checkpointing --enable_hybrid_engine \
-  --max_prompt_seq_len 256 --max_answer_seq_len 256 \
-  --per_device_generation_batch_size 8 --per_device_training_batch_size 8 --ppo_epochs 1 \
-  --actor_lora_learning_rate 5e-4 --critic_lora_learning_rate 5e-4 --num_train_epochs 1 --seed 1234 \
+  --config configs/step3_ppo/ppo_single_gpu_lora.yaml \
   -- "$@"
