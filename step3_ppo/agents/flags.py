@@ -20,7 +20,7 @@ def add_agent_args(parser) -> None:
         metavar="SPEC",
         help="the environment that answers the policy between turns: a built-in ("
         + environments_help().replace("%", "%%")
-        + "), path/to/file.py:Class or package.module:Class (README: Environments)",
+        + "), path/to/file.py:Class or package.module:Class (docs: guides/agents.md)",
     )
     g.add_argument(
         "--tools",

@@ -194,7 +194,8 @@ class Builtin:
     keyword parameters named like the flags, the run's options it needs (`make_format(format_pattern=None)`
     gets `--format_pattern`) and gets only those, so a built-in with a new option changes no loader. A
     factory that raises RewardFunctionError stops the run at load time. `help`: one line, in
-    `--reward_funcs`' help and the README's list. `is_accuracy`: its mean is also `eval/accuracy`.
+    `--reward_funcs`' help and the generated reference (docs/reference/registries.md). `is_accuracy`: its
+    mean is also `eval/accuracy`.
     """
 
     make: Callable[..., Callable]
@@ -203,7 +204,7 @@ class Builtin:
 
 
 # The one place a built-in is registered: its name here is its spec and its log name; `--reward_funcs`'
-# help, the README's list (tests/test_reward_funcs.py checks it) and `is_function_spec` follow.
+# help, docs/reference/registries.md (tests/test_reward_funcs.py checks it) and `is_function_spec` follow.
 BUILTINS: dict[str, Builtin] = {
     "math_exact": Builtin(
         lambda: math_exact, "the last number or \\boxed{} equals the row's 'answer'", is_accuracy=True
