@@ -266,7 +266,8 @@ def main_argv(module: str, i: dict) -> list[str]:
     """A command line of `module` with flags its checks fill in or change after parsing."""
     single = ["--model_name_or_path", i["model"], "--data_path", i["data"], "--output_dir", i["out"]]
     return {
-        "step1_sft.main": single + ["--max_steps", "-1", "--learning_rate", "3e-5", "--sft_only_data_path"],
+        "step1_sft.main": single
+        + ["--max_steps", "-1", "--learning_rate", "3e-5", "--sft_only_data_path", "--gradient_clipping", "inf"],
         "step2_reward.main": single + ["--lora_dim", "4", "--only_optimize_lora", "--dropout", "0.1"],
         "step2_dpo.main": single + ["--loss_type", "ipo"],  # --beta left out: the loss's default fills it
         "step3_ppo.main": [

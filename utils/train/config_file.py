@@ -39,8 +39,6 @@ import re
 import sys
 import tempfile
 
-import yaml
-
 from utils.errors import UsageError
 
 CONFIG_FILE = "config.yaml"
@@ -134,6 +132,8 @@ class ConfigFileParser(argparse.ArgumentParser):
 # --------------------------------------------------------------------------- #
 def _compose(path: str):
     """The file's root YAML node (None when empty), after yaml.safe_load accepted it."""
+    import yaml  # lazy: only a --config reads YAML (chat.py's --help imports no more than it needs)
+
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -177,6 +177,8 @@ def _kind(node) -> str:
 
 def read_config(path: str, parser: ConfigFileParser) -> dict[str, list[str]]:
     """{dest: its command-line tokens} of a config file, each value checked as its flag checks it."""
+    import yaml  # lazy: only a --config reads YAML (chat.py's --help imports no more than it needs)
+
     root = _compose(path)
     if root is None:
         return {}
@@ -282,17 +284,21 @@ def _checked(action: argparse.Action, value, where: str) -> str:
 # --------------------------------------------------------------------------- #
 # Writing the resolved flags
 # --------------------------------------------------------------------------- #
-class _Dumper(yaml.SafeDumper):
-    """Floats as Python writes them where YAML's spelling would not parse back as a flag (.inf, .nan)."""
+def _dump(flags: dict) -> str:
+    """YAML of `flags`, one `flag: value` line (or list) each, in the parser's order; a float YAML would spell
+    .inf or .nan written as Python does (inf, nan), which the flag's float() reads back."""
+    import yaml  # lazy: only a run that writes its config.yaml needs it (chat.py's --help stays without it)
 
+    class Dumper(yaml.SafeDumper):
+        pass
 
-def _float(dumper, value: float):
-    if math.isfinite(value):
-        return dumper.represent_float(value)
-    return dumper.represent_scalar("tag:yaml.org,2002:str", repr(value))
+    def represent_float(dumper, value: float):
+        if math.isfinite(value):
+            return dumper.represent_float(value)
+        return dumper.represent_scalar("tag:yaml.org,2002:str", repr(value))
 
-
-_Dumper.add_representer(float, _float)
+    Dumper.add_representer(float, represent_float)
+    return yaml.dump(flags, Dumper=Dumper, sort_keys=False, default_flow_style=False, width=10**6)
 
 
 def resolved_flags(args) -> dict:
@@ -309,8 +315,7 @@ def config_text(args, command: str) -> str:
         f"# The flags of a run of `python -m {command}`, resolved (command line over --config files over defaults),\n"
         f"# written at its start. Rerun it: python -m {command} --config THIS_FILE (flags given after it win).\n"
     )
-    body = yaml.dump(resolved_flags(args), Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=10**6)
-    return header + body
+    return header + _dump(resolved_flags(args))
 
 
 def write_config(path: str, args, command: str) -> str:
@@ -321,6 +326,7 @@ def write_config(path: str, args, command: str) -> str:
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(config_text(args, command))
+        os.chmod(tmp, 0o644)  # as a plain file (mkstemp makes it 0600)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
