@@ -41,7 +41,7 @@ def test_quick_demo_writes_table_and_curves(tmp_path):
     assert rows == ["policy", "SFT", "RLHF", "ORPO"], table
     assert "RLHF vs SFT win rate" in table and "ORPO vs SFT win rate" in table
     assert proc.stdout.index("step 2 alternative: DPO (orpo)") < proc.stdout.index("step 3: PPO")
-    assert "--loss_type orpo" in (out / "step2_dpo" / "train.log").read_text()
+    assert "loss_type: orpo\n" in (out / "step2_dpo" / "config.yaml").read_text()  # the flags the run resolved
     assert (out / "step2_dpo" / "model.safetensors").exists()
     png = out / "step3" / "curves.png"
     assert png.exists() and png.stat().st_size > 10_000
