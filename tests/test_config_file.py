@@ -235,6 +235,12 @@ def test_a_missing_or_unreadable_file_is_refused_naming_it(tmp_path):
         flags_of("step1_sft.main", ["--config", str(tmp_path)])
 
 
+def test_config_without_a_file_is_argparses_own_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        flags_of("step1_sft.main", ["--config", "--seed", "3"])
+    assert exit_info.value.code == 2 and "--config: expected one argument" in capsys.readouterr().err
+
+
 def test_the_refusal_is_the_programs_one_error_line(tmp_path):
     """Through the entry point: `error: run.yaml: unknown key ...`, one line, no traceback, status 1."""
     (tmp_path / "run.yaml").write_text("actor_lerning_rate: 1e-5\n")

@@ -114,8 +114,8 @@ class ConfigFileParser(argparse.ArgumentParser):
             if action is self._config_action:
                 if explicit is not None:
                     paths.append(explicit)
-                elif i + 1 < len(argv):
-                    paths.append(argv[i + 1])
+                elif i + 1 < len(argv) and not (argv[i + 1].startswith("-") and argv[i + 1] != "-"):
+                    paths.append(argv[i + 1])  # else argparse says --config expects an argument
                     i += 1
             elif action is not None:
                 given.add(action.dest)
