@@ -31,6 +31,7 @@ from utils.train.checkpoint import (
     data_layout,
     run_flags,
 )
+from utils.train.config_file import write_run_config
 from utils.train.run import Run
 
 ROWS = [{"prompt": f"Human: {i}\n\nAssistant:", "response": f" {i % 7}"} for i in range(12)]
@@ -141,6 +142,26 @@ def test_a_changed_flag_is_refused_naming_it_and_both_values(tmp_path):
     )
     assert run.resumed and run.loop.step == 4
     assert os.path.basename(TrainingCheckpoints(str(tmp_path / "out")).latest()) == "step-00000004"
+
+
+def test_a_refused_resume_leaves_the_first_runs_config_yaml_and_an_accepted_one_writes_its_own(tmp_path):
+    """config.yaml records the flags a run trained with: a --resume writes it only after the checkpoint's checks."""
+    write_rows(tmp_path / "rows.jsonl", ROWS)
+    config = tmp_path / "out" / "config.yaml"
+    first = run_args(tmp_path)
+    write_run_config(first, "step1_sft.main")
+    train(first)
+    written = config.read_text()
+    assert "kl_ctl: 0.0" in written
+    refused = run_args(tmp_path, resume=True, max_steps=4, kl_ctl=0.2)
+    assert write_run_config(refused, "step1_sft.main") is None  # deferred until the checks pass
+    with pytest.raises(CheckpointError):
+        train(refused)
+    assert config.read_text() == written
+    accepted = run_args(tmp_path, resume=True, max_steps=4, save_interval=1)
+    write_run_config(accepted, "step1_sft.main")
+    train(accepted)
+    assert "max_steps: 4" in config.read_text() and "resume: true" in config.read_text()
 
 
 ENTRY_POINTS = {  # a flag of each that shapes the trained model, changed on resume

@@ -335,8 +335,25 @@ def write_config(path: str, args, command: str) -> str:
     return path
 
 
+# id(args) -> the command of a --resume run whose config.yaml waits for the resume's checks (write_deferred_run_config)
+_deferred: dict[int, str] = {}
+
+
 def write_run_config(args, command: str) -> str | None:
-    """Rank 0 writes the run's resolved flags to OUTPUT_DIR/config.yaml (its path; None on other ranks)."""
+    """Rank 0 writes the run's resolved flags to OUTPUT_DIR/config.yaml (its path; None on other ranks, or when
+    deferred). With --resume it waits until the checkpoint's checks passed (Run.restore calls
+    write_deferred_run_config): a resume refused for a changed flag leaves the earlier run's config.yaml as it was."""
     if os.environ.get("RANK", "0") != "0":
+        return None
+    if getattr(args, "resume", False):
+        _deferred[id(args)] = command
+        return None
+    return write_config(os.path.join(args.output_dir, CONFIG_FILE), args, command)
+
+
+def write_deferred_run_config(args) -> str | None:
+    """The config.yaml `write_run_config` deferred for this --resume run, now that its checks passed."""
+    command = _deferred.pop(id(args), None)
+    if command is None:
         return None
     return write_config(os.path.join(args.output_dir, CONFIG_FILE), args, command)

@@ -25,6 +25,7 @@ from utils.models.export import reload_max_abs_diff
 from utils.runtime.accelerator import PhaseMemory
 from utils.runtime.distributed import all_reduce_max_list
 from utils.train.checkpoint import BadStepGuard, Checkpointing, LoopState
+from utils.train.config_file import write_deferred_run_config
 from utils.train.metrics_logger import print_rank0, progress_bar
 from utils.train.output_dir import release as release_output_dir
 
@@ -115,6 +116,7 @@ class Run:
         at step 0 (the evaluation before training). Returns the run's state either way. Opens the
         logger (a resumed run keeps its metrics.jsonl rows up to the checkpoint) and the guard."""
         loop, shared, self.rank_state = self.checkpointing.restore()
+        write_deferred_run_config(self.args)  # a --resume's config.yaml, once the checkpoint's checks passed
         self.restored_from = self.checkpointing.last_path
         self.loop = loop
         self.logger = self.checkpointing.metrics_logger(self.args, loop)
