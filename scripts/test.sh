@@ -18,5 +18,9 @@ for arg in "$@"; do case "$arg" in tests|tests/*) targets=() ;; esac; done
 if [ "${#targets[@]}" -gt 0 ]; then
   .venv/bin/ruff check --quiet . || { echo "error: ruff check failed (fix, or .venv/bin/ruff check --fix .)" >&2; exit 1; }
   .venv/bin/ruff format --check --quiet . || { echo "error: not formatted (.venv/bin/ruff format .)" >&2; exit 1; }
+  # The docs site (mkdocs.yml): --strict fails on a broken internal link, a page missing from the nav or a nav entry
+  # without its page; its output only when it fails. Generated reference pages are checked by tests/test_docs_reference.py.
+  docs_log="$(NO_MKDOCS_2_WARNING=1 .venv/bin/mkdocs build --strict --site-dir "$ROOT/.cache/site" 2>&1)" \
+    || { echo "$docs_log" | grep -v '^INFO' >&2; echo "error: the docs site does not build (mkdocs build --strict)" >&2; exit 1; }
 fi
 exec .venv/bin/python -m pytest "${targets[@]}" -q -p no:cacheprovider -n "${RLHF_TEST_WORKERS:-2}" --dist worksteal "$@"
