@@ -96,6 +96,12 @@ multi_node_launcher() {  # prints the launcher prefix for the given hostfile
                TORCH_EXTENSIONS_DIR; do
       [ -n "${!var:-}" ] && echo "$var=${!var}" >> "$env_file"
     done
+    # DS_ENV_FILE replaces the launcher's own ~/.deepspeed_env and ./.deepspeed_env: their lines go in too, after
+    # ours, so that a variable the user put there still reaches every node (and wins)
+    local user_env
+    for user_env in "$HOME/.deepspeed_env" "$ROOT/.deepspeed_env"; do
+      [ -f "$user_env" ] && grep '=' "$user_env" >> "$env_file"
+    done
     echo "env DS_ENV_FILE=$env_file deepspeed --hostfile $hostfile --master_port $MASTER_PORT${MASTER_ADDR:+ --master_addr $MASTER_ADDR}"
   fi
 }

@@ -343,3 +343,33 @@ def test_dpo_cpu_script_gives_each_loss_its_flags(loss, beta, nll, tmp_path, tin
 def test_dpo_cpu_script_refuses_an_unknown_loss(tmp_path):
     proc, _ = run_with_stub(tmp_path, "scripts/step2_dpo/run_cpu.sh", [str(tmp_path / "out")], LOSS_TYPE="dop")
     assert proc.returncode == 2 and "LOSS_TYPE must be sigmoid, ipo, simpo, orpo or kto, got dop" in proc.stderr
+
+
+def test_multi_node_ssh_mode_forwards_the_users_deepspeed_env(tmp_path):
+    """The ssh mode hands the launcher its own DS_ENV_FILE, which replaces ~/.deepspeed_env: the user's lines go
+    into it too (after the scripts' variables, so they win), or they would silently not reach the other nodes."""
+    home, bin_dir = tmp_path / "home", tmp_path / "bin"
+    home.mkdir()
+    bin_dir.mkdir()
+    (home / ".deepspeed_env").write_text("NCCL_IB_DISABLE=1\nHF_HUB_OFFLINE=0\n")
+    stub = bin_dir / "deepspeed"  # `env DS_ENV_FILE=... deepspeed` runs the one on PATH
+    stub.write_text('#!/bin/sh\nsed "s/^/ENV /" "$DS_ENV_FILE"\nexit 3\n')
+    stub.chmod(0o755)
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("localhost slots=1\n")
+    proc, _ = run_with_stub(
+        tmp_path,
+        "scripts/step1_sft/run_multi_node.sh",
+        [str(tmp_path / "out")],
+        MODEL="/m",
+        DATA="/d",
+        HOSTFILE=str(hostfile),
+        HOME=str(home),
+        RLHF_USE_CURRENT_ENV="1",  # no venv activation: the stub stays first on PATH
+        MASTER_PORT="12345",
+        PATH=f"{bin_dir}:{os.environ['PATH']}",
+    )
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    env_lines = [line[len("ENV ") :] for line in proc.stdout.splitlines() if line.startswith("ENV ")]
+    assert env_lines.index("HF_HUB_OFFLINE=1") < env_lines.index("HF_HUB_OFFLINE=0")
+    assert "NCCL_IB_DISABLE=1" in env_lines
