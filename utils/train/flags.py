@@ -180,6 +180,20 @@ def add_model_args(
         help="transformers' attention kernel (default: its own choice, sdpa where supported); "
         "flash_attention_2 needs the flash_attn package and bf16/fp16 on a GPU",
     )
+    g.add_argument(
+        "--logprob_chunk_tokens",
+        type=int,
+        default=0,
+        help="token log-probs through the LM head this many tokens at a time, forward and backward, so that no "
+        "[batch, length, vocabulary] logits tensor exists (0: the whole logits at once)",
+    )
+    g.add_argument(
+        "--load_in_4bit",
+        action="store_true",
+        help="QLoRA: load the base weights of every model that does not train them (frozen models, and models "
+        "trained through LoRA with --only_optimize_lora) in 4 bits (bitsandbytes NF4, double quantisation, bf16 "
+        "compute)",
+    )
 
 
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
