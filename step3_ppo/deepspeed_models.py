@@ -12,6 +12,9 @@ critic    RewardModel from step 2, trained         (--critic_zero_stage, LoRA, o
 rewards   RewardModels from step 2, frozen         (ZeRO-3 when the critic is, else stage 0;
                                                    --offload_reward_model as the reference's): one per
                                                    reward-model directory of the run's rewards
+With --load_in_4bit (QLoRA) the base weights of the frozen models (reference, reward models, the EMA) and of an
+actor/critic trained through LoRA with --only_optimize_lora are NF4 (check_qlora_args refuses the rest); value heads,
+LM heads, embeddings and the adapters keep the engine's --dtype.
 Dropout is off by default in all of them: with dropout the rollout and training forwards of the
 same weights differ, and the PPO ratio at learning rate 0 is no longer 1.
 """
@@ -23,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from step3_ppo.algo.advantages import needs_critic
-from utils.models.loading import load_causal_lm
+from utils.models.loading import ModelFlagError, check_4bit_args, four_bit_loading, load_causal_lm
 from utils.models.reward_model import RewardModel
 from utils.runtime.distributed import is_rank0, world_size
 from utils.train.ds_config import eval_ds_config, train_ds_config
@@ -58,6 +61,8 @@ class ActorEMA:
         for (ema_name, ema_param), (name, param) in pairs:
             if ema_name != name:
                 raise RuntimeError(f"EMA and actor parameters differ: {ema_name} vs {name}")
+            if not param.is_floating_point():  # 4-bit base weights (--load_in_4bit): frozen, equal in both
+                continue
             with deepspeed.zero.GatheredParameters([ema_param, param], modifier_rank=0, enabled=zero3):
                 if not zero3 or is_rank0():
                     ema_param.data.copy_(torch.lerp(param.data.to(ema_param.dtype), ema_param.data, self.beta))
@@ -68,7 +73,34 @@ def needs_reference(args) -> bool:
     return args.kl_ctl > 0
 
 
+def check_qlora_args(args, reward_model_paths=()) -> None:
+    """--load_in_4bit: refuse, one line each, what 4-bit base weights cannot do here, before a model loads: a trained
+    model's full fine-tuning, --dtype fp16, a 4-bit model at ZeRO stage 3 (incl. --offload_reference_model /
+    --offload_reward_model, which are ZeRO-3 offload), and merging LoRA into 4-bit weights for the hybrid rollout."""
+    if not args.load_in_4bit:
+        return
+    trained = {"actor": "actor_"}
+    stages = {"actor": args.actor_zero_stage}
+    if needs_reference(args) or args.enable_ema:
+        stages["reference" if needs_reference(args) else "EMA"] = (
+            3 if args.offload_reference_model else args.actor_zero_stage
+        )
+    if needs_critic(args.advantage_estimator):
+        trained["critic"] = "critic_"
+        stages["critic"] = args.critic_zero_stage
+    if reward_model_paths:
+        stages["reward model"] = 3 if args.offload_reward_model else args.critic_zero_stage
+    check_4bit_args(args, trained, stages)
+    if args.enable_hybrid_engine and args.merge_lora_for_generation:
+        raise ModelFlagError(
+            "--load_in_4bit with --enable_hybrid_engine: LoRA merged into 4-bit weights for the rollout does not "
+            "come back bit for bit; add --no_merge_lora_for_generation (the rollout runs through the adapters)"
+        )
+
+
 def build_engines(args, tokenizer, total_steps: int, reward_model_paths=()) -> Engines:
+    check_qlora_args(args, reward_model_paths)
+    quantized = args.load_in_4bit
     ranks = world_size()
     actor_config = train_ds_config(
         args.actor_zero_stage,
@@ -98,6 +130,7 @@ def build_engines(args, tokenizer, total_steps: int, reward_model_paths=()) -> E
         args.actor_dropout,
         args.trust_remote_code,
         attn_implementation=attn,
+        load_in_4bit=quantized,
     )
     actor = build_trained_engine(actor, actor_config, actor_spec, total_steps)
 
@@ -107,21 +140,28 @@ def build_engines(args, tokenizer, total_steps: int, reward_model_paths=()) -> E
             args.actor_zero_stage, ranks, args.per_device_training_batch_size, args.dtype, args.offload_reference_model
         )
         ref = load_causal_lm(
-            args.actor_model_name_or_path, tokenizer, ref_config, 0.0, args.trust_remote_code, attn_implementation=attn
+            args.actor_model_name_or_path,
+            tokenizer,
+            ref_config,
+            0.0,
+            args.trust_remote_code,
+            attn_implementation=attn,
+            load_in_4bit=quantized,
         )
         ref = build_frozen_engine(ref, ref_config)
 
     critic = None
     if needs_critic(args.advantage_estimator):
-        critic = RewardModel.from_pretrained(
-            args.critic_model_name_or_path,
-            tokenizer,
-            critic_config,
-            args.critic_dropout,
-            args.trust_remote_code,
-            attn,
-            require_value_head=not args.critic_fresh_value_head,
-        )
+        with four_bit_loading(quantized):  # the backbone's Linear layers; the value head stays as it is
+            critic = RewardModel.from_pretrained(
+                args.critic_model_name_or_path,
+                tokenizer,
+                critic_config,
+                args.critic_dropout,
+                args.trust_remote_code,
+                attn,
+                require_value_head=not args.critic_fresh_value_head,
+            )
         critic = build_trained_engine(critic, critic_config, critic_spec, total_steps)
 
     reward_config = eval_ds_config(
@@ -129,9 +169,10 @@ def build_engines(args, tokenizer, total_steps: int, reward_model_paths=()) -> E
     )
     rewards = {}
     for path in reward_model_paths:
-        reward = RewardModel.from_pretrained(
-            path, tokenizer, reward_config, 0.0, args.trust_remote_code, attn, require_value_head=True
-        )
+        with four_bit_loading(quantized):
+            reward = RewardModel.from_pretrained(
+                path, tokenizer, reward_config, 0.0, args.trust_remote_code, attn, require_value_head=True
+            )
         rewards[path] = build_frozen_engine(reward, reward_config)
 
     ema = None
@@ -140,7 +181,13 @@ def build_engines(args, tokenizer, total_steps: int, reward_model_paths=()) -> E
             args.actor_zero_stage, ranks, args.per_device_training_batch_size, args.dtype, args.offload_reference_model
         )
         ema_model = load_causal_lm(
-            args.actor_model_name_or_path, tokenizer, ema_config, 0.0, args.trust_remote_code, attn_implementation=attn
+            args.actor_model_name_or_path,
+            tokenizer,
+            ema_config,
+            0.0,
+            args.trust_remote_code,
+            attn_implementation=attn,
+            load_in_4bit=quantized,
         )
         if actor_spec.lora_dim > 0:  # same structure as the actor, so parameters pair up by name
             ema_model = add_lora(ema_model, actor_spec)

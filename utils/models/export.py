@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from utils.models.forward import eval_mode
-from utils.models.loading import hf_zero3_disabled
+from utils.models.loading import hf_zero3_disabled, is_4bit, is_4bit_layer
 from utils.runtime.distributed import all_reduce_sum, barrier, is_rank0
 
 
@@ -34,14 +34,41 @@ def gather_full_state_dict(engine) -> dict | None:
 
 
 def _fresh_hf_model(hf_model: nn.Module) -> nn.Module:
-    """An unpartitioned fp32 copy of `hf_model`'s architecture (weights to be loaded)."""
+    """An unpartitioned fp32 copy of `hf_model`'s architecture (weights to be loaded), never quantised: a 4-bit
+    model's quantization_config is left out, so the export is a plain full-precision directory."""
+    config = copy.deepcopy(hf_model.config)
+    for attr in ("quantization_config", "_pre_quantization_dtype"):
+        if hasattr(config, attr):
+            delattr(config, attr)
     with hf_zero3_disabled():
-        return type(hf_model)._from_config(copy.deepcopy(hf_model.config), dtype=torch.float32)
+        return type(hf_model)._from_config(config, dtype=torch.float32)
+
+
+def dequantized_state_dict(module: nn.Module, state_dict: dict) -> dict:
+    """`state_dict` of a model with 4-bit base weights (--load_in_4bit) as plain fp32 tensors: each Linear4bit's
+    packed NF4 weight dequantised (the weights the engine computed with) and its quantisation constants
+    (`weight.absmax`, `weight.quant_map`, ...) dropped; other entries as they are."""
+    import bitsandbytes.functional as bnb_functional  # lazy: +1 s, and only 4-bit models need it
+
+    result = dict(state_dict)
+    for name, layer in module.named_modules():
+        if not is_4bit_layer(layer):
+            continue
+        key = f"{name}.weight"
+        for extra in [k for k in result if k.startswith(key + ".")]:
+            del result[extra]
+        weight = bnb_functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
+        result[key] = weight.detach().to("cpu", torch.float32)
+    return result
 
 
 def plain_copy(module: nn.Module, state_dict: dict) -> nn.Module:
-    """A plain HF model holding `state_dict`, with LoRA adapters merged when `module` is a PeftModel."""
+    """A plain HF model holding `state_dict`, with LoRA adapters merged when `module` is a PeftModel. A model
+    with 4-bit base weights gives full-precision weights: dequantised NF4 plus the merged adapters in fp32."""
     from peft import PeftModel, get_peft_model  # lazy: +3 s on every --help (peft)
+
+    if is_4bit(module):
+        state_dict = dequantized_state_dict(module, state_dict)
 
     if isinstance(module, PeftModel):
         fresh = _fresh_hf_model(module.get_base_model())

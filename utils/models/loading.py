@@ -7,6 +7,8 @@ How models are run (position ids from the attention mask in every forward) is ut
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import os
 
@@ -165,6 +167,75 @@ def load_tokenizer(
     return tokenizer
 
 
+QLORA_COMPUTE_DTYPE = torch.bfloat16
+QLORA_DTYPES = ("bf16", "fp32")  # the --dtype a run with --load_in_4bit takes (the engine's other weights)
+QLORA_ZERO_STAGES = (0, 1, 2)  # DeepSpeed stages that run with bitsandbytes' 4-bit parameters
+
+
+def nf4_config():
+    """transformers' BitsAndBytesConfig of --load_in_4bit: NF4, double quantisation, bf16 compute."""
+    from transformers import BitsAndBytesConfig  # lazy: +0.8 s on every --help (transformers)
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=QLORA_COMPUTE_DTYPE,
+    )
+
+
+_LOAD_IN_4BIT = contextvars.ContextVar("load_in_4bit", default=False)
+
+
+@contextlib.contextmanager
+def four_bit_loading(enabled: bool = True):
+    """`load_causal_lm` calls inside this block that do not say otherwise load 4-bit (for loaders that call it
+    for you: RewardModel.from_pretrained's backbone)."""
+    token = _LOAD_IN_4BIT.set(enabled)
+    try:
+        yield
+    finally:
+        _LOAD_IN_4BIT.reset(token)
+
+
+def is_4bit_layer(module: nn.Module) -> bool:
+    """bitsandbytes' Linear4bit (not peft's LoRA wrapper of it, which has the same class name)."""
+    return type(module).__name__ == "Linear4bit" and type(module).__module__.startswith("bitsandbytes")
+
+
+def is_4bit(model: nn.Module) -> bool:
+    """Whether `model` (a transformers model, a peft wrapper of one, or a RewardModel) has 4-bit base weights."""
+    return any(is_4bit_layer(module) for module in model.modules())
+
+
+def check_4bit_args(args, trained: dict[str, str], zero_stages: dict[str, int]) -> None:
+    """With --load_in_4bit, refuse before any model loads what cannot run on 4-bit base weights, one line each.
+
+    `trained`: {model name: flag prefix} of the models that train ("" for steps 1-2 and DPO; "actor_", "critic_" in
+    step 3): their base weights must be frozen (LoRA with --only_optimize_lora). `zero_stages`: {model name: its
+    ZeRO stage}, every model that would be 4-bit (frozen ones included)."""
+    if not getattr(args, "load_in_4bit", False):
+        return
+    if args.dtype not in QLORA_DTYPES:
+        raise ModelFlagError(
+            f"--load_in_4bit needs --dtype {' or '.join(QLORA_DTYPES)} (its 4-bit layers compute in bf16), "
+            f"got --dtype {args.dtype}"
+        )
+    for name, prefix in trained.items():
+        if getattr(args, f"{prefix}lora_dim") <= 0 or not args.only_optimize_lora:
+            raise ModelFlagError(
+                f"--load_in_4bit: the {name}'s base weights would train (full fine-tuning), which 4-bit weights "
+                f"cannot; add --{prefix}lora_dim R and --only_optimize_lora (QLoRA), or leave --load_in_4bit out"
+            )
+    for name, stage in zero_stages.items():
+        if stage not in QLORA_ZERO_STAGES:
+            raise ModelFlagError(
+                f"--load_in_4bit does not work with ZeRO stage {stage} (the {name}'s): DeepSpeed cannot partition "
+                f"4-bit weights; use ZeRO stage {', '.join(map(str, QLORA_ZERO_STAGES[:-1]))} or "
+                f"{QLORA_ZERO_STAGES[-1]}"
+            )
+
+
 def configure_dropout(config, dropout: float | None) -> None:
     """Set every dropout probability the config knows to `dropout` (None keeps the model's)."""
     if dropout is None:
@@ -197,8 +268,14 @@ def load_causal_lm(
     trust_remote_code: bool = False,
     base_model_only: bool = False,
     attn_implementation: str | None = None,
+    load_in_4bit: bool | None = None,
 ) -> nn.Module:
     """Load a causal LM (or only its backbone, for reward/critic models) from a directory.
+
+    `load_in_4bit` (--load_in_4bit, QLoRA; None: as the enclosing `four_bit_loading` block says, else no): the
+    backbone's Linear layers in bitsandbytes NF4 with double quantisation and bf16 compute, every other weight
+    (embeddings, norms, the LM head) as without it (fp32, cast by the engine's --dtype); only for a model whose
+    base weights do not train (check_4bit_args says which).
 
     Built partitioned when `ds_config` is ZeRO-3. Embeddings are resized when the tokenizer has
     more tokens than the model (an added pad token). `attn_implementation` (None: transformers'
@@ -216,6 +293,12 @@ def load_causal_lm(
     hf_ds_config = zero3_model_context(ds_config)
     cls = AutoModel if base_model_only else AutoModelForCausalLM
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    if load_in_4bit is None:
+        load_in_4bit = _LOAD_IN_4BIT.get()
+    if load_in_4bit:
+        if hf_ds_config is not None:  # check_4bit_args refuses it first, naming the flag
+            raise ModelFlagError("--load_in_4bit does not work with ZeRO stage 3")
+        extra["quantization_config"] = nf4_config()
     try:
         model = cls.from_pretrained(
             path, config=config, trust_remote_code=trust_remote_code, dtype=torch.float32, use_safetensors=True, **extra
@@ -233,6 +316,14 @@ def load_causal_lm(
                 + CONVERT_HINT.format(src=path, dst=path.rsplit("/", 1)[-1])
             ) from exc
         raise
+    if load_in_4bit:
+        _accept_own_quant_state(model)
+        for module in model.modules():
+            if is_4bit_layer(module):
+                # bitsandbytes repacks a CPU layer's weights in place for its AVX512-BF16 kernel on the first no-grad
+                # eval forward (the rollout); every later forward, training's too, then runs that kernel, which has
+                # no backward: no gradient would reach the adapters below it. The packing is kept off.
+                module.support_avx512bf16_for_cpu = False
     model._hf_ds_config = hf_ds_config  # keep alive: ZeRO-3 hooks refer to it through a weakref
     if tokenizer is not None:
         if embedding_rows(model) < len(tokenizer):
@@ -244,6 +335,30 @@ def load_causal_lm(
             model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.config.use_cache = False
     return model
+
+
+def _accept_own_quant_state(model: nn.Module) -> None:
+    """Let `load_state_dict` read back what `state_dict` of a 4-bit model wrote: its packed weights load, and the
+    quantisation constants beside them (`weight.absmax`, `weight.quant_map`, ...), which bitsandbytes' Linear4bit
+    writes but does not read, are checked against the layer's own: a DeepSpeed checkpoint (--resume) of frozen
+    4-bit weights holds the constants their deterministic quantisation gave, so they match."""
+
+    def hook(module, state_dict, prefix, *args):
+        own = {
+            prefix + "weight." + name: value for name, value in module.weight.quant_state.as_dict(packed=True).items()
+        }
+        for key in [k for k in state_dict if k.startswith(prefix + "weight.")]:
+            saved = state_dict.pop(key)
+            mine = own.get(key)
+            if torch.is_tensor(mine) and not torch.equal(saved.to(mine.device), mine):
+                raise ModelLoadError(
+                    f"{key}: the saved 4-bit quantisation differs from this model's (a checkpoint of another base "
+                    f"model?)"
+                )
+
+    for module in model.modules():
+        if is_4bit_layer(module):
+            module._register_load_state_dict_pre_hook(hook, with_module=True)
 
 
 def unreadable_weight_files(path: str) -> list[tuple[str, str]]:
@@ -311,7 +426,7 @@ def apply_lora(
     modules_to_save: list[str] | None = None,
 ) -> nn.Module:
     """Wrap `model` with peft LoRA adapters; base weights stay trainable unless `only_optimize_lora`."""
-    from peft import LoraConfig, get_peft_model  # lazy: +3 s on every --help (peft)
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training  # lazy: +3 s on every --help (peft)
     from transformers.pytorch_utils import Conv1D  # lazy: +0.8 s on every --help (transformers)
 
     targets = lora_target_modules(model, module_name_filter)
@@ -324,6 +439,8 @@ def apply_lora(
         fan_in_fan_out=fan_in_fan_out,
         modules_to_save=modules_to_save,
     )
+    if is_4bit(model):  # base frozen, non-4-bit weights in fp32 (the engine's --dtype casts them again)
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     peft_model = get_peft_model(model, config)
     if not only_optimize_lora:
         for name, param in peft_model.named_parameters():
