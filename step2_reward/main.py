@@ -19,7 +19,7 @@ from utils.data import PairCollator, split_pair_batch, tokenize_pairs
 from utils.errors import run_main
 from utils.math.losses import pair_metrics, pairwise_loss
 from utils.models.forward import eval_mode, sequence_scores
-from utils.models.loading import load_tokenizer
+from utils.models.loading import check_4bit_args, four_bit_loading, load_tokenizer
 from utils.models.reward_model import RewardModel, export_reward_model
 from utils.runtime.distributed import all_reduce_sum, rank_batches
 from utils.train.checkpoint import data_layout
@@ -53,6 +53,7 @@ def parse_args(argv=None):
     args = build_parser().parse_args(argv)
     check_range(args, 0, ("eval_interval", "eval_iters"))
     validate_training_args(args, positive=BATCH_FLAGS)
+    check_4bit_args(args, {"reward model": ""}, {"reward model": args.zero_stage})
     return args
 
 
@@ -106,9 +107,15 @@ def main(argv=None):
 
     sampler, loader, total_steps = micro_batch_schedule(train_pairs, collator, args)
     ds_config = train_ds_config_from_args(args)
-    model = RewardModel.from_pretrained(
-        args.model_name_or_path, tokenizer, ds_config, args.dropout, args.trust_remote_code, args.attn_implementation
-    )
+    with four_bit_loading(args.load_in_4bit):  # --load_in_4bit: the backbone's Linear layers; the value head trains
+        model = RewardModel.from_pretrained(
+            args.model_name_or_path,
+            tokenizer,
+            ds_config,
+            args.dropout,
+            args.trust_remote_code,
+            args.attn_implementation,
+        )
     engine = build_trained_engine(model, ds_config, spec_from_args(args), total_steps)
 
     def run_eval(step: int) -> dict:

@@ -221,3 +221,32 @@ def test_lr0_log_ratio_with_a_4bit_actor(tiny_llama, tiny_llama_reward, tmp_path
     torch.manual_seed(1)
     metrics, _ = run.trainer.step(prompt_batches(run, 4, offset=4), step=0)
     assert metrics["ppo/log_ratio_max_abs"] <= 1e-4, metrics["ppo/log_ratio_max_abs"]
+
+
+@pytest.mark.slow
+def test_step2_reward_model_in_4bit_trains_resumes_and_exports(tiny_llama, tmp_path):
+    """Step 2 with --load_in_4bit (LoRA, ZeRO-2, bf16) in this process: 2 steps with a checkpoint, resumed to a 3rd,
+    then exported as a plain full-precision reward model whose scores are the engine's up to its bf16 compute."""
+    from step2_reward.main import main
+
+    rows = [
+        {"prompt": f"Human: the {t}?\n\nAssistant:", "chosen": " good and fine", "rejected": " bad and dull"}
+        for t in ("movie", "film", "plot", "actor", "scene", "story", "music", "ending") * 4
+    ]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    flags = [
+        *("--model_name_or_path", tiny_llama, "--data_path", str(tmp_path / "pairs.jsonl"), "--data_split", "0,10,0"),
+        *("--output_dir", str(out), "--zero_stage", "2", "--per_device_train_batch_size", "4"),
+        *("--per_device_eval_batch_size", "8", "--max_seq_len", "32", "--eval_iters", "1", "--save_interval", "2"),
+        *("--load_in_4bit", "--dtype", "bf16", "--lora_dim", "4", "--only_optimize_lora"),
+    ]
+    main([*flags, "--max_steps", "2"])
+    main([*flags, "--max_steps", "3", "--resume"])
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert max(r.get("step", 0) for r in logged) == 3
+    diff = [r["export/score_max_abs_diff"] for r in logged if "export/score_max_abs_diff" in r][-1]
+    assert diff < 0.05, diff
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    reloaded = RewardModel.from_pretrained(str(out), require_value_head=True)
+    assert not is_4bit(reloaded) and {p.dtype for p in reloaded.parameters()} == {torch.float32}
