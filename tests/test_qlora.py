@@ -11,7 +11,7 @@ from step3_ppo.deepspeed_models import check_qlora_args
 from step3_ppo.main import parse_args as step3_args
 from step3_ppo.main import setup as step3_setup
 from tests.test_step3_lr0 import prompt_batches, write_prompts
-from utils.models.export import export_hf_model, reload_max_abs_diff
+from utils.models.export import export_hf_model, plain_copy, reload_max_abs_diff
 from utils.models.forward import causal_lm_logits
 from utils.models.loading import (
     ModelFlagError,
@@ -23,6 +23,7 @@ from utils.models.loading import (
     load_tokenizer,
 )
 from utils.models.reward_model import RewardModel
+from utils.models.tiny import make_tiny_model_cached
 from utils.runtime.distributed import init_distributed
 from utils.train.ds_config import train_ds_config
 from utils.train.loop import EngineSpec, build_trained_engine
@@ -153,6 +154,24 @@ def test_export_is_a_plain_full_precision_model(trained_qlora):
     diff = reload_max_abs_diff(engine, lambda: load_causal_lm(str(out)), logits, batch)
     scale = logits(reloaded, batch).abs().max().item()
     assert diff <= 0.02 * scale, (diff, scale)  # bf16 compute of the engine vs the fp32 reload
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "opt", "llama"])
+def test_merged_export_matches_the_4bit_model(arch):
+    """plain_copy of a 4-bit LoRA model (adapters non-zero) computes what the 4-bit model computes, up to its bf16
+    compute, on every architecture: GPT-2's Conv1D layers are quantised as Linear [out, in] and transposed back
+    (a square one, attn.c_proj, too)."""
+    torch.manual_seed(0)
+    model = apply_lora(load_causal_lm(make_tiny_model_cached(arch), load_in_4bit=True), 4, "", only_optimize_lora=True)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param, std=0.1)
+    plain = plain_copy(model, {k: v.detach() for k, v in model.state_dict().items()}).eval()
+    assert not is_4bit(plain) and {p.dtype for p in plain.parameters()} == {torch.float32}
+    ids = torch.randint(3, 1000, (2, 9))
+    with torch.no_grad():
+        expected, actual = model.eval()(input_ids=ids).logits.float(), plain(input_ids=ids).logits
+    assert (actual - expected).abs().max() <= 0.02 * expected.abs().max(), arch
 
 
 def test_refusals_are_one_line(tiny_llama, tiny_llama_reward, tmp_path):

@@ -44,11 +44,13 @@ def _fresh_hf_model(hf_model: nn.Module) -> nn.Module:
         return type(hf_model)._from_config(config, dtype=torch.float32)
 
 
-def dequantized_state_dict(module: nn.Module, state_dict: dict) -> dict:
-    """`state_dict` of a model with 4-bit base weights (--load_in_4bit) as plain fp32 tensors: each Linear4bit's
-    packed NF4 weight dequantised (the weights the engine computed with) and its quantisation constants
-    (`weight.absmax`, `weight.quant_map`, ...) dropped; other entries as they are."""
+def dequantized_state_dict(module: nn.Module, state_dict: dict, target: nn.Module) -> dict:
+    """`state_dict` of a model with 4-bit base weights (--load_in_4bit) as plain fp32 tensors for `target`, its
+    unquantised twin: each Linear4bit's packed NF4 weight dequantised (the weights the engine computed with) and its
+    quantisation constants (`weight.absmax`, `weight.quant_map`, ...) dropped; other entries as they are. A layer
+    that is a Conv1D in `target` (GPT-2's) was quantised as a Linear, [out, in]: its weight is transposed back."""
     import bitsandbytes.functional as bnb_functional  # lazy: +1 s, and only 4-bit models need it
+    from transformers.pytorch_utils import Conv1D  # lazy: +0.8 s on every --help (transformers)
 
     result = dict(state_dict)
     for name, layer in module.named_modules():
@@ -58,7 +60,9 @@ def dequantized_state_dict(module: nn.Module, state_dict: dict) -> dict:
         for extra in [k for k in result if k.startswith(key + ".")]:
             del result[extra]
         weight = bnb_functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state)
-        result[key] = weight.detach().to("cpu", torch.float32)
+        if isinstance(target.get_submodule(name), Conv1D):
+            weight = weight.t()
+        result[key] = weight.detach().to("cpu", torch.float32).contiguous()
     return result
 
 
@@ -67,18 +71,14 @@ def plain_copy(module: nn.Module, state_dict: dict) -> nn.Module:
     with 4-bit base weights gives full-precision weights: dequantised NF4 plus the merged adapters in fp32."""
     from peft import PeftModel, get_peft_model  # lazy: +3 s on every --help (peft)
 
+    peft = isinstance(module, PeftModel)
+    fresh = _fresh_hf_model(module.get_base_model() if peft else module)
+    if peft:
+        fresh = get_peft_model(fresh, copy.deepcopy(module.peft_config["default"]))
     if is_4bit(module):
-        state_dict = dequantized_state_dict(module, state_dict)
-
-    if isinstance(module, PeftModel):
-        fresh = _fresh_hf_model(module.get_base_model())
-        peft_config = copy.deepcopy(module.peft_config["default"])
-        fresh = get_peft_model(fresh, peft_config)
-        fresh.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
-        return fresh.merge_and_unload()
-    fresh = _fresh_hf_model(module)
+        state_dict = dequantized_state_dict(module, state_dict, fresh)
     fresh.load_state_dict({k: v.float() for k, v in state_dict.items()}, strict=True)
-    return fresh
+    return fresh.merge_and_unload() if peft else fresh
 
 
 def export_hf_model(engine, tokenizer, out_dir: str) -> None:
