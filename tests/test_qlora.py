@@ -213,7 +213,8 @@ def test_refusals_are_one_line(tiny_llama, tiny_llama_reward, tmp_path):
 
 @pytest.mark.slow
 def test_lr0_log_ratio_with_a_4bit_actor(tiny_llama, tiny_llama_reward, tmp_path):
-    """Step 3 with a 4-bit actor and critic (LoRA), a 4-bit frozen reference and EMA, bf16: at learning rate 0
+    """Step 3 with a 4-bit actor and critic (LoRA), a 4-bit frozen reference and EMA, bf16, the hybrid engine
+    generating through the unmerged adapters: at learning rate 0
     the old log-probs (no-grad forward of the rollout batch) and training's forward give the same fp32 log-probs
     when the mini-batch is the rollout batch. Mini-batches of another shape pad differently and bf16 compute
     rounds differently (~1e-3, as without 4-bit weights in bf16)."""
@@ -229,6 +230,7 @@ def test_lr0_log_ratio_with_a_4bit_actor(tiny_llama, tiny_llama_reward, tmp_path
                 *("--max_prompt_seq_len", "32", "--max_answer_seq_len", "10", "--seed", "3"),
                 *("--per_device_generation_batch_size", "4", "--per_device_training_batch_size", "4"),
                 *("--actor_dropout", "0.0", "--critic_dropout", "0.0", "--kl_ctl", "0.1", "--enable_ema"),
+                *("--enable_hybrid_engine", "--no_merge_lora_for_generation"),
                 *lr0,
                 *QLORA,
             ]
