@@ -7,6 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+from step2_reward.main import main as step2_main
+from step2_reward.main import parse_args as step2_args
 from step3_ppo.deepspeed_models import check_qlora_args
 from step3_ppo.main import parse_args as step3_args
 from step3_ppo.main import setup as step3_setup
@@ -207,6 +209,14 @@ def test_refusals_are_one_line(tiny_llama, tiny_llama_reward, tmp_path):
         with pytest.raises(ModelFlagError) as info:
             check_qlora_args(step3_args(base + flags), [])
         assert says in str(info.value) and "\n" not in str(info.value), (case, str(info.value))
+    step2 = ["--model_name_or_path", tiny_llama, "--data_path", str(tmp_path / "p.jsonl"), "--output_dir"]
+    for flags, says in (
+        (["--load_in_4bit", "--dtype", "bf16"], "the reward model's base weights would train"),
+        (["--load_in_4bit", "--lora_dim", "4", "--only_optimize_lora", "--zero_stage", "3"], "ZeRO stage 3"),
+    ):
+        with pytest.raises(ModelFlagError) as info:
+            step2_args([*step2, str(tmp_path / "out2"), *flags])
+        assert says in str(info.value) and "\n" not in str(info.value), str(info.value)
     check_qlora_args(step3_args(base + QLORA + ["--enable_hybrid_engine", "--no_merge_lora_for_generation"]), [])
     check_qlora_args(step3_args(base + QLORA + ["--actor_zero_stage", "2", "--dtype", "fp32"]), [])
 
@@ -248,8 +258,6 @@ def test_lr0_log_ratio_with_a_4bit_actor(tiny_llama, tiny_llama_reward, tmp_path
 def test_step2_reward_model_in_4bit_trains_resumes_and_exports(tiny_llama, tmp_path):
     """Step 2 with --load_in_4bit (LoRA, ZeRO-2, bf16) in this process: 2 steps with a checkpoint, resumed to a 3rd,
     then exported as a plain full-precision reward model whose scores are the engine's up to its bf16 compute."""
-    from step2_reward.main import main
-
     rows = [
         {"prompt": f"Human: the {t}?\n\nAssistant:", "chosen": " good and fine", "rejected": " bad and dull"}
         for t in ("movie", "film", "plot", "actor", "scene", "story", "music", "ending") * 4
@@ -262,8 +270,8 @@ def test_step2_reward_model_in_4bit_trains_resumes_and_exports(tiny_llama, tmp_p
         *("--per_device_eval_batch_size", "8", "--max_seq_len", "32", "--eval_iters", "1", "--save_interval", "2"),
         *("--load_in_4bit", "--dtype", "bf16", "--lora_dim", "4", "--only_optimize_lora"),
     ]
-    main([*flags, "--max_steps", "2"])
-    main([*flags, "--max_steps", "3", "--resume"])
+    step2_main([*flags, "--max_steps", "2"])
+    step2_main([*flags, "--max_steps", "3", "--resume"])
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert max(r.get("step", 0) for r in logged) == 3
     diff = [r["export/score_max_abs_diff"] for r in logged if "export/score_max_abs_diff" in r][-1]
