@@ -12,6 +12,7 @@ from step2_reward.main import parse_args as step2_args
 from step3_ppo.deepspeed_models import check_qlora_args
 from step3_ppo.main import parse_args as step3_args
 from step3_ppo.main import setup as step3_setup
+from tests.launch import metrics, run_deepspeed, tail
 from tests.test_step3_lr0 import prompt_batches, write_prompts
 from utils.models.export import export_hf_model, plain_copy, reload_max_abs_diff
 from utils.models.forward import causal_lm_logits
@@ -279,3 +280,28 @@ def test_step2_reward_model_in_4bit_trains_resumes_and_exports(tiny_llama, tmp_p
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     reloaded = RewardModel.from_pretrained(str(out), require_value_head=True)
     assert not is_4bit(reloaded) and {p.dtype for p in reloaded.parameters()} == {torch.float32}
+
+
+@pytest.mark.slow
+def test_two_rank_zero2_reward_model_in_4bit(tiny_llama, tmp_path):
+    """Step 2 with --load_in_4bit on 2 ranks at ZeRO-2 (the adapters and value head partitioned, the 4-bit weights
+    replicated): it trains, and the export reloads within the bf16 tolerance."""
+    rows = [
+        {"prompt": f"Human: the {t}?\n\nAssistant:", "chosen": " good and fine", "rejected": " bad and dull"}
+        for t in ("movie", "film", "plot", "actor", "scene", "story", "music", "ending") * 4
+    ]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = str(tmp_path / "out")
+    flags = [
+        *("--model_name_or_path", tiny_llama, "--data_path", str(tmp_path / "pairs.jsonl"), "--data_split", "0,10,0"),
+        *("--output_dir", out, "--zero_stage", 2, "--per_device_train_batch_size", 4, "--max_steps", 3),
+        *("--per_device_eval_batch_size", 8, "--max_seq_len", 32, "--eval_iters", 1, "--learning_rate", 3e-3),
+        *("--load_in_4bit", "--dtype", "bf16", "--lora_dim", 4, "--only_optimize_lora", "--lora_learning_rate", 3e-2),
+    ]
+    proc = run_deepspeed("step2_reward.main", flags, num_ranks=2, log_path=str(tmp_path / "log.txt"))
+    assert proc.returncode == 0, tail(proc)
+    logged = metrics(out)
+    train = [r["train/loss"] for r in logged if "train/loss" in r]
+    assert len(train) == 3 and train[-1] < train[0], train
+    diff = [r["export/score_max_abs_diff"] for r in logged if "export/score_max_abs_diff" in r]
+    assert diff and diff[0] < 0.05, diff
