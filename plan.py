@@ -1,4 +1,4 @@
-"""The memory a training run needs per rank, estimated before it is launched (the step's flags: `rlhf-sft --help`...).
+"""The memory a training run needs per rank, estimated before it is launched (the step's flags: `rlhf-sft --help`, ...).
 
 Parameters, gradients and optimizer states of every model the step holds, activations, logits, the KV cache and the
 hybrid engine's gathered copy, from the models' config.json (no weights needed) and the step's own flags.

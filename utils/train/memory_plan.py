@@ -11,15 +11,19 @@ Model states follow DeepSpeed's own bytes-per-parameter accounting (`estimate_ze
 | optimizer states | AdamW's fp32 moments (8) + the fp32 master copy (4: mixed precision or ZeRO >= 1) | ZeRO-1 |
 
 so mixed precision, ZeRO-2, N ranks gives 2 + 18/N bytes per trained parameter: DeepSpeed's
-`estimate_zero2_model_states_mem_needs(cpu_offload=False)`. Only trained parameters (the LoRA adapters with a
-frozen base) have gradients and optimizer states. `--offload` moves the optimizer states and fp32 gradients (and
-under ZeRO-3 the parameters) to CPU memory; an offloaded frozen model's parameters are in CPU memory.
+`estimate_zero2_model_states_mem_needs(cpu_offload=False)` to the byte (checked on a 7B config, 8 ranks). ZeRO-3
+gives 20/N where `estimate_zero3_model_states_mem_needs` says 18/N (this counts the fp32 gradient partition the
+optimizer step makes), plus the gathered layers in the dtype (DeepSpeed: the largest layer at 4 bytes). Only
+trained parameters (the LoRA adapters with a frozen base) have gradients and optimizer states. `--offload` moves
+the optimizer states and fp32 gradients (and under ZeRO-3 the parameters) to CPU memory; an offloaded frozen
+model's parameters are in CPU memory.
 
 Beside the states: activations per token (the shapes of one decoder layer; with gradient checkpointing only each
 layer's input plus one layer recomputed), the logits per token (vocabulary x 4 bytes, fp32, for every token of
 the micro-batch or `--logprob_chunk_tokens` at a time), step 3's KV cache of generation and the hybrid engine's
-gathered copy of the actor. The total is the largest phase (training; generation and experience in step 3),
-the parts that phase holds summed.
+gathered copy of the actor. The total is the largest phase (training, evaluation; generation and experience in
+step 3), the parts that phase holds summed. On CPU the heap also keeps what loading and the other phases freed
+(`Plan.add_cpu_heap`).
 """
 
 from __future__ import annotations
