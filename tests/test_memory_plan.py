@@ -236,3 +236,22 @@ def test_cpu_heap_keeps_the_other_phases_blocks():
     kept = mp.Part("CPU heap kept from loading, evaluation", 1.5 * mp.GIB, "device", ("training",))
     assert plan.parts[-1] == kept
     assert plan.total() == 4.5 * mp.GIB and plan.peak_phase() == "training"
+
+
+def test_value_head_models_have_no_lm_head():
+    untied = mp.shape_from_config({**TINY, "tie_word_embeddings": False})
+    assert untied.params == PARAMS + 1000 * 64 and mp.backbone(untied).params == PARAMS
+    args = SimpleNamespace(
+        lora_dim=0,
+        only_optimize_lora=False,
+        zero_stage=0,
+        offload=False,
+        dtype="fp32",
+        max_seq_len=8,
+        per_device_train_batch_size=1,
+        per_device_eval_batch_size=1,
+        gradient_checkpointing=False,
+    )
+    plan = mp.plan_single("rm", args, untied, 1, 2, lm_head=False)
+    parts = {p.name: p.bytes for p in plan.parts}
+    assert parts["reward model parameters"] == PARAMS * 4 and not any("logits" in name for name in parts)

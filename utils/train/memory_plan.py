@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from utils.errors import ProjectError
 
@@ -115,6 +115,12 @@ class Shape:
     def lora_params(self, rank: int) -> int:
         """LoRA adapters (A: in x r, B: r x out) on every Linear of the decoder layers (never the LM head)."""
         return self.layers * sum(rank * (a + b) for a, b in self.attention_linears + self.mlp_linears)
+
+
+def backbone(shape: Shape) -> Shape:
+    """A value-head model's shape (reward model, critic): the transformer without an LM head (its value head, one
+    hidden-size vector, is left out)."""
+    return replace(shape, tied=True)
 
 
 def _first(config: dict, *keys, default=None):
@@ -403,6 +409,7 @@ def plan_single(
     `rows_per_micro_batch` sequences of --max_seq_len tokens; DPO's reference as `reference` says
     ("engine": a frozen copy; "adapters", "precomputed", "none": no second model)."""
     four_bit = bool(getattr(args, "load_in_4bit", False))
+    shape = shape if lm_head else backbone(shape)
     policy = ModelSpec(
         "policy" if lm_head else "reward model",
         shape,
@@ -492,7 +499,7 @@ def plan_rl(args, shapes: dict, ranks: int, needs_critic: bool, needs_reference:
         models.append(
             ModelSpec(
                 "critic",
-                shapes[args.critic_model_name_or_path],
+                backbone(shapes[args.critic_model_name_or_path]),
                 trained=True,
                 lora_dim=args.critic_lora_dim,
                 only_lora=args.only_optimize_lora,
@@ -509,7 +516,7 @@ def plan_rl(args, shapes: dict, ranks: int, needs_critic: bool, needs_reference:
         models.append(
             ModelSpec(
                 name,
-                shapes[path],
+                backbone(shapes[path]),
                 zero_stage=3 if off else reward_stage,
                 offload=off,
                 load_in_4bit=four_bit,
