@@ -26,7 +26,7 @@ import pytest
 from tests.launch import ROOT
 
 PRODUCT_DIRS = ("step1_sft", "step2_reward", "step2_dpo", "step3_ppo", "utils", "data")
-PRODUCT_FILES = ("chat.py",)
+PRODUCT_FILES = ("chat.py", "plan.py")
 MAX_HIDDEN = 2  # flags hidden with help=argparse.SUPPRESS, on purpose
 
 
@@ -120,6 +120,7 @@ DOCUMENTED_COMMANDS = (
     "data.make_arithmetic_data",
     "data.make_tool_data",
     "chat",
+    "plan",
 )
 
 

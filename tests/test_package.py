@@ -27,6 +27,7 @@ COMMANDS = {
     "rlhf-rl": "step3_ppo.main",
     "rlhf-eval": "step3_ppo.eval",
     "rlhf-chat": "chat",
+    "rlhf-plan": "plan",
 }
 
 
