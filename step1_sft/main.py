@@ -15,7 +15,7 @@ from utils.data import SFTCollator, tokenize_sft
 from utils.errors import UsageError, run_main
 from utils.math.losses import IGNORE_INDEX
 from utils.models.export import export_hf_model
-from utils.models.forward import causal_lm_logits, eval_mode, lm_nll
+from utils.models.forward import LOGPROB_CHUNK_TOKENS, causal_lm_logits, eval_mode, lm_nll
 from utils.models.loading import load_causal_lm
 from utils.runtime.distributed import all_reduce_sum, rank_batches
 from utils.train.checkpoint import data_layout
@@ -58,23 +58,25 @@ def parse_args(argv=None):
 
 
 @torch.no_grad()
-def evaluate_perplexity(engine, examples: list, collator, batch_size: int, max_batches: int = 0) -> float:
+def evaluate_perplexity(
+    engine, examples: list, collator, batch_size: int, max_batches: int = 0, chunk_tokens: int = LOGPROB_CHUNK_TOKENS
+) -> float:
     """Token-weighted perplexity over all ranks' shares of the held-out examples (the first `max_batches`
-    batches of each share when > 0)."""
+    batches of each share when > 0); the LM head `chunk_tokens` tokens at a time (--logprob_chunk_tokens)."""
     total_nll, total_tokens = 0.0, 0.0
     with eval_mode(engine):
         for batch_examples, weight in rank_batches(examples, batch_size, max_batches):
-            nll, count = lm_nll(engine, collator(batch_examples))
+            nll, count = lm_nll(engine, collator(batch_examples), chunk_tokens)
             total_nll += weight * nll.item()
             total_tokens += weight * count.item()
     total_nll, total_tokens = all_reduce_sum([total_nll, total_tokens])
     return math.exp(total_nll / max(total_tokens, 1.0))
 
 
-def sft_loss_terms(engine, batch: dict) -> tuple[dict, tuple]:
+def sft_loss_terms(engine, batch: dict, chunk_tokens: int = LOGPROB_CHUNK_TOKENS) -> tuple[dict, tuple]:
     """A micro-batch's loss as utils.train.loop.train_micro_batches takes it: {"tokens": its NLL per trained
-    token} (no extra stats)."""
-    nll, count = lm_nll(engine, batch)
+    token} (no extra stats); the LM head `chunk_tokens` tokens at a time (--logprob_chunk_tokens)."""
+    nll, count = lm_nll(engine, batch, chunk_tokens)
     return {"tokens": nll / count.clamp(min=1)}, ()
 
 
@@ -127,7 +129,9 @@ def main(argv=None):
     run = Run(args, "step1", "step1 sft", {"model": engine}, data_layout(args, len(train_examples)), total_steps)
 
     def evaluate_before():
-        ppl = evaluate_perplexity(engine, eval_examples, collator, args.per_device_eval_batch_size, args.eval_iters)
+        ppl = evaluate_perplexity(
+            engine, eval_examples, collator, args.per_device_eval_batch_size, args.eval_iters, args.logprob_chunk_tokens
+        )
         print_rank0(f"[step1] eval perplexity before training: {ppl:.3f}")
         return {"ppl_before": ppl}, {"eval/perplexity": ppl}
 
@@ -139,10 +143,18 @@ def main(argv=None):
 
     # the loss is the NLL per trained token of the whole optimizer step (all micro-batches, all ranks)
     train_micro_batches(
-        run, engine, loader, sampler, lambda batch: sft_loss_terms(engine, batch), step_metrics, counts=trained_tokens
+        run,
+        engine,
+        loader,
+        sampler,
+        lambda batch: sft_loss_terms(engine, batch, args.logprob_chunk_tokens),
+        step_metrics,
+        counts=trained_tokens,
     )
 
-    ppl_after = evaluate_perplexity(engine, eval_examples, collator, args.per_device_eval_batch_size, args.eval_iters)
+    ppl_after = evaluate_perplexity(
+        engine, eval_examples, collator, args.per_device_eval_batch_size, args.eval_iters, args.logprob_chunk_tokens
+    )
     print_rank0(
         f"[step1] eval perplexity after {run.loop.step} steps: {ppl_after:.3f} (before {ppl_before:.3f}); "
         f"training took {run.train_s:.1f} s"

@@ -53,7 +53,7 @@ from utils.math.losses import (
     unpaired_loss,
 )
 from utils.models.export import export_hf_model
-from utils.models.forward import eval_mode, sequence_logprobs
+from utils.models.forward import LOGPROB_CHUNK_TOKENS, eval_mode, sequence_logprobs
 from utils.models.loading import load_causal_lm
 from utils.runtime.distributed import all_reduce_sum, rank_batches, world_size
 from utils.train.checkpoint import data_layout
@@ -216,10 +216,11 @@ def reference_kind(args) -> str:
 
 
 class Reference:
-    """The reference log-probs of a PreferenceCollator batch [2B], from the form the run chose."""
+    """The reference log-probs of a PreferenceCollator batch [2B], from the form the run chose; the LM head
+    `chunk_tokens` tokens at a time (--logprob_chunk_tokens), in the held-out evaluations too."""
 
-    def __init__(self, kind: str, policy, engine=None):
-        self.kind, self.policy, self.engine = kind, policy, engine
+    def __init__(self, kind: str, policy, engine=None, chunk_tokens: int = LOGPROB_CHUNK_TOKENS):
+        self.kind, self.policy, self.engine, self.chunk_tokens = kind, policy, engine, chunk_tokens
 
     def __call__(self, batch: dict) -> torch.Tensor | None:
         if self.kind == "none":
@@ -235,10 +236,10 @@ class Reference:
         """The reference's own forward (eval mode); for "precomputed", only before the policy's first update."""
         if self.kind == "adapters":
             with eval_mode(self.policy), self.policy.module.disable_adapter():
-                return sequence_logprobs(self.policy, batch)[0]
+                return sequence_logprobs(self.policy, batch, self.chunk_tokens)[0]
         model = self.policy if self.kind == "precomputed" else self.engine
         with eval_mode(model):
-            return sequence_logprobs(model, batch)[0]
+            return sequence_logprobs(model, batch, self.chunk_tokens)[0]
 
 
 @torch.no_grad()
@@ -290,7 +291,7 @@ class PreferenceLoss:
         )
 
     def evaluate(self, engine, pairs: list, collator, batch_size: int, reference: "Reference") -> dict:
-        return evaluate_preferences(engine, pairs, collator, batch_size, self)
+        return evaluate_preferences(engine, pairs, collator, batch_size, self, reference.chunk_tokens)
 
     def __call__(
         self, logps: torch.Tensor, counts: torch.Tensor | None, ref_logps: torch.Tensor | None, with_nll: bool = True
@@ -410,7 +411,7 @@ def evaluate_unpaired(
     with eval_mode(engine):
         for batch_examples, weight in rank_batches(examples, batch_size):
             batch = collator(batch_examples)
-            logps, _ = sequence_logprobs(engine, batch)
+            logps, _ = sequence_logprobs(engine, batch, reference.chunk_tokens)
             terms, stats = loss_of.terms(logps, reference(batch), batch["desirable"])
             stats["loss"] = terms["examples"]
             n = weight * len(batch_examples)
@@ -444,14 +445,16 @@ def held_out_pairs(pairs: list, batch_size: int, max_batches: int) -> list:
 
 
 @torch.no_grad()
-def evaluate_preferences(engine, pairs: list, collator, batch_size: int, loss_of: PreferenceLoss) -> dict:
+def evaluate_preferences(
+    engine, pairs: list, collator, batch_size: int, loss_of: PreferenceLoss, chunk_tokens: int = LOGPROB_CHUNK_TOKENS
+) -> dict:
     """Exact metrics over all ranks' shares of `pairs` (held_out_pairs; filler batches weigh 0); the
     pairs carry their reference log-probs. `eval/loss` is the DPO loss alone (without the NLL term)."""
     sums, count = dict.fromkeys(EVAL_STATS, 0.0), 0.0
     with eval_mode(engine):
         for batch_pairs, weight in rank_batches(pairs, batch_size):
             batch = collator(batch_pairs)
-            logps, counts = sequence_logprobs(engine, batch)
+            logps, counts = sequence_logprobs(engine, batch, chunk_tokens)
             loss, stats = loss_of(logps, counts, batch.get("ref_logps"), with_nll=False)
             stats["loss"] = loss
             n = weight * len(batch_pairs)
@@ -532,7 +535,7 @@ def build_reference(args, tokenizer, policy) -> Reference:
         )
         engine = build_frozen_engine(model, config)
     print_rank0(f"[dpo] reference: {REFERENCE_KINDS[kind]}")
-    return Reference(kind, policy, engine)
+    return Reference(kind, policy, engine, args.logprob_chunk_tokens)
 
 
 def main(argv=None):
@@ -621,7 +624,7 @@ def main(argv=None):
     before = state["before"]
 
     def micro_step(batch):
-        logps, counts = sequence_logprobs(engine, batch)
+        logps, counts = sequence_logprobs(engine, batch, args.logprob_chunk_tokens)
         terms, stats = loss_of.train_terms(logps, counts, reference(batch), batch)
         return terms, tuple(stats[name].item() for name in loss_of.stat_names)
 
@@ -650,7 +653,7 @@ def main(argv=None):
             "sequence log-probs",
             engine,
             lambda: load_causal_lm(args.output_dir, trust_remote_code=args.trust_remote_code),
-            lambda model, batch: sequence_logprobs(model, batch)[0],
+            lambda model, batch: sequence_logprobs(model, batch, args.logprob_chunk_tokens)[0],
             collator(eval_pairs[:4] or train_pairs[:4]),
         ),
     )

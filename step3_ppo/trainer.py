@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass, fields
 
@@ -36,6 +37,7 @@ from utils.math.ops import explained_variance, masked_mean, masked_whiten, rollo
 from utils.math.rows import Row, from_token_layout, pack, split_generation, to_token_layout
 from utils.models.export import is_zero3
 from utils.models.forward import (
+    LOGPROB_CHUNK_TOKENS,
     GenerationSettings,
     eval_mode,
     lm_nll,
@@ -107,6 +109,7 @@ class PPOConfig:
     merge_lora_for_generation: bool = True
     gathered_experience: bool = True  # with the hybrid engine: score the rollout on models gathered whole
     release_inference_cache: bool = False  # hand the allocator's cached blocks back after generation
+    logprob_chunk_tokens: int = LOGPROB_CHUNK_TOKENS  # tokens per LM-head chunk of every log-prob forward (0: whole)
     seed: int = 1234
 
     @classmethod
@@ -132,13 +135,12 @@ class PPOTrainer:
     estimator needs one) and the reward components (reward models and/or functions, step3_ppo/rewards/components.py).
 
     `logprobs_fn(model, packed_batch, temperature, return_entropy=False, entropy_grad=False)` is the policy
-    forward (utils.models.forward.token_logprobs); a benchmark can pass a variant without patching. `agent`
+    forward (None: utils.models.forward.token_logprobs with `--logprob_chunk_tokens`); a benchmark can pass a
+    variant without patching. `agent`
     (step3_ppo.agents.loop.MultiTurn) makes each rollout row a multi-turn trajectory.
     """
 
-    def __init__(
-        self, engines, config: PPOConfig, kl_ctl, rewards, unsup_batches=None, logprobs_fn=token_logprobs, agent=None
-    ):
+    def __init__(self, engines, config: PPOConfig, kl_ctl, rewards, unsup_batches=None, logprobs_fn=None, agent=None):
         self.config = config
         self.estimator = get_estimator(config.advantage_estimator)
         self.policy_loss = losses.POLICY_LOSSES[config.policy_loss]
@@ -163,7 +165,7 @@ class PPOTrainer:
         self.kl_ctl = kl_ctl
         self.reward_moments = RunningMoments()
         self.unsup_batches = unsup_batches
-        self.logprobs_fn = logprobs_fn
+        self.logprobs_fn = logprobs_fn or functools.partial(token_logprobs, chunk_tokens=config.logprob_chunk_tokens)
         self.agent = agent  # step3_ppo.agents.loop.MultiTurn: rollouts of several turns with an environment / tools
         self.guard = None  # BadStepGuard: skips updates with a non-finite reward or loss (set by main)
         self.memory = accelerator.PhaseMemory()  # peak memory of generation / experience / training
@@ -247,7 +249,13 @@ class PPOTrainer:
         batch = pack(rows, self.config.pad_token_id)
         with eval_mode(engine):
             if share_prompts:
-                logprobs = token_logprobs(engine, batch, self.config.generation.logprob_temperature, share_prompts=True)
+                logprobs = token_logprobs(
+                    engine,
+                    batch,
+                    self.config.generation.logprob_temperature,
+                    share_prompts=True,
+                    chunk_tokens=self.config.logprob_chunk_tokens,
+                )
             else:
                 logprobs = self.logprobs_fn(engine, batch, self.config.generation.logprob_temperature)
         from_token_layout(rows, name, logprobs, batch["prompt_len"])
@@ -527,7 +535,7 @@ class PPOTrainer:
         loss, _ = step_normalised_loss({unit: policy}, counts, totals, steps, ranks)
         ptx_loss = torch.zeros(())
         if self.unsup_batches is not None:
-            nll, count = lm_nll(self.actor, next(self.unsup_batches))
+            nll, count = lm_nll(self.actor, next(self.unsup_batches), c.logprob_chunk_tokens)
             ptx_loss = nll / count.clamp(min=1)
             loss = loss + c.unsup_coef * ptx_loss
         self.used = {"actor": self.backward(self.actor, loss, boundary, (replay or {}).get("actor"))}

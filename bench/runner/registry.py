@@ -95,6 +95,13 @@ BENCHMARKS = (
         module="bench.response_head",
     ),
     Benchmark(
+        "chunked_logprobs",
+        "peak memory of an actor step's log-prob forward + backward: the LM head in chunks vs the whole logits",
+        (2, 10),
+        module="bench.chunked_logprobs",
+        headline=r"chunked \([^)]*\) / whole peak: [0-9.]+",
+    ),
+    Benchmark(
         "vllm_engine",
         "step 3's rollout engines on one ZeRO-3 actor: hybrid HF generate vs the vLLM worker",
         (3, 10),

@@ -8,7 +8,7 @@ import torch
 
 from utils.math.ops import masked_sum
 from utils.math.rows import Row, pack, to_token_layout
-from utils.models.forward import eval_mode, sequence_scores, token_logprobs
+from utils.models.forward import LOGPROB_CHUNK_TOKENS, eval_mode, sequence_scores, token_logprobs
 
 
 def _batches(rows: Sequence[Row], batch_size: int):
@@ -42,15 +42,20 @@ def _pad_id(model) -> int:
 
 @torch.no_grad()
 def sequence_logprobs(
-    model, rows: Sequence[Row], batch_size: int = 8, pad_token_id: int | None = None
+    model,
+    rows: Sequence[Row],
+    batch_size: int = 8,
+    pad_token_id: int | None = None,
+    chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
 ) -> list[torch.Tensor]:
-    """Per row, log p(response token | prefix) of each response token ([t] fp32 tensors)."""
+    """Per row, log p(response token | prefix) of each response token ([t] fp32 tensors); the LM head
+    `chunk_tokens` tokens at a time (utils.models.forward.token_logprobs; 0: the whole logits)."""
     pad = _pad_id(model) if pad_token_id is None else pad_token_id
     out: list[torch.Tensor] = []
     with eval_mode(model):
         for chunk in _batches(rows, batch_size):
             batch = pack(chunk, pad)
-            logprobs = token_logprobs(model, batch).cpu()
+            logprobs = token_logprobs(model, batch, chunk_tokens=chunk_tokens).cpu()
             p = batch["prompt_len"]
             for b, row in enumerate(chunk):
                 out.append(logprobs[b, p - 1 : p - 1 + row.response_ids.numel()].clone())
@@ -59,7 +64,12 @@ def sequence_logprobs(
 
 @torch.no_grad()
 def kl_to_reference(
-    policy, reference, rows: Sequence[Row], batch_size: int = 8, pad_token_id: int | None = None
+    policy,
+    reference,
+    rows: Sequence[Row],
+    batch_size: int = 8,
+    pad_token_id: int | None = None,
+    chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
 ) -> list[float]:
     """Per row: sum over its response tokens of log p_policy - log p_reference (k1).
 
@@ -68,7 +78,8 @@ def kl_to_reference(
     log-ratio of that answer). Both models see the same packed batch, mask-derived positions and
     `pack`'s action mask (response tokens up to and including the first EOS). Rows that carry the
     policy's own log-probs from generation (`per_action["logprobs"]`, `generate_answers(logprobs=True)`)
-    skip the policy's forward (`policy` may then be None).
+    skip the policy's forward (`policy` may then be None). Each forward runs the LM head `chunk_tokens` tokens
+    at a time (utils.models.forward.token_logprobs; 0: the whole logits).
     """
     pad = _pad_id(reference) if pad_token_id is None else pad_token_id
     out: list[float] = []
@@ -78,7 +89,7 @@ def kl_to_reference(
             if all("logprobs" in row.per_action for row in chunk):
                 lp = to_token_layout(chunk, "logprobs", batch["prompt_len"], batch["input_ids"].shape[1])
             else:
-                lp = token_logprobs(policy, batch).cpu()
-            lr = token_logprobs(reference, batch).cpu()
+                lp = token_logprobs(policy, batch, chunk_tokens=chunk_tokens).cpu()
+            lr = token_logprobs(reference, batch, chunk_tokens=chunk_tokens).cpu()
             out += masked_sum(lp - lr, batch["action_mask"], dim=-1).tolist()
     return out

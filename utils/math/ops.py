@@ -25,9 +25,10 @@ at a pad is ``0 * nan``.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "explained_variance",
     "logprobs_from_logits",
     "entropy_from_logits",
+    "chunked_head",
     "KL_ESTIMATORS",
     "kl_estimate",
     "ROLLOUT_CORRECTIONS",
@@ -219,6 +221,48 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
         p = torch.softmax(c, dim=-1)
         out.append(torch.logsumexp(c, dim=-1) - (p * c).sum(dim=-1))
     return torch.cat(out).view(logits.shape[:-1])
+
+
+def chunked_head(
+    hidden: Tensor, head: Callable, reduce: Callable, chunk_tokens: int, *per_token: Tensor, min_chunks: int = 0
+) -> tuple[Tensor, ...]:
+    """Per-token quantities of ``reduce(head(h), *per_token)`` over hidden states ``[B, T, H]``, ``chunk_tokens``
+    token rows at a time, so that no ``[B, T, V]`` logits tensor exists, forward or backward.
+
+    ``head`` maps ``[n, H]`` hidden states to ``[n, V]`` logits (the LM head module); ``reduce`` maps those
+    logits and the chunk's ``[n]`` slices of the ``per_token`` ``[B, T]`` tensors (labels, masks) to a tuple of
+    ``[n]`` tensors; the result is that tuple with each entry ``[B, T]``. Rows of every sequence are flattened
+    first, so each chunk holds at most ``chunk_tokens`` tokens of one or several sequences.
+
+    With gradients on, each chunk runs inside ``torch.utils.checkpoint`` (non-reentrant): its forward keeps
+    only its slice of ``hidden`` (already kept by the model's own backward), and the backward recomputes the
+    chunk's logits, so at most one chunk's ``[n, V]`` logits, softmax and their gradient live at a time, for
+    one more LM-head matmul per chunk. ``reduce`` must be deterministic (no dropout): the RNG state is not
+    replayed. Without gradients the chunks simply run one after the other.
+
+    ``min_chunks``: at least this many head calls, the ones past the tokens on empty slices (a ZeRO-3 head gathers
+    its weights at every call, a collective each rank must make as often as the others, forward and backward).
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    lead = hidden.shape[:-1]
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    extra = [t.to(hidden.device).reshape(-1) for t in per_token]
+
+    def run(h: Tensor, *args: Tensor) -> tuple[Tensor, ...]:
+        out = reduce(head(h), *args)
+        return out if isinstance(out, tuple) else (out,)
+
+    grad = torch.is_grad_enabled()
+    count = max(-(-flat.shape[0] // chunk_tokens), min_chunks, 1)  # no token: one empty chunk gives the dtypes
+    chunks = []
+    for start in range(0, count * chunk_tokens, chunk_tokens):
+        args = (flat[start : start + chunk_tokens], *(t[start : start + chunk_tokens] for t in extra))
+        if grad:
+            chunks.append(torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, preserve_rng_state=False))
+        else:
+            chunks.append(run(*args))
+    return tuple(torch.cat(parts).view(lead) for parts in zip(*chunks))
 
 
 # ---------------------------------------------------------------------------

@@ -8,7 +8,10 @@ whether the model is a DeepSpeed engine (any ZeRO stage) or a plain module:
   no-grad scoring, see shared_prompt_cache);
 - inputs are moved to the model's device here (rows, packed batches and data-loader batches stay
   on the CPU until a forward reads them);
-- log-prob and loss math is fp32 whatever the model's dtype.
+- log-prob and loss math is fp32 whatever the model's dtype;
+- token log-probs, entropies and the SFT loss go through the LM head `chunk_tokens` tokens at a time
+  (`--logprob_chunk_tokens`, causal_lm_hidden + utils.math.ops.chunked_head): no [B, T, V] logits tensor
+  exists, forward or backward.
 Generation settings (greedy or sampling, temperature, top-p, top-k) are built into `generate`
 keyword arguments in one place too, for step 3's rollout, its evaluation, prompt_eval and chat.py.
 """
@@ -21,16 +24,27 @@ import inspect
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from utils.math.losses import IGNORE_INDEX, sft_nll
 from utils.math.ops import (
+    chunked_head,
     entropy_from_logits,
     logprobs_from_logits,
     masked_sum,
     position_ids_from_attention_mask,
+    select,
     sequence_score,
 )
+from utils.runtime.distributed import all_reduce_max, world_size
+
+# Tokens per LM-head chunk of the log-prob forwards: the default of --logprob_chunk_tokens (utils/train/flags.py;
+# tests/test_chunked_logprobs.py holds the two equal). 0 computes the whole [B, T, V] logits at once.
+LOGPROB_CHUNK_TOKENS = 512
+# Config attributes of models whose logits are transformed after the LM head (Gemma 2/3's soft-capping, Cohere's
+# logit_scale, Granite's logits_scaling): the chunked head would miss the transform, so these take the whole path.
+POST_HEAD_ATTRIBUTES = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 # --------------------------------------------------------------------------- #
@@ -108,6 +122,62 @@ def causal_lm_logits(
     return out.logits[:, -keep:] if keep and not extra else out.logits
 
 
+def causal_lm_hidden(
+    model: nn.Module, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int = 0, shared_prompt_len: int = 0
+) -> Tensor:
+    """The LM head's input [B, K, H] (the decoder's last hidden states, after its final norm) at the positions
+    whose logits causal_lm_logits returns with the same arguments, from the same forward: the model (engine,
+    peft wrapper and all) runs as there, and a pre-hook on the output-embedding module records the head's input
+    and hands the head only its last position (a [B, 1, V] logits tensor, discarded).
+
+    Why the whole model and a hook rather than calling the decoder directly: every wrapper's forward still runs
+    (the DeepSpeed engine's, whose ZeRO-3 root hook starts each step's parameter trace; peft's), and each model
+    class keeps its own route from the decoder to the head (OPT's `model.decoder`, GPT-2's `transformer`),
+    with no per-architecture table. The head is then applied by the caller (chunked_head), through the same
+    module: LoRA on it, tied embeddings and ZeRO-3's parameter hooks work as in the whole forward."""
+    head = _hf_model(model).get_output_embeddings()
+    captured = []
+
+    def keep_input(module, args):
+        if not args:
+            raise RuntimeError(f"{type(module).__name__}: the LM head was called without a positional input")
+        captured.append(args[0])
+        return (args[0][..., -1:, :], *args[1:])
+
+    handle = head.register_forward_pre_hook(keep_input)
+    try:
+        causal_lm_logits(model, input_ids, attention_mask, logits_to_keep, shared_prompt_len)
+    finally:
+        handle.remove()
+    hidden = captured[-1]  # the last call: shared_prompt_cache's prefix forward calls the head first
+    return hidden[:, -logits_to_keep:] if 0 < logits_to_keep < hidden.shape[1] else hidden
+
+
+def chunks_head(model: nn.Module, chunk_tokens: int) -> nn.Module | None:
+    """The output-embedding module the log-prob forwards apply `chunk_tokens` tokens at a time, or None for the
+    whole-logits path: `chunk_tokens` 0, a model without output embeddings, or one that transforms its logits
+    after the head (POST_HEAD_ATTRIBUTES)."""
+    if chunk_tokens <= 0:
+        return None
+    hf = _hf_model(model)
+    head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
+    config = getattr(hf, "config", None)
+    if head is None or any(getattr(config, name, None) is not None for name in POST_HEAD_ATTRIBUTES):
+        return None
+    return head
+
+
+def head_chunks(head: nn.Module, hidden: Tensor, chunk_tokens: int, *per_token: Tensor, reduce):
+    """utils.math.ops.chunked_head of `head` over `hidden` [B, T, H]. A ZeRO-3 head whose weights are partitioned
+    gathers them at every call, a collective: every rank then makes as many calls as the rank with the most
+    tokens (one small all-reduce of the chunk count; the extra chunks are empty), forward and backward alike."""
+    count = -(-hidden.shape[0] * hidden.shape[1] // chunk_tokens)
+    partitioned = any(hasattr(p, "ds_id") and not getattr(p, "ds_persist", False) for p in head.parameters())
+    if partitioned and world_size() > 1:
+        count = int(all_reduce_max(float(count)))
+    return chunked_head(hidden, head, reduce, chunk_tokens, *per_token, min_chunks=count)
+
+
 def _hf_model(model: nn.Module) -> nn.Module:
     """The transformers model inside a DeepSpeed engine and/or a peft wrapper."""
     model = getattr(model, "module", model)
@@ -126,11 +196,11 @@ def token_logprobs(
     return_entropy: bool = False,
     entropy_grad: bool = False,
     share_prompts: bool = False,
+    chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
 ):
     """log p(token i+1 | prefix) [B, L-1] fp32 of a packed batch (utils.math.rows.pack: input_ids,
     attention_mask, prompt_len, ...), in the layout of utils/math/ops.py; optionally with the per-token entropy,
-    detached (a monitor) unless `entropy_grad` (an entropy bonus in the loss: its softmax is kept for
-    the backward, one more [B, L-1, V] fp32 tensor).
+    detached (a monitor) unless `entropy_grad` (an entropy bonus in the loss).
 
     Only the response positions (from `prompt_len` - 1 on, the first that predicts a response token) go
     through the LM head; the prompt positions before them hold 0, which every reader masks out.
@@ -139,24 +209,37 @@ def token_logprobs(
     whose ratio PPO clips is that one, and the reference is scored the same way so that the KL
     compares like with like.
 
+    `chunk_tokens` N > 0 (`--logprob_chunk_tokens`): the decoder runs once, then the head and the softmaxes
+    after it run N tokens at a time (causal_lm_hidden, utils.math.ops.chunked_head), each chunk's logits
+    recomputed in the backward instead of kept: no [B, L-1, V] tensor exists, forward or backward, for one
+    more head matmul per chunk in a training forward. The same arithmetic per token as N = 0, which computes
+    the whole logits at once (and, with `entropy_grad`, keeps their softmax for the backward).
+
     `share_prompts` (no-grad scoring; every rank the same, it is two forwards): a prompt repeated in the
     batch runs once (causal_lm_logits' `shared_prompt_len`).
     """
     input_ids = batch["input_ids"]
     skipped = max(int(batch.get("prompt_len", 1)) - 1, 0)  # positions before the first prediction of a response token
-    logits = causal_lm_logits(
-        model,
-        input_ids,
-        batch["attention_mask"],
-        input_ids.shape[1] - skipped,
-        shared_prompt_len=skipped + 1 if share_prompts else 0,
-    )[:, :-1]
-    if temperature != 1.0:
-        logits = logits / temperature
-    logprobs = _front_pad(logprobs_from_logits(logits, input_ids[:, 1 + skipped :]), skipped)
-    if return_entropy:
-        return logprobs, _front_pad(entropy_from_logits(logits if entropy_grad else logits.detach()), skipped)
-    return logprobs
+    keep, shared = input_ids.shape[1] - skipped, skipped + 1 if share_prompts else 0
+    labels = input_ids[:, 1 + skipped :]
+
+    def reduce(logits: Tensor, targets: Tensor):
+        if temperature != 1.0:
+            logits = logits / temperature
+        logprobs = logprobs_from_logits(logits, targets)
+        if not return_entropy:
+            return logprobs
+        return logprobs, entropy_from_logits(logits if entropy_grad else logits.detach())
+
+    head = chunks_head(model, chunk_tokens)
+    if head is not None:
+        hidden = causal_lm_hidden(model, input_ids, batch["attention_mask"], keep, shared)[:, :-1]
+        out = head_chunks(head, hidden, chunk_tokens, labels, reduce=reduce)
+    else:
+        out = reduce(causal_lm_logits(model, input_ids, batch["attention_mask"], keep, shared)[:, :-1], labels)
+        out = out if isinstance(out, tuple) else (out,)
+    out = tuple(_front_pad(t, skipped) for t in out)
+    return out if return_entropy else out[0]
 
 
 def _front_pad(per_token: Tensor, n: int) -> Tensor:
@@ -164,23 +247,37 @@ def _front_pad(per_token: Tensor, n: int) -> Tensor:
     return torch.nn.functional.pad(per_token, (n, 0)) if n else per_token
 
 
-def sequence_logprobs(model: nn.Module, batch: dict) -> tuple[Tensor, Tensor]:
+def sequence_logprobs(model: nn.Module, batch: dict, chunk_tokens: int = LOGPROB_CHUNK_TOKENS) -> tuple[Tensor, Tensor]:
     """(log p(response | prompt) [B], response tokens [B]) fp32: the token log-probs of ``batch``
     (input_ids, attention_mask, action_mask on the response tokens) summed over ``action_mask``:
     DPO's sequence log-probs. Positions from the mask make them independent of the padding."""
     action_mask = batch["action_mask"]
-    logprobs = token_logprobs(model, batch)
+    logprobs = token_logprobs(model, batch, chunk_tokens=chunk_tokens)
     return masked_sum(logprobs, action_mask, dim=1), action_mask.to(logprobs.device).sum(dim=1)
 
 
-def lm_nll(model: nn.Module, batch: dict) -> tuple[Tensor, Tensor]:
+def lm_nll(model: nn.Module, batch: dict, chunk_tokens: int = LOGPROB_CHUNK_TOKENS) -> tuple[Tensor, Tensor]:
     """(sum of next-token NLL over the trained labels of `batch`, their count): step 1, PPO-ptx, perplexity.
-    The LM head runs from the batch's first trained prediction on (prompts before it are skipped)."""
+    The LM head runs from the batch's first trained prediction on (prompts before it are skipped), `chunk_tokens`
+    tokens at a time as in token_logprobs (0: the whole logits, utils.math.losses.sft_nll); each token's NLL is
+    sft_nll's (F.cross_entropy on the fp32 logits, untrained positions selected away first)."""
     labels = batch["labels"]
     trained = (labels[:, 1:] != IGNORE_INDEX).any(dim=0).nonzero()
     start = int(trained[0]) if len(trained) else 0  # the first position whose prediction is trained
-    logits = causal_lm_logits(model, batch["input_ids"], batch["attention_mask"], labels.shape[1] - start)
-    return sft_nll(logits, labels[:, start:])
+    head = chunks_head(model, chunk_tokens)
+    if head is None:
+        logits = causal_lm_logits(model, batch["input_ids"], batch["attention_mask"], labels.shape[1] - start)
+        return sft_nll(logits, labels[:, start:])
+    hidden = causal_lm_hidden(model, batch["input_ids"], batch["attention_mask"], labels.shape[1] - start)[:, :-1]
+    targets = labels[:, start + 1 :].to(hidden.device)
+
+    def reduce(logits: Tensor, target: Tensor) -> Tensor:
+        trained = target != IGNORE_INDEX
+        nll = F.cross_entropy(select(logits.float(), trained.unsqueeze(-1)), target.clamp(min=0), reduction="none")
+        return select(nll, trained)
+
+    (nll,) = head_chunks(head, hidden, chunk_tokens, targets, reduce=reduce)
+    return nll.sum(), (targets != IGNORE_INDEX).sum()
 
 
 def token_values(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:

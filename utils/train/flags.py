@@ -98,6 +98,7 @@ RESUMABLE_FLAGS = frozenset(
         "actor_gradient_checkpointing",
         "critic_gradient_checkpointing",
         "release_inference_cache",
+        "logprob_chunk_tokens",
         "offload_reference_model",
         "offload_reward_model",
     }
@@ -164,10 +165,15 @@ def add_format_args(group, template_file: bool = True) -> None:
 
 
 def add_model_args(
-    parser: argparse.ArgumentParser, models: dict[str, str], defaults: dict | None = None, optional: Sequence[str] = ()
+    parser: argparse.ArgumentParser,
+    models: dict[str, str],
+    defaults: dict | None = None,
+    optional: Sequence[str] = (),
+    logprobs: bool = True,
 ) -> None:
     """`--{prefix}model_name_or_path` (required unless its prefix is in `optional`, whose caller then
-    says when it is needed) and `--{prefix}dropout` per model; `models` = {prefix: help}."""
+    says when it is needed) and `--{prefix}dropout` per model; `models` = {prefix: help}. `logprobs`: the
+    entry point scores token log-probs of a causal LM (--logprob_chunk_tokens; not the reward model's step)."""
     g = parser.add_argument_group("model")
     for prefix, help_text in models.items():
         g.add_argument(f"--{prefix}model_name_or_path", required=prefix not in optional, help=help_text)
@@ -180,13 +186,14 @@ def add_model_args(
         help="transformers' attention kernel (default: its own choice, sdpa where supported); "
         "flash_attention_2 needs the flash_attn package and bf16/fp16 on a GPU",
     )
-    g.add_argument(
-        "--logprob_chunk_tokens",
-        type=int,
-        default=0,
-        help="token log-probs through the LM head this many tokens at a time, forward and backward, so that no "
-        "[batch, length, vocabulary] logits tensor exists (0: the whole logits at once)",
-    )
+    if logprobs:
+        g.add_argument(
+            "--logprob_chunk_tokens",
+            type=int,
+            default=LOGPROB_CHUNK_TOKENS,
+            help="token log-probs and the SFT loss through the LM head this many tokens at a time, forward and "
+            "backward, so that no [batch, length, vocabulary] logits tensor exists (0: the whole logits at once)",
+        )
     g.add_argument(
         "--load_in_4bit",
         action="store_true",
@@ -197,6 +204,9 @@ def add_model_args(
 
 
 ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
+# --logprob_chunk_tokens' default: utils.models.forward.LOGPROB_CHUNK_TOKENS (not imported: this module stays
+# torch-free; tests/test_chunked_logprobs.py holds the two equal). Measured in bench/chunked_logprobs.py.
+LOGPROB_CHUNK_TOKENS = 512
 BATCH_FLAGS = ("per_device_train_batch_size", "per_device_eval_batch_size", "max_seq_len")
 
 
@@ -426,11 +436,12 @@ def add_offload_reference_arg(group) -> None:
     )
 
 
-def single_model_parser(description: str, model_help: str) -> argparse.ArgumentParser:
-    """Steps 1 and 2 (one trained model): data, model, batch, training, checkpoint and output flags."""
+def single_model_parser(description: str, model_help: str, logprobs: bool = True) -> argparse.ArgumentParser:
+    """Steps 1 and 2 (one trained model): data, model, batch, training, checkpoint and output flags
+    (`logprobs`: add_model_args')."""
     parser = ConfigFileParser(description=description)
     add_data_args(parser)
-    add_model_args(parser, {"": model_help})
+    add_model_args(parser, {"": model_help}, logprobs=logprobs)
     add_batch_args(parser)
     add_training_args(parser)
     add_checkpoint_args(parser)
@@ -558,7 +569,7 @@ def validate_training_args(args, prefixes: Sequence[str] = ("",), positive: Sequ
     check_range(
         args,
         0,
-        ["gradient_clipping", "num_warmup_steps", "save_interval"]
+        ["gradient_clipping", "num_warmup_steps", "save_interval", "logprob_chunk_tokens"]
         + [
             f"{p}{name}"
             for p in prefixes
