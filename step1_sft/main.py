@@ -16,7 +16,7 @@ from utils.errors import UsageError, run_main
 from utils.math.losses import IGNORE_INDEX
 from utils.models.export import export_hf_model
 from utils.models.forward import LOGPROB_CHUNK_TOKENS, causal_lm_logits, eval_mode, lm_nll
-from utils.models.loading import load_causal_lm
+from utils.models.loading import check_4bit_args, load_causal_lm
 from utils.runtime.distributed import all_reduce_sum, rank_batches
 from utils.train.checkpoint import data_layout
 from utils.train.config_file import write_run_config
@@ -54,6 +54,7 @@ def parse_args(argv=None):
     args = build_parser().parse_args(argv)
     check_range(args, 0, ("eval_iters",))
     validate_training_args(args, positive=BATCH_FLAGS)
+    check_4bit_args(args, {"model": ""}, {"model": args.zero_stage})
     return args
 
 
@@ -123,6 +124,7 @@ def main(argv=None):
         args.dropout,
         args.trust_remote_code,
         attn_implementation=args.attn_implementation,
+        load_in_4bit=args.load_in_4bit,
     )
     engine = build_trained_engine(model, ds_config, spec_from_args(args), total_steps)
 

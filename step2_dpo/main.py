@@ -54,7 +54,7 @@ from utils.math.losses import (
 )
 from utils.models.export import export_hf_model
 from utils.models.forward import LOGPROB_CHUNK_TOKENS, eval_mode, sequence_logprobs
-from utils.models.loading import load_causal_lm
+from utils.models.loading import check_4bit_args, load_causal_lm
 from utils.runtime.distributed import all_reduce_sum, rank_batches, world_size
 from utils.train.checkpoint import data_layout
 from utils.train.config_file import write_run_config
@@ -184,6 +184,10 @@ def parse_args(argv=None):
             f"{REFERENCE_KINDS[reference_kind(args)]})"
         )
     validate_training_args(args, positive=BATCH_FLAGS)
+    stages = {"policy": args.zero_stage}
+    if reference_kind(args) == "engine":  # a separate frozen copy (ZeRO-3 offload with --offload_reference_model)
+        stages["reference"] = 3 if args.offload_reference_model else args.zero_stage
+    check_4bit_args(args, {"policy": ""}, stages)
     return args
 
 
@@ -532,6 +536,7 @@ def build_reference(args, tokenizer, policy) -> Reference:
             0.0,
             args.trust_remote_code,
             attn_implementation=args.attn_implementation,
+            load_in_4bit=args.load_in_4bit,
         )
         engine = build_frozen_engine(model, config)
     print_rank0(f"[dpo] reference: {REFERENCE_KINDS[kind]}")
@@ -570,6 +575,7 @@ def main(argv=None):
         args.dropout,
         args.trust_remote_code,
         attn_implementation=args.attn_implementation,
+        load_in_4bit=args.load_in_4bit,
     )
     engine = build_trained_engine(model, ds_config, spec_from_args(args), total_steps)
     reference = build_reference(args, tokenizer, engine)

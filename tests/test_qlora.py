@@ -7,6 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+from step1_sft.main import main as step1_main
+from step2_dpo.main import main as dpo_main
 from step2_reward.main import main as step2_main
 from step2_reward.main import parse_args as step2_args
 from step3_ppo.deepspeed_models import check_qlora_args
@@ -305,3 +307,33 @@ def test_two_rank_zero2_reward_model_in_4bit(tiny_llama, tmp_path):
     assert len(train) == 3 and train[-1] < train[0], train
     diff = [r["export/score_max_abs_diff"] for r in logged if "export/score_max_abs_diff" in r]
     assert diff and diff[0] < 0.05, diff
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("step", ["sft", "dpo"])
+def test_step1_and_dpo_in_4bit_train_and_export(step, tiny_llama, tmp_path):
+    """Steps 1 and DPO with --load_in_4bit (LoRA, ZeRO-2, bf16) in this process: the policy trains and exports as a
+    plain full-precision model whose reload matches the engine up to its bf16 compute."""
+    rows = [
+        {"prompt": f"Human: the {t}?\n\nAssistant:", "chosen": " good and fine", "rejected": " bad and dull"}
+        for t in ("movie", "film", "plot", "actor", "scene", "story", "music", "ending") * 4
+    ]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out"
+    main, quantity, split = {
+        "sft": (step1_main, "logits", "10,0,0"),
+        "dpo": (dpo_main, "logp", "0,10,0"),
+    }[step]
+    main(
+        [
+            *("--model_name_or_path", tiny_llama, "--data_path", str(tmp_path / "pairs.jsonl"), "--data_split", split),
+            *("--output_dir", str(out), "--zero_stage", "2", "--per_device_train_batch_size", "4"),
+            *("--per_device_eval_batch_size", "8", "--max_seq_len", "32", "--max_steps", "2"),
+            *("--load_in_4bit", "--dtype", "bf16", "--lora_dim", "4", "--only_optimize_lora"),
+        ]
+    )
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    diff = [r[f"export/{quantity}_max_abs_diff"] for r in logged if f"export/{quantity}_max_abs_diff" in r]
+    assert diff and diff[-1] < 0.05, (diff, sorted(k for r in logged for k in r if k.startswith("export/")))
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    assert not is_4bit(load_causal_lm(str(out)))
