@@ -74,7 +74,8 @@ def assert_grads_close(chunked: dict, whole: dict) -> None:
 
 def assert_matches_whole(model, fn, chunks, rtol: float = 0.0) -> None:
     """fn(model, chunk_tokens) for each chunk size against chunk_tokens=0: outputs (within TOL, or `rtol` of a sum)
-    and gradients. The packed batch has 42 response positions: 7 divides them, 8 does not, 4096 is one chunk."""
+    and gradients. The packed batch has 45 head positions (3 rows x 15): 5 divides them, 8 does not, 4096 is one
+    chunk (and gives the whole path's numbers bit for bit)."""
     whole_out, whole_grads = outputs_and_grads(model, lambda m: fn(m, 0))
     for n in chunks:
         out, grads = outputs_and_grads(model, lambda m: fn(m, n))
@@ -90,9 +91,9 @@ def model(request):
     return load_causal_lm(path, load_tokenizer(path), dropout=0.0).float().eval()
 
 
-@pytest.mark.parametrize("temperature, chunks", [(1.0, (7, 4096)), (0.7, (8,))])
+@pytest.mark.parametrize("temperature, chunks", [(1.0, (5, 4096)), (0.7, (8,))])
 def test_token_logprobs_and_entropy_equal_the_whole_logits(model, temperature, chunks):
-    """Chunk sizes that divide the 42 response positions (7, and 4096: one chunk) and one that does not (8) against
+    """Chunk sizes that divide the 45 head positions (5, and 4096: one chunk) and one that does not (8) against
     the whole logits, with and without a temperature; the entropy trained (an entropy bonus)."""
     batch = packed_batch()
 
@@ -102,6 +103,20 @@ def test_token_logprobs_and_entropy_equal_the_whole_logits(model, temperature, c
     assert_matches_whole(model, fn, chunks)
 
 
+def test_one_chunk_gives_the_whole_paths_numbers_bit_for_bit(model):
+    """Every kept position goes through the head (the last one's outputs dropped after), so one chunk runs the
+    whole path's matmuls on the same rows: log-probs, entropy and gradients identical, not only close."""
+    batch = packed_batch()
+
+    def fn(m, n):
+        return token_logprobs(m, batch, 0.7, return_entropy=True, entropy_grad=True, chunk_tokens=n)
+
+    (lp, ent), grads = outputs_and_grads(model, lambda m: fn(m, 4096))
+    (lp_w, ent_w), grads_w = outputs_and_grads(model, lambda m: fn(m, 0))
+    assert torch.equal(lp, lp_w) and torch.equal(ent, ent_w)
+    assert grads.keys() == grads_w.keys() and all(torch.equal(grads[n], grads_w[n]) for n in grads)
+
+
 def test_the_entropy_monitor_stays_detached(model):
     logprobs, entropy = token_logprobs(model, packed_batch(), 0.7, return_entropy=True, chunk_tokens=5)
     assert logprobs.requires_grad and not entropy.requires_grad
@@ -109,7 +124,7 @@ def test_the_entropy_monitor_stays_detached(model):
 
 def test_sft_loss_and_dpo_sequence_logprobs_equal_the_whole_logits(model):
     sft = sft_batch()
-    assert_matches_whole(model, lambda m, n: lm_nll(m, sft, n)[0], (7,), rtol=TOL)  # a sum over 36 tokens
+    assert_matches_whole(model, lambda m, n: lm_nll(m, sft, n)[0], (7,), rtol=TOL)  # a sum over the trained tokens
     assert lm_nll(model, sft, 5)[1] == lm_nll(model, sft, 0)[1] == int((sft["labels"][:, 1:] != IGNORE_INDEX).sum())
     batch = packed_batch()
     assert_matches_whole(model, lambda m, n: sequence_logprobs(m, batch, n)[0], (8,), rtol=TOL)
@@ -136,11 +151,11 @@ def test_no_bxtxv_tensor_forward_or_backward(tiny_llama):
         token_logprobs(model, batch, 0.7, return_entropy=True, chunk_tokens=0)
     finally:
         handle.remove()
-    positions = 3 * (batch["input_ids"].shape[1] - batch["prompt_len"])  # every row's response positions
+    kept = 3 * (batch["input_ids"].shape[1] - batch["prompt_len"] + 1)  # every row's positions from prompt_len - 1
     assert max(rows) <= 8
     assert forward_rows[0] == 3  # the model's own head call: one position per row, its logits discarded
-    assert sum(forward_rows[1:]) == positions and len(rows) > len(forward_rows)  # the backward recomputed chunks
-    assert rows_whole == [3 * (positions // 3 + 1)]  # the whole path: [B, T, V] at once
+    assert sum(forward_rows[1:]) == kept and len(rows) > len(forward_rows)  # the backward recomputed chunks
+    assert rows_whole == [kept]  # the whole path: [B, T, V] at once
 
 
 def test_shared_prompt_scoring_is_chunked_without_gradients(tiny_llama):
@@ -284,8 +299,8 @@ def test_the_flag_default_validation_and_threading():
 
 
 def two_rank_probe(model_path: str) -> None:
-    """One rank of the two-rank ZeRO-3 test: rank r scores a batch with a different number of response tokens
-    (42 and 9), so with 5-token chunks it has 9 or 2 chunks; two training steps and a no-grad scoring must give the
+    """One rank of the two-rank ZeRO-3 test: the ranks score batches of different sizes (45 and 11 head positions),
+    so with 5-token chunks one has 9 chunks and the other 3; two training steps and a no-grad scoring must give the
     whole-logits log-probs on both ranks without a collective left waiting."""
     init_distributed()
     rank = torch.distributed.get_rank()

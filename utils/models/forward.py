@@ -233,8 +233,11 @@ def token_logprobs(
 
     head = chunks_head(model, chunk_tokens)
     if head is not None:
-        hidden = causal_lm_hidden(model, input_ids, batch["attention_mask"], keep, shared)[:, :-1]
-        out = head_chunks(head, hidden, chunk_tokens, labels, reduce=reduce)
+        # every kept position, the last one's (which predicts nothing) dropped after: one chunk then runs the
+        # whole path's matmuls on the same rows, so its numbers are the whole path's bit for bit
+        hidden = causal_lm_hidden(model, input_ids, batch["attention_mask"], keep, shared)
+        out = head_chunks(head, hidden, chunk_tokens, F.pad(labels, (0, 1)), reduce=reduce)
+        out = tuple(t[:, :-1] for t in out)
     else:
         out = reduce(causal_lm_logits(model, input_ids, batch["attention_mask"], keep, shared)[:, :-1], labels)
         out = out if isinstance(out, tuple) else (out,)
@@ -268,8 +271,9 @@ def lm_nll(model: nn.Module, batch: dict, chunk_tokens: int = LOGPROB_CHUNK_TOKE
     if head is None:
         logits = causal_lm_logits(model, batch["input_ids"], batch["attention_mask"], labels.shape[1] - start)
         return sft_nll(logits, labels[:, start:])
-    hidden = causal_lm_hidden(model, batch["input_ids"], batch["attention_mask"], labels.shape[1] - start)[:, :-1]
-    targets = labels[:, start + 1 :].to(hidden.device)
+    hidden = causal_lm_hidden(model, batch["input_ids"], batch["attention_mask"], labels.shape[1] - start)
+    # every kept position, the last one untrained (it predicts nothing), as in token_logprobs
+    targets = F.pad(labels[:, start + 1 :], (0, 1), value=IGNORE_INDEX).to(hidden.device)
 
     def reduce(logits: Tensor, target: Tensor) -> Tensor:
         trained = target != IGNORE_INDEX
