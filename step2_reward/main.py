@@ -40,8 +40,8 @@ from utils.train.run import ReloadCheck, Run
 
 def build_parser():
     """The argument parser of this entry point (the reference pages of docs/ are generated from it)."""
-    parser = single_model_parser(
-        __doc__.splitlines()[0], "causal LM directory (step 1 output) or hub name: the backbone"
+    parser = single_model_parser(  # no token log-probs here (a scalar head): no --logprob_chunk_tokens
+        __doc__.splitlines()[0], "causal LM directory (step 1 output) or hub name: the backbone", logprobs=False
     )
     g = parser.add_argument_group("reward model")
     g.add_argument("--margin", type=float, default=0.0, help="loss margin: -log sigmoid(chosen - rejected - margin)")

@@ -39,7 +39,15 @@ from utils.evaluation.loading import default_device
 from utils.models.forward import GenerationSettings
 from utils.models.loading import ModelLoadError, check_model_path, check_remote_code, check_weight_files
 from utils.train.config_file import ConfigFileParser, write_config
-from utils.train.flags import add_device_arg, add_format_args, add_generation_args, fail, resolve_generation_args
+from utils.train.flags import (
+    LOGPROB_CHUNK_TOKENS,
+    add_device_arg,
+    add_format_args,
+    add_generation_args,
+    check_range,
+    fail,
+    resolve_generation_args,
+)
 
 
 def build_parser():
@@ -83,6 +91,12 @@ def build_parser():
         "--batch_size", type=int, default=8, help="prompts per generation and scoring batch (default %(default)s)"
     )
     p.add_argument("--num_samples", type=int, default=3, help="side-by-side samples to print")
+    p.add_argument(
+        "--logprob_chunk_tokens",
+        type=int,
+        default=LOGPROB_CHUNK_TOKENS,
+        help="the KL's token log-probs through the LM head this many tokens at a time (0: the whole logits at once)",
+    )
     add_device_arg(p)
     p.add_argument("--out", default=None, help="write the full result (with per-prompt rows) as JSON")
     add_generation_args(p, do_sample=None)  # sampling by default, as in PPO rollouts; greedy with --env/--tools
@@ -104,6 +118,7 @@ def parse_args(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
     args.max_answer_seq_len = args.max_new_tokens  # per turn, as step 3's flag
+    check_range(args, 0, ("logprob_chunk_tokens",))
     check_agent_args(args)
     args.scored_by_functions = bool(args.env or args.tools or args.reward_funcs)
     if args.do_sample is None:
@@ -211,6 +226,7 @@ def main(argv=None) -> dict:
             num_samples=args.num_samples,
             judges=judges,
             device=args.device,
+            logprob_chunk_tokens=args.logprob_chunk_tokens,
         )
     )
     print(format_table(result), flush=True)

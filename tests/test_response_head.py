@@ -43,10 +43,14 @@ def head_inputs():
 def test_token_logprobs_run_the_head_on_the_response_and_give_the_whole_heads_values(model, head_inputs):
     batch = rollout_batch()  # prompt_len 5, length 10
     whole = token_logprobs(
-        model, {k: v for k, v in batch.items() if k != "prompt_len"}, temperature=0.7, return_entropy=True
+        model,
+        {k: v for k, v in batch.items() if k != "prompt_len"},
+        temperature=0.7,
+        return_entropy=True,
+        chunk_tokens=0,
     )
     seen = head_inputs(model)
-    kept = token_logprobs(model, batch, temperature=0.7, return_entropy=True)
+    kept = token_logprobs(model, batch, temperature=0.7, return_entropy=True, chunk_tokens=0)
     assert seen == [10 - 5 + 1]  # positions 4..9: the last prompt token predicts the first response token
     p = batch["prompt_len"]
     for w, k in zip(whole, kept):
@@ -74,7 +78,7 @@ def test_lm_nll_runs_the_head_from_the_first_trained_label_with_the_same_loss_an
 
     nll_w, count_w, grads_w = loss_and_grads(lambda: sft_nll(causal_lm_logits(model, ids, mask), labels))
     seen = head_inputs(model)
-    nll_k, count_k, grads_k = loss_and_grads(lambda: lm_nll(model, batch))
+    nll_k, count_k, grads_k = loss_and_grads(lambda: lm_nll(model, batch, 0))
     assert seen == [8 - 2]  # position 2 predicts the first trained label (row 1's position 3)
     assert count_k == count_w == 6
     torch.testing.assert_close(nll_k, nll_w, rtol=1e-6, atol=1e-6)
@@ -86,7 +90,7 @@ def test_no_trained_label_runs_the_whole_head(model, head_inputs):
     ids = torch.tensor([[5, 6, 7]])
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.full_like(ids, IGNORE_INDEX)}
     seen = head_inputs(model)
-    nll, count = lm_nll(model, batch)
+    nll, count = lm_nll(model, batch, 0)
     assert seen == [3] and count == 0 and nll == 0
 
 

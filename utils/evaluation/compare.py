@@ -16,7 +16,7 @@ from utils.evaluation.intervals import bootstrap_mean_ci, win_rate_ci
 from utils.evaluation.judge import default_judges
 from utils.evaluation.loading import default_device, load_policy, load_reward_model, same_vocabulary
 from utils.evaluation.scoring import kl_to_reference, reward_scores
-from utils.models.forward import GenerationSettings
+from utils.models.forward import LOGPROB_CHUNK_TOKENS, GenerationSettings
 from utils.models.loading import load_tokenizer
 from utils.models.reward_model import check_policy_dir
 
@@ -146,6 +146,9 @@ class ComparisonSpec:
     n_boot: int = N_BOOT
     device: str | torch.device | None = None
     log: Callable[[str], None] | None = print
+    logprob_chunk_tokens: int = (
+        LOGPROB_CHUNK_TOKENS  # the KL's log-probs through the LM head this many tokens at a time
+    )
 
     def generation_settings(self) -> dict:
         """The result's record of how the answers were decoded (the beams actually used: 1 unless asked)."""
@@ -206,7 +209,9 @@ def compare_policies(spec: ComparisonSpec) -> dict:
         model, tok = load_policy(path, device)
         answers[name] = generate(name, model, tok)
         log(f"[eval] KL of the {name.upper()} policy to the SFT policy")
-        kls[name] = kl_to_reference(model, sft, answers[name], batch_size, pad_token_id=tok.pad_token_id)
+        kls[name] = kl_to_reference(
+            model, sft, answers[name], batch_size, pad_token_id=tok.pad_token_id, chunk_tokens=spec.logprob_chunk_tokens
+        )
         del model
     del sft
 

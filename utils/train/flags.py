@@ -197,9 +197,8 @@ def add_model_args(
     g.add_argument(
         "--load_in_4bit",
         action="store_true",
-        help="QLoRA: load the base weights of every model that does not train them (frozen models, and models "
-        "trained through LoRA with --only_optimize_lora) in 4 bits (bitsandbytes NF4, double quantisation, bf16 "
-        "compute)",
+        help="QLoRA: every model's base weights in 4 bits (bitsandbytes NF4, double quantisation, bf16 compute): the "
+        "frozen ones and those trained through LoRA with --only_optimize_lora; full fine-tuning and ZeRO-3 are refused",
     )
 
 
