@@ -131,6 +131,11 @@ def documented_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]
     ]
 
 
+def positional_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The positional arguments (rlhf-plan's STEP), listed above a command's flag tables."""
+    return [a for a in parser._actions if not a.option_strings and a.help != argparse.SUPPRESS]
+
+
 def expanded_help(action: argparse.Action, prog: str) -> str:
     """The help as `--help` prints it: `%(default)s` and the like filled in, `%%` as `%`."""
     text = action.help or ""
@@ -215,6 +220,8 @@ def flags_section(command: str, module: str) -> list[str]:
         f"`{command}` (or `{run_as}`; `{source}`): {cell(summary)}",
         "",
     ]
+    for a in positional_actions(parser):
+        lines += [f"Positional: `{a.metavar or a.dest}`: {cell(expanded_help(a, command))}", ""]
     shown = set(map(id, documented_actions(parser)))
     for group in parser._action_groups:
         actions = [a for a in group._group_actions if id(a) in shown]

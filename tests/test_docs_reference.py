@@ -50,7 +50,9 @@ def test_every_flag_of_every_entry_point_is_listed(generated):
         parser = gen.parser_of(module)
         actions = gen.documented_actions(parser)
         hidden = [a for a in parser._actions if a.help == argparse.SUPPRESS and a.option_strings]
-        assert len(actions) + len(hidden) + 1 == len(parser._actions)  # + --help
+        positionals = gen.positional_actions(parser)
+        assert len(actions) + len(hidden) + len(positionals) + 1 == len(parser._actions)  # + --help
+        assert all(f"Positional: `{a.metavar or a.dest}`" in listed for a in positionals)
         missing = [
             a.option_strings[-1]
             for a in actions
