@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from step3_ppo.agents.loop import agent_rates, agent_sums
 from utils.math.rows import Row
+from utils.math.throughput import phase_rate_metrics, token_metrics
 from utils.runtime.distributed import all_reduce_max_list, all_reduce_sum
 
 # the loss figures logged as their optimizer steps' mean (each mini-batch logs its part of its step's loss)
@@ -182,6 +183,30 @@ def timing_metrics(
     }
     if env_s is not None:
         out.update({"time/env_s": env_s, "time/generation_s": generation_s - env_s})
+    return out
+
+
+def throughput_sums(rows: list[Row], trained_tokens: tuple[int, int], peak_flops: float) -> dict:
+    """This rank's sequence tokens (each row's prompt + answer, what generation and the experience forwards
+    processed), the training forwards' real and processed tokens (PPOTrainer.train_epochs: every mini-batch of
+    every PPO epoch, padded to its longest row) and its device's peak FLOP/s."""
+    return {
+        "tokens/sequence_sum": sum(r.prompt_ids.numel() + r.response_ids.numel() for r in rows),
+        "tokens/real_sum": trained_tokens[0],
+        "tokens/processed_sum": trained_tokens[1],
+        "perf/peak_flops_sum": peak_flops,
+    }
+
+
+def throughput_metrics(totals: dict, seconds: dict, flops_per_token: dict) -> dict:
+    """The training forwards' tokens over all ranks (`tokens/real`, `tokens/processed`, `tokens/padding_fraction`)
+    and per phase the real tokens per second and MFU (`perf/<phase>_tokens_per_s`, `perf/<phase>_mfu`): all ranks'
+    tokens and model FLOPs (`flops_per_token[phase]`) over the slowest rank's `seconds[phase]` (generation's without
+    the environment's), against all ranks' peak FLOP/s. Generation and experience count the rows' sequence tokens."""
+    peak, sequence, real = totals["perf/peak_flops_sum"], totals["tokens/sequence_sum"], totals["tokens/real_sum"]
+    out = token_metrics(real, totals["tokens/processed_sum"])
+    for phase, tokens in (("generation", sequence), ("experience", sequence), ("training", real)):
+        out.update(phase_rate_metrics(phase, tokens, tokens * flops_per_token[phase], seconds[phase], peak))
     return out
 
 

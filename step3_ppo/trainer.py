@@ -35,6 +35,12 @@ from utils.errors import ProjectError
 from utils.math import losses
 from utils.math.ops import explained_variance, masked_mean, masked_whiten, rollout_correction_weights, select
 from utils.math.rows import Row, from_token_layout, pack, split_generation, to_token_layout
+from utils.math.throughput import (
+    FORWARD_FLOPS_PER_PARAM,
+    TRAIN_FLOPS_PER_PARAM,
+    non_embedding_params,
+    packed_tokens,
+)
 from utils.models.export import is_zero3
 from utils.models.forward import (
     LOGPROB_CHUNK_TOKENS,
@@ -170,6 +176,8 @@ class PPOTrainer:
         self.guard = None  # BadStepGuard: skips updates with a non-finite reward or loss (set by main)
         self.memory = accelerator.PhaseMemory()  # peak memory of generation / experience / training
         self.overflow_skipped = 0  # updates of this iteration the fp16 loss scaler skipped
+        self.trained_tokens = (0, 0)  # (real, processed) tokens of the last iteration's training forwards
+        self._flops_per_token = None  # model FLOPs per token of each phase (flops_per_token)
         self.used = {}  # per engine, whether the last mini-batch's loss was finite and trained on
 
     def finite(self, *values) -> bool:
@@ -591,6 +599,9 @@ class PPOTrainer:
         minibatches = [mb for epoch in range(self.config.ppo_epochs) for mb in self.minibatches(rows, step, epoch)]
         size = self.actor.gradient_accumulation_steps()
         stats, windows = [], list(accumulation_windows(minibatches, size))
+        # (real, processed) tokens of the training forwards, for the metrics (throughput_sums)
+        packed = [packed_tokens([r.prompt_ids.numel() + r.response_ids.numel() for r in mb]) for mb in minibatches]
+        self.trained_tokens = (sum(real for real, _ in packed), sum(processed for _, processed in packed))
         for window in windows:
             counts = [self.loss_units(mb) for mb in window]
             totals = window_totals(counts)
@@ -763,6 +774,27 @@ class PPOTrainer:
         self.kl_ctl.update(metrics["kl/ref_mean"], rows_total)
         return metrics, rows
 
+    def flops_per_token(self) -> dict:
+        """Model FLOPs per token of each phase (utils/math/throughput.py; parameters less the input embeddings):
+        generation 2 x the actor's; experience 2 x each model that scores the rows (the actor unless its old
+        log-probs are the generator's, the reference, the critic, each reward model); training 6 x the actor's
+        and the critic's (the PPO-ptx term's own forwards left out). Counted once."""
+        if self._flops_per_token is None:
+            n = {name: non_embedding_params(getattr(engine, "module", None)) for name, engine in self.scored_engines()}
+            scored = sum(v for k, v in n.items() if k != "actor" or self.config.old_logprobs != "rollout")
+            self._flops_per_token = {
+                "generation": FORWARD_FLOPS_PER_PARAM * n["actor"],
+                "experience": FORWARD_FLOPS_PER_PARAM * scored,
+                "training": TRAIN_FLOPS_PER_PARAM * (n["actor"] + n.get("critic", 0)),
+            }
+        return self._flops_per_token
+
+    def scored_engines(self) -> list[tuple[str, object]]:
+        """(name, engine) of the actor, reference, critic and each reward component's model (those that have one)."""
+        named = [("actor", self.actor), ("ref", self.ref), ("critic", self.critic)]
+        named += [(f"reward:{comp.name}", getattr(comp, "engine", None)) for comp in self.rewards]
+        return [(name, engine) for name, engine in named if engine is not None]
+
     def iteration_metrics(
         self,
         rows: list[Row],
@@ -775,9 +807,22 @@ class PPOTrainer:
         """The iteration's metrics over all ranks, family by family (step3_ppo/metrics.py), and the rows of all
         ranks (for the KL controller)."""
         c = self.config
-        local = step_metrics.local_sums(rows, exp_stats, sampling, train_stats, optimizer_steps, self.agent is not None)
-        totals, (log_ratio_max, diff_max) = step_metrics.all_ranks(
-            local, [max(s["ppo/log_ratio_max_abs"] for s in train_stats), exp_stats.get("logprob_diff_max", 0.0)]
+        local = {
+            **step_metrics.local_sums(rows, exp_stats, sampling, train_stats, optimizer_steps, self.agent is not None),
+            **step_metrics.throughput_sums(rows, self.trained_tokens, accelerator.peak_flops()),
+        }
+        phase_s = {
+            "generation": seconds["generation_s"] - (seconds["env_s"] or 0.0),
+            "experience": seconds["experience_s"],
+            "training": seconds["train_s"],
+        }
+        totals, (log_ratio_max, diff_max, *slowest) = step_metrics.all_ranks(
+            local,
+            [
+                max(s["ppo/log_ratio_max_abs"] for s in train_stats),
+                exp_stats.get("logprob_diff_max", 0.0),
+                *phase_s.values(),
+            ],
         )
         ranks = world_size()
         return {
@@ -791,5 +836,6 @@ class PPOTrainer:
             **step_metrics.rollout_metrics(totals, diff_max, c.rollout_correction),
             **step_metrics.agent_metrics(totals, self.agent is not None),
             **step_metrics.timing_metrics(totals["rows"], **seconds),
+            **step_metrics.throughput_metrics(totals, dict(zip(phase_s, slowest)), self.flops_per_token()),
             **self.rollout.metrics(),
         }, totals["rows"]

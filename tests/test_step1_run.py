@@ -67,6 +67,9 @@ def check_run(out: str, proc) -> list[dict]:
     assert diff and diff[0] <= 1e-5, diff
     train = [r for r in rows if "train/loss" in r]  # peak memory of every step, the largest over ranks
     assert all(r["mem/training_peak_gb"] > 0 and r["train/overflow_steps"] == 0 for r in train), train[-1]
+    # the training forwards' tokens over ranks, padding included in processed, and their rate
+    assert all(0 < r["tokens/real"] <= r["tokens/processed"] and 0 <= r["tokens/padding_fraction"] < 1 for r in train)
+    assert all(r["perf/training_tokens_per_s"] > 0 and r["perf/training_mfu"] > 0 for r in train), train[-1]
     return rows
 
 

@@ -36,6 +36,16 @@ ALWAYS = {
     "time/experience_s",
     "time/train_s",
     "samples_per_s",
+    # the training forwards' tokens and each phase's token rate and MFU (throughput_metrics)
+    "tokens/real",
+    "tokens/processed",
+    "tokens/padding_fraction",
+    "perf/generation_tokens_per_s",
+    "perf/generation_mfu",
+    "perf/experience_tokens_per_s",
+    "perf/experience_mfu",
+    "perf/training_tokens_per_s",
+    "perf/training_mfu",
 }
 CRITIC = {"loss/critic", "value/clipfrac", "value/explained_variance"}
 MISMATCH = {"rollout/logprob_diff_mean", "rollout/logprob_diff_max"}  # the generator's log-probs compared
@@ -300,4 +310,31 @@ def test_timings_and_throughput_with_the_environment_apart():
         "ppo/skipped_non_finite": 1.0,
         "time/generation_s": 2.0,
         "time/experience_s": 1.0,
+    }
+
+
+def test_throughput_sums_and_rates_by_hand():
+    rows = [
+        SimpleNamespace(prompt_ids=torch.zeros(4), response_ids=torch.zeros(3)),
+        SimpleNamespace(prompt_ids=torch.zeros(2), response_ids=torch.zeros(5)),
+    ]
+    assert m.throughput_sums(rows, (28, 32), 1e3) == {
+        "tokens/sequence_sum": 14,
+        "tokens/real_sum": 28,
+        "tokens/processed_sum": 32,
+        "perf/peak_flops_sum": 1e3,
+    }
+    totals = {"tokens/sequence_sum": 14, "tokens/real_sum": 28, "tokens/processed_sum": 32, "perf/peak_flops_sum": 2e3}
+    seconds = {"generation": 0.5, "experience": 0.25, "training": 2.0}
+    flops = {"generation": 20, "experience": 60, "training": 60}  # 2 x 10 params; 2 x 30 scored; 6 x 10 trained
+    assert m.throughput_metrics(totals, seconds, flops) == {
+        "tokens/real": 28,
+        "tokens/processed": 32,
+        "tokens/padding_fraction": 0.125,
+        "perf/generation_tokens_per_s": 28.0,
+        "perf/generation_mfu": pytest.approx(14 * 20 / (0.5 * 2e3)),
+        "perf/experience_tokens_per_s": 56.0,
+        "perf/experience_mfu": pytest.approx(14 * 60 / (0.25 * 2e3)),
+        "perf/training_tokens_per_s": 14.0,
+        "perf/training_mfu": pytest.approx(28 * 60 / (2.0 * 2e3)),
     }

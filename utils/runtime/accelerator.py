@@ -1,5 +1,6 @@
 """The ONE home of what depends on the accelerator: the device a rank computes on, the communication
-backend, synchronisation, memory statistics, cache freeing, RNG state and TF32.
+backend, synchronisation, memory statistics, cache freeing, RNG state, TF32 and the peak FLOP/s MFU is
+measured against.
 
 Everything goes through DeepSpeed's accelerator abstraction (`deepspeed.accelerator.get_accelerator()`),
 so CPU, CUDA and the other accelerators DeepSpeed knows take the same code: NCCL on CUDA, gloo on CPU,
@@ -16,6 +17,7 @@ import functools
 import os
 import re
 import resource
+import time
 
 import torch
 
@@ -155,3 +157,61 @@ class PhaseMemory:
         out = {f"mem/{phase}_peak_gb": value / 2**30 for phase, value in self.peaks.items()}
         self.peaks = {}
         return out
+
+
+# --------------------------------------------------------------------------- #
+# Peak FLOP/s (the denominator of perf/<phase>_mfu)
+# --------------------------------------------------------------------------- #
+# bf16 dense tensor-core peaks (no sparsity), FLOP/s; the first name found in the device's name wins
+_BF16_PEAKS = (
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),  # SXM
+    ("H200", 989e12),
+    ("GH200", 989e12),
+    ("A100", 312e12),
+    ("A10G", 70e12),
+    ("A10", 125e12),
+    ("L40S", 362e12),
+    ("L4", 121e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+)
+
+
+def table_peak_flops(device_name: str) -> float | None:
+    """The bf16 dense peak of a CUDA device by its name (`torch.cuda.get_device_name`), None if not listed."""
+    for key, peak in _BF16_PEAKS:
+        if key.lower() in device_name.lower():
+            return peak
+    return None
+
+
+def probe_flops(dtype: torch.dtype = torch.float32, size: int = 1024, repeats: int = 3) -> float:
+    """The best of `repeats` timed `size`^3 matmuls on this rank's device and threads, in FLOP/s (about 0.2 s
+    on a CPU core in fp32): what this rank can reach, standing in for a datasheet peak."""
+    device = local_device()
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    torch.matmul(a, b)  # warm-up (threads, kernels)
+    synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / max(best, 1e-9)
+
+
+@functools.lru_cache(maxsize=1)
+def peak_flops() -> float:
+    """This rank's device's peak FLOP/s, measured once: on CUDA the bf16 dense peak of its name's table entry
+    (`_BF16_PEAKS`), else a bf16 matmul probe; on CPU an fp32 matmul probe on the threads this rank uses."""
+    if is_cpu():
+        return probe_flops(torch.float32)
+    if name() == "cuda":
+        listed = table_peak_flops(torch.cuda.get_device_name(local_rank()))
+        if listed is not None:
+            return listed
+    return probe_flops(torch.bfloat16)

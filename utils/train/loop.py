@@ -4,6 +4,8 @@ The flags are defined in utils/train/flags.py."""
 
 from __future__ import annotations
 
+import contextlib
+import time
 from dataclasses import asdict, dataclass, fields
 from typing import Iterable, Iterator
 
@@ -20,6 +22,7 @@ from utils.data import (
     tokenizer_fingerprint,
 )
 from utils.errors import UsageError
+from utils.math.throughput import TRAIN_FLOPS_PER_PARAM, mask_tokens, non_embedding_params
 from utils.models.loading import apply_lora, load_tokenizer
 from utils.runtime.distributed import all_reduce_sum, start_process, world_size
 from utils.train.ds_config import train_ds_config
@@ -323,6 +326,22 @@ def step_normalised_loss(terms: dict, counts: dict, totals: dict, accumulation: 
     return loss, logged
 
 
+@contextlib.contextmanager
+def counted(run, batch, flops_per_token: float):
+    """Count a micro-batch's tokens (its `attention_mask`: real and all positions) and its seconds in the run's
+    "training" phase (`Run.tokens`, logged as `tokens/*` and `perf/training_*`); a batch without a mask is not
+    counted."""
+    start = time.time()
+    try:
+        yield
+    finally:
+        mask = batch.get("attention_mask") if isinstance(batch, dict) else None
+        if mask is not None:
+            real, processed = mask_tokens(mask)
+            run.tokens.add_trained(real, processed)
+            run.tokens.add("training", real, flops_per_token, time.time() - start)
+
+
 def train_micro_batches(run, engine, loader, sampler, micro_step, step_metrics, counts=None) -> None:
     """The optimisation of steps 1-2 and DPO over `run` (a utils.train.run.Run, restored): micro-batches with
     gradient accumulation, resumable from the run's position.
@@ -332,7 +351,7 @@ def train_micro_batches(run, engine, loader, sampler, micro_step, step_metrics, 
     stats...] over the accumulated micro-batches and all ranks into the step's `train/*` figures, the
     progress bar's postfix and the `--print_loss` line; the learning rate is added and `run.after_step`
     logs, evaluates, checkpoints. An update the fp16 loss scaler skipped counts in `loop.overflow_steps`;
-    the micro-batches' peak memory is the "training" phase.
+    the micro-batches' peak memory is the "training" phase, and so are their tokens and seconds (`counted`).
 
     `counts(batch) -> {unit: count}` (steps 1 and DPO) makes the loss ONE mean over the optimizer step:
     `micro_step` then returns `{unit: loss term averaged over this micro-batch's units}`, the window of
@@ -343,6 +362,7 @@ def train_micro_batches(run, engine, loader, sampler, micro_step, step_metrics, 
     `counts`, each micro-batch's loss weighs the same (DeepSpeed's 1 / accumulation steps, the ranks'
     mean) and DeepSpeed's counter sets the boundaries."""
     loop, accumulated, ranks = run.loop, [], world_size()
+    flops_per_token = TRAIN_FLOPS_PER_PARAM * non_embedding_params(getattr(engine, "module", None))
     size = engine.gradient_accumulation_steps() if counts else 1
     for window in accumulation_windows(run.steps(loader, sampler), size):
         batches = [batch for (batch,) in window]
@@ -351,7 +371,7 @@ def train_micro_batches(run, engine, loader, sampler, micro_step, step_metrics, 
         replay = None  # a micro-batch of this window already trained on
         for j, batch in enumerate(batches):
             last = j == len(batches) - 1
-            with run.memory.phase("training"):
+            with run.memory.phase("training"), counted(run, batch, flops_per_token):
                 loss, extra = micro_step(batch)
                 logged = None
                 if counts:

@@ -2,8 +2,9 @@
 
 `Run` owns what every step would otherwise write out for itself: the loop position (`LoopState`), resumable
 checkpoints (`Checkpointing`), the metrics logger, the bad-step guard, the per-phase peak memory, the
-progress bar, evaluation every `--eval_interval` steps and the export with its reload check. A step's
-`main` keeps its flags, its models and what is truly its own (a loss, an RL iteration):
+per-phase token counts and rates (`tokens/*`, `perf/*`), the progress bar, evaluation every `--eval_interval`
+steps and the export with its reload check. A step's `main` keeps its flags, its models and what is truly
+its own (a loss, an RL iteration):
 
     run = Run(args, "step1", "step1 sft", {"model": engine}, data_layout(args, rows), total_steps)
     state = run.restore(before)        # resume, or the evaluation before training
@@ -21,9 +22,10 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from utils.math.throughput import PhaseTokens, phase_rate_metrics, token_metrics
 from utils.models.export import reload_max_abs_diff
-from utils.runtime.accelerator import PhaseMemory
-from utils.runtime.distributed import all_reduce_max_list
+from utils.runtime.accelerator import PhaseMemory, peak_flops
+from utils.runtime.distributed import all_reduce_max_list, all_reduce_sum, world_size
 from utils.train.checkpoint import BadStepGuard, Checkpointing, LoopState
 from utils.train.config_file import write_deferred_run_config
 from utils.train.metrics_logger import print_rank0, progress_bar
@@ -46,6 +48,24 @@ def loop_metrics(loop: LoopState, memory: PhaseMemory) -> dict:
         "train/overflow_steps": loop.overflow_steps,
         **dict(zip(names, all_reduce_max_list([peaks[n] for n in names]))),
     }
+
+
+def throughput_metrics(tokens: PhaseTokens) -> dict:
+    """The training forwards' tokens since the last call, summed over ranks (`tokens/real`, `tokens/processed`,
+    `tokens/padding_fraction`), and each phase's real tokens per second and MFU (`perf/<phase>_tokens_per_s`,
+    `perf/<phase>_mfu`: all ranks' tokens and model FLOPs over the slowest rank's seconds, against all ranks'
+    peak FLOP/s, `accelerator.peak_flops`). {} when nothing was counted (utils/math/throughput.py has the
+    arithmetic). Collective: every rank calls it."""
+    phases, (real, processed) = tokens.take()
+    names = sorted(phases)
+    if not names and not processed:
+        return {}
+    summed = all_reduce_sum([real, processed, peak_flops(), *(v for n in names for v in phases[n][:2])])
+    seconds = all_reduce_max_list([phases[n][2] for n in names])
+    out = token_metrics(summed[0], summed[1])
+    for i, phase in enumerate(names):
+        out.update(phase_rate_metrics(phase, summed[3 + 2 * i], summed[4 + 2 * i], seconds[i], summed[2]))
+    return out
 
 
 def memory_postfix(metrics: dict) -> dict:
@@ -87,12 +107,15 @@ class Run:
         layout: dict | None,
         total_steps: int,
         memory: PhaseMemory | None = None,
+        tokens: PhaseTokens | None = None,
         evaluate: Callable[[int], dict] | None = None,
         evaluate_last: bool = False,
     ):
         self.args, self.name, self.label, self.total_steps = args, name, label, total_steps
         self.checkpointing = Checkpointing(args, engines, layout)
         self.memory = memory if memory is not None else PhaseMemory()
+        self.tokens = tokens if tokens is not None else PhaseTokens()  # the micro-batch loop's training tokens
+        self._peak_logged = False  # perf/peak_flops: logged with the first step's row
         self.evaluate, self.evaluate_last = evaluate, evaluate_last
         self.eval_interval = getattr(args, "eval_interval", 0)
         self.state: dict = {}
@@ -203,13 +226,17 @@ class Run:
         rank_state: dict | None = None,
     ) -> dict:
         """One optimizer step (RL iteration) is done: count it, log `metrics` with the loop's own
-        (`loop_metrics`), print `line` under `--print_loss`, evaluate when due, move the progress bar
-        (`postfix`, or `postfix(evaluation)` to show the evaluation's figures), and checkpoint when `--save_interval`
-        says so, with the run's state updated by `state` and this rank's `rank_state`. Collective. Returns the
-        evaluation's metrics ({} if none)."""
+        (`loop_metrics`, `throughput_metrics`), print `line` under `--print_loss`, evaluate when due, move the
+        progress bar (`postfix`, or `postfix(evaluation)` to show the evaluation's figures), and checkpoint when
+        `--save_interval` says so, with the run's state updated by `state` and this rank's `rank_state`.
+        Collective. Returns the evaluation's metrics ({} if none)."""
         loop = self.loop
         loop.step += 1
         metrics = {**metrics, **loop_metrics(loop, self.memory)}
+        metrics.update(throughput_metrics(self.tokens))
+        if not self._peak_logged:  # once per process: one device's peak FLOP/s (the ranks' mean)
+            metrics["perf/peak_flops"] = all_reduce_sum([peak_flops()])[0] / world_size()
+            self._peak_logged = True
         evaluation = self._timed_evaluation() if self.evaluation_due() else {}
         self.log(loop.step, {**metrics, **evaluation})
         if line is not None and getattr(self.args, "print_loss", False):
