@@ -16,7 +16,7 @@ import pytest
 from tests.launch import kill_group, metrics, run_deepspeed, run_module, start_deepspeed, tail
 from tests.test_step1_run import common_args, sft_data  # noqa: F401  (fixture)
 
-IGNORED = ("time/", "samples_per_s", "mem/")  # the machine's state, not the run's
+IGNORED = ("time/", "samples_per_s", "mem/", "perf/")  # the machine's state, not the run's
 
 
 def comparable(rows: list[dict], after_step: int) -> dict:

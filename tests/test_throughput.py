@@ -122,3 +122,12 @@ def test_a_real_step1_run_logs_tokens_and_rates(tiny_gpt2, sft_data, tmp_path): 
         assert row["perf/training_tokens_per_s"] > 0 and 0 < row["perf/training_mfu"]
     assert train[0]["perf/peak_flops"] > 0
     print(train[-1])
+
+
+def test_the_probe_leaves_the_global_random_state_alone():
+    """A resumed run probes after restoring its RNG state: a draw from the global generator there would change its
+    dropout and sampling, and the resumed run would no longer match the uninterrupted one."""
+    torch.manual_seed(7)
+    before = torch.get_rng_state()
+    accelerator.probe_flops(size=64, repeats=1)
+    assert torch.equal(torch.get_rng_state(), before)

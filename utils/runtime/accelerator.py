@@ -189,10 +189,13 @@ def table_peak_flops(device_name: str) -> float | None:
 
 def probe_flops(dtype: torch.dtype = torch.float32, size: int = 1024, repeats: int = 3) -> float:
     """The best of `repeats` timed `size`^3 matmuls on this rank's device and threads, in FLOP/s (about 0.2 s
-    on a CPU core in fp32): what this rank can reach, standing in for a datasheet peak."""
+    on a CPU core in fp32): what this rank can reach, standing in for a datasheet peak. Its matrices come from a
+    generator of their own: drawing from the global one would move the run's dropout and sampling, so a resumed run
+    (whose probe runs after its restored RNG state) would no longer match an uninterrupted one."""
     device = local_device()
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=generator).to(device=device, dtype=dtype)
+    b = torch.randn(size, size, generator=generator).to(device=device, dtype=dtype)
     torch.matmul(a, b)  # warm-up (threads, kernels)
     synchronize()
     best = float("inf")
