@@ -78,12 +78,19 @@ def sft_nll(logits: Tensor, labels: Tensor) -> Tuple[Tensor, Tensor]:
     gradient.
     """
     shift_labels = labels[:, 1:].to(logits.device)
-    mask = shift_labels != IGNORE_INDEX
-    shift_logits = select(logits[:, :-1].float(), mask.unsqueeze(-1))
+    return token_nll(logits[:, :-1], shift_labels).sum(), (shift_labels != IGNORE_INDEX).sum()
+
+
+def token_nll(logits: Tensor, targets: Tensor) -> Tensor:
+    """Per-token NLL ``[...]`` fp32 of ``targets`` under ``logits`` ``[..., V]`` (the prediction already aligned
+    with its target), 0 where the target is ``IGNORE_INDEX``: sft_nll's arithmetic, and that of the chunked SFT
+    loss (utils.models.forward.lm_nll), which applies it one chunk of tokens at a time."""
+    trained = targets != IGNORE_INDEX
+    logits = select(logits.float(), trained.unsqueeze(-1))
     nll = F.cross_entropy(
-        shift_logits.reshape(-1, shift_logits.size(-1)), shift_labels.clamp(min=0).reshape(-1), reduction="none"
-    ).view_as(shift_labels)
-    return select(nll, mask).sum(), mask.sum()
+        logits.reshape(-1, logits.size(-1)), targets.clamp(min=0).reshape(-1), reduction="none"
+    ).view_as(targets)
+    return select(nll, trained)
 
 
 def pairwise_loss(chosen_scores: Tensor, rejected_scores: Tensor, margin: float = 0.0) -> Tensor:

@@ -27,14 +27,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from utils.math.losses import IGNORE_INDEX, sft_nll
+from utils.math.losses import IGNORE_INDEX, sft_nll, token_nll
 from utils.math.ops import (
     chunked_head,
     entropy_from_logits,
     logprobs_from_logits,
     masked_sum,
     position_ids_from_attention_mask,
-    select,
     sequence_score,
 )
 from utils.runtime.distributed import all_reduce_max, world_size
@@ -263,7 +262,7 @@ def lm_nll(model: nn.Module, batch: dict, chunk_tokens: int = LOGPROB_CHUNK_TOKE
     """(sum of next-token NLL over the trained labels of `batch`, their count): step 1, PPO-ptx, perplexity.
     The LM head runs from the batch's first trained prediction on (prompts before it are skipped), `chunk_tokens`
     tokens at a time as in token_logprobs (0: the whole logits, utils.math.losses.sft_nll); each token's NLL is
-    sft_nll's (F.cross_entropy on the fp32 logits, untrained positions selected away first)."""
+    utils.math.losses.token_nll, the arithmetic of sft_nll."""
     labels = batch["labels"]
     trained = (labels[:, 1:] != IGNORE_INDEX).any(dim=0).nonzero()
     start = int(trained[0]) if len(trained) else 0  # the first position whose prediction is trained
@@ -274,13 +273,7 @@ def lm_nll(model: nn.Module, batch: dict, chunk_tokens: int = LOGPROB_CHUNK_TOKE
     hidden = causal_lm_hidden(model, batch["input_ids"], batch["attention_mask"], labels.shape[1] - start)
     # every kept position, the last one untrained (it predicts nothing), as in token_logprobs
     targets = F.pad(labels[:, start + 1 :], (0, 1), value=IGNORE_INDEX).to(hidden.device)
-
-    def reduce(logits: Tensor, target: Tensor) -> Tensor:
-        trained = target != IGNORE_INDEX
-        nll = F.cross_entropy(select(logits.float(), trained.unsqueeze(-1)), target.clamp(min=0), reduction="none")
-        return select(nll, trained)
-
-    (nll,) = head_chunks(head, hidden, chunk_tokens, targets, reduce=reduce)
+    (nll,) = head_chunks(head, hidden, chunk_tokens, targets, reduce=token_nll)
     return nll.sum(), (targets != IGNORE_INDEX).sum()
 
 
