@@ -396,6 +396,23 @@ def training_parts(
     return parts
 
 
+def trained_model(name: str, shape, args, prefix: str = "", gathered_for: tuple = ()) -> "ModelSpec":
+    """A model the run trains, from its flags (`--{prefix}lora_dim`, `--{prefix}zero_stage`, `--offload`): its base
+    weights are 4-bit (`--load_in_4bit`) only when it trains through LoRA alone."""
+    lora_dim = getattr(args, f"{prefix}lora_dim")
+    return ModelSpec(
+        name,
+        shape,
+        trained=True,
+        lora_dim=lora_dim,
+        only_lora=args.only_optimize_lora,
+        zero_stage=getattr(args, f"{prefix}zero_stage"),
+        offload=args.offload,
+        load_in_4bit=bool(getattr(args, "load_in_4bit", False)) and lora_dim > 0 and args.only_optimize_lora,
+        gathered_for=gathered_for,
+    )
+
+
 def plan_single(
     step: str,
     args,
@@ -410,16 +427,7 @@ def plan_single(
     ("engine": a frozen copy; "adapters", "precomputed", "none": no second model)."""
     four_bit = bool(getattr(args, "load_in_4bit", False))
     shape = shape if lm_head else backbone(shape)
-    policy = ModelSpec(
-        "policy" if lm_head else "reward model",
-        shape,
-        trained=True,
-        lora_dim=args.lora_dim,
-        only_lora=args.only_optimize_lora,
-        zero_stage=args.zero_stage,
-        offload=args.offload,
-        load_in_4bit=four_bit and args.lora_dim > 0 and args.only_optimize_lora,
-    )
+    policy = trained_model("policy" if lm_head else "reward model", shape, args)
     plan = Plan(step, ranks, args.dtype, load_bytes=parameter_bytes(policy, args.dtype))
     plan.parts += model_state_parts(policy, args.dtype, ranks)
     if reference == "engine":
@@ -469,17 +477,7 @@ def plan_rl(args, shapes: dict, ranks: int, needs_critic: bool, needs_reference:
     hybrid = bool(args.enable_hybrid_engine)
     gathered_experience = not getattr(args, "no_gathered_experience", False)
     actor_shape = shapes[args.actor_model_name_or_path]
-    actor = ModelSpec(
-        "actor",
-        actor_shape,
-        trained=True,
-        lora_dim=args.actor_lora_dim,
-        only_lora=args.only_optimize_lora,
-        zero_stage=args.actor_zero_stage,
-        offload=args.offload,
-        load_in_4bit=four_bit and args.actor_lora_dim > 0 and args.only_optimize_lora,
-        gathered_for=("generation",) if hybrid else (),
-    )
+    actor = trained_model("actor", actor_shape, args, "actor_", gathered_for=("generation",) if hybrid else ())
     models = [actor]
     frozen_stage = 3 if args.actor_zero_stage == 3 else 0
     experience = ("experience",) if gathered_experience else ()
@@ -496,19 +494,8 @@ def plan_rl(args, shapes: dict, ranks: int, needs_critic: bool, needs_reference:
             )
         )
     if needs_critic:
-        models.append(
-            ModelSpec(
-                "critic",
-                backbone(shapes[args.critic_model_name_or_path]),
-                trained=True,
-                lora_dim=args.critic_lora_dim,
-                only_lora=args.only_optimize_lora,
-                zero_stage=args.critic_zero_stage,
-                offload=args.offload,
-                load_in_4bit=four_bit and args.critic_lora_dim > 0 and args.only_optimize_lora,
-                gathered_for=experience,
-            )
-        )
+        critic_shape = backbone(shapes[args.critic_model_name_or_path])
+        models.append(trained_model("critic", critic_shape, args, "critic_", gathered_for=experience))
     reward_stage = 3 if args.critic_zero_stage == 3 else 0
     for i, path in enumerate(reward_paths):
         off = bool(args.offload_reward_model)
