@@ -50,6 +50,7 @@ from utils.errors import run_main
 from utils.math.losses import GSPO_CLIPRANGE_HIGH, GSPO_CLIPRANGE_LOW, KL_LOSS_ESTIMATORS, POLICY_LOSSES
 from utils.math.ops import KL_ESTIMATORS, LOSS_AGGREGATIONS, ROLLOUT_CORRECTIONS
 from utils.models.export import export_hf_model
+from utils.models.forward import check_padding_free
 from utils.models.loading import check_model_path, load_tokenizer
 from utils.models.reward_model import check_policy_dir, check_reward_model_dir, export_reward_model
 from utils.runtime.distributed import is_rank0, rank, start_process, world_size
@@ -582,6 +583,12 @@ def check_rollout_args(args) -> None:
                 f"--rollout_correction {args.rollout_correction} weighs the forward's old log-probs against the "
                 f"generator's; with --old_logprobs rollout they are the same (every weight 1)"
             )
+    longest = args.max_prompt_seq_len + args.max_answer_seq_len
+    if args.max_tokens_per_micro_batch and args.max_tokens_per_micro_batch < longest and not (args.env or args.tools):
+        fail(
+            f"--max_tokens_per_micro_batch {args.max_tokens_per_micro_batch} is below --max_prompt_seq_len + "
+            f"--max_answer_seq_len = {longest}: a rollout row could be longer than a micro-batch may hold"
+        )
     if args.rollout_correction == "none":
         return
     if not ROLLOUT_ENGINES[args.rollout_engine].logprobs:
@@ -790,6 +797,10 @@ def setup(args) -> Setup:
         )
     total_steps = total_training_steps(steps_per_epoch * args.num_train_epochs, args)
     engines = build_engines(args, tokenizer, total_steps, args.reward_model_paths)
+    if args.padding_free:
+        for engine in (engines.actor, engines.critic):
+            if engine is not None:
+                check_padding_free(engine)
     if (args.env or args.tools) and not stats["chat"]:
         fail(
             "--env/--tools need conversational prompts (message lists, or --apply_chat_template): "

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import time
 from dataclasses import dataclass, fields
 
@@ -34,7 +33,7 @@ from step3_ppo.rollout.hybrid import gathered
 from utils.errors import ProjectError
 from utils.math import losses
 from utils.math.ops import explained_variance, masked_mean, masked_whiten, rollout_correction_weights, select
-from utils.math.rows import Row, from_token_layout, pack, split_generation, to_token_layout
+from utils.math.rows import Row, from_token_layout, pack, split_generation, to_token_layout, token_budget_groups
 from utils.math.throughput import (
     FORWARD_FLOPS_PER_PARAM,
     TRAIN_FLOPS_PER_PARAM,
@@ -116,6 +115,8 @@ class PPOConfig:
     gathered_experience: bool = True  # with the hybrid engine: score the rollout on models gathered whole
     release_inference_cache: bool = False  # hand the allocator's cached blocks back after generation
     logprob_chunk_tokens: int = LOGPROB_CHUNK_TOKENS  # tokens per LM-head chunk of every log-prob forward (0: whole)
+    padding_free: bool = False  # the actor's and critic's forwards on real tokens only, rows packed in one sequence
+    max_tokens_per_micro_batch: int = 0  # > 0: an optimizer step's rows re-cut into micro-batches of this many tokens
     seed: int = 1234
 
     @classmethod
@@ -171,7 +172,7 @@ class PPOTrainer:
         self.kl_ctl = kl_ctl
         self.reward_moments = RunningMoments()
         self.unsup_batches = unsup_batches
-        self.logprobs_fn = logprobs_fn or functools.partial(token_logprobs, chunk_tokens=config.logprob_chunk_tokens)
+        self.logprobs_fn = logprobs_fn or self.policy_logprobs
         self.agent = agent  # step3_ppo.agents.loop.MultiTurn: rollouts of several turns with an environment / tools
         self.guard = None  # BadStepGuard: skips updates with a non-finite reward or loss (set by main)
         self.memory = accelerator.PhaseMemory()  # peak memory of generation / experience / training
@@ -179,6 +180,13 @@ class PPOTrainer:
         self.trained_tokens = (0, 0)  # (real, processed) tokens of the last iteration's training forwards
         self._flops_per_token = None  # model FLOPs per token of each phase (flops_per_token)
         self.used = {}  # per engine, whether the last mini-batch's loss was finite and trained on
+
+    def policy_logprobs(self, engine, batch: dict, temperature: float, **options):
+        """utils.models.forward.token_logprobs with the run's `--logprob_chunk_tokens` and `--padding_free`."""
+        c = self.config
+        return token_logprobs(
+            engine, batch, temperature, chunk_tokens=c.logprob_chunk_tokens, padding_free=c.padding_free, **options
+        )
 
     def finite(self, *values) -> bool:
         return self.guard is None or self.guard.all_finite(*values)
@@ -281,7 +289,7 @@ class PPOTrainer:
     def store_values(self, rows: list[Row]) -> None:
         batch = pack(rows, self.config.pad_token_id)
         with eval_mode(self.critic):
-            values = token_values(self.critic, batch["input_ids"], batch["attention_mask"])
+            values = token_values(self.critic, batch["input_ids"], batch["attention_mask"], self.config.padding_free)
         from_token_layout(rows, "old_values", values, batch["prompt_len"])
 
     def score_rewards(self, rows_per_batch: list[list[Row]]) -> None:
@@ -543,7 +551,7 @@ class PPOTrainer:
         loss, _ = step_normalised_loss({unit: policy}, counts, totals, steps, ranks)
         ptx_loss = torch.zeros(())
         if self.unsup_batches is not None:
-            nll, count = lm_nll(self.actor, next(self.unsup_batches), c.logprob_chunk_tokens)
+            nll, count = lm_nll(self.actor, next(self.unsup_batches), c.logprob_chunk_tokens, c.padding_free)
             ptx_loss = nll / count.clamp(min=1)
             loss = loss + c.unsup_coef * ptx_loss
         self.used = {"actor": self.backward(self.actor, loss, boundary, (replay or {}).get("actor"))}
@@ -560,7 +568,7 @@ class PPOTrainer:
         }  # nats per trained token
         if self.critic is not None:
             critic_mask = loss_mask.to(model_device(self.critic))
-            values = token_values(self.critic, ids, mask)
+            values = token_values(self.critic, ids, mask, c.padding_free)
             critic_loss, critic_stats = losses.value_loss(
                 values,
                 old["old_values"].to(values.device),
@@ -583,7 +591,7 @@ class PPOTrainer:
         if boundary and replay_rows:
             batch = pack(replay_rows, self.config.pad_token_id)
             if engine is self.critic:
-                out = token_values(engine, batch["input_ids"], batch["attention_mask"])
+                out = token_values(engine, batch["input_ids"], batch["attention_mask"], self.config.padding_free)
             else:
                 out = self.logprobs_fn(engine, batch, self.config.generation.logprob_temperature)
             zero = 0.0 * select(out, batch["action_mask"].to(out.device)).sum()
@@ -599,8 +607,11 @@ class PPOTrainer:
         minibatches = [mb for epoch in range(self.config.ppo_epochs) for mb in self.minibatches(rows, step, epoch)]
         size = self.actor.gradient_accumulation_steps()
         stats, windows = [], list(accumulation_windows(minibatches, size))
+        if self.config.max_tokens_per_micro_batch:
+            windows = [self.budget_micro_batches(window) for window in windows]
         # (real, processed) tokens of the training forwards, for the metrics (throughput_sums)
-        packed = [packed_tokens([r.prompt_ids.numel() + r.response_ids.numel() for r in mb]) for mb in minibatches]
+        lengths = [[r.prompt_ids.numel() + r.response_ids.numel() for r in mb] for window in windows for mb in window]
+        packed = [(sum(n), sum(n)) if self.config.padding_free else packed_tokens(n) for n in lengths]
         self.trained_tokens = (sum(real for real, _ in packed), sum(processed for _, processed in packed))
         for window in windows:
             counts = [self.loss_units(mb) for mb in window]
@@ -612,6 +623,26 @@ class PPOTrainer:
                     if used:
                         replay.setdefault(engine, mb)
         return stats, len(windows)
+
+    def budget_micro_batches(self, window: list[list[Row]]) -> list[list[Row]]:
+        """An optimizer step's rows (its window of mini-batches) re-cut into micro-batches of at most
+        `--max_tokens_per_micro_batch` tokens (utils.math.rows.token_budget_groups), as many on every rank as the
+        rank that needs the most (each forward of a ZeRO engine, each backward's gradient reduction, is a
+        collective). The step's loss stays one mean over its trained tokens (or answers) whatever the cut."""
+        rows = [row for mb in window for row in mb]
+        lengths = [r.prompt_ids.numel() + r.response_ids.numel() for r in rows]
+        budget = self.config.max_tokens_per_micro_batch
+        longest = max(range(len(rows)), key=lambda i: lengths[i])
+        if lengths[longest] > budget:
+            row = rows[longest]
+            raise ProjectError(
+                f"--max_tokens_per_micro_batch {budget}: a rollout row (group {row.group}) has {lengths[longest]} "
+                f"tokens ({row.prompt_ids.numel()} prompt + {row.response_ids.numel()} answer); raise the budget to "
+                f"at least that, or lower --max_prompt_seq_len / --max_answer_seq_len"
+            )
+        needed = len(token_budget_groups(lengths, budget))
+        count = int(all_reduce_max(float(needed)))
+        return [[rows[i] for i in group] for group in token_budget_groups(lengths, budget, count)]
 
     def count_overflow(self, outcome) -> None:
         if outcome == OVERFLOW:

@@ -13,6 +13,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM
 
 from step1_sft.main import parse_args as sft_args
+from step3_ppo import trainer as trainer_module
 from step3_ppo.algo.shaping import FixedKLController
 from step3_ppo.trainer import PPOConfig, PPOTrainer
 from tests.launch import run_deepspeed, tail
@@ -278,7 +279,7 @@ def test_zero3_engine_gives_the_plain_models_logprobs_and_gradients(tiny_llama, 
     assert grads.keys() == grads_w.keys()
 
 
-def test_the_flag_default_validation_and_threading():
+def test_the_flag_default_validation_and_threading(monkeypatch):
     """--logprob_chunk_tokens defaults to the forwards' chunk size, refuses a negative value in one line, and the
     step-3 trainer's policy forward gets its value."""
     assert flags.LOGPROB_CHUNK_TOKENS == forward.LOGPROB_CHUNK_TOKENS > 0
@@ -293,7 +294,10 @@ def test_the_flag_default_validation_and_threading():
     )
     engines = types.SimpleNamespace(actor="the actor", ref=None, critic=None)
     trainer = PPOTrainer(engines, config, FixedKLController(0.0), [])
-    assert trainer.logprobs_fn.func is token_logprobs and trainer.logprobs_fn.keywords == {"chunk_tokens": 7}
+    calls = []
+    monkeypatch.setattr(trainer_module, "token_logprobs", lambda *args, **kw: calls.append((args, kw)))
+    trainer.logprobs_fn("the actor", {}, 0.5, return_entropy=True)
+    assert calls == [(("the actor", {}, 0.5), {"chunk_tokens": 7, "padding_free": False, "return_entropy": True})]
     other = lambda model, batch, temperature, **kw: token_logprobs(model, batch, temperature, **kw)  # noqa: E731
     assert PPOTrainer(engines, config, FixedKLController(0.0), [], logprobs_fn=other).logprobs_fn is other
 

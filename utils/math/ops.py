@@ -352,6 +352,43 @@ def position_ids_from_attention_mask(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def packed_tokens_index(attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(index [N] of a batch's real tokens in its flattened [B, L] layout, in row order; their position ids [N],
+    restarting at 0 with each row): the padding-free layout of a batch, every row's real tokens one after the
+    other in ONE sequence [1, N].
+
+    transformers' attention reads a restart of the position ids as the start of a new row (its packed-sequence
+    mask, or flash-attention's varlen boundaries), so no token attends across rows; the positions are those of
+    the padded batch (`position_ids_from_attention_mask`), so every token's output is the padded path's to float
+    rounding.
+    """
+    index = (attention_mask.reshape(-1) != 0).nonzero().squeeze(1)
+    return index, position_ids_from_attention_mask(attention_mask).reshape(-1)[index]
+
+
+def packed_predictions(attention_mask: Tensor, keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(predicts [B, L-1] bool, source [P]): where a packed forward's outputs are needed in the per-token layout
+    of this module (position i predicts token i+1), and which token of the packed sequence (`packed_tokens_index`'s
+    order) each of those P positions is.
+
+    A position predicts when it and the next one are real tokens of its row (a row's last token predicts nothing:
+    in the packed sequence the next token is another row's first) and, given `keep` [B, L-1], where keep is True
+    (the positions whose prediction is read: a response, the trained labels)."""
+    real = attention_mask != 0
+    predicts = real[:, :-1] & real[:, 1:]
+    if keep is not None:
+        predicts = predicts & keep.to(predicts.device).bool()
+    order = real.reshape(-1).long().cumsum(0).view(real.shape) - 1  # each real token's place in the sequence
+    return predicts, order[:, :-1][predicts]
+
+
+def scatter_packed(values: Tensor, mask: Tensor) -> Tensor:
+    """Per-position values [P, ...] put back on the True positions of `mask` [B, T] -> [B, T, ...], 0 elsewhere
+    (differentiable: the inverse of `tensor[mask]`)."""
+    out = values.new_zeros((*mask.shape, *values.shape[1:]))
+    return out.masked_scatter(mask.view(*mask.shape, *([1] * (values.dim() - 1))).to(values.device), values)
+
+
 def last_one_index(mask: Tensor) -> Tensor:
     """Index of the last 1 in each row of a 0/1 mask ([B, L] -> [B]), for any padding side.
 

@@ -130,3 +130,45 @@ def from_token_layout(rows: list[Row], name: str, values: torch.Tensor, prompt_l
     for b, row in enumerate(rows):
         t = row.response_ids.numel()
         row.per_action[name] = values[b, prompt_len - 1 : prompt_len - 1 + t].detach().float().cpu().clone()
+
+
+def token_budget_groups(lengths: list[int], budget: int, count: int = 0) -> list[list[int]]:
+    """Indices of rows of `lengths` tokens cut into micro-batches of at most `budget` tokens each (padding-free:
+    a micro-batch's tokens are its rows' lengths summed), at least `count` of them.
+
+    First fit decreasing: the longest row first, each into the first micro-batch it fits, so that few micro-batches
+    are needed; then, while there are fewer than `count` (every rank must run as many micro-batches as the rank
+    that needs the most, a collective each), the micro-batch with the most tokens is halved, which keeps every one
+    within the budget. Within a micro-batch rows keep their order. Raises ValueError naming a row longer than
+    `budget` (it would have to be truncated) and when `count` exceeds the rows.
+    """
+    if budget < 1:
+        raise ValueError(f"the token budget must be >= 1, got {budget}")
+    too_long = [(i, n) for i, n in enumerate(lengths) if n > budget]
+    if too_long:
+        i, n = too_long[0]
+        raise ValueError(f"row {i} has {n} tokens, more than the budget of {budget} tokens per micro-batch")
+    if count > len(lengths):
+        raise ValueError(f"{len(lengths)} rows cannot fill {count} micro-batches")
+    groups, totals = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for g, total in enumerate(totals):
+            if total + lengths[i] <= budget:
+                groups[g].append(i)
+                totals[g] += lengths[i]
+                break
+        else:
+            groups.append([i])
+            totals.append(lengths[i])
+    while len(groups) < max(count, 1 if lengths else 0):
+        g = max((g for g in range(len(groups)) if len(groups[g]) > 1), key=lambda g: totals[g])
+        rows, half, acc = groups[g], totals[g] / 2, 0
+        cut = 1
+        for k, i in enumerate(rows[:-1]):  # the first rows holding about half the tokens, at least one
+            acc += lengths[i]
+            cut = k + 1
+            if acc >= half:
+                break
+        groups[g : g + 1] = [rows[:cut], rows[cut:]]
+        totals[g : g + 1] = [sum(lengths[i] for i in rows[:cut]), sum(lengths[i] for i in rows[cut:])]
+    return [sorted(g) for g in groups]

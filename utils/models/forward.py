@@ -11,7 +11,11 @@ whether the model is a DeepSpeed engine (any ZeRO stage) or a plain module:
 - log-prob and loss math is fp32 whatever the model's dtype;
 - token log-probs, entropies and the SFT loss go through the LM head `chunk_tokens` tokens at a time
   (`--logprob_chunk_tokens`, causal_lm_hidden + utils.math.ops.chunked_head): no [B, T, V] logits tensor
-  exists, forward or backward.
+  exists, forward or backward;
+- with `padding_free` (`--padding_free`) the training and scoring forwards run a batch's real tokens as ONE
+  sequence [1, N], position ids restarting per row (utils.math.ops.packed_tokens_index): no padding is computed,
+  no token attends across rows, and the outputs land on the padded layout's positions, so every loss and mask
+  downstream is the padded path's.
 Generation settings (greedy or sampling, temperature, top-p, top-k) are built into `generate`
 keyword arguments in one place too, for step 3's rollout, its evaluation, prompt_eval and chat.py.
 """
@@ -21,19 +25,25 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import re
+import sys
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from utils.errors import UsageError
 from utils.math.losses import IGNORE_INDEX, sft_nll, token_nll
 from utils.math.ops import (
     chunked_head,
     entropy_from_logits,
     logprobs_from_logits,
     masked_sum,
+    packed_predictions,
+    packed_tokens_index,
     position_ids_from_attention_mask,
+    scatter_packed,
     sequence_score,
 )
 from utils.runtime.distributed import all_reduce_max, world_size
@@ -152,6 +162,88 @@ def causal_lm_hidden(
     return hidden[:, -logits_to_keep:] if 0 < logits_to_keep < hidden.shape[1] else hidden
 
 
+# a call building the attention mask that passes the position ids on (transformers reads row starts from them)
+_MASK_FROM_POSITIONS = re.compile(r"create_\w*mask\((?:[^()]|\([^()]*\))*?position_ids=position_ids", re.S)
+
+
+@functools.lru_cache(maxsize=None)
+def _reads_packed_rows(model_class: type) -> bool:
+    """Whether a transformers model class builds its attention mask from the position ids when no mask is given,
+    so that rows packed in one sequence do not attend across each other (llama, qwen, mistral, gemma, gpt2, ...;
+    not OPT, whose mask ignores them): read from its modeling module's source."""
+    try:
+        source = inspect.getsource(sys.modules[model_class.__module__])
+    except (OSError, TypeError, KeyError):
+        return False
+    return bool(_MASK_FROM_POSITIONS.search(source))
+
+
+def check_padding_free(model: nn.Module) -> None:
+    """Raise UsageError (one line) when `--padding_free` cannot run `model` (an engine, peft model, RewardModel or
+    plain causal LM) exactly: its attention would let packed rows see each other."""
+    inner = getattr(model, "module", model)
+    inner = getattr(inner, "backbone", inner)
+    hf = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    config = getattr(hf, "config", None)
+    if getattr(config, "_attn_implementation", None) in ("flash_attention_2", "flash_attention_3"):
+        return  # varlen kernels take the row boundaries from the position ids
+    if not _reads_packed_rows(type(hf)):
+        raise UsageError(
+            f"--padding_free: {type(hf).__name__} builds its attention mask without the position ids, so rows "
+            f"packed into one sequence would attend to each other; run it without --padding_free"
+        )
+
+
+def packed_forward(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+    """(the model's output [N, ...] on a batch's N real tokens run as one padding-free sequence, their index in the
+    flattened [B, L] batch): a causal LM's logits or a value-head model's values. No attention mask is passed:
+    the position ids restarting per row are the row boundaries (utils.math.ops.packed_tokens_index)."""
+    device = model_device(model)
+    index, positions = packed_tokens_index(attention_mask)
+    ids, positions = input_ids.reshape(-1)[index][None].to(device), positions[None].to(device)
+    value_model = getattr(getattr(model, "module", model), "v_head", None) is not None  # a RewardModel: no cache
+    extra = {} if value_model else {"use_cache": False}
+    out = model(input_ids=ids, attention_mask=None, position_ids=positions, **extra)
+    out = out.logits if hasattr(out, "logits") else out
+    return out[0], index
+
+
+def packed_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """The LM head's input [N, H] at a batch's N real tokens, run as one padding-free sequence (packed_forward),
+    captured as causal_lm_hidden does (a pre-hook on the output embeddings; the head itself gets one position)."""
+    head = _hf_model(model).get_output_embeddings()
+    captured = []
+
+    def keep_input(module, args):
+        captured.append(args[0])
+        return (args[0][..., -1:, :], *args[1:])
+
+    handle = head.register_forward_pre_hook(keep_input)
+    try:
+        packed_forward(model, input_ids, attention_mask)
+    finally:
+        handle.remove()
+    return captured[-1][0]
+
+
+def _packed_token_outputs(model, batch: dict, targets: Tensor, chunk_tokens: int, reduce, keep: Tensor):
+    """Per-token outputs of `reduce(logits, targets)` ([B, L-1] each, in the layout of utils/math/ops.py; 0 where
+    nothing is predicted or `keep` [B, L-1] is False) from a padding-free forward: only the positions read go
+    through the LM head, `chunk_tokens` at a time (0: at once)."""
+    mask = batch["attention_mask"]
+    predicts, source = packed_predictions(mask, keep)
+    wanted = targets[predicts]
+    head = chunks_head(model, chunk_tokens)
+    if head is not None:
+        hidden = packed_hidden(model, batch["input_ids"], mask)[source.to(model_device(model))]
+        out = head_chunks(head, hidden[None], chunk_tokens, wanted[None], reduce=reduce)
+    else:
+        logits = packed_forward(model, batch["input_ids"], mask)[0][source.to(model_device(model))]
+        out = reduce(logits, wanted.to(logits.device))
+        out = tuple(t[None] for t in (out if isinstance(out, tuple) else (out,)))
+    return tuple(scatter_packed(t[0], predicts) for t in out)
+
+
 def chunks_head(model: nn.Module, chunk_tokens: int) -> nn.Module | None:
     """The output-embedding module the log-prob forwards apply `chunk_tokens` tokens at a time, or None for the
     whole-logits path: `chunk_tokens` 0, a model without output embeddings, or one that transforms its logits
@@ -196,6 +288,7 @@ def token_logprobs(
     entropy_grad: bool = False,
     share_prompts: bool = False,
     chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
+    padding_free: bool = False,
 ):
     """log p(token i+1 | prefix) [B, L-1] fp32 of a packed batch (utils.math.rows.pack: input_ids,
     attention_mask, prompt_len, ...), in the layout of utils/math/ops.py; optionally with the per-token entropy,
@@ -216,6 +309,10 @@ def token_logprobs(
 
     `share_prompts` (no-grad scoring; every rank the same, it is two forwards): a prompt repeated in the
     batch runs once (causal_lm_logits' `shared_prompt_len`).
+
+    `padding_free` (`--padding_free`; not with `share_prompts`, which keeps its padded prefix cache): the batch's
+    real tokens run as one sequence (packed_forward) and only the response positions go through the head; the
+    other positions hold 0.
     """
     input_ids = batch["input_ids"]
     skipped = max(int(batch.get("prompt_len", 1)) - 1, 0)  # positions before the first prediction of a response token
@@ -230,6 +327,11 @@ def token_logprobs(
             return logprobs
         return logprobs, entropy_from_logits(logits if entropy_grad else logits.detach())
 
+    if padding_free and not share_prompts:
+        keep = torch.zeros(labels.shape[0], input_ids.shape[1] - 1, dtype=torch.bool)
+        keep[:, skipped:] = True
+        out = _packed_token_outputs(model, batch, input_ids[:, 1:], chunk_tokens, reduce, keep)
+        return out if return_entropy else out[0]
     head = chunks_head(model, chunk_tokens)
     if head is not None:
         # every kept position, the last one's (which predicts nothing) dropped after: one chunk then runs the
@@ -249,21 +351,30 @@ def _front_pad(per_token: Tensor, n: int) -> Tensor:
     return torch.nn.functional.pad(per_token, (n, 0)) if n else per_token
 
 
-def sequence_logprobs(model: nn.Module, batch: dict, chunk_tokens: int = LOGPROB_CHUNK_TOKENS) -> tuple[Tensor, Tensor]:
+def sequence_logprobs(
+    model: nn.Module, batch: dict, chunk_tokens: int = LOGPROB_CHUNK_TOKENS, padding_free: bool = False
+) -> tuple[Tensor, Tensor]:
     """(log p(response | prompt) [B], response tokens [B]) fp32: the token log-probs of ``batch``
     (input_ids, attention_mask, action_mask on the response tokens) summed over ``action_mask``:
     DPO's sequence log-probs. Positions from the mask make them independent of the padding."""
     action_mask = batch["action_mask"]
-    logprobs = token_logprobs(model, batch, chunk_tokens=chunk_tokens)
+    logprobs = token_logprobs(model, batch, chunk_tokens=chunk_tokens, padding_free=padding_free)
     return masked_sum(logprobs, action_mask, dim=1), action_mask.to(logprobs.device).sum(dim=1)
 
 
-def lm_nll(model: nn.Module, batch: dict, chunk_tokens: int = LOGPROB_CHUNK_TOKENS) -> tuple[Tensor, Tensor]:
+def lm_nll(
+    model: nn.Module, batch: dict, chunk_tokens: int = LOGPROB_CHUNK_TOKENS, padding_free: bool = False
+) -> tuple[Tensor, Tensor]:
     """(sum of next-token NLL over the trained labels of `batch`, their count): step 1, PPO-ptx, perplexity.
     The LM head runs from the batch's first trained prediction on (prompts before it are skipped), `chunk_tokens`
     tokens at a time as in token_logprobs (0: the whole logits, utils.math.losses.sft_nll); each token's NLL is
-    utils.math.losses.token_nll, the arithmetic of sft_nll."""
+    utils.math.losses.token_nll, the arithmetic of sft_nll. `padding_free`: one padding-free forward, the head on
+    the trained positions only."""
     labels = batch["labels"]
+    if padding_free:
+        targets = labels[:, 1:]
+        (nll,) = _packed_token_outputs(model, batch, targets, chunk_tokens, token_nll, targets != IGNORE_INDEX)
+        return nll.sum(), packed_predictions(batch["attention_mask"], targets != IGNORE_INDEX)[1].numel()
     trained = (labels[:, 1:] != IGNORE_INDEX).any(dim=0).nonzero()
     start = int(trained[0]) if len(trained) else 0  # the first position whose prediction is trained
     head = chunks_head(model, chunk_tokens)
@@ -277,21 +388,33 @@ def lm_nll(model: nn.Module, batch: dict, chunk_tokens: int = LOGPROB_CHUNK_TOKE
     return nll.sum(), (targets != IGNORE_INDEX).sum()
 
 
-def token_values(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+def token_values(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, padding_free: bool = False) -> Tensor:
     """Per-token values [B, L-1] fp32 of a value-head model (the critic), in the layout of utils/math/ops.py.
 
     Position i is the value of the state in which token i+1 is chosen. The RewardModel's forward
-    derives its position ids from the mask itself (utils/models/reward_model.py).
+    derives its position ids from the mask itself (utils/models/reward_model.py). `padding_free`: one
+    padding-free forward (packed_forward); padding positions hold 0.
     """
+    if padding_free:
+        return _packed_values(model, input_ids, attention_mask)[:, :-1]
     device = model_device(model)
     return model(input_ids.to(device), attention_mask.to(device))[:, :-1].float()
 
 
-def sequence_scores(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+def sequence_scores(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, padding_free: bool = False) -> Tensor:
     """[B] fp32: a value-head model's value at each row's last real token (the reward model's score)."""
+    if padding_free:
+        values = _packed_values(model, input_ids, attention_mask)
+        return sequence_score(values, attention_mask.to(values.device))
     device = model_device(model)
     attention_mask = attention_mask.to(device)
     return sequence_score(model(input_ids.to(device), attention_mask).float(), attention_mask)
+
+
+def _packed_values(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+    """[B, L] fp32 values of a value-head model from one padding-free forward, 0 on padding."""
+    values, _ = packed_forward(model, input_ids, attention_mask)
+    return scatter_packed(values.float(), (attention_mask != 0).to(values.device))
 
 
 # --------------------------------------------------------------------------- #

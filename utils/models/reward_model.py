@@ -161,12 +161,15 @@ class RewardModel(nn.Module):
                 v_head.weight.copy_(weight)
         return cls(backbone, v_head)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Per-token values [B, L] (fp32), with mask-derived position ids and no KV cache."""
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Per-token values [B, L] (fp32), with mask-derived position ids and no KV cache. A padding-free batch
+        (utils.models.forward.packed_forward) gives no mask and its position ids, restarting per packed row."""
         out = self.backbone(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            position_ids=position_ids_from_attention_mask(attention_mask),
+            position_ids=position_ids_from_attention_mask(attention_mask) if position_ids is None else position_ids,
             use_cache=False,
         )
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]

@@ -273,6 +273,19 @@ def add_training_args(
     g.add_argument(
         "--seed", type=int, default=1234, help="random seed of the data split and order, initialisation and sampling"
     )
+    g.add_argument(
+        "--padding_free",
+        action="store_true",
+        help="the training forwards run a micro-batch's rows as one sequence of their real tokens, position ids "
+        "restarting per row, no padding computed (models whose attention reads row starts from the position ids)",
+    )
+    g.add_argument(
+        "--max_tokens_per_micro_batch",
+        type=int,
+        default=0,
+        help="cut each optimizer step's rows into micro-batches of at most this many real tokens (as many on every "
+        "rank; a longer row stops the run) instead of a fixed number of rows; best with --padding_free (0: off)",
+    )
     add_per_model(g, ["learning_rate", "weight_decay", "zero_stage", "gradient_checkpointing"], prefixes, defaults)
     g.add_argument("--offload", action="store_true", help="ZeRO offload of optimizer (and ZeRO-3 params) to CPU")
     g.add_argument(
@@ -568,7 +581,7 @@ def validate_training_args(args, prefixes: Sequence[str] = ("",), positive: Sequ
     check_range(
         args,
         0,
-        ["gradient_clipping", "num_warmup_steps", "save_interval", "logprob_chunk_tokens"]
+        ["gradient_clipping", "num_warmup_steps", "save_interval", "logprob_chunk_tokens", "max_tokens_per_micro_batch"]
         + [
             f"{p}{name}"
             for p in prefixes
@@ -591,6 +604,8 @@ def validate_training_args(args, prefixes: Sequence[str] = ("",), positive: Sequ
             )
         if args.dtype == "fp32":
             fail("--attn_implementation flash_attention_2 needs --dtype bf16 or fp16")
+    if tuple(prefixes) == ("",) and (args.padding_free or args.max_tokens_per_micro_batch):
+        fail("--padding_free and --max_tokens_per_micro_batch run in step 3 only for now")
     stage_zero = [f"--{p}zero_stage" for p in prefixes if getattr(args, f"{p}zero_stage") == 0]
     if args.offload and stage_zero:
         fail(f"--offload needs {' and '.join(stage_zero)} 1, 2 or 3")
