@@ -235,6 +235,33 @@ def logits_to_keep_logprobs(
     return logprobs
 
 
+SHORTEST_ANSWER = 8  # --ab_variant padding_free: answers cut to lengths drawn from [this, --answer_len]
+
+
+def vary_answer_lengths(trainer) -> None:
+    """Every rollout answer cut to a length drawn uniformly from [SHORTEST_ANSWER, its generated length] (seeded
+    by the row's group and place), its last token made the EOS: the rows of a rollout whose answers end anywhere
+    between 8 and --answer_len tokens, as a reasoning model's do, which a fixed-length benchmark never has. The
+    cut is the same in both arms of the A/B run (it depends on the iteration's rows only)."""
+    import torch  # lazy: the worker only (keeps --help fast)
+
+    generate_rows = trainer.generate_rows
+    eos = trainer.config.stop_token_ids[0]
+
+    def cut(*args, **kwargs):
+        rows = generate_rows(*args, **kwargs)
+        for i, row in enumerate(rows):
+            longest = row.response_ids.numel()
+            g = torch.Generator().manual_seed(1_000_003 * row.group + i)
+            n = int(torch.randint(min(SHORTEST_ANSWER, longest), longest + 1, (1,), generator=g))
+            row.response_ids = torch.cat([row.response_ids[: n - 1], torch.tensor([eos])])
+            row.ended_with_eos = True
+            row.per_action = {name: values[:n] for name, values in row.per_action.items()}
+        return rows
+
+    trainer.generate_rows = cut
+
+
 def ab_worker(argv) -> None:
     """One rank of the A/B run: step 3's own setup() and PPOTrainer.step(), alternating per
     iteration between arm A and arm B (A, B, A, ...): both arms share the process, the engines and
@@ -247,15 +274,21 @@ def ab_worker(argv) -> None:
     from utils.models.forward import token_logprobs
     from utils.runtime.distributed import is_rank0
 
-    argv, options = worker_argv(argv, "--ab_worker", "--ab_out", "--ab_variant")
+    argv, options = worker_argv(argv, "--ab_worker", "--ab_out", "--ab_variant", "--ab_budget")
     out, variant = options["--ab_out"], options["--ab_variant"]
     run = setup(parse_step3_args(argv))
     batches = iter(run.loader)
+    if variant == "padding_free":
+        vary_answer_lengths(run.trainer)
     for step in range(run.total_steps):
         arm_b = step % 2 == 1
         extra = {}
         if variant == "hybrid":
             run.trainer.config.enable_hybrid_engine = arm_b
+        elif variant == "padding_free":
+            run.trainer.config.enable_hybrid_engine = True
+            run.trainer.config.padding_free = arm_b
+            run.trainer.config.max_tokens_per_micro_batch = int(options["--ab_budget"]) if arm_b else 0
         else:
             run.trainer.config.enable_hybrid_engine = True
             run.trainer.logprobs_fn = logits_to_keep_logprobs if arm_b else token_logprobs
@@ -297,7 +330,7 @@ def run_ab(args, model_dir, prompts) -> list[str]:
     )
     ab_out = os.path.join(out_dir, "ab.jsonl")
     cmd = step3_command(args, model_dir, prompts, stage, False, out_dir, args.master_port, module="bench.step3")
-    cmd += ["--ab_worker", "--ab_out", ab_out, "--ab_variant", args.ab_variant]
+    cmd += ["--ab_worker", "--ab_out", ab_out, "--ab_variant", args.ab_variant, "--ab_budget", str(args.ab_budget)]
     run = run_logged(cmd, bench_env(), os.path.join(out_dir, "launch.log"), args.timeout)
     rows = read_jsonl(ab_out) if os.path.exists(ab_out) else []
     if len(rows) < 4:
@@ -308,9 +341,15 @@ def run_ab(args, model_dir, prompts) -> list[str]:
 def ab_report(args, rows: list[dict], run) -> list[str]:
     """The A/B table: one row per arm (the first pair of iterations dropped), their ratios, the biggest share."""
     timed = rows[2:]  # the first plain/hybrid pair is the warm-up
-    names = {"hybrid": ("plain", "hybrid"), "logits_to_keep": ("project", "proposed")}[args.ab_variant]
+    names = {
+        "hybrid": ("plain", "hybrid"),
+        "logits_to_keep": ("project", "proposed"),
+        "padding_free": ("padded", "packed"),
+    }[args.ab_variant]
     what = {
         "hybrid": "plain / hybrid generation",
+        "padding_free": f"padded / --padding_free --max_tokens_per_micro_batch {args.ab_budget} (0: off), hybrid on in "
+        f"both, answers cut to {SHORTEST_ANSWER}-{args.answer_len} tokens",
         "logits_to_keep": "the project's token_logprobs / the PROPOSED one with logits_to_keep (hybrid on in both)",
     }
     lines = [
@@ -434,10 +473,16 @@ def parse_args(argv=None):
     p.add_argument("--ab_stage", type=int, default=3, choices=[2, 3], help="ZeRO stage of the A/B run (2 or 3)")
     p.add_argument(
         "--ab_variant",
-        choices=["hybrid", "logits_to_keep"],
+        choices=["hybrid", "logits_to_keep", "padding_free"],
         default="hybrid",
         help="hybrid: plain vs hybrid generation; logits_to_keep: the proposed logits_to_keep_logprobs vs the "
-        "project's",
+        "project's; padding_free: padded vs --padding_free (+ --ab_budget) on answers of 8 to --answer_len tokens",
+    )
+    p.add_argument(
+        "--ab_budget",
+        type=int,
+        default=0,
+        help="--ab_variant padding_free: the packed arm's --max_tokens_per_micro_batch (tokens; 0: off)",
     )
     add_run_args(
         p, 29541, 600, save_help="also write the printed report to this file, and the figures as JSON beside it (path)"

@@ -102,6 +102,14 @@ def test_logits_with_and_without_chunking(shape):
     assert mp.logits_bytes(shape, 10, chunk_tokens=64) == mp.logits_bytes(shape, 10)
 
 
+def test_a_token_budget_bounds_the_micro_batch(shape):
+    model = mp.ModelSpec("actor", shape, trained=True)
+    padded = mp.training_parts(model, "fp32", 4, 100, False, "sdpa", 0, True)
+    budget = mp.training_parts(model, "fp32", 4, 100, False, "sdpa", 0, True, budget=150)
+    assert "(400 tokens)" in padded[-2].name and "(150 tokens)" in budget[-2].name
+    assert budget[-2].bytes == padded[-2].bytes * 150 / 400 and budget[-1].bytes == padded[-1].bytes * 150 / 400
+
+
 def test_kv_cache(shape):
     # rows x length x layers x (k, v) x kv heads x head dim x bytes
     assert mp.kv_cache_bytes(shape, rows=3, length=20, dtype="bf16") == 3 * 20 * 2 * 2 * 2 * 16 * 2

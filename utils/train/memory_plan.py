@@ -358,10 +358,19 @@ class Plan:
 
 
 def training_parts(
-    model: ModelSpec, dtype: str, rows: int, seq_len: int, checkpointing: bool, attn, chunk: int, lm_head: bool
+    model: ModelSpec,
+    dtype: str,
+    rows: int,
+    seq_len: int,
+    checkpointing: bool,
+    attn,
+    chunk: int,
+    lm_head: bool,
+    budget: int = 0,
 ) -> list[Part]:
-    """A trained model's forward and backward over one micro-batch: activations and (for an LM) logits."""
-    tokens = rows * seq_len
+    """A trained model's forward and backward over one micro-batch: activations and (for an LM) logits. A token
+    budget (`--max_tokens_per_micro_batch`) bounds the micro-batch's tokens instead of its rows x length."""
+    tokens = budget or rows * seq_len
     act = activation_bytes_per_token(model.shape, dtype, checkpointing, seq_len, attn) * tokens
     parts = []
     if model.trained and trained_params(model) >= model.shape.params:
@@ -381,7 +390,8 @@ def training_parts(
             f"{model.name} activations ({tokens} tokens)",
             act,
             phases=("training",),
-            hint="--gradient_checkpointing, a smaller micro-batch" if not checkpointing else "a smaller micro-batch",
+            hint=("--gradient_checkpointing, " if not checkpointing else "")
+            + ("a smaller --max_tokens_per_micro_batch" if budget else "a smaller micro-batch"),
         )
     ]
     if lm_head:
@@ -452,6 +462,7 @@ def plan_single(
         getattr(args, "attn_implementation", None),
         chunk,
         lm_head,
+        getattr(args, "max_tokens_per_micro_batch", 0) or 0,
     )
     if lm_head:  # the held-out evaluation: no-grad forwards, the logits and their logsumexp
         eval_tokens = rows_per_micro_batch // args.per_device_train_batch_size * args.per_device_eval_batch_size
@@ -575,6 +586,7 @@ def plan_rl(args, shapes: dict, ranks: int, needs_critic: bool, needs_reference:
         getattr(args, "attn_implementation", None),
         chunk,
         True,
+        getattr(args, "max_tokens_per_micro_batch", 0) or 0,
     )
     plan.parts += actor_parts
     if needs_critic:
@@ -588,6 +600,7 @@ def plan_rl(args, shapes: dict, ranks: int, needs_critic: bool, needs_reference:
             getattr(args, "attn_implementation", None),
             chunk,
             False,
+            getattr(args, "max_tokens_per_micro_batch", 0) or 0,
         )
         if critic_parts[0].bytes > sum(p.bytes for p in actor_parts):
             plan.parts = [p for p in plan.parts if p not in actor_parts] + critic_parts
