@@ -7,7 +7,7 @@ rollout differently from the generation batches."""
 
 import pytest
 import torch
-from transformers import AutoModel, AutoModelForCausalLM
+from transformers import AutoModel, AutoModelForCausalLM, Qwen2Config
 
 from tests.test_step3_lr0 import lr0_setup, prompt_batches
 from utils.errors import ProjectError, UsageError
@@ -199,6 +199,15 @@ def test_a_model_whose_mask_ignores_positions_is_refused():
     with pytest.raises(UsageError, match="--padding_free: OPTForCausalLM builds its attention mask without"):
         check_padding_free(opt)
     check_padding_free(causal_lm("llama"))  # passes
+    qwen2 = Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    check_padding_free(AutoModelForCausalLM.from_config(qwen2))  # its mask arguments go through a dict: tried, not read
     check_padding_free(RewardModel(AutoModel.from_config(tiny_config("llama", 256, 1, 2, 0))))
 
 

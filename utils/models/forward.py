@@ -25,8 +25,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import re
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -162,32 +160,37 @@ def causal_lm_hidden(
     return hidden[:, -logits_to_keep:] if 0 < logits_to_keep < hidden.shape[1] else hidden
 
 
-# a call building the attention mask that passes the position ids on (transformers reads row starts from them)
-_MASK_FROM_POSITIONS = re.compile(r"create_\w*mask\((?:[^()]|\([^()]*\))*?position_ids=position_ids", re.S)
-
-
-@functools.lru_cache(maxsize=None)
-def _reads_packed_rows(model_class: type) -> bool:
-    """Whether a transformers model class builds its attention mask from the position ids when no mask is given,
-    so that rows packed in one sequence do not attend across each other (llama, qwen, mistral, gemma, gpt2, ...;
-    not OPT, whose mask ignores them): read from its modeling module's source."""
-    try:
-        source = inspect.getsource(sys.modules[model_class.__module__])
-    except (OSError, TypeError, KeyError):
-        return False
-    return bool(_MASK_FROM_POSITIONS.search(source))
-
-
 def check_padding_free(model: nn.Module) -> None:
     """Raise UsageError (one line) when `--padding_free` cannot run `model` (an engine, peft model, RewardModel or
-    plain causal LM) exactly: its attention would let packed rows see each other."""
+    plain causal LM) exactly: its attention would let packed rows see each other.
+
+    Tried, not guessed from the class: one no-grad packed forward of two rows (3 tokens; on a ZeRO-3 engine a
+    collective, so every rank calls this at the same point) while transformers' packed-row detection
+    (masking_utils.find_packed_sequence_indices, which builds the block-diagonal mask from the position ids) is
+    watched; a model whose mask code never asks it, or flash attention (whose varlen kernels take the row starts
+    from the position ids themselves) pass or fail accordingly."""
     inner = getattr(model, "module", model)
     inner = getattr(inner, "backbone", inner)
     hf = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
-    config = getattr(hf, "config", None)
-    if getattr(config, "_attn_implementation", None) in ("flash_attention_2", "flash_attention_3"):
-        return  # varlen kernels take the row boundaries from the position ids
-    if not _reads_packed_rows(type(hf)):
+    if getattr(getattr(hf, "config", None), "_attn_implementation", None) in ("flash_attention_2", "flash_attention_3"):
+        return
+    from transformers import masking_utils  # lazy: +1.5 s of import on every --help, for a start-up check
+
+    detected = []
+    original = masking_utils.find_packed_sequence_indices
+
+    def watched(position_ids):
+        rows = original(position_ids)
+        detected.append(rows is not None)
+        return rows
+
+    masking_utils.find_packed_sequence_indices = watched
+    try:
+        with torch.no_grad(), eval_mode(model):
+            packed_forward(model, torch.tensor([[0, 1, 1], [0, 0, 1]]), torch.tensor([[0, 1, 1], [0, 0, 1]]))
+    finally:
+        masking_utils.find_packed_sequence_indices = original
+    if not (detected and all(detected)):
         raise UsageError(
             f"--padding_free: {type(hf).__name__} builds its attention mask without the position ids, so rows "
             f"packed into one sequence would attend to each other; run it without --padding_free"
