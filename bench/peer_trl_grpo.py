@@ -483,6 +483,8 @@ def grpo_command(args, model_dir: str, out_dir: str, port: int) -> list[str]:
     ]
     if args.chat_template:
         cmd += ["--chat_template", args.chat_template]
+    if args.padding_free:
+        cmd.append("--padding_free")
     return cmd
 
 
@@ -729,6 +731,11 @@ def parse_args(argv=None):
         "feeds more than one optimizer step) or the generator's own (step 3's --old_logprobs)",
     )
     p.add_argument(
+        "--padding_free",
+        action="store_true",
+        help="ours with --padding_free (the rows' real tokens packed, no left padding of the prompts computed)",
+    )
+    p.add_argument(
         "--as_shipped",
         action="store_true",
         help="ours with its own tune_malloc, TRL on glibc's defaults (default: MALLOC_* for both)",
@@ -775,7 +782,7 @@ def header_lines(args, model_dir: str) -> list[str]:
         f"per-update batch {args.train_batch_size}/rank, {args.ppo_epochs} epoch(s): {updates} optimizer steps "
         f"per rollout on each side (ours {rollout}/{args.train_batch_size} x {args.ppo_epochs}; TRL "
         f"steps_per_generation {rollout // args.train_batch_size} x num_iterations {args.ppo_epochs}); "
-        f"lr 1e-6 constant; ours --old_logprobs {args.old_logprobs}",
+        f"lr 1e-6 constant; ours --old_logprobs {args.old_logprobs}" + (" --padding_free" if args.padding_free else ""),
     ]
 
 
