@@ -222,6 +222,40 @@ def test_a_tool_call_is_answered_by_the_tool_and_the_reward_reads_the_final_answ
     assert "<|im_start|>tool\n5535<|im_end|>\n<|im_start|>assistant\n" in rendered and row.ended_with_eos
 
 
+@pytest.mark.parametrize(
+    "body, text",
+    [
+        (
+            '{"name": "calculator", "arguments": {"expression": 5}}',
+            "tool 'calculator' got wrong arguments: 'expression'",
+        ),
+        ("null", "malformed tool call: expected a JSON object"),
+        ('{"name": "calculator", "arguments": [1]}', 'malformed tool call: "arguments" must be a JSON object'),
+        ('{"arguments": {"expression": "1"}}', 'malformed tool call: the call has no "name"'),
+        ("[" * 10_000 + "]" * 10_000, "malformed tool call: the <tool_call> block is nested too deeply"),
+    ],
+    ids=["a str given 5", "null", "arguments a list", "no name", "10,000 levels of ["],
+)
+def test_a_malformed_tool_call_is_an_observation_and_a_failed_call_in_the_loop(chat_model, body, text):
+    from step3_ppo.agents.loop import agent_rates, agent_sums
+    from step3_ppo.agents.tools import Toolbox, load_tools
+
+    tokenizer, _ = chat_model
+    engine = ScriptedEngine(tokenizer, [f"<tool_call>{body}</tool_call>", "The answer is 1."])
+    limits = AgentLimits(max_turns=3, max_answer_seq_len=60, max_trajectory_len=30_000, max_observation_len=50)
+    with Toolbox(load_tools(["calculator"]), timeout=10) as toolbox:
+        agent = MultiTurn(tokenizer, limits, toolbox=toolbox)
+        stops = stop_token_ids(tokenizer, chat=True)
+        batch = prompt_batch(tokenizer, ["What is 1?"])
+        (row,) = agent.rollout(engine, batch, GenerationSettings(60), 1, stops, tokenizer.pad_token_id)
+    messages = row.agent["messages"]
+    assert [m["role"] for m in messages] == ["assistant", "tool", "assistant"]
+    assert messages[1]["content"].startswith(f"error: {text}"), messages[1]["content"]
+    assert (row.agent["turns"], row.agent["tool_calls"], row.agent["tool_errors"]) == (2, 1, 1)
+    sums = agent_sums([row])
+    assert sums["agent/tool_errors_sum"] == 1 and agent_rates(sums, "rollout/")["rollout/tool_error_rate"] == 1.0
+
+
 def test_tools_are_offered_in_the_system_message_of_a_template_without_tools(chat_model):
     from step3_ppo.agents.loop import prompts_with_tools
     from step3_ppo.agents.tools import load_tools

@@ -14,7 +14,10 @@ import pytest
 
 from step3_ppo.agents import python_sandbox
 from step3_ppo.agents.tools import (
+    MAX_NESTING,
     TOOL_CALL_PARSERS,
+    TOOLS,
+    Tool,
     Toolbox,
     ToolCall,
     ToolError,
@@ -23,6 +26,7 @@ from step3_ppo.agents.tools import (
     python,
     run_python,
     template_supports_tools,
+    tool_schema,
     tool_system_prompt,
 )
 
@@ -303,6 +307,146 @@ def test_every_failed_call_comes_back_as_text(user_tools):
     assert contents[6] == "error: tool 'add' got wrong arguments: missing a required argument: 'b'"
     assert contents[7].startswith("error: tool 'calculator' raised ValueError: the result is too large")
     assert [m["name"] for m in turn.messages][:5] == ["calculator", "add", "table", "", "search"]
+
+
+DEEP = "[" * 10_000 + "]" * 10_000  # json.loads raises RecursionError on it
+PAST = "[" * (MAX_NESTING + 1) + "]" * (MAX_NESTING + 1)  # read by json.loads, refused before a worker pickles it
+DIGITS = "9" * 5000  # json.loads raises ValueError past Python's 4300-digit limit
+BAD_CALLS = {
+    "a str given 5 (python)": (
+        '{"name": "python", "arguments": {"code": 5}}',
+        "tool 'python' got wrong arguments: 'code' must be a string, got 5",
+    ),
+    "a str given 5 (calculator)": (
+        '{"name": "calculator", "arguments": {"expression": 5}}',
+        "tool 'calculator' got wrong arguments: 'expression' must be a string, got 5",
+    ),
+    "an int given a string": (
+        '{"name": "add", "arguments": {"a": "2", "b": 3}}',
+        "tool 'add' got wrong arguments: 'a' must be an integer, got a string",
+    ),
+    "an int given true": (
+        '{"name": "add", "arguments": {"a": true, "b": 3}}',
+        "tool 'add' got wrong arguments: 'a' must be an integer, got true",
+    ),
+    "an int given 2.5": (
+        '{"name": "add", "arguments": {"a": 2.5, "b": 3}}',
+        "tool 'add' got wrong arguments: 'a' must be an integer, got 2.5",
+    ),
+    "an int given null": (
+        '{"name": "add", "arguments": {"a": null, "b": 3}}',
+        "tool 'add' got wrong arguments: 'a' must be an integer, got null",
+    ),
+    "an int given a huge number": (
+        '{"name": "add", "arguments": {"a": 1e999, "b": 3}}',
+        "tool 'add' got wrong arguments: 'a' must be an integer, got Infinity",
+    ),
+    "a missing argument": (
+        '{"name": "add", "arguments": {"a": 1}}',
+        "tool 'add' got wrong arguments: missing a required argument: 'b'",
+    ),
+    "an unknown argument": (
+        '{"name": "python", "arguments": {"code": "1", "timeout": 99}}',
+        "tool 'python' got wrong arguments: got an unexpected keyword argument 'timeout'",
+    ),
+    "null": ("null", 'malformed tool call: expected a JSON object {"name": ..., "arguments": {...}}, got null'),
+    "a list": (
+        '["calculator", {"expression": "1"}]',
+        'malformed tool call: expected a JSON object {"name": ..., "arguments": {...}}, got an array',
+    ),
+    "a number": ("5", 'malformed tool call: expected a JSON object {"name": ..., "arguments": {...}}, got a number'),
+    "a string": (
+        '"calculator"',
+        'malformed tool call: expected a JSON object {"name": ..., "arguments": {...}}, got a string',
+    ),
+    "no name": ('{"arguments": {"expression": "1"}}', 'malformed tool call: the call has no "name" (a string)'),
+    "a name that is not a string": (
+        '{"name": 5, "arguments": {}}',
+        'malformed tool call: the call has no "name" (a string)',
+    ),
+    "arguments a list": (
+        '{"name": "calculator", "arguments": [1]}',
+        'malformed tool call: "arguments" must be a JSON object, got an array',
+    ),
+    "arguments null": (
+        '{"name": "calculator", "arguments": null}',
+        'malformed tool call: "arguments" must be a JSON object, got null',
+    ),
+    "arguments a number": (
+        '{"name": "calculator", "arguments": 5}',
+        'malformed tool call: "arguments" must be a JSON object, got a number',
+    ),
+    "arguments a JSON string of a list": (
+        '{"name": "calculator", "arguments": "[1]"}',
+        'malformed tool call: "arguments" must be a JSON object, got an array',
+    ),
+    "10,000 levels of [": (
+        DEEP,
+        "malformed tool call: the <tool_call> block is nested too deeply (more than 64 levels of [ and {)",
+    ),
+    "10,000 levels in the arguments": (
+        '{"name": "calculator", "arguments": {"expression": ' + DEEP + "}}",
+        "malformed tool call: the <tool_call> block is nested too deeply (more than 64 levels of [ and {)",
+    ),
+    "10,000 levels in an arguments string": (
+        json.dumps({"name": "calculator", "arguments": DEEP}),
+        'malformed tool call: "arguments" is a string that is not a JSON object: it is nested too deeply '
+        "(more than 64 levels of [ and {)",
+    ),
+    "65 levels in the arguments": (
+        '{"name": "table", "arguments": {"n": ' + PAST + "}}",
+        "malformed tool call: the <tool_call> block is nested too deeply (more than 64 levels of [ and {)",
+    ),
+    "a 5000-digit number": (
+        '{"name": "add", "arguments": {"a": ' + DIGITS + ', "b": 1}}',
+        "malformed tool call: the <tool_call> block is not readable JSON (Exceeds the limit (4300 digits) for "
+        "integer string conversion",
+    ),
+    "a lone surrogate as the name": (
+        '{"name": "\\ud800"}',
+        "unknown tool '?'; available: calculator, add, broken, table, spin, regex, python",
+    ),
+}
+
+
+@pytest.mark.parametrize("body, text", BAD_CALLS.values(), ids=BAD_CALLS.keys())
+def test_a_malformed_or_mistyped_call_is_one_failed_call_never_an_exception(user_tools, body, text):
+    def never(arguments, timeout, limit):
+        raise AssertionError("a call with wrong arguments was run")
+
+    python_tool = Tool("python", tool_schema("python", TOOLS["python"].fn), "python", TOOLS["python"].fn, never)
+    with Toolbox(user_tools + [python_tool], timeout=30) as box:
+        turn = box.respond(f"Let me call it. <tool_call>{body}</tool_call>")
+        assert not box.workers  # refused before any tool ran
+    assert (turn.calls, turn.errors) == (1, 1)
+    [message] = turn.messages
+    assert message["content"].startswith(f"error: {text}"), message["content"]
+    message["content"].encode("utf-8")  # what the tokenizer gets is valid UTF-8
+
+
+def test_argument_types_follow_the_schema(tmp_path):
+    path = tmp_path / "typed.py"
+    path.write_text(
+        "from typing import Any, Literal\n\n"
+        "def typed(x: float, unit: Literal['c', 'f'], n: int | None = None, anything: Any = None) -> str:\n"
+        '    """Echoes.\n\n    Args:\n        x: A number.\n        unit: A unit.\n        n: A count.\n'
+        '        anything: Anything.\n    """\n'
+        "    return f'{x} {unit} {n} {anything}'\n"
+    )
+    with Toolbox(load_tools([f"{path}:typed"]), timeout=30) as box:
+        good = box.respond(call("typed", x=2, unit="c", n=None, anything=[1, {"a": None}]))
+        assert (good.errors, good.messages[0]["content"]) == (0, "2 c None [1, {'a': None}]")
+        for arguments, problem in [
+            ({"x": "2", "unit": "c"}, "'x' must be a number, got a string"),
+            ({"x": False, "unit": "c"}, "'x' must be a number, got false"),
+            ({"x": 1, "unit": "k"}, """'unit' must be one of "c", "f", got a string"""),
+            ({"x": 1, "unit": "c", "n": 1.5}, "'n' must be an integer or null, got 1.5"),
+        ]:
+            turn = box.respond(call("typed", **arguments))
+            assert (
+                turn.errors == 1
+                and turn.messages[0]["content"] == f"error: tool 'typed' got wrong arguments: {problem}"
+            )
 
 
 def test_results_are_cut_at_the_limit(user_tools):

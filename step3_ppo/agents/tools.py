@@ -7,8 +7,9 @@ GRPOTrainer(tools=[...]) run here unchanged, and the schema is what a chat templ
 A spec is a built-in name (`TOOLS`), `path/to/file.py:function` or `package.module:function`
 (step3_ppo/specs.py). Calls are parsed from the assistant message by a `TOOL_CALL_PARSERS` entry ("hermes":
 `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, Hermes and Qwen's form). `Toolbox.respond`
-answers each call with a `tool` message; whatever goes wrong with a call (malformed, unknown tool, wrong
-arguments, a raise, the timeout) is error text for the model, counted, never a crash. Every call can be
+answers each call with a `tool` message; whatever goes wrong with a call (malformed: not JSON, not an object,
+no name, nested past MAX_NESTING; an unknown tool; wrong arguments: missing, unknown, or of another JSON type than
+the tool's schema says; a raise; the timeout) is error text for the model, counted, never a crash. Every call can be
 stopped in C code: a user tool and the calculator run in a worker process of their own (step3_ppo/function_worker.py,
 killed at the timeout), the python tool in a sandbox process per call (step3_ppo/agents/python_sandbox.py).
 """
@@ -446,15 +447,48 @@ _JSON_TYPES = {
     type(None): "null",
 }
 _HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+# Levels of [ and { a call may nest: json.loads raises RecursionError about 1000 levels down, and pickling the
+# arguments for a tool's worker process fails from about 500; no tool's arguments need more than a few.
+MAX_NESTING = 64
+
+
+class _Unreadable(Exception):
+    """Model-written JSON that cannot be read; str() says why, for the model."""
+
+
+def _nesting(value) -> int:
+    """How many levels of arrays and objects `value` nests (0 for a scalar), counted without recursion and
+    stopping once past MAX_NESTING."""
+    deepest, stack = 0, [(value, 1)]
+    while stack and deepest <= MAX_NESTING:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def _read_json(text: str):
+    """`text` parsed as JSON, or _Unreadable: not JSON, nested past MAX_NESTING (json.loads's RecursionError
+    included), or a number past Python's digit limit (json.loads's ValueError)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise _Unreadable(f"not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    except RecursionError:
+        raise _Unreadable(f"nested too deeply (more than {MAX_NESTING} levels of [ and {{)") from None
+    except ValueError as exc:  # an integer literal longer than sys.get_int_max_str_digits()
+        raise _Unreadable(f"not readable JSON ({one_line(exc, _MESSAGE_LIMIT)})") from None
+    if _nesting(value) > MAX_NESTING:
+        raise _Unreadable(f"nested too deeply (more than {MAX_NESTING} levels of [ and {{)")
+    return value
 
 
 def _hermes_call(body: str) -> ToolCall:
     try:
-        data = json.loads(body)
-    except json.JSONDecodeError as exc:
-        return ToolCall(
-            None, None, f"the <tool_call> block is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
-        )
+        data = _read_json(body)
+    except _Unreadable as exc:
+        return ToolCall(None, None, f"the <tool_call> block is {exc}")
     if not isinstance(data, dict):
         return ToolCall(
             None,
@@ -468,9 +502,9 @@ def _hermes_call(body: str) -> ToolCall:
     arguments = data.get("arguments", {})
     if isinstance(arguments, str):  # some models send the arguments as a JSON string
         try:
-            arguments = json.loads(arguments)
-        except json.JSONDecodeError:
-            return ToolCall(name, None, '"arguments" is a string that is not a JSON object')
+            arguments = _read_json(arguments)
+        except _Unreadable as exc:
+            return ToolCall(name, None, f'"arguments" is a string that is not a JSON object: it is {exc}')
     if not isinstance(arguments, dict):
         got = _JSON_TYPES.get(type(arguments), "a value")
         return ToolCall(name, None, f'"arguments" must be a JSON object, got {got}')
@@ -539,14 +573,64 @@ class ToolTurn:
     errors: int
 
 
-def _wrong_arguments(fn: Callable, arguments: dict) -> str | None:
+# A JSON schema type (as get_json_schema writes a parameter's) and the Python values that are one. bool is an int
+# in Python but not a number in JSON; a float is not an integer (the function would get 5.0).
+_SCHEMA_TYPES = {
+    "string": ("a string", lambda v: isinstance(v, str)),
+    "integer": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "number": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+    "boolean": ("true or false", lambda v: isinstance(v, bool)),
+    "array": ("an array", lambda v: isinstance(v, list)),
+    "object": ("an object", lambda v: isinstance(v, dict)),
+    "null": ("null", lambda v: v is None),
+}
+
+
+def _value_text(value) -> str:
+    """A model's argument as an error text names it: a scalar as JSON, a string, array or object by its kind."""
+    if isinstance(value, (str, list, dict)):
+        return _JSON_TYPES[type(value)]
+    text = json.dumps(value)
+    return text if len(text) <= 40 else f"a number of {len(text)} digits"
+
+
+def _wrong_types(schema: dict, arguments: dict) -> str | None:
+    """The first argument whose JSON type is not its parameter's in the tool's schema (TRL's, from the type
+    hints: `str` is "string", `int | None` is "integer" and nullable, a Literal an enum); None when all fit.
+    A parameter without a type (`Any`) takes anything; nested items are the tool's to check."""
+    properties = schema.get("function", schema).get("parameters", {}).get("properties", {})
+    for name, value in arguments.items():
+        spec = properties.get(name, {})
+        kinds = spec.get("type")
+        kinds = [kinds] if isinstance(kinds, str) else list(kinds or [])
+        if spec.get("nullable"):
+            kinds.append("null")
+        known = [kind for kind in kinds if kind in _SCHEMA_TYPES]
+        if known and not any(_SCHEMA_TYPES[kind][1](value) for kind in known):
+            wanted = " or ".join(_SCHEMA_TYPES[kind][0] for kind in known)
+            return f"'{name}' must be {wanted}, got {_value_text(value)}"
+        if "enum" in spec and value not in spec["enum"]:
+            listed = ", ".join(json.dumps(option) for option in spec["enum"])
+            return f"'{name}' must be one of {listed}, got {_value_text(value)}"
+    return None
+
+
+def _wrong_arguments(tool: Tool, arguments: dict) -> str | None:
+    """Why the model's `arguments` do not fit the tool (a missing or unknown name, a value of the wrong JSON
+    type), or None."""
     try:
-        inspect.signature(fn).bind(**arguments)
+        inspect.signature(tool.fn).bind(**arguments)
     except TypeError as exc:
         return one_line(exc, _MESSAGE_LIMIT)
     except ValueError:  # no signature to check (a builtin): the call itself will say
         pass
-    return None
+    return _wrong_types(tool.schema, arguments)
+
+
+def _encodable(text: str) -> str:
+    """`text` with what UTF-8 cannot encode (a lone surrogate, from a JSON escape like "\\ud800" in a call)
+    as "?": the tokenizer refuses such a string, and a call's name and arguments reach the tool message."""
+    return text.encode("utf-8", errors="replace").decode("utf-8")
 
 
 class Toolbox:
@@ -571,7 +655,8 @@ class Toolbox:
         calls = self.parse(message)
         answers = [self.answer(call) for call in calls]
         messages = [
-            {"role": "tool", "name": call.name or "", "content": text} for call, (text, _) in zip(calls, answers)
+            {"role": "tool", "name": _encodable(call.name or ""), "content": _encodable(text)}
+            for call, (text, _) in zip(calls, answers)
         ]
         return ToolTurn(messages, len(calls), sum(not ok for _, ok in answers))
 
@@ -588,7 +673,7 @@ class Toolbox:
         tool = self.tools.get(call.name)
         if tool is None:
             raise ToolFailed(f"unknown tool '{call.name}'; available: {', '.join(self.tools) or 'none'}")
-        wrong = _wrong_arguments(tool.fn, call.arguments)
+        wrong = _wrong_arguments(tool, call.arguments)
         if wrong is not None:
             raise ToolFailed(f"tool '{tool.name}' got wrong arguments: {wrong}")
         if tool.call is not None:
