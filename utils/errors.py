@@ -5,7 +5,8 @@ There is one path: every known failure raises a `ProjectError`, and the entry po
 str() as the one line (adding the `error:` prefix) and exits 1. The subclasses are defined where they are
 raised: a flag or command line that asks for what cannot be done (`UsageError`, here; utils.train.flags.fail
 raises it), bad data (utils.data.DataError), a model path or directory that is not what a flag expects
-(utils.models.loading.ModelLoadError), a bad checkpoint (utils.train.checkpoint.CheckpointError), a run whose
+(utils.models.loading.ModelLoadError), a bad checkpoint (utils.train.checkpoint.CheckpointError), a final model
+directory that could not be written (utils.models.export.ExportWriteError), a run whose
 updates keep going non-finite (utils.train.checkpoint.NonFiniteUpdates), a reward function that does not load
 or misbehaves (step3_ppo.rewards.functions.RewardFunctionError), a step-3 iteration that --skip_bad_rewards
 left with nothing to train (step3_ppo.trainer.NothingToTrain). A `SystemExit` is Python's own exit

@@ -5,19 +5,41 @@ so the full weights are first consolidated on rank 0, loaded into a fresh unpart
 the model, LoRA merged there, and only that copy is saved. Every step's final output goes through
 here (policies: `export_hf_model`; reward models and critics: utils/models/reward_model.py), apart from
 the resumable training checkpoints of utils/train/checkpoint.py, which keep DeepSpeed's own format.
+
+The directory is written whole or not at all (`write_model_dir`): into a temporary folder on the target's
+filesystem, moved into place only once every file is written. A write that fails (a full disk, a file size
+limit, a quota) raises ExportWriteError on every rank, one line naming the directory, what failed and why,
+with the temporary folder removed and an older export in the directory as it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import errno
 import os
+import re
+import resource
+import shutil
+from typing import Callable
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
+from utils.errors import ProjectError, one_line
 from utils.models.forward import eval_mode
 from utils.models.loading import hf_zero3_disabled, is_4bit, is_4bit_layer
-from utils.runtime.distributed import all_reduce_sum, barrier, is_rank0
+from utils.runtime.distributed import all_reduce_sum, from_rank0, is_rank0
+
+EXPORT_TMP, EXPORT_OLD = ".export-tmp", ".export-old"  # inside an existing target: the new files, the replaced ones
+_OS_ERROR = re.compile(r"\(os error (\d+)\)")  # how safetensors' SafetensorError names the OS error it wraps
+
+
+class ExportWriteError(ProjectError):
+    """The final model directory could not be written (a full disk, a file size limit, a quota): str() names the
+    directory, what failed and why; the directory holds what it held before (a run's `finish` adds where a
+    --resume continues from)."""
 
 
 def is_zero3(engine) -> bool:
@@ -82,16 +104,119 @@ def plain_copy(module: nn.Module, state_dict: dict) -> nn.Module:
 
 
 def export_hf_model(engine, tokenizer, out_dir: str) -> None:
-    """Write engine.module as a from_pretrained directory (config, safetensors, tokenizer) from rank 0."""
+    """Write engine.module as a from_pretrained directory (config, safetensors, tokenizer) from rank 0, whole or
+    not at all (`write_model_dir`). Call on ALL ranks (the gather is collective under ZeRO-3); a failed write
+    raises ExportWriteError on every rank."""
     state_dict = gather_full_state_dict(engine)
+    failure = None
     if is_rank0():
         model = plain_copy(engine.module, state_dict)
         model.config.use_cache = True
-        os.makedirs(out_dir, exist_ok=True)
-        model.save_pretrained(out_dir)
+        writes = [("the model's weights and config", model.save_pretrained)]
         if tokenizer is not None:
-            tokenizer.save_pretrained(out_dir)
-    barrier()
+            writes.append(("the tokenizer", tokenizer.save_pretrained))
+        failure = write_failure(lambda: write_model_dir(out_dir, writes))
+    agree_on_export(failure)
+
+
+def write_failure(write: Callable[[], None]) -> str | None:
+    """`write()`'s ExportWriteError as its message, returned rather than raised (`agree_on_export`)."""
+    try:
+        write()
+    except ExportWriteError as exc:
+        return str(exc)
+    return None
+
+
+def agree_on_export(failure: str | None) -> None:
+    """Collective, in place of a barrier after rank 0 wrote: every rank raises rank 0's ExportWriteError."""
+    failure = from_rank0(failure)
+    if failure is not None:
+        raise ExportWriteError(failure)
+
+
+def write_model_dir(out_dir: str, writes: list[tuple[str, Callable[[str], None]]]) -> None:
+    """Each `write(folder)` of `writes` ((what it writes, write) pairs) into a temporary folder on `out_dir`'s
+    filesystem, then moved into place: a new `out_dir` is the folder renamed; an existing one (a run's output
+    directory, with its checkpoints and metrics) gets the folder's files, each older file of the same name moved
+    aside first and put back if a move fails. A write or move that fails (OSError, safetensors' SafetensorError
+    wrapping one) raises ExportWriteError naming `out_dir`, what failed and why, once the temporary folder is
+    removed; `out_dir` then holds what it held before. Rank 0 only (no collective)."""
+    existing = os.path.isdir(out_dir)
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    tmp = (
+        os.path.join(out_dir, EXPORT_TMP)
+        if existing
+        else os.path.join(parent, f".{os.path.basename(out_dir)}{EXPORT_TMP}")
+    )
+    what = "the temporary folder"
+    try:
+        shutil.rmtree(tmp, ignore_errors=True)  # a killed export's leftover
+        os.makedirs(tmp)
+        for what, write in writes:
+            write(tmp)
+        what = "the finished export (moving it into place)"
+        if existing:
+            _move_into(tmp, out_dir)
+        else:
+            os.rename(tmp, out_dir)
+    except (OSError, SafetensorError) as exc:
+        why = _why_not_written(exc)
+        if why is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        before = "as it was before the export" if existing else "not created"
+        raise ExportWriteError(
+            f"could not write {what} to {out_dir} ({why}); the partial export was removed, {out_dir} is {before}"
+        ) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _move_into(tmp: str, out_dir: str) -> None:
+    """Every entry of `tmp` into `out_dir` (os.replace: renames on one filesystem); an entry of the same name
+    already there is moved to `out_dir`/.export-old first. A move that fails puts everything back as it was."""
+    old = os.path.join(out_dir, EXPORT_OLD)
+    shutil.rmtree(old, ignore_errors=True)
+    os.makedirs(old)
+    moved_aside, moved_in = [], []
+    try:
+        for name in sorted(os.listdir(tmp)):
+            target = os.path.join(out_dir, name)
+            if os.path.lexists(target):
+                os.replace(target, os.path.join(old, name))
+                moved_aside.append(name)
+            os.replace(os.path.join(tmp, name), target)
+            moved_in.append(name)
+    except OSError:
+        with contextlib.suppress(OSError):
+            for name in reversed(moved_in):
+                os.replace(os.path.join(out_dir, name), os.path.join(tmp, name))
+            for name in reversed(moved_aside):
+                os.replace(os.path.join(old, name), os.path.join(out_dir, name))
+            os.rmdir(old)  # only once every older file is back: else they stay in .export-old
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _why_not_written(exc: BaseException) -> str | None:
+    """The OS's reason for a failed write (a file size limit named with its `ulimit -f`), None when `exc` is not
+    a failed write (a SafetensorError about the tensors themselves: a bug, kept as a traceback)."""
+    if isinstance(exc, SafetensorError):
+        match = _OS_ERROR.search(str(exc))
+        if match is None:
+            return None
+        code = int(match.group(1))
+    elif exc.errno is not None:
+        code = exc.errno
+    else:
+        return one_line(exc, 160)
+    reason = os.strerror(code).lower()
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if code == errno.EFBIG and limit != resource.RLIM_INFINITY:
+        reason += f": files are limited to {limit} bytes here (ulimit -f)"
+    filename = getattr(exc, "filename", None)
+    return f"{reason}: {filename}" if filename else reason
 
 
 @torch.no_grad()

@@ -32,10 +32,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from utils.math.ops import position_ids_from_attention_mask
-from utils.models.export import gather_full_state_dict, plain_copy
+from utils.models.export import agree_on_export, gather_full_state_dict, plain_copy, write_failure, write_model_dir
 from utils.models.forward import sequence_scores
 from utils.models.loading import ModelLoadError, load_causal_lm, load_tokenizer
-from utils.runtime.distributed import barrier, is_rank0
+from utils.runtime.distributed import is_rank0
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 REWARD_MODEL_FILE = "reward_model.json"
@@ -184,12 +184,9 @@ class RewardModel(nn.Module):
 # Saving
 # --------------------------------------------------------------------------- #
 def _write_reward_dir(backbone: nn.Module, v_head_weight: torch.Tensor, tokenizer, out_dir: str) -> None:
-    os.makedirs(out_dir, exist_ok=True)
-    backbone.save_pretrained(out_dir)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir)
+    """The reward-model directory, whole or not at all (utils.models.export.write_model_dir: a failed write raises
+    ExportWriteError, `out_dir` as it was)."""
     weight = v_head_weight.detach().to("cpu", torch.float32).contiguous()
-    save_file({"weight": weight}, os.path.join(out_dir, VALUE_HEAD_FILE))
     info = {
         "class": "RewardModel",
         "score": "value at the last real token (last 1 of attention_mask)",
@@ -198,8 +195,19 @@ def _write_reward_dir(backbone: nn.Module, v_head_weight: torch.Tensor, tokenize
         "backbone_model_type": getattr(backbone.config, "model_type", None),
         "value_head": VALUE_HEAD_FILE,
     }
-    with open(os.path.join(out_dir, REWARD_MODEL_FILE), "w") as f:
-        json.dump(info, f, indent=2)
+
+    def write_info(folder: str) -> None:
+        with open(os.path.join(folder, REWARD_MODEL_FILE), "w") as f:
+            json.dump(info, f, indent=2)
+
+    writes = [("the backbone's weights and config", backbone.save_pretrained)]
+    if tokenizer is not None:
+        writes.append(("the tokenizer", tokenizer.save_pretrained))
+    writes.append(
+        ("the value head", lambda folder: save_file({"weight": weight}, os.path.join(folder, VALUE_HEAD_FILE)))
+    )
+    writes.append((f"the {REWARD_MODEL_FILE} description", write_info))
+    write_model_dir(out_dir, writes)
 
 
 def save_reward_model(model: RewardModel, tokenizer, out_dir: str) -> None:
@@ -214,8 +222,10 @@ def save_reward_model(model: RewardModel, tokenizer, out_dir: str) -> None:
 
 
 def export_reward_model(engine, tokenizer, out_dir: str) -> None:
-    """Write engine.module (a RewardModel, any ZeRO stage, LoRA or not) to `out_dir`. Call on ALL ranks."""
+    """Write engine.module (a RewardModel, any ZeRO stage, LoRA or not) to `out_dir`. Call on ALL ranks; a failed
+    write raises ExportWriteError on every rank."""
     state_dict = gather_full_state_dict(engine)  # collective under ZeRO-3
+    failure = None
     if is_rank0():
         backbone_state = {k[len("backbone.") :]: v for k, v in state_dict.items() if k.startswith("backbone.")}
         head_state = {k[len("v_head.") :]: v for k, v in state_dict.items() if k.startswith("v_head.")}
@@ -223,8 +233,8 @@ def export_reward_model(engine, tokenizer, out_dir: str) -> None:
         if other or set(head_state) != {"weight"}:
             raise RuntimeError(f"unexpected reward model keys: {other or sorted(head_state)}")
         backbone = plain_copy(engine.module.backbone, backbone_state)
-        _write_reward_dir(backbone, head_state["weight"], tokenizer, out_dir)
-    barrier()
+        failure = write_failure(lambda: _write_reward_dir(backbone, head_state["weight"], tokenizer, out_dir))
+    agree_on_export(failure)
 
 
 def make_reward_model_dir(model_dir: str, out_dir: str) -> str:

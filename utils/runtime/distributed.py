@@ -135,6 +135,15 @@ def barrier() -> None:
         torch.distributed.barrier()
 
 
+def from_rank0(value):
+    """Rank 0's `value` (any picklable object) on every rank; collective (a plain return without peers)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return value
+    box = [value]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def _reduced(values: list[float], op) -> list[float]:
     """`values` reduced over all ranks, float64 (token counts stay exact), on the rank's own device
     (NCCL reduces only accelerator tensors; gloo takes CPU ones)."""

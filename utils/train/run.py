@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from utils.math.throughput import PhaseTokens, phase_rate_metrics, token_metrics
-from utils.models.export import reload_max_abs_diff
+from utils.models.export import ExportWriteError, reload_max_abs_diff
 from utils.runtime.accelerator import PhaseMemory, peak_flops
 from utils.runtime.distributed import all_reduce_max_list, all_reduce_sum, world_size
 from utils.train.checkpoint import BadStepGuard, Checkpointing, LoopState
@@ -268,12 +268,26 @@ class Run:
         return metrics
 
     # ------------------------------------------------------------------ finish
+    def resume_point(self) -> str | None:
+        """The checkpoint a --resume of this run continues from: the last one it saved or resumed from."""
+        return self.checkpointing.last_path
+
     def finish(self, export: Callable[[], None], out_dir: str, what: str, check: ReloadCheck | None = None) -> float:
         """`export()` writes `what` into `out_dir`; `check` reloads it and compares its forward with the
         engine's. Prints one line; with a check, logs the difference and the seconds as a row. Closes the
-        logger. Returns the difference (0.0 without a check)."""
+        logger. Returns the difference (0.0 without a check). An export that could not be written
+        (ExportWriteError: a full disk, a quota) is raised again saying where a --resume continues from."""
         start = time.time()
-        export()
+        try:
+            export()
+        except ExportWriteError as exc:
+            where = self.resume_point()
+            raise ExportWriteError(
+                f"{exc}; --resume continues from {where}, the last checkpoint (free space first)"
+                if where
+                else f"{exc}; the run saved no checkpoint to --resume from (--save_interval), so the trained "
+                f"weights are lost"
+            ) from None
         diff, compared = 0.0, ""
         if check is not None:
             diff = reload_max_abs_diff(check.engine, check.reload, check.forward, check.batch)
