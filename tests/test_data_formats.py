@@ -235,3 +235,101 @@ def test_parquet_and_save_to_disk_sources_of_conversations(tmp_path):
     assert len(src.train) == 2 and len(src.eval) == 1
     got = D.read_rows(str(tmp_path / "saved"), 2)[0]
     assert got[0]["prompt"] == records[1]["prompt"]
+
+
+# --------------------------------------------------------------------------- 8. rows a step must not train on
+KTO_ROWS = [
+    {"prompt": "Q?", "completion": " yes", "label": True},
+    {"prompt": "Q?", "completion": " no", "label": False},
+]
+
+
+def one_error(call) -> str:
+    with pytest.raises(DataError) as info:
+        call()
+    assert "\n" not in str(info.value)
+    return str(info.value)
+
+
+def test_step1_trains_a_row_labelled_true_and_refuses_one_labelled_false(tmp_path):
+    p = write(tmp_path, KTO_ROWS[:1])
+    assert [(r["prompt"], r["chosen"]) for r in D.read_rows(p, 1)[0]] == [("Q?", " yes")]
+    p = write(tmp_path, KTO_ROWS)
+    assert one_error(lambda: D.build_step_rows([p], "1,0,0", 1, 0, eval_fraction=0, log=lambda s: None)) == (
+        f"{p}:2: a row labelled undesirable ('label': false) is not an SFT example; drop it or train it with "
+        "step2_dpo --loss_type kto"
+    )
+
+
+@pytest.mark.parametrize(
+    "name, text, line",
+    [
+        ("kto.csv", "prompt,completion,label\nQ?,yes,true\nQ?,no,FALSE\n", 3),  # CSV's text false
+        (
+            "chat.jsonl",
+            json.dumps({"prompt": [u("Q?")], "completion": [a("no")], "label": False}) + "\n",
+            1,
+        ),  # TRL's conversational KTO row
+    ],
+)
+def test_step1_refuses_false_labels_in_every_form(tmp_path, name, text, line):
+    p = tmp_path / name
+    p.write_text(text)
+    assert one_error(lambda: D.read_rows(str(p), 1)) == (
+        f"{p}:{line}: a row labelled undesirable ('label': false) is not an SFT example; drop it or train it "
+        "with step2_dpo --loss_type kto"
+    )
+
+
+@pytest.mark.parametrize(
+    "step, fmt",
+    [(1, RowFormat()), (2, RowFormat()), (2, RowFormat(unpaired=True)), (3, RowFormat())],
+    ids=["sft", "reward model", "kto", "ppo prompts"],
+)
+def test_a_file_mixing_pairs_and_unpaired_rows_is_refused_in_every_step(tmp_path, step, fmt):
+    rows = [{"prompt": "Q?", "completion": " a"}, {"prompt": "Q?", "chosen": " a", "rejected": " b"}] + KTO_ROWS
+    p = write(tmp_path, rows)
+    split = {1: "1,0,0", 2: "0,1,0", 3: "0,0,1"}[step]
+
+    def build():
+        return D.build_step_rows([p], split, step, 0, eval_fraction=0, log=lambda s: None, fmt=fmt)
+
+    assert one_error(build) == (
+        f"{p}: mixes preference pairs ('chosen' and 'rejected', first at {p}:2) and unpaired feedback rows "
+        f"('label' true/false and no 'rejected', first at {p}:3); give each kind a file of its own "
+        "(step2_dpo --loss_type kto reads both)"
+    )
+
+
+def test_pairs_and_unpaired_rows_in_files_of_their_own_are_read(tmp_path):
+    folder = tmp_path / "feedback"
+    folder.mkdir()
+    write(folder, KTO_ROWS, "train.jsonl")
+    write(folder, [{"prompt": "Q?", "chosen": " a", "rejected": " b"}], "eval.jsonl")
+    src = D.load_source(str(folder))
+    assert len(src.train) == 2 and len(src.eval) == 1
+    # a renamed label field is what load_source's format names
+    mixed = write(
+        tmp_path, [{"prompt": "Q?", "chosen": " a", "rejected": " b"}, {"prompt": "Q?", "chosen": " c", "ok": 1}]
+    )
+    assert len(D.load_source(mixed).train) == 2
+    fmt = RowFormat(label_key="ok")
+    assert len(D.load_source(mixed, fmt).train) == 2  # 1 is not a true/false label
+    mixed = write(
+        tmp_path, [{"prompt": "Q?", "chosen": " a", "rejected": " b"}, {"prompt": "Q?", "chosen": " c", "ok": True}]
+    )
+    assert "unpaired feedback rows ('ok' true/false" in one_error(lambda: D.load_source(mixed, fmt))
+
+
+@pytest.mark.parametrize(
+    "fmt, field",
+    [(RowFormat(unpaired=True), "label"), (RowFormat(unpaired=True, label_key="thumbs"), "thumbs")],
+)
+def test_an_unpaired_row_without_its_label_names_the_label_for_kto(tmp_path, fmt, field):
+    p = write(tmp_path, [{"prompt": "Q?", "completion": " yes"}])
+    assert one_error(lambda: D.read_rows(p, 2, fmt)) == (
+        f"{p}:1: missing field '{field}' (unpaired feedback for --loss_type kto needs true/false; a preference "
+        "pair needs 'rejected')"
+    )
+    # the reward model and DPO's pair losses still name the rejected side
+    assert one_error(lambda: D.read_rows(p, 2)) == f"{p}:1: missing field 'rejected'"

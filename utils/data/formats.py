@@ -14,7 +14,9 @@ Accepted layouts (``normalize_row``; keys renamed by ``--prompt_key`` & co. firs
 * unpaired feedback (TRL's KTO form; step 2 when ``RowFormat.unpaired``): ``prompt``, ``completion``
   (strings, or message lists) and a boolean ``label`` (true: desirable; in CSV the text true / false), no
   ``rejected``: the row's ``chosen`` is the completion, ``rejected`` None and ``label`` the bool. Pairs
-  are still read.
+  are still read. Step 1 trains a row labelled true as an SFT example and refuses one labelled false (a
+  thumbs-down completion is no example to imitate). A file holds pairs or unpaired rows, not both
+  (``check_shapes``, run on every source read, in every step).
 
 A normalised row holds ``prompt``, ``chosen``, ``rejected`` (each a string, a message list or None),
 ``messages`` (step 1's whole conversation, or None), ``extra`` and ``origin``.  A row is *chat*
@@ -186,11 +188,50 @@ def _label(value, origin: str):
 
 
 def _missing(origin: str, name: str, fmt: RowFormat, obj: dict | None = None) -> DataError:
+    if name == "rejected" and fmt.unpaired:  # neither a pair nor a labelled row: the label is what KTO rows lack
+        return DataError(
+            f"{origin}: missing field '{fmt.label_key}' (unpaired feedback for --loss_type kto needs true/false; "
+            f"a preference pair needs '{fmt.rejected_key}')"
+        )
     hint = " (or 'response' / 'completion')" if name == "chosen" and fmt.chosen_key == "chosen" else ""
     if name == "rejected" and obj is not None and fmt.label_key in obj and not fmt.unpaired:
         hint = f" (a row of unpaired feedback with '{fmt.label_key}': --loss_type kto of the DPO step reads those)"
     extra = "" if name != "prompt" else f" (or '{fmt.messages_key}', or HH-RLHF 'chosen' transcripts)"
     return DataError(f"{origin}: missing field '{fmt.key(name)}'{hint}{extra}")
+
+
+def row_shape(obj, origin: str, fmt: RowFormat = DEFAULT_FORMAT) -> str | None:
+    """The record's kind: "pair" (a chosen side and a rejected one), "unpaired" (a chosen side, no rejected one
+    and a true/false label: TRL's KTO row) or None (anything else: an SFT or a prompt row, not an object)."""
+    if not isinstance(obj, dict):
+        return None
+    synonyms = CHOSEN_SYNONYMS if fmt.chosen_key == "chosen" else ()
+    if all(obj.get(key) is None for key in (fmt.chosen_key, *synonyms)):
+        return None
+    if obj.get(fmt.rejected_key) is not None:
+        return "pair"
+    return "unpaired" if isinstance(_label(obj.get(fmt.label_key), origin), bool) else None
+
+
+def check_shapes(records, fmt: RowFormat = DEFAULT_FORMAT) -> None:
+    """DataError for a file (the records whose origins share a "file:" part) holding both preference pairs and
+    unpaired feedback rows, naming the first row of each: a step would read one kind as the other (step 1 a
+    thumbs-down completion as an example, the reward model a KTO row as a pair without its rejected side)."""
+    first: dict[str, dict[str, str]] = {}
+    for obj, origin in records:
+        shape = row_shape(obj, origin, fmt)
+        if shape is None:
+            continue
+        file = origin.rsplit(":", 1)[0]
+        seen = first.setdefault(file, {})
+        seen.setdefault(shape, origin)
+        if len(seen) == 2:
+            raise DataError(
+                f"{file}: mixes preference pairs ('{fmt.chosen_key}' and '{fmt.rejected_key}', first at "
+                f"{seen['pair']}) and unpaired feedback rows ('{fmt.label_key}' true/false and no "
+                f"'{fmt.rejected_key}', first at {seen['unpaired']}); give each kind a file of its own "
+                "(step2_dpo --loss_type kto reads both)"
+            )
 
 
 def _prompt_of_conversation(messages: list) -> list:
@@ -211,6 +252,11 @@ def normalize_row(obj, origin: str, step: int, fmt: RowFormat = DEFAULT_FORMAT) 
     if not isinstance(obj, dict):
         raise DataError(f"{origin}: expected a JSON object, got {type(obj).__name__}")
     raw = {name: obj.get(fmt.key(name)) for name in FIELDS}
+    if step == 1 and raw["rejected"] is None and _label(obj.get(fmt.label_key), origin) is False:
+        raise DataError(
+            f"{origin}: a row labelled undesirable ('{fmt.label_key}': false) is not an SFT example; drop it or "
+            "train it with step2_dpo --loss_type kto"
+        )
     if raw["chosen"] is None and fmt.chosen_key == "chosen":
         raw["chosen"] = next((obj[k] for k in CHOSEN_SYNONYMS if obj.get(k) is not None), None)
     # step 3 keeps every field but the prompt's for reward functions (an answer, a label, the pair it came from)

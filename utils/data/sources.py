@@ -407,14 +407,18 @@ def _looks_like_path(source: str) -> bool:
     )
 
 
-def load_source(source: str) -> Source:
-    """Read one data source into raw records (no field validation yet).
+def load_source(source: str, fmt=None) -> Source:
+    """Read one data source into raw records (no field validation yet, but a file mixing preference pairs and
+    unpaired feedback rows is refused: ``utils.data.formats.check_shapes`` with ``fmt``, a RowFormat, whose
+    key names default to "chosen", "rejected" and "label").
 
     A file of a DATA_EXTS type (.json, .jsonl, .jsonl.gz, .csv, .parquet) or a
     folder holding such files (read by name, see ``_read_folder``) is read
     directly (with line numbers); anything else is handed to ``datasets``
     (as is a ``save_to_disk`` folder).
     """
+    from utils.data.formats import DEFAULT_FORMAT, check_shapes  # lazy: formats imports this module (DataError)
+
     path = os.path.expanduser(source)
     if os.path.isfile(path) and _data_ext(path):
         train, ev = _read_data_file(path)
@@ -428,6 +432,7 @@ def load_source(source: str) -> Source:
         train, ev = _read_hf_dataset(path if os.path.exists(path) else source)
     else:
         raise DataError(f"{source}: no such data file or folder")
+    check_shapes(train + (ev or []), fmt or DEFAULT_FORMAT)
     return Source(name=source, train=train, eval=ev)
 
 
