@@ -2,7 +2,8 @@
 # ONE prepared check for a machine with one GPU and no network: steps 1-3 on a tiny model and on a
 # SmolLM2-135M-shaped one in bf16 (ZeRO-3 + hybrid generation mode), the lr=0 invariant on CUDA in
 # fp32 with TF32 off, the run_single_gpu.sh configurations (LoRA, offloaded frozen models), and the
-# generation benchmark; prints s/step, tokens/s and peak memory per phase, and writes a dated report
+# generation benchmark, then step 1's training tokens/s and MFU (bench/sft_throughput.py's figures, on
+# rows of a fixed length); prints s/step, tokens/s and peak memory per phase, and writes a dated report
 # to bench/results/ (and to $OUT). bench/gpu_run.py is the body and lists the runs; the chunked log-probs'
 # memory row (bench/chunked_logprobs.py) runs after it.
 #

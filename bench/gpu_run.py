@@ -13,7 +13,8 @@ In priority order (later runs are skipped, and the report says so, when --budget
                scripts/step3_ppo/run_grpo_single_gpu.sh (GRPO on the arithmetic task), then the
                GRPO script again with the vLLM worker as its rollout engine (where vLLM is installed:
                GPU_VLLM_PYTHON), then the generation benchmark (bench/generation.py's worker on one rank:
-               unsharded limit, plain ZeRO-3, hybrid; tokens/s)
+               unsharded limit, plain ZeRO-3, hybrid; tokens/s), then step 1's training tokens/s and MFU
+               (bench/sft_throughput.py's figures: 32 rows x 1024 tokens, bf16, 1 rank)
 On CPU the same list runs on the tiny model (the run_single_gpu.sh scripts and the generation
 benchmark included), so every part of the script is exercised before GPU minutes are spent.
 Every run is the real entry point in its own process; its figures come from its metrics.jsonl:
@@ -41,6 +42,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from bench import sft_throughput as sft_bench  # noqa: E402
 from bench.common import finish_report, save_json  # noqa: E402
 
 CARRY = os.path.join(REPO, "bench", "gpu_carry")
@@ -350,8 +352,35 @@ def runs(models: dict, data: str, work: str, mode: str) -> list[dict]:
                 os.path.join(g("generation"), "result.json"),
             ],
         ),
+        sft_throughput(big, model, g, data, mode),
     ]
     return out
+
+
+def sft_throughput(big: str, model: str, g, data: str, mode: str) -> dict:
+    """Step 1's training tokens/s and MFU (bench/sft_throughput.py's figures: 6N per real token against the
+    device's peak, perf/training_mfu, the first steps dropped) on rows of exactly --max_seq_len tokens generated
+    from the demo's answers: one process, ZeRO-2; on a GPU bf16, 32 rows x 1024 tokens, 10 steps (2 dropped), in
+    the CPU fallback fp32, 4 rows x 128 tokens, 4 steps (1 dropped)."""
+    gpu = mode == "gpu"
+    seq_len, batch, steps = (1024, 32, 10) if gpu else (128, 4, 4)
+    rows = sft_bench.write_fixed_rows(g("sft_rows"), 64 * batch, 16, seq_len, source=os.path.join(data, "sft"))
+    cmd = [sys.executable, "-m", "step1_sft.main", "--model_name_or_path", model, "--data_path", rows]
+    cmd += ["--data_split", "10,0,0", "--zero_stage", "2", "--dtype", "bf16" if gpu else "fp32"]
+    cmd += ["--max_steps", str(steps), "--per_device_train_batch_size", str(batch), "--max_seq_len", str(seq_len)]
+    cmd += ["--per_device_eval_batch_size", str(batch), "--eval_iters", "1", "--learning_rate", "1e-5"]
+    cmd += ["--lr_scheduler_type", "constant", "--num_warmup_steps", "0", "--seed", "1234"]
+    name = f"{big} step1 tokens/s + MFU ({batch} x {seq_len} tokens, 1 rank, {'bf16' if gpu else 'fp32'})"
+    return dict(
+        name=name,
+        model=big,
+        kind="sft_throughput",
+        out=g("sft_throughput"),
+        cmd=[*cmd, "--output_dir", g("sft_throughput")],
+        warmup=2 if gpu else 1,
+        seq_len=seq_len,
+        model_dir=model,
+    )
 
 
 def vllm_grpo(big: str, model: str, g, mode: str) -> dict:
@@ -431,6 +460,15 @@ def summarise(run: dict) -> dict:
         if kind == "lr0" and its:
             s["log_ratio_max_abs"] = max(r["ppo/log_ratio_max_abs"] for r in its)
             s["lr0_ok"] = s["log_ratio_max_abs"] <= LR0_LIMIT
+    elif kind == "sft_throughput" and any("perf/peak_flops" in r for r in rows):
+        from transformers import AutoConfig  # lazy: +2.5 s on every --help (transformers)
+
+        c = AutoConfig.from_pretrained(run["model_dir"])
+        extra = sft_bench.extra_flops_per_token(
+            c.hidden_size, c.vocab_size, c.num_hidden_layers, run["seq_len"], bool(c.tie_word_embeddings)
+        )
+        t = sft_bench.summarise(rows, run["warmup"], 1, extra)
+        s.update(steps=len([r for r in rows if "train/loss" in r]), s_per_step=t["step_s"], sft=t)
     elif kind == "generation":
         path = os.path.join(run["out"], "result.json")
         if os.path.isfile(path):
@@ -536,6 +574,14 @@ def report(results: list[dict], env_lines: list[str], total_s: float) -> list[st
             lines.append(f"{r['name']}: eval perplexity {' -> '.join(f'{p:.2f}' for p in s['perplexity'])}")
         if s.get("eval_accuracy"):
             lines.append(f"{r['name']}: eval accuracy {' -> '.join(f'{a:.3f}' for a in s['eval_accuracy'])}")
+        if "sft" in s:
+            t = s["sft"]
+            lines.append(
+                f"{r['name']}: training tokens/s {t['real_tokens_per_s']:.0f} real, {t['processed_tokens_per_s']:.0f} "
+                f"processed; MFU {100 * t['mfu']:.1f}% (6N per token, the run's perf/training_mfu), "
+                f"{100 * t['mfu_with_head_attention']:.1f}% with the LM head and attention; peak "
+                f"{t['peak_flops'] / 1e9:.1f} GFLOP/s (perf/peak_flops); {t['steps_timed']} steps timed"
+            )
         if "tokens_per_s" in s:
             t = s["tokens_per_s"]
             ratios = ""

@@ -102,6 +102,13 @@ BENCHMARKS = (
         headline=r"chunked \([^)]*\) / whole peak: [0-9.]+",
     ),
     Benchmark(
+        "sft_throughput",
+        "the real step 1's training tokens/s and MFU (6N vs the matmul probe) per layout, and a profiled step",
+        (1, 12),
+        module="bench.sft_throughput",
+        headline=r"best MFU: [0-9.]+% \([^,]*",
+    ),
+    Benchmark(
         "vllm_engine",
         "step 3's rollout engines on one ZeRO-3 actor: hybrid HF generate vs the vLLM worker",
         (3, 10),
