@@ -319,6 +319,10 @@ def test_pairs_and_unpaired_rows_in_files_of_their_own_are_read(tmp_path):
         tmp_path, [{"prompt": "Q?", "chosen": " a", "rejected": " b"}, {"prompt": "Q?", "chosen": " c", "ok": True}]
     )
     assert "unpaired feedback rows ('ok' true/false" in one_error(lambda: D.load_source(mixed, fmt))
+    # and the steps pass their format on
+    build = lambda: D.build_step_rows([mixed], "0,1,0", 2, 0, eval_fraction=0, log=lambda s: None, fmt=fmt)  # noqa: E731
+    assert "unpaired feedback rows ('ok' true/false" in one_error(build)
+    assert "unpaired feedback rows ('ok' true/false" in one_error(lambda: D.read_rows(mixed, 2, fmt=fmt))
 
 
 @pytest.mark.parametrize(

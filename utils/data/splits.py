@@ -67,7 +67,7 @@ def read_rows(source: str, step: int, fmt: RowFormat = DEFAULT_FORMAT) -> tuple[
     that teaches nothing is skipped (SkipRow); any other bad row raises
     DataError naming file:line.
     """
-    src = load_source(source)
+    src = load_source(source, fmt)
     records, split = (src.eval, "eval") if src.eval else (src.train, "all")
     return _normalize_all(records, step, fmt, {}), split
 
@@ -195,7 +195,7 @@ def build_step_rows(
     stats = {"step": step, "rows_read": 0, "skipped_empty": 0, "skipped": {}, "sources": {}}
     train, evals = [], []
     for name, whole in [(p, False) for p in data_paths] + [(p, True) for p in sft_only]:
-        src = load_source(name)
+        src = load_source(name, fmt)
         stats["rows_read"] += len(src.train) + len(src.eval or [])
         # sft-only sources are not cut by --data_split: all their train rows go to step 1
         tr_rec, ev_rec = split_source(src, (1.0, 0.0, 0.0) if whole else fractions, step, seed, eval_fraction)
