@@ -15,7 +15,7 @@ from utils.data import SFTCollator, tokenize_sft
 from utils.errors import UsageError, run_main
 from utils.math.losses import IGNORE_INDEX
 from utils.models.export import export_hf_model
-from utils.models.forward import LOGPROB_CHUNK_TOKENS, causal_lm_logits, eval_mode, lm_nll
+from utils.models.forward import LOGPROB_CHUNK_TOKENS, causal_lm_logits, check_padding_free, eval_mode, lm_nll
 from utils.models.loading import check_4bit_args, load_causal_lm
 from utils.runtime.distributed import all_reduce_sum, rank_batches
 from utils.train.checkpoint import data_layout
@@ -26,6 +26,7 @@ from utils.train.loop import (
     micro_batch_schedule,
     spec_from_args,
     start_single_model_run,
+    token_budget,
     train_ds_config_from_args,
     train_micro_batches,
 )
@@ -60,25 +61,40 @@ def parse_args(argv=None):
 
 @torch.no_grad()
 def evaluate_perplexity(
-    engine, examples: list, collator, batch_size: int, max_batches: int = 0, chunk_tokens: int = LOGPROB_CHUNK_TOKENS
+    engine,
+    examples: list,
+    collator,
+    batch_size: int,
+    max_batches: int = 0,
+    chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
+    padding_free: bool = False,
 ) -> float:
     """Token-weighted perplexity over all ranks' shares of the held-out examples (the first `max_batches`
-    batches of each share when > 0); the LM head `chunk_tokens` tokens at a time (--logprob_chunk_tokens)."""
+    batches of each share when > 0); the LM head `chunk_tokens` tokens at a time (--logprob_chunk_tokens),
+    `padding_free` forwards (--padding_free)."""
     total_nll, total_tokens = 0.0, 0.0
     with eval_mode(engine):
         for batch_examples, weight in rank_batches(examples, batch_size, max_batches):
-            nll, count = lm_nll(engine, collator(batch_examples), chunk_tokens)
+            nll, count = lm_nll(engine, collator(batch_examples), chunk_tokens, padding_free)
             total_nll += weight * nll.item()
-            total_tokens += weight * count.item()
+            total_tokens += weight * float(count)
     total_nll, total_tokens = all_reduce_sum([total_nll, total_tokens])
     return math.exp(total_nll / max(total_tokens, 1.0))
 
 
-def sft_loss_terms(engine, batch: dict, chunk_tokens: int = LOGPROB_CHUNK_TOKENS) -> tuple[dict, tuple]:
+def sft_loss_terms(
+    engine, batch: dict, chunk_tokens: int = LOGPROB_CHUNK_TOKENS, padding_free: bool = False
+) -> tuple[dict, tuple]:
     """A micro-batch's loss as utils.train.loop.train_micro_batches takes it: {"tokens": its NLL per trained
-    token} (no extra stats); the LM head `chunk_tokens` tokens at a time (--logprob_chunk_tokens)."""
-    nll, count = lm_nll(engine, batch, chunk_tokens)
-    return {"tokens": nll / count.clamp(min=1)}, ()
+    token} (no extra stats); the LM head `chunk_tokens` tokens at a time (--logprob_chunk_tokens),
+    `padding_free` forwards (--padding_free)."""
+    nll, count = lm_nll(engine, batch, chunk_tokens, padding_free)
+    return {"tokens": nll / torch.as_tensor(count).clamp(min=1)}, ()  # a padding-free count is an int
+
+
+def example_tokens(example: dict) -> int:
+    """The tokens an SFT example adds to its micro-batch (`--max_tokens_per_micro_batch`)."""
+    return len(example["input_ids"])
 
 
 def trained_tokens(batch: dict) -> dict:
@@ -115,7 +131,8 @@ def main(argv=None):
             "too few rows); give --eval_fraction > 0 or a source with an eval/test file"
         )
 
-    sampler, loader, total_steps = micro_batch_schedule(train_examples, collator, args)
+    budget = token_budget(args, train_examples, collator, example_tokens, "example")
+    sampler, loader, total_steps = micro_batch_schedule(train_examples, collator, args, budget)
     ds_config = train_ds_config_from_args(args)
     model = load_causal_lm(
         args.model_name_or_path,
@@ -127,12 +144,20 @@ def main(argv=None):
         load_in_4bit=args.load_in_4bit,
     )
     engine = build_trained_engine(model, ds_config, spec_from_args(args), total_steps)
+    if args.padding_free:
+        check_padding_free(engine)
 
     run = Run(args, "step1", "step1 sft", {"model": engine}, data_layout(args, len(train_examples)), total_steps)
 
     def evaluate_before():
         ppl = evaluate_perplexity(
-            engine, eval_examples, collator, args.per_device_eval_batch_size, args.eval_iters, args.logprob_chunk_tokens
+            engine,
+            eval_examples,
+            collator,
+            args.per_device_eval_batch_size,
+            args.eval_iters,
+            args.logprob_chunk_tokens,
+            args.padding_free,
         )
         print_rank0(f"[step1] eval perplexity before training: {ppl:.3f}")
         return {"ppl_before": ppl}, {"eval/perplexity": ppl}
@@ -149,13 +174,21 @@ def main(argv=None):
         engine,
         loader,
         sampler,
-        lambda batch: sft_loss_terms(engine, batch, args.logprob_chunk_tokens),
+        lambda batch: sft_loss_terms(engine, batch, args.logprob_chunk_tokens, args.padding_free),
         step_metrics,
         counts=trained_tokens,
+        budget=budget,
+        padding_free=args.padding_free,
     )
 
     ppl_after = evaluate_perplexity(
-        engine, eval_examples, collator, args.per_device_eval_batch_size, args.eval_iters, args.logprob_chunk_tokens
+        engine,
+        eval_examples,
+        collator,
+        args.per_device_eval_batch_size,
+        args.eval_iters,
+        args.logprob_chunk_tokens,
+        args.padding_free,
     )
     print_rank0(
         f"[step1] eval perplexity after {run.loop.step} steps: {ppl_after:.3f} (before {ppl_before:.3f}); "

@@ -53,7 +53,7 @@ from utils.math.losses import (
     unpaired_loss,
 )
 from utils.models.export import export_hf_model
-from utils.models.forward import LOGPROB_CHUNK_TOKENS, eval_mode, sequence_logprobs
+from utils.models.forward import LOGPROB_CHUNK_TOKENS, check_padding_free, eval_mode, sequence_logprobs
 from utils.models.loading import check_4bit_args, load_causal_lm
 from utils.runtime.distributed import all_reduce_sum, rank_batches, world_size
 from utils.train.checkpoint import data_layout
@@ -75,6 +75,7 @@ from utils.train.loop import (
     micro_batch_schedule,
     spec_from_args,
     start_single_model_run,
+    token_budget,
     train_ds_config_from_args,
     train_micro_batches,
 )
@@ -173,6 +174,12 @@ def parse_args(argv=None):
                 f"--per_device_train_batch_size must be >= 2 with --loss_type {args.loss_type}: its reference "
                 f"point pairs each prompt with another example's completion of the same micro-batch"
             )
+        if args.max_tokens_per_micro_batch:
+            fail(
+                f"--max_tokens_per_micro_batch: --loss_type {args.loss_type} pairs each prompt with another "
+                f"example's completion of the same micro-batch, and a token budget may leave an example alone in "
+                f"one; use --per_device_train_batch_size (--padding_free works)"
+            )
     if args.precompute_ref_log_probs and not PAIR_LOSSES[args.loss_type].needs_reference:
         fail(
             f"--precompute_ref_log_probs: --loss_type {args.loss_type} is reference-free, "
@@ -221,10 +228,14 @@ def reference_kind(args) -> str:
 
 class Reference:
     """The reference log-probs of a PreferenceCollator batch [2B], from the form the run chose; the LM head
-    `chunk_tokens` tokens at a time (--logprob_chunk_tokens), in the held-out evaluations too."""
+    `chunk_tokens` tokens at a time (--logprob_chunk_tokens), `padding_free` forwards (--padding_free), in the
+    held-out evaluations too."""
 
-    def __init__(self, kind: str, policy, engine=None, chunk_tokens: int = LOGPROB_CHUNK_TOKENS):
+    def __init__(
+        self, kind: str, policy, engine=None, chunk_tokens: int = LOGPROB_CHUNK_TOKENS, padding_free: bool = False
+    ):
         self.kind, self.policy, self.engine, self.chunk_tokens = kind, policy, engine, chunk_tokens
+        self.padding_free = padding_free
 
     def __call__(self, batch: dict) -> torch.Tensor | None:
         if self.kind == "none":
@@ -240,10 +251,10 @@ class Reference:
         """The reference's own forward (eval mode); for "precomputed", only before the policy's first update."""
         if self.kind == "adapters":
             with eval_mode(self.policy), self.policy.module.disable_adapter():
-                return sequence_logprobs(self.policy, batch, self.chunk_tokens)[0]
+                return sequence_logprobs(self.policy, batch, self.chunk_tokens, self.padding_free)[0]
         model = self.policy if self.kind == "precomputed" else self.engine
         with eval_mode(model):
-            return sequence_logprobs(model, batch, self.chunk_tokens)[0]
+            return sequence_logprobs(model, batch, self.chunk_tokens, self.padding_free)[0]
 
 
 @torch.no_grad()
@@ -295,7 +306,9 @@ class PreferenceLoss:
         )
 
     def evaluate(self, engine, pairs: list, collator, batch_size: int, reference: "Reference") -> dict:
-        return evaluate_preferences(engine, pairs, collator, batch_size, self, reference.chunk_tokens)
+        return evaluate_preferences(
+            engine, pairs, collator, batch_size, self, reference.chunk_tokens, reference.padding_free
+        )
 
     def __call__(
         self, logps: torch.Tensor, counts: torch.Tensor | None, ref_logps: torch.Tensor | None, with_nll: bool = True
@@ -415,7 +428,7 @@ def evaluate_unpaired(
     with eval_mode(engine):
         for batch_examples, weight in rank_batches(examples, batch_size):
             batch = collator(batch_examples)
-            logps, _ = sequence_logprobs(engine, batch, reference.chunk_tokens)
+            logps, _ = sequence_logprobs(engine, batch, reference.chunk_tokens, reference.padding_free)
             terms, stats = loss_of.terms(logps, reference(batch), batch["desirable"])
             stats["loss"] = terms["examples"]
             n = weight * len(batch_examples)
@@ -435,6 +448,12 @@ def evaluate_unpaired(
 EVAL_STATS = ("loss", "accuracy", "chosen_reward", "rejected_reward", "margin", "chosen_logp", "rejected_logp")
 
 
+def pair_tokens(pair: dict) -> int:
+    """The tokens a preference pair adds to its micro-batch, its two rows prompt + response
+    (`--max_tokens_per_micro_batch`: a pair is never split)."""
+    return 2 * len(pair["prompt_input_ids"]) + len(pair["chosen_response_ids"]) + len(pair["rejected_response_ids"])
+
+
 def pair_length(pair: dict) -> int:
     """Prompt + longest response of a pair (or of an unpaired example: its completion)."""
     return len(pair["prompt_input_ids"]) + max(len(ids) for key, ids in pair.items() if key.endswith("_response_ids"))
@@ -450,7 +469,13 @@ def held_out_pairs(pairs: list, batch_size: int, max_batches: int) -> list:
 
 @torch.no_grad()
 def evaluate_preferences(
-    engine, pairs: list, collator, batch_size: int, loss_of: PreferenceLoss, chunk_tokens: int = LOGPROB_CHUNK_TOKENS
+    engine,
+    pairs: list,
+    collator,
+    batch_size: int,
+    loss_of: PreferenceLoss,
+    chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
+    padding_free: bool = False,
 ) -> dict:
     """Exact metrics over all ranks' shares of `pairs` (held_out_pairs; filler batches weigh 0); the
     pairs carry their reference log-probs. `eval/loss` is the DPO loss alone (without the NLL term)."""
@@ -458,7 +483,7 @@ def evaluate_preferences(
     with eval_mode(engine):
         for batch_pairs, weight in rank_batches(pairs, batch_size):
             batch = collator(batch_pairs)
-            logps, counts = sequence_logprobs(engine, batch, chunk_tokens)
+            logps, counts = sequence_logprobs(engine, batch, chunk_tokens, padding_free)
             loss, stats = loss_of(logps, counts, batch.get("ref_logps"), with_nll=False)
             stats["loss"] = loss
             n = weight * len(batch_pairs)
@@ -540,7 +565,7 @@ def build_reference(args, tokenizer, policy) -> Reference:
         )
         engine = build_frozen_engine(model, config)
     print_rank0(f"[dpo] reference: {REFERENCE_KINDS[kind]}")
-    return Reference(kind, policy, engine, args.logprob_chunk_tokens)
+    return Reference(kind, policy, engine, args.logprob_chunk_tokens, args.padding_free)
 
 
 def main(argv=None):
@@ -566,7 +591,8 @@ def main(argv=None):
         else PreferenceCollator(tokenizer.pad_token_id)
     )
 
-    sampler, loader, total_steps = micro_batch_schedule(train_pairs, collator, args)
+    budget = None if unpaired else token_budget(args, train_pairs, collator, pair_tokens, "pair")
+    sampler, loader, total_steps = micro_batch_schedule(train_pairs, collator, args, budget)
     ds_config = train_ds_config_from_args(args)
     model = load_causal_lm(
         args.model_name_or_path,
@@ -578,6 +604,8 @@ def main(argv=None):
         load_in_4bit=args.load_in_4bit,
     )
     engine = build_trained_engine(model, ds_config, spec_from_args(args), total_steps)
+    if args.padding_free:
+        check_padding_free(engine)  # the reference is the same model
     reference = build_reference(args, tokenizer, engine)
     loss_of = UnpairedLoss(args) if unpaired else PreferenceLoss(args)
 
@@ -630,13 +658,23 @@ def main(argv=None):
     before = state["before"]
 
     def micro_step(batch):
-        logps, counts = sequence_logprobs(engine, batch, args.logprob_chunk_tokens)
+        logps, counts = sequence_logprobs(engine, batch, args.logprob_chunk_tokens, args.padding_free)
         terms, stats = loss_of.train_terms(logps, counts, reference(batch), batch)
         return terms, tuple(stats[name].item() for name in loss_of.stat_names)
 
     # the loss is the mean over the optimizer step's pairs (KTO: examples; all micro-batches, all ranks), the
     # NLL term the mean over its chosen response tokens
-    train_micro_batches(run, engine, loader, sampler, micro_step, loss_of.step_metrics, counts=loss_of.units)
+    train_micro_batches(
+        run,
+        engine,
+        loader,
+        sampler,
+        micro_step,
+        loss_of.step_metrics,
+        counts=loss_of.units,
+        budget=budget,
+        padding_free=args.padding_free,
+    )
 
     step = run.loop.step
     after = run.evaluate_now()

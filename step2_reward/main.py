@@ -18,7 +18,7 @@ import torch
 from utils.data import PairCollator, split_pair_batch, tokenize_pairs
 from utils.errors import run_main
 from utils.math.losses import pair_metrics, pairwise_loss
-from utils.models.forward import eval_mode, sequence_scores
+from utils.models.forward import check_padding_free, eval_mode, sequence_scores
 from utils.models.loading import check_4bit_args, four_bit_loading, load_tokenizer
 from utils.models.reward_model import RewardModel, export_reward_model
 from utils.runtime.distributed import all_reduce_sum, rank_batches
@@ -31,6 +31,7 @@ from utils.train.loop import (
     micro_batch_schedule,
     spec_from_args,
     start_single_model_run,
+    token_budget,
     train_ds_config_from_args,
     train_micro_batches,
 )
@@ -57,13 +58,28 @@ def parse_args(argv=None):
     return args
 
 
-def pair_scores(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """(chosen scores [B], rejected scores [B]) of a PairCollator batch in one forward."""
-    return split_pair_batch(sequence_scores(model, batch["input_ids"], batch["attention_mask"]))
+def pair_scores(model, batch: dict, padding_free: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(chosen scores [B], rejected scores [B]) of a PairCollator batch in one forward (`padding_free`: of its
+    real tokens only, --padding_free)."""
+    return split_pair_batch(sequence_scores(model, batch["input_ids"], batch["attention_mask"], padding_free))
+
+
+def pair_tokens(pair: dict) -> int:
+    """The tokens a pair adds to its micro-batch, its chosen and rejected sequences (`--max_tokens_per_micro_batch`:
+    a pair is never split)."""
+    return len(pair["chosen_input_ids"]) + len(pair["rejected_input_ids"])
+
+
+def trained_pairs(batch: dict) -> dict:
+    """{"pairs": the pairs of a PairCollator batch}: the unit the loss averages over with a token budget, where
+    micro-batches hold unequal numbers of pairs (utils.train.loop.train_micro_batches sums it over the step)."""
+    return {"pairs": batch["input_ids"].shape[0] // 2}
 
 
 @torch.no_grad()
-def evaluate_pairs(engine, pairs: list, collator, batch_size: int, max_batches: int = 0) -> dict:
+def evaluate_pairs(
+    engine, pairs: list, collator, batch_size: int, max_batches: int = 0, padding_free: bool = False
+) -> dict:
     """Exact held-out pair metrics over all ranks' shares (filler batches weigh 0)."""
     # Sorted by length, so batches hold similar lengths and little padding; the sums are exact in any order.
     pairs = sorted(pairs, key=lambda p: max(len(p["chosen_input_ids"]), len(p["rejected_input_ids"])))
@@ -71,7 +87,7 @@ def evaluate_pairs(engine, pairs: list, collator, batch_size: int, max_batches: 
     correct = chosen_sum = rejected_sum = count = 0.0
     with eval_mode(engine):
         for batch_pairs, weight in batches:
-            chosen, rejected = pair_scores(engine, collator(batch_pairs))
+            chosen, rejected = pair_scores(engine, collator(batch_pairs), padding_free)
             correct += weight * (chosen > rejected).sum().item()
             chosen_sum += weight * chosen.sum().item()
             rejected_sum += weight * rejected.sum().item()
@@ -105,7 +121,8 @@ def main(argv=None):
     check_pair_splits(train_pairs, train_stats, eval_pairs)
     collator = PairCollator(tokenizer.pad_token_id)
 
-    sampler, loader, total_steps = micro_batch_schedule(train_pairs, collator, args)
+    budget = token_budget(args, train_pairs, collator, pair_tokens, "pair")
+    sampler, loader, total_steps = micro_batch_schedule(train_pairs, collator, args, budget)
     ds_config = train_ds_config_from_args(args)
     with four_bit_loading(args.load_in_4bit):  # --load_in_4bit: the backbone's Linear layers; the value head trains
         model = RewardModel.from_pretrained(
@@ -117,10 +134,14 @@ def main(argv=None):
             args.attn_implementation,
         )
     engine = build_trained_engine(model, ds_config, spec_from_args(args), total_steps)
+    if args.padding_free:
+        check_padding_free(engine)
 
     def run_eval(step: int) -> dict:
         eval_start = time.time()
-        metrics = evaluate_pairs(engine, eval_pairs, collator, args.per_device_eval_batch_size, args.eval_iters)
+        metrics = evaluate_pairs(
+            engine, eval_pairs, collator, args.per_device_eval_batch_size, args.eval_iters, args.padding_free
+        )
         metrics["time/eval_s"] = time.time() - eval_start
         print_rank0(f"[step2] eval at step {step}: {_format_eval(metrics)} in {metrics['time/eval_s']:.1f} s")
         return metrics
@@ -142,9 +163,11 @@ def main(argv=None):
     before = run.restore(evaluate_before)["before"]
 
     def micro_step(batch):
-        chosen, rejected = pair_scores(engine, batch)
+        chosen, rejected = pair_scores(engine, batch, args.padding_free)
         m = pair_metrics(chosen, rejected)
-        return pairwise_loss(chosen, rejected, args.margin), (m["accuracy"], m["margin_mean"])
+        loss = pairwise_loss(chosen, rejected, args.margin)
+        # with a token budget the micro-batches hold unequal numbers of pairs: the loss a mean over the step's pairs
+        return {"pairs": loss} if budget else loss, (m["accuracy"], m["margin_mean"])
 
     def step_metrics(means):
         mean_loss, mean_acc, mean_margin = means
@@ -154,7 +177,17 @@ def main(argv=None):
             f"loss {mean_loss:.4f} accuracy {mean_acc:.3f}",
         )
 
-    train_micro_batches(run, engine, loader, sampler, micro_step, step_metrics)
+    train_micro_batches(
+        run,
+        engine,
+        loader,
+        sampler,
+        micro_step,
+        step_metrics,
+        counts=trained_pairs if budget else None,
+        budget=budget,
+        padding_free=args.padding_free,
+    )
 
     step = run.loop.step
     after = run.evaluate_now()

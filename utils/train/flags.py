@@ -604,8 +604,6 @@ def validate_training_args(args, prefixes: Sequence[str] = ("",), positive: Sequ
             )
         if args.dtype == "fp32":
             fail("--attn_implementation flash_attention_2 needs --dtype bf16 or fp16")
-    if tuple(prefixes) == ("",) and (args.padding_free or args.max_tokens_per_micro_batch):
-        fail("--padding_free and --max_tokens_per_micro_batch run in step 3 only for now")
     stage_zero = [f"--{p}zero_stage" for p in prefixes if getattr(args, f"{p}zero_stage") == 0]
     if args.offload and stage_zero:
         fail(f"--offload needs {' and '.join(stage_zero)} 1, 2 or 3")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import asdict, dataclass, fields
-from typing import Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -22,9 +22,10 @@ from utils.data import (
     tokenizer_fingerprint,
 )
 from utils.errors import UsageError
+from utils.math.rows import token_budget_groups
 from utils.math.throughput import TRAIN_FLOPS_PER_PARAM, mask_tokens, non_embedding_params
 from utils.models.loading import apply_lora, load_tokenizer
-from utils.runtime.distributed import all_reduce_sum, start_process, world_size
+from utils.runtime.distributed import all_reduce_max, all_reduce_sum, start_process, world_size
 from utils.train.ds_config import train_ds_config
 from utils.train.flags import PER_MODEL_FLAGS
 from utils.train.metrics_logger import print_rank0
@@ -194,13 +195,53 @@ def total_training_steps(updates: int, args) -> int:
     return min(updates, args.max_steps) if args.max_steps else updates
 
 
-def micro_batch_schedule(examples: list, collator, args):
-    """Steps 1-2: the rank's sampler and loader, and the optimizer steps the run will take.
+@dataclass
+class TokenBudget:
+    """`--max_tokens_per_micro_batch` in steps 1-2: the examples of each optimizer step (its window of
+    `--gradient_accumulation_steps` loader batches) re-cut into micro-batches of at most `limit` tokens
+    (utils.math.rows.token_budget_groups, first fit decreasing), as many on every rank as the rank that needs
+    the most (each forward and backward of a ZeRO engine is a collective); `tokens(example)`: the tokens an
+    example adds to its collated micro-batch (a pair is one example: its two sequences are never split)."""
+
+    limit: int
+    tokens: Callable[[Any], int]
+    collate: Callable[[list], dict]
+
+    def micro_batches(self, examples: list) -> list[dict]:
+        """The window's `examples` as collated micro-batches within the budget."""
+        lengths = [self.tokens(example) for example in examples]
+        count = int(all_reduce_max(float(len(token_budget_groups(lengths, self.limit)))))
+        return [self.collate([examples[i] for i in group]) for group in token_budget_groups(lengths, self.limit, count)]
+
+
+def token_budget(args, examples: list, collator, tokens: Callable[[Any], int], what: str) -> TokenBudget | None:
+    """Steps 1-2: the run's TokenBudget (None without `--max_tokens_per_micro_batch`). An example longer than the
+    budget stops the run here, before any model loads, naming the first one (`what` and its index in the training
+    split) and its tokens: a micro-batch never truncates."""
+    limit = getattr(args, "max_tokens_per_micro_batch", 0)
+    if not limit:
+        return None
+    lengths = [tokens(example) for example in examples]
+    over = [i for i, n in enumerate(lengths) if n > limit]
+    if over:
+        raise UsageError(
+            f"--max_tokens_per_micro_batch {limit}: {what} {over[0]} of the training split has {lengths[over[0]]} "
+            f"tokens ({len(over)} of {len(examples)} are over the budget, the longest {max(lengths)}); examples are "
+            f"never truncated: raise the budget to at least {max(lengths)} or lower --max_seq_len"
+        )
+    return TokenBudget(limit, tokens, collator)
+
+
+def micro_batch_schedule(examples: list, collator, args, budget: TokenBudget | None = None):
+    """Steps 1-2: the rank's sampler and loader, and the optimizer steps the run will take. With a `budget`
+    (token_budget) the loader yields lists of examples, which train_micro_batches cuts and collates per
+    optimizer step.
 
     DeepSpeed's accumulation counter runs on across epochs, so the run takes exactly
     (micro-batches per epoch x epochs) // accumulation steps updates; none at all is refused here,
     before any model loads, instead of a run that trains nothing and exits 0."""
-    sampler, loader = distributed_loader(examples, args.per_device_train_batch_size, collator, args.seed)
+    collate = list if budget is not None else collator
+    sampler, loader = distributed_loader(examples, args.per_device_train_batch_size, collate, args.seed)
     updates = len(loader) * args.num_train_epochs // args.gradient_accumulation_steps
     if updates == 0:
         raise UsageError(
@@ -327,10 +368,10 @@ def step_normalised_loss(terms: dict, counts: dict, totals: dict, accumulation: 
 
 
 @contextlib.contextmanager
-def counted(run, batch, flops_per_token: float):
-    """Count a micro-batch's tokens (its `attention_mask`: real and all positions) and its seconds in the run's
-    "training" phase (`Run.tokens`, logged as `tokens/*` and `perf/training_*`); a batch without a mask is not
-    counted."""
+def counted(run, batch, flops_per_token: float, padding_free: bool = False):
+    """Count a micro-batch's tokens (its `attention_mask`: real and all positions; `padding_free`: the real ones
+    only are processed) and its seconds in the run's "training" phase (`Run.tokens`, logged as `tokens/*` and
+    `perf/training_*`); a batch without a mask is not counted."""
     start = time.time()
     try:
         yield
@@ -338,11 +379,14 @@ def counted(run, batch, flops_per_token: float):
         mask = batch.get("attention_mask") if isinstance(batch, dict) else None
         if mask is not None:
             real, processed = mask_tokens(mask)
+            processed = real if padding_free else processed
             run.tokens.add_trained(real, processed)
             run.tokens.add("training", real, flops_per_token, time.time() - start)
 
 
-def train_micro_batches(run, engine, loader, sampler, micro_step, step_metrics, counts=None) -> None:
+def train_micro_batches(
+    run, engine, loader, sampler, micro_step, step_metrics, counts=None, budget=None, padding_free: bool = False
+) -> None:
     """The optimisation of steps 1-2 and DPO over `run` (a utils.train.run.Run, restored): micro-batches with
     gradient accumulation, resumable from the run's position.
 
@@ -353,25 +397,35 @@ def train_micro_batches(run, engine, loader, sampler, micro_step, step_metrics, 
     logs, evaluates, checkpoints. An update the fp16 loss scaler skipped counts in `loop.overflow_steps`;
     the micro-batches' peak memory is the "training" phase, and so are their tokens and seconds (`counted`).
 
-    `counts(batch) -> {unit: count}` (steps 1 and DPO) makes the loss ONE mean over the optimizer step:
+    `counts(batch) -> {unit: count}` (steps 1 and DPO; step 2 with a token budget) makes the loss ONE mean over
+    the optimizer step:
     `micro_step` then returns `{unit: loss term averaged over this micro-batch's units}`, the window of
     `gradient_accumulation_steps` micro-batches is read ahead, its totals are all-reduced once, and each
     term is weighted by step_normalised_loss (the boundary is the window's last micro-batch); the logged
     loss is the step's mean, the extra stats the micro-batches' means. A non-finite last micro-batch
     still closes its window: the first finite one of the window is replayed with weight 0. Without
     `counts`, each micro-batch's loss weighs the same (DeepSpeed's 1 / accumulation steps, the ranks'
-    mean) and DeepSpeed's counter sets the boundaries."""
+    mean) and DeepSpeed's counter sets the boundaries.
+
+    `budget` (a TokenBudget, `--max_tokens_per_micro_batch`; needs `counts`): the loader yields lists of
+    examples and each window's examples are re-cut into micro-batches of at most `budget.limit` tokens, as many
+    on every rank, collated here; the step's loss is the same one mean over its units, the boundary its last
+    micro-batch. `padding_free`: the training forwards process the real tokens only (the `tokens/*` figures)."""
+    if budget is not None and counts is None:
+        raise ValueError("a token budget needs the micro-batches' counts: the step's loss is one mean over them")
     loop, accumulated, ranks = run.loop, [], world_size()
     flops_per_token = TRAIN_FLOPS_PER_PARAM * non_embedding_params(getattr(engine, "module", None))
     size = engine.gradient_accumulation_steps() if counts else 1
     for window in accumulation_windows(run.steps(loader, sampler), size):
         batches = [batch for (batch,) in window]
+        if budget is not None:
+            batches = budget.micro_batches([example for examples in batches for example in examples])
         local = [counts(batch) for batch in batches] if counts else []
         totals = window_totals(local) if counts else {}
         replay = None  # a micro-batch of this window already trained on
         for j, batch in enumerate(batches):
             last = j == len(batches) - 1
-            with run.memory.phase("training"), counted(run, batch, flops_per_token):
+            with run.memory.phase("training"), counted(run, batch, flops_per_token, padding_free):
                 loss, extra = micro_step(batch)
                 logged = None
                 if counts:
