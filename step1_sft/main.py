@@ -89,7 +89,7 @@ def sft_loss_terms(
     token} (no extra stats); the LM head `chunk_tokens` tokens at a time (--logprob_chunk_tokens),
     `padding_free` forwards (--padding_free)."""
     nll, count = lm_nll(engine, batch, chunk_tokens, padding_free)
-    return {"tokens": nll / torch.as_tensor(count).clamp(min=1)}, ()  # a padding-free count is an int
+    return {"tokens": nll / count.clamp(min=1)}, ()
 
 
 def example_tokens(example: dict) -> int:

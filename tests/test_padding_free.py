@@ -160,6 +160,7 @@ def test_sft_loss_and_gradients_equal_the_padded_path(arch):
         (nll / count).backward()
         out.append((nll.item(), int(count), grads(model)))
     assert out[0][1] == out[1][1] == int((labels[:, 1:] != IGNORE_INDEX).sum())
+    assert isinstance(lm_nll(model, batch, 5, padding_free=True)[1], torch.Tensor)  # as the padded path's (ptx divides)
     assert abs(out[0][0] - out[1][0]) <= TOL * abs(out[0][0])
     assert_grads_close(out[0][2], out[1][2])
 

@@ -377,7 +377,8 @@ def lm_nll(
     if padding_free:
         targets = labels[:, 1:]
         (nll,) = _packed_token_outputs(model, batch, targets, chunk_tokens, token_nll, targets != IGNORE_INDEX)
-        return nll.sum(), packed_predictions(batch["attention_mask"], targets != IGNORE_INDEX)[1].numel()
+        count = packed_predictions(batch["attention_mask"], targets != IGNORE_INDEX)[1].numel()
+        return nll.sum(), torch.tensor(count, device=nll.device)
     trained = (labels[:, 1:] != IGNORE_INDEX).any(dim=0).nonzero()
     start = int(trained[0]) if len(trained) else 0  # the first position whose prediction is trained
     head = chunks_head(model, chunk_tokens)
