@@ -22,6 +22,14 @@ first rank to fail claims the report on the process group's store (which utils.r
 here); it shows its error tagged `[rank N]`, the other failing ranks (the same bad input, or a dead
 peer's consequences) stay silent.
 
+Ctrl-C (SIGINT, which the terminal sends to the launcher and every rank at once) ends the run with one line from
+rank 0, `interrupted; --resume continues from <the last checkpoint>` (or that there is none yet), and exit
+status 130: no rank prints its KeyboardInterrupt traceback, and an error a rank meets because a peer already left
+counts as the same interrupt. After the first SIGINT a rank ignores the launcher's SIGTERM (it ends itself, the
+line printed) and leaves within `_INTERRUPT_GRACE_S` even when its main thread is stuck in a collective; a second
+Ctrl-C leaves at once. The run says where a resume continues from through `use_resume_point`
+(utils.train.run).
+
 This module imports nothing of the project: the errors subclass `ProjectError` where they are defined,
 so `run_main` needs no list of them (and no import of the modules that define them).
 """
@@ -32,13 +40,20 @@ import atexit
 import contextlib
 import datetime
 import os
+import signal
 import sys
+import threading
 import time
 
 _CLAIM_KEY, _SHOWN_KEY = "rlhf/failure_claimed_by", "rlhf/failure_shown"
 _SHOWN_WAIT_S = 5.0  # how long a silent rank waits for the claiming rank to show its error
 _NO_STORE_GRACE_S = 5.0  # before the process group exists: how long rank N > 0 waits before showing its own
 _store = None  # the process group's store, once it exists (use_store)
+_INTERRUPT_STATUS = 130  # a shell's status for a command ended by SIGINT (128 + 2)
+_INTERRUPT_GRACE_S = 10.0  # how long after Ctrl-C a rank whose main thread does not get back may take to leave
+_resume_point = None  # () -> the checkpoint a --resume continues from, or None (use_resume_point)
+_interrupted = threading.Event()  # set by the first SIGINT
+_interrupt_shown = threading.Lock()  # held by whichever (main thread or watchdog) prints the line
 
 
 class ProjectError(Exception):
@@ -64,6 +79,24 @@ def use_store(store) -> None:
     _store = store
 
 
+def use_resume_point(where) -> None:
+    """`where()` gives the checkpoint a --resume of this run continues from (None: none yet); the line an
+    interrupted run prints names it (utils.train.run registers it)."""
+    global _resume_point
+    _resume_point = where
+
+
+def interrupted_line() -> str:
+    """What an interrupted run says: where a --resume continues from, or that there is nothing to resume."""
+    where = None
+    if _resume_point is not None:
+        with contextlib.suppress(Exception):
+            where = _resume_point()
+    if where:
+        return f"interrupted; --resume continues from {where}"
+    return "interrupted before the first checkpoint; nothing to resume"
+
+
 def _rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
@@ -83,26 +116,86 @@ def report(message: str) -> None:
 def run_main(main, argv=None):
     """`main(argv)`, with the project's own errors turned into one readable line and exit status 1; in a
     job of several ranks any error ends this rank at once, shown by one rank only (`_fail`), and a rank that
-    finished leaves at once too (`_finish_now`)."""
+    finished leaves at once too (`_finish_now`). Ctrl-C: one line from rank 0 and status 130 (`_leave_interrupted`)."""
+    previous = _catch_interrupts()
     try:
         result = main(argv)
     except SystemExit as exc:  # Python's own exit (argparse: 2 for a bad flag, 0 for --help): its status kept
+        if _interrupted.is_set():
+            _leave_interrupted()
         if _world_size() > 1 and exc.code not in (0, None):
             if not isinstance(exc.code, int):
                 print(exc.code, file=sys.stderr)  # what Python prints for sys.exit("message")
             _exit_now(exc.code if isinstance(exc.code, int) else 1)
         raise
+    except KeyboardInterrupt:
+        _leave_interrupted()
     except ProjectError as exc:
+        if _interrupted.is_set():
+            _leave_interrupted()
         message = str(exc)
         _fail(lambda: report(message))
     except Exception as exc:  # a bug: its traceback, as Python (and torch's [rankN] hook) shows it
+        if _interrupted.is_set():  # a peer that left on the same Ctrl-C: a closed connection, a collective's error
+            _leave_interrupted()
         if _world_size() == 1:
             raise
         error = exc  # bound outside the except's own name, which Python unbinds when the clause ends
         _fail(lambda: sys.excepthook(type(error), error, error.__traceback__))
+    finally:
+        if previous is not None:  # an in-process run (tests): Python's own Ctrl-C back
+            signal.signal(signal.SIGINT, previous)
     if _world_size() > 1:
         _finish_now(result if isinstance(result, int) else 0)
     return result
+
+
+def _catch_interrupts():
+    """SIGINT marks the run interrupted before Python raises KeyboardInterrupt (main thread only: elsewhere a
+    signal handler cannot be set, and Python's default stays). Returns the handler it replaced (None: none)."""
+    global _interrupt_shown
+    _interrupted.clear()
+    _interrupt_shown = threading.Lock()
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGINT, _on_sigint)
+
+
+def _on_sigint(signum, frame):
+    """The first Ctrl-C: KeyboardInterrupt, as Python's own handler raises it, with the launcher's SIGTERM (sent
+    right after, the same Ctrl-C) ignored so that rank 0 prints its line, and a watchdog that ends this rank
+    if its main thread does not get back (stuck in a collective). A second Ctrl-C: leave at once."""
+    if _interrupted.is_set():
+        _exit_now(_INTERRUPT_STATUS)
+    _interrupted.set()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    threading.Thread(target=_interrupt_watchdog, name="interrupt-watchdog", daemon=True).start()
+    raise KeyboardInterrupt
+
+
+def _interrupt_watchdog() -> None:
+    time.sleep(_INTERRUPT_GRACE_S)
+    _show_interrupted()
+    _exit_now(_INTERRUPT_STATUS)
+
+
+def _show_interrupted() -> None:
+    """Rank 0 prints the interrupted line, once (whichever of the main thread and the watchdog comes first)."""
+    if _interrupt_shown.acquire(blocking=False) and _rank() == 0:
+        start = "\n" if sys.stderr.isatty() else ""  # in a terminal: after the progress bar and the ^C, not on them
+        print(f"{start}{interrupted_line()}", file=sys.stderr, flush=True)
+
+
+def _leave_interrupted() -> None:
+    """End an interrupted run: its one line (rank 0), status 130; a rank of several leaves without Python's
+    shutdown (its peers are leaving too), after the exit hooks (workers ended, logs flushed)."""
+    _interrupted.set()
+    _show_interrupted()
+    if _world_size() == 1:
+        raise SystemExit(_INTERRUPT_STATUS) from None
+    with contextlib.suppress(BaseException):
+        atexit._run_exitfuncs()
+    _exit_now(_INTERRUPT_STATUS)
 
 
 def _fail(show) -> None:

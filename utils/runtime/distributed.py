@@ -49,8 +49,13 @@ def init_distributed(timeout_s: int = 600) -> None:
     _unlink_shm_buffer()
 
 
+_output_dir: str | None = None  # the run's --output_dir (start_process), where its checkpoints are
+
+
 def start_process(args) -> None:
     """What every step does first: process group (--dist_timeout), seeds (--seed), TF32 (--no_tf32)."""
+    global _output_dir
+    _output_dir = getattr(args, "output_dir", None)
     init_distributed(args.dist_timeout)
     set_seed(args.seed)
     accelerator.configure_tf32(not args.no_tf32)
@@ -116,6 +121,11 @@ def _unlink_shm_buffer() -> None:
         return
     torch.distributed.barrier()  # every rank has opened every other rank's buffer
     os.remove(name)
+
+
+def run_output_dir() -> str | None:
+    """The --output_dir of the run this process started (`start_process`), None before."""
+    return _output_dir
 
 
 def rank() -> int:

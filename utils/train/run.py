@@ -22,17 +22,31 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from utils import errors
 from utils.math.throughput import PhaseTokens, phase_rate_metrics, token_metrics
 from utils.models.export import ExportWriteError, reload_max_abs_diff
 from utils.runtime.accelerator import PhaseMemory, peak_flops
-from utils.runtime.distributed import all_reduce_max_list, all_reduce_sum, world_size
-from utils.train.checkpoint import BadStepGuard, Checkpointing, LoopState
+from utils.runtime.distributed import all_reduce_max_list, all_reduce_sum, run_output_dir, world_size
+from utils.train.checkpoint import BadStepGuard, Checkpointing, LoopState, TrainingCheckpoints
 from utils.train.config_file import write_deferred_run_config
 from utils.train.metrics_logger import print_rank0, progress_bar
 from utils.train.output_dir import release as release_output_dir
 
 # what the checkpoint store writes into its shared state itself (not the run's)
 _STORE_KEYS = ("step", "world_size", "engines", "total_steps")
+_current = None  # this process's Run, once built (`resume_point`)
+
+
+def resume_point() -> str | None:
+    """The checkpoint a --resume of this process's run continues from: the last one its Run saved or resumed
+    from; before the Run is built (loading models), the one the output directory's `latest` names."""
+    if _current is not None:
+        return _current.resume_point()
+    out = run_output_dir()
+    return TrainingCheckpoints(out).pointed() if out else None
+
+
+errors.use_resume_point(resume_point)  # the line of an interrupted run (utils/errors.py) names it
 
 
 def loop_metrics(loop: LoopState, memory: PhaseMemory) -> dict:
@@ -124,6 +138,8 @@ class Run:
         self.logger = self.guard = self.progress = None
         self.train_s = self.eval_s = 0.0
         self.restored_from: str | None = None
+        global _current
+        _current = self
         self._epoch = None  # (the batch iterator, its length) of the epoch `steps` is in, for `next_batch`
         self._peeked = []  # batches `peek` drew from that iterator ahead of the loop's position
 
