@@ -13,6 +13,8 @@ read instead.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import functools
 import os
 import re
@@ -67,9 +69,30 @@ def synchronize() -> None:
 
 
 def empty_cache() -> None:
-    """Give the allocator's cached, unused blocks back to the device (no-op on CPU)."""
+    """Give the allocator's cached, unused blocks back: to the device (its caching allocator), or on CPU glibc's
+    free pages to the system (`trim_heap`)."""
     if not is_cpu():
         get().empty_cache()
+        return
+    trim_heap()
+
+
+@functools.lru_cache(maxsize=1)
+def _malloc_trim():
+    """glibc's malloc_trim, or None (musl, macOS)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def trim_heap() -> bool:
+    """glibc's malloc_trim(0): every whole free page of the heap handed back to the system (the free blocks stay
+    the allocator's, and their next use faults the pages in again). utils.runtime.distributed.tune_malloc's heap
+    never trims by itself, so a phase's freed blocks (gathered weights, KV caches, activations) otherwise stay
+    resident up to the largest heap the run ever had. Returns whether memory was released (False off glibc)."""
+    trim = _malloc_trim()
+    return bool(trim(0)) if trim is not None else False
 
 
 def configure_tf32(enabled: bool) -> None:
