@@ -53,6 +53,20 @@ setup_vllm() {
     echo "$vwant" > .venv/.vllm.sha256
   fi
 }
+# bubblewrap (bwrap), the sandbox of step 3's python tool (--tools python; step3_ppo/agents/python_sandbox.py):
+# installed where this runs as root with apt-get, quietly; elsewhere one line says the tool will need it
+install_bubblewrap() {
+  command -v bwrap >/dev/null 2>&1 && return 0
+  local apt=(env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap)
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    if "${apt[@]}" >/dev/null 2>&1 || { apt-get update -qq >/dev/null 2>&1 && "${apt[@]}" >/dev/null 2>&1; }; then
+      echo "[setup] installed bubblewrap (the python tool's sandbox)"
+      return 0
+    fi
+  fi
+  echo "[setup] note: step 3's --tools python needs bubblewrap (apt-get install bubblewrap / dnf install bubblewrap)"
+}
+install_bubblewrap
 if [ -x .venv/bin/python ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$want" ]; then
   [ -d "$TORCH_EXTENSIONS_DIR" ] || prebuild_ops
   setup_vllm

@@ -5,7 +5,7 @@ loop itself is step3_ppo/agents/loop.py."""
 from __future__ import annotations
 
 from step3_ppo.agents.environments import EnvError, environments_help, load_environment
-from step3_ppo.agents.tools import TOOL_CALL_PARSERS, TOOLS, ToolError, landlock_missing, load_tools
+from step3_ppo.agents.tools import TOOL_CALL_PARSERS, TOOLS, ToolError, load_tools, sandbox_missing
 from utils.train.flags import fail
 
 AGENT_DEFAULTS = {"max_turns": 4, "max_observation_len": 128, "tool_timeout": 10.0, "tool_parser": "hermes"}
@@ -96,5 +96,5 @@ def check_agent_args(args) -> None:
         args.tool_list = load_tools(args.tools or [])
     except (EnvError, ToolError) as exc:
         fail(f"{'--env' if isinstance(exc, EnvError) else '--tools'}: {exc}")
-    if "python" in (args.tools or []) and landlock_missing():
-        fail(f"--tools python: {landlock_missing()}")
+    if "python" in (args.tools or []) and sandbox_missing():
+        fail(f"--tools python: {sandbox_missing()}")

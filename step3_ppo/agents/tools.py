@@ -11,7 +11,7 @@ answers each call with a `tool` message; whatever goes wrong with a call (malfor
 no name, nested past MAX_NESTING; an unknown tool; wrong arguments: missing, unknown, or of another JSON type than
 the tool's schema says; a raise; the timeout) is error text for the model, counted, never a crash. Every call can be
 stopped in C code: a user tool and the calculator run in a worker process of their own (step3_ppo/function_worker.py,
-killed at the timeout), the python tool in a sandbox process per call (step3_ppo/agents/python_sandbox.py).
+killed at the timeout), the python tool in a bubblewrap sandbox per call (step3_ppo/agents/python_sandbox.py).
 """
 
 from __future__ import annotations
@@ -25,11 +25,8 @@ import operator
 import os
 import re
 import select
-import shutil
 import signal
 import subprocess
-import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -163,8 +160,7 @@ def calculator(expression: str) -> str:
 PYTHON_TIMEOUT_S = 10.0  # a direct call's timeout; the Toolbox passes its own
 PYTHON_MEMORY = 1 << 30  # bytes of address space
 PYTHON_FILE_SIZE = 1 << 20  # bytes, the largest file it may write in its folder
-_GRACE_S = 2.0  # past the timeout, for the sandbox's keeper to clean up before it is killed from here
-_SANDBOX = os.path.abspath(python_sandbox.__file__)
+PYTHON_TOTAL_WRITE = 16 << 20  # bytes, all it may write (the size of its tmpfs folder)
 _STATUS_ROOM = 40  # characters kept free after the output for the exit status line
 
 
@@ -179,41 +175,13 @@ class SandboxRun:
     cut: bool = False
 
 
-def landlock_missing() -> str | None:
-    """Why the python tool cannot run on this machine (no Landlock to keep its writes in its folder), or None."""
-    if not sys.platform.startswith("linux"):
-        return "needs Linux's Landlock to keep the code's writes in its folder (this is not Linux)"
-    if python_sandbox.landlock_abi() < 1:
-        return (
-            "needs Linux's Landlock (kernel >= 5.13, 'landlock' in the lsm= boot list) to keep the code's writes "
-            "in its folder; this kernel offers none, and the code is never run unsandboxed"
-        )
-    return None
-
-
-def _sandbox_env(folder: str) -> dict:
-    """Nothing of the trainer's environment (tokens, keys); home and temp files in the sandbox's folder."""
-    path = os.pathsep.join([os.path.dirname(sys.executable), "/usr/local/bin", "/usr/bin", "/bin"])
-    return {
-        "PATH": path,
-        "HOME": folder,
-        "TMPDIR": folder,
-        "LANG": "C.UTF-8",
-        "OMP_NUM_THREADS": "1",
-        "OPENBLAS_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-    }
-
-
-def _remove(folder: str) -> None:
-    def writable_again(function, path, exc_info):  # the code may have taken its own permissions away
-        os.chmod(os.path.dirname(path), 0o700)
-        function(path)
-
-    shutil.rmtree(folder, onerror=writable_again)
+def sandbox_missing() -> str | None:
+    """Why the python tool cannot run on this machine (no usable bubblewrap: one line naming the package), or None."""
+    return python_sandbox.missing()
 
 
 def _kill_group(process: subprocess.Popen) -> None:
+    """SIGKILL bwrap (its own process group): its PID namespace, and every process the code started, ends."""
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -221,8 +189,7 @@ def _kill_group(process: subprocess.Popen) -> None:
 
 
 def _read_output(process: subprocess.Popen, deadline: float, cap: int) -> tuple[bytes, bool, bool]:
-    """The sandbox's output until it closes (or `deadline`, or `cap` bytes); (output, past deadline, over cap).
-    Over the cap, its keeper is asked (SIGTERM) to end the code and all it started."""
+    """The sandbox's output until it closes (or `deadline`, or `cap` bytes); (output, past deadline, over cap)."""
     chunks, size, fd = [], 0, process.stdout.fileno()
     while True:
         left = deadline - time.monotonic()
@@ -237,7 +204,6 @@ def _read_output(process: subprocess.Popen, deadline: float, cap: int) -> tuple[
         chunks.append(chunk)
         size += len(chunk)
         if size > cap:
-            process.send_signal(signal.SIGTERM)
             return b"".join(chunks)[:cap], False, True
 
 
@@ -248,54 +214,67 @@ def run_python(
     *,
     memory: int = PYTHON_MEMORY,
     file_size: int = PYTHON_FILE_SIZE,
+    total_write: int = PYTHON_TOTAL_WRITE,
 ) -> SandboxRun:
-    """Run `code` in a sandbox (step3_ppo/agents/python_sandbox.py: `python -I`, a fresh temporary folder as its working
-    directory and only writable place, CPU, memory and file-size limits, no TCP) and remove the folder after.
-    Raises ToolError where there is no sandbox (no Landlock): the code is never run without one."""
-    missing = landlock_missing()
+    """Run `code` under bubblewrap (step3_ppo/agents/python_sandbox.py: its own namespaces, a read-only root with only
+    the interpreter, a fresh `total_write`-byte tmpfs as its working folder, CPU, memory and file-size limits, no
+    network), killed with all it started past `timeout` or `limit`. Raises ToolError where there is no usable
+    bubblewrap: the code is never run without it."""
+    missing = sandbox_missing()
     if missing:
         raise ToolError("python", missing)
-    folder = tempfile.mkdtemp(prefix="rlhf-python-tool-")
+    status_read, status_write = os.pipe()
     try:
-        command = [sys.executable, "-I", "-u", _SANDBOX, folder, repr(float(timeout)), str(memory), str(file_size)]
+        started = time.monotonic()
         process = subprocess.Popen(
-            command,
+            python_sandbox.command(timeout, memory, file_size, total_write, status_fd=status_write),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
-            cwd=folder,
-            env=_sandbox_env(folder),
+            env={},  # bwrap's own environment is readable in the sandbox (/proc/1/environ): none of the trainer's
+            pass_fds=(status_write,),
             start_new_session=True,
         )
+        os.close(status_write)
+        status_write = -1
         try:
             with contextlib.suppress(BrokenPipeError):  # it ended before reading: its status says why
                 process.stdin.write(code.encode("utf-8", errors="replace"))
             with contextlib.suppress(BrokenPipeError):
                 process.stdin.close()
-            output, late, over = _read_output(process, time.monotonic() + timeout + _GRACE_S, 4 * limit + 4)
-            if late:
+            output, late, over = _read_output(process, started + timeout, 4 * limit + 4)
+            if not (late or over):
+                try:  # its output closed: the code ended, or closed stdout and stderr and runs on
+                    process.wait(timeout=max(started + timeout - time.monotonic(), 0))
+                except subprocess.TimeoutExpired:
+                    late = True
+            if late or over:
                 _kill_group(process)
-            try:
-                status = process.wait(timeout=_GRACE_S)
-            except subprocess.TimeoutExpired:
-                _kill_group(process)
-                status = process.wait()
+            status = process.wait()
         finally:
             _kill_group(process)  # anything left in its process group
             process.stdout.close()
+        reports = _drain(status_read)
     finally:
-        _remove(folder)
+        os.close(status_read)
+        if status_write >= 0:
+            os.close(status_write)
     text = output.decode("utf-8", errors="replace")
-    if status == python_sandbox.REFUSED:  # the keeper's own (the code's 124 and 125 reach here as 1)
-        raise ToolError("python", one_line(text, _MESSAGE_LIMIT))
+    if status != 0 and not (late or over) and '"exit-code"' not in reports:  # bwrap failed before the code ran
+        raise ToolError("python", f"the sandbox did not start: {one_line(text, _MESSAGE_LIMIT)}")
     if over:
         return SandboxRun(_over(text, limit), None, cut=True)
-    return SandboxRun(
-        cut(text, limit, "output"),
-        None if late else status,
-        timed_out=late or status == python_sandbox.TIMED_OUT,
-        cut=len(text) > limit,
-    )
+    return SandboxRun(cut(text, limit, "output"), None if late else status, timed_out=late, cut=len(text) > limit)
+
+
+def _drain(fd: int) -> str:
+    """What bwrap wrote to its status pipe (JSON documents: the child's pid, then its exit code once it ended)."""
+    os.set_blocking(fd, False)
+    chunks = []
+    with contextlib.suppress(BlockingIOError):
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+    return b"".join(chunks).decode("utf-8", errors="replace")
 
 
 def _over(text: str, limit: int) -> str:
@@ -355,9 +334,9 @@ TOOLS: dict[str, BuiltinTool] = {
     "calculator": BuiltinTool(calculator, "arithmetic on numbers with + - * / // % ** and parentheses (no eval)"),
     "python": BuiltinTool(
         python,
-        "runs the model's code in a sandbox process (Landlock, limits, a temporary folder); off unless named",
+        "runs the model's code in a bubblewrap sandbox (no network, no host files, limits); off unless named",
         call=_call_python,
-        missing=landlock_missing,
+        missing=sandbox_missing,
     ),
 }
 
