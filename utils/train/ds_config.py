@@ -3,6 +3,13 @@
 from __future__ import annotations
 
 DTYPES = ("fp32", "bf16", "fp16")
+# The gradient bucket each trained engine allocates whole and keeps (ZeRO >= 1), in elements: DeepSpeed's default
+# (5e8) is 1.9 GiB in fp32, of which a 135M model's backward touches 0.54 GB per engine; 5e7 (200 MB fp32) saved
+# 1.0-1.1 GB peak RSS per SmolLM2 step-3 rank at 0.98x the time, 1e7 (40 MB) a further 0.15 GiB per trained engine
+# (bench/memory_step3.py): a few more reduce-scatters per backward (14 instead of 3 for 135M parameters), each a
+# fraction of a millisecond beside seconds of backward on CPU. A parameter larger than the bucket is reduced from
+# its own gradient.
+REDUCE_BUCKET_ELEMENTS = 10_000_000
 
 
 def _zero_section(stage: int, offload_params: bool, offload_optimizer: bool) -> dict:
@@ -14,10 +21,7 @@ def _zero_section(stage: int, offload_params: bool, offload_optimizer: bool) -> 
         "offload_optimizer": {"device": "cpu" if offload_optimizer and stage > 0 else "none"},
     }
     if stage > 0:
-        # The gradient bucket each trained engine allocates whole: DeepSpeed's default (5e8 elements) is 1.9 GiB
-        # in fp32, of which a 135M model's backward touches 0.54 GB per engine; 5e7 (200 MB fp32) saved
-        # 1.0-1.1 GB peak RSS per SmolLM2 step-3 rank at 0.98x the time (bench/memory_step3.py A/B).
-        section["reduce_bucket_size"] = 50_000_000
+        section["reduce_bucket_size"] = REDUCE_BUCKET_ELEMENTS
     if stage == 3:
         section.update(
             {
