@@ -1,10 +1,15 @@
 """A failure on any rank ends the whole job within seconds, shown once: the failing rank
 prints its one `error: [rank N] ...` line (a bug: its traceback) and exits at once, the launcher ends the
 others; when every rank fails the same way only the first to claim the report on the process group's
-store shows it. In process with a stand-in store for run_main's choices; through the launcher for a step-3
-run (ZeRO-3 + hybrid) whose reward function raises on rank 1, or on every rank."""
+store shows it. A rank that is killed (the OOM killer, SIGKILL) or hangs is named by the survivor's one line,
+with the phase each rank was in, instead of gloo's "Connection closed by peer" traceback. In process with a
+stand-in store for run_main's choices; through the launcher for a step-3 run (ZeRO-3 + hybrid) whose reward
+function raises on rank 1, or on every rank, or kills rank 1."""
 
+import contextlib
 import datetime
+import os
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +20,8 @@ from tests.launch import run_deepspeed, tail
 from tests.test_step3_grpo import grpo_args, write_rows
 from utils import errors
 from utils.data import DataError
+from utils.runtime import accelerator, distributed
+from utils.train.run import _phases_tracked
 
 
 class Exited(Exception):
@@ -38,6 +45,12 @@ class DictStore:
 
     def set(self, key, value):
         self.values[key] = value
+
+    def get(self, key):
+        return self.values[key].encode()
+
+    def set_timeout(self, timeout):
+        pass
 
     def wait(self, keys, timeout: datetime.timedelta):
         if not all(k in self.values for k in keys):
@@ -209,3 +222,123 @@ def test_a_finished_rank_runs_the_exit_hooks_and_leaves_without_pythons_shutdown
     assert exited.value.code == 0 and hooks == ["ran"]
     monkeypatch.setenv("WORLD_SIZE", "1")
     assert errors.run_main(lambda argv: "the run") == "the run" and hooks == ["ran"]
+
+
+# what gloo raises on the survivor when its peer's process ended, and when the peer does not answer
+GLOO_CLOSED = (
+    "[../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:44191. This is "
+    "typically caused by a remote worker crashing. Check the logs of the remote worker before reporting an error."
+)
+GLOO_TIMED_OUT = (
+    "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 30000ms for recv operation"
+)
+
+
+@pytest.fixture
+def peer(monkeypatch):
+    """This process as rank 0 of 2, in phase "training", --dist_timeout 30; `peer(pid, phase)`: rank 1's process
+    (on this host) and last phase on the stand-in store. The run's last checkpoint is step 4's."""
+    store = DictStore()
+    monkeypatch.setattr(distributed, "_store", store)
+    monkeypatch.setattr(distributed, "_timeout_s", 30)
+    monkeypatch.setattr(distributed, "_phase", "training")
+    monkeypatch.setattr(distributed, "rank", lambda: 0)
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    monkeypatch.setattr(errors, "_resume_point", lambda: "out/checkpoints/step-00000004")
+
+    def rank1(pid: int, phase: str) -> DictStore:
+        store.set("rlhf/process/1", f"{socket.gethostname()} {pid}")
+        store.set("rlhf/phase/1", phase)
+        return store
+
+    return rank1
+
+
+def ended_pid() -> int:
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_killed_peer_is_named_with_what_each_rank_was_doing(peer):
+    peer(ended_pid(), "experience")
+    line = distributed.lost_peer_line(RuntimeError(GLOO_CLOSED))
+    assert line.startswith("rank 1 (in experience) is gone: its process ended (killed? the OOM killer?"), line
+    assert "; this rank was in training" in line and line.endswith(
+        "--resume continues from out/checkpoints/step-00000004"
+    )
+
+
+def test_a_peer_that_does_not_answer_is_named(peer):
+    peer(os.getpid(), "generation")  # alive (this process), in another phase
+    line = distributed.lost_peer_line(RuntimeError(GLOO_TIMED_OUT))
+    assert line.startswith("no answer within --dist_timeout 30 s from rank 1 (in generation): hung or too slow"), line
+    assert "; this rank was in training" in line
+
+
+def test_other_errors_and_a_lost_store_are_not_translated(peer, monkeypatch):
+    peer(ended_pid(), "experience")
+    assert distributed.lost_peer_line(RuntimeError("mat1 and mat2 shapes cannot be multiplied")) is None
+    monkeypatch.setattr(distributed, "_store", DeadStore())  # its host, rank 0, is gone: nothing to read
+    assert distributed.lost_peer_line(RuntimeError(GLOO_CLOSED)) is None
+
+
+def test_run_main_shows_the_lost_peer_line_once_instead_of_the_traceback(rank_of_two, peer, monkeypatch, capsys):
+    store = peer(ended_pid(), "experience")
+    rank_of_two(0, store)
+    monkeypatch.setattr(errors, "_lost_peer", distributed.lost_peer_line)
+    with pytest.raises(Exited) as exited:
+        errors.run_main(fails_with(RuntimeError(GLOO_CLOSED)))
+    err = capsys.readouterr().err
+    assert exited.value.code == 1 and err.startswith("error: [rank 0] rank 1 (in experience) is gone: "), err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_the_runs_phases_are_this_ranks_phase(monkeypatch):
+    """A Run's PhaseMemory blocks (step 3's generation / experience / training) set the phase; after an error
+    the phase it failed in stays."""
+    monkeypatch.setattr(distributed, "_phase", "training")
+    memory = _phases_tracked(accelerator.PhaseMemory())
+    assert _phases_tracked(memory) is memory
+    with memory.phase("generation"):
+        assert distributed.current_phase() == "generation"
+    assert distributed.current_phase() == "training" and "mem/generation_peak_gb" in memory.metrics()
+    with contextlib.suppress(RuntimeError), memory.phase("experience"):
+        raise RuntimeError(GLOO_CLOSED)
+    assert distributed.current_phase() == "experience"
+
+
+# rank 1 is killed (SIGKILL) or hangs (SIGSTOP) while scoring rewards, in the experience phase: the function runs
+# in a worker process (step3_ppo/function_worker.py), whose parent is the rank
+LOST_REWARD = """
+import os
+import signal
+
+def lost(completions, **kwargs):
+    if os.environ["RANK"] == "1":
+        os.kill(os.getppid(), signal.{signal})
+    return [1.0] * len(completions)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["killed", "hung"])
+def test_a_rank_killed_or_hung_is_named_by_the_survivor(tiny_gpt2, tmp_path, how):
+    write_rows(tmp_path, 24)
+    (tmp_path / "lost.py").write_text(LOST_REWARD.format(signal="SIGKILL" if how == "killed" else "SIGSTOP"))
+    args = grpo_args(tiny_gpt2, tmp_path, "--max_steps", 2, "--dist_timeout", 30)
+    args[args.index("--reward_funcs") + 1] = f"{tmp_path / 'lost.py'}:lost"
+    # killed: through the `deepspeed` launcher itself; hung: tests/ranks.py, which ends a stopped rank in 5 s, not 30
+    log = str(tmp_path / "log.txt")
+    proc = run_deepspeed("step3_ppo.main", args, timeout=240, log_path=log, launcher=how == "killed")
+    assert proc.returncode != 0, tail(proc)
+    output = proc.stdout + proc.stderr
+    # (after the progress bar's last redraw, which ends in no newline)
+    lines = [line[line.index("error:") :] for line in output.replace("\r", "\n").splitlines() if "error:" in line]
+    expected = (
+        "error: [rank 0] rank 1 (in experience) is gone: its process ended"
+        if how == "killed"
+        else "error: [rank 0] no answer within --dist_timeout 30 s from rank 1 (in experience)"
+    )
+    assert len(lines) == 1 and lines[0].startswith(expected), tail(proc)
+    assert "; this rank was in " in lines[0] and "Traceback" not in output, tail(proc)

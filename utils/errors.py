@@ -20,7 +20,9 @@ failing rank exits at once (`os._exit`, so no atexit hook, process-group destruc
 can keep it alive while its peers wait in a collective), and the launcher then ends the others. The
 first rank to fail claims the report on the process group's store (which utils.runtime.distributed hands over
 here); it shows its error tagged `[rank N]`, the other failing ranks (the same bad input, or a dead
-peer's consequences) stay silent.
+peer's consequences) stay silent. A collective that failed because a peer is gone (killed: the OOM killer,
+SIGKILL) or hangs is shown as one line naming that rank and what each rank was doing
+(utils.runtime.distributed.lost_peer_line), not as gloo's traceback.
 
 Ctrl-C (SIGINT, which the terminal sends to the launcher and every rank at once) ends the run with one line from
 rank 0, `interrupted; --resume continues from <the last checkpoint>` (or that there is none yet), and exit
@@ -52,6 +54,7 @@ _store = None  # the process group's store, once it exists (use_store)
 _INTERRUPT_STATUS = 130  # a shell's status for a command ended by SIGINT (128 + 2)
 _INTERRUPT_GRACE_S = 10.0  # how long after Ctrl-C a rank whose main thread does not get back may take to leave
 _resume_point = None  # () -> the checkpoint a --resume continues from, or None (use_resume_point)
+_lost_peer = None  # exception -> its one line when a peer rank is gone or hangs, else None (use_store)
 _interrupted = threading.Event()  # set by the first SIGINT
 _interrupt_shown = threading.Lock()  # held by whichever (main thread or watchdog) prints the line
 
@@ -73,10 +76,11 @@ def one_line(text, limit: int | None = None) -> str:
     return line if limit is None else line[:limit]
 
 
-def use_store(store) -> None:
-    """Where the ranks of this job agree which one reports a failure (utils.runtime.distributed, at start)."""
-    global _store
-    _store = store
+def use_store(store, lost_peer=None) -> None:
+    """Where the ranks of this job agree which one reports a failure (utils.runtime.distributed, at start);
+    `lost_peer(exc)`: the one line for a collective that failed because a peer is gone or hangs (None: not one)."""
+    global _store, _lost_peer
+    _store, _lost_peer = store, lost_peer
 
 
 def use_resume_point(where) -> None:
@@ -86,12 +90,17 @@ def use_resume_point(where) -> None:
     _resume_point = where
 
 
-def interrupted_line() -> str:
-    """What an interrupted run says: where a --resume continues from, or that there is nothing to resume."""
-    where = None
+def resume_point() -> str | None:
+    """The checkpoint a --resume of this run continues from (None: none, or no run registered)."""
     if _resume_point is not None:
         with contextlib.suppress(Exception):
-            where = _resume_point()
+            return _resume_point()
+    return None
+
+
+def interrupted_line() -> str:
+    """What an interrupted run says: where a --resume continues from, or that there is nothing to resume."""
+    where = resume_point()
     if where:
         return f"interrupted; --resume continues from {where}"
     return "interrupted before the first checkpoint; nothing to resume"
@@ -141,13 +150,26 @@ def run_main(main, argv=None):
         if _world_size() == 1:
             raise
         error = exc  # bound outside the except's own name, which Python unbinds when the clause ends
-        _fail(lambda: sys.excepthook(type(error), error, error.__traceback__))
+        _fail(lambda: _show_exception(error))
     finally:
         if previous is not None:  # an in-process run (tests): Python's own Ctrl-C back
             signal.signal(signal.SIGINT, previous)
     if _world_size() > 1:
         _finish_now(result if isinstance(result, int) else 0)
     return result
+
+
+def _show_exception(error: BaseException) -> None:
+    """A collective that failed because a peer rank is gone or hangs: its one line (which rank, what each was
+    doing: utils.runtime.distributed.lost_peer_line); any other error: its traceback."""
+    line = None
+    if _lost_peer is not None:
+        with contextlib.suppress(Exception):
+            line = _lost_peer(error)
+    if line:
+        report(line)
+    else:
+        sys.excepthook(type(error), error, error.__traceback__)
 
 
 def _catch_interrupts():

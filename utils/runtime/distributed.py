@@ -1,12 +1,23 @@
-"""Process-group set-up that works with the `deepspeed` launcher, torchrun, or no launcher at all."""
+"""Process-group set-up that works with the `deepspeed` launcher, torchrun, or no launcher at all.
+
+It also keeps what a rank is doing (`phase`: start-up, restore, training, evaluation, checkpoint, export; step 3's
+generation / experience / training), written to the process group's store in a job of several ranks beside each
+rank's host and pid. When a collective fails because a peer is gone (gloo's "Connection closed by peer") or
+hangs (gloo's "Timed out waiting"), `lost_peer_line` turns the error into one line that names the rank whose
+process ended (same host: its pid no longer runs) or that did not answer, the phase each was in, and where a
+--resume continues from; utils.errors.run_main prints it instead of the traceback.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import datetime
 import os
 import random
+import re
+import socket
 
 import numpy as np
 import torch
@@ -45,11 +56,18 @@ def init_distributed(timeout_s: int = 600) -> None:
         timeout=datetime.timedelta(seconds=timeout_s),
         auto_mpi_discovery=False,
     )
-    _share_failures()
+    _share_failures(timeout_s)
     _unlink_shm_buffer()
 
 
 _output_dir: str | None = None  # the run's --output_dir (start_process), where its checkpoints are
+_PHASE_KEY, _PROCESS_KEY = "rlhf/phase/{}", "rlhf/process/{}"  # store keys: each rank's phase, its "host pid"
+_phase = "start-up"  # what this rank is doing (`phase`)
+_store = None  # the process group's store in a job of several ranks (phases, processes)
+_timeout_s: int | None = None  # --dist_timeout
+# a collective that failed because a peer is gone or does not answer (gloo; NCCL's, where it raises)
+_LOST_PEER = re.compile(r"Connection (closed|reset) by peer|Broken pipe|Timed out waiting|Socket Timeout|timeout", re.I)
+_TIMED_OUT = re.compile(r"Timed out|timeout", re.I)
 
 
 def start_process(args) -> None:
@@ -99,11 +117,101 @@ def tune_malloc() -> bool:
     return all(mallopt(param, value) == 1 for param, value in MALLOC_TUNING.values())
 
 
-def _share_failures() -> None:
+def _share_failures(timeout_s: int) -> None:
     """Hand the process group's store to utils.errors: the first rank of a job to fail claims the one
-    report there, so N ranks meeting the same bad input print one line, not N."""
+    report there, so N ranks meeting the same bad input print one line, not N. Each rank's host, pid and
+    phase go there too, for `lost_peer_line`."""
+    global _store, _timeout_s
     if torch.distributed.get_world_size() > 1:
-        errors.use_store(torch.distributed.distributed_c10d._get_default_store())
+        _store, _timeout_s = torch.distributed.distributed_c10d._get_default_store(), timeout_s
+        _store.set(_PROCESS_KEY.format(rank()), f"{socket.gethostname()} {os.getpid()}")
+        _store.set(_PHASE_KEY.format(rank()), _phase)
+        errors.use_store(_store, lost_peer_line)
+
+
+def current_phase() -> str:
+    return _phase
+
+
+def set_phase(name: str) -> None:
+    """This rank is now in phase `name` (kept on the store in a job of several: one set per change)."""
+    global _phase
+    if name == _phase:
+        return
+    _phase = name
+    if _store is not None:
+        with contextlib.suppress(Exception):  # a store that is gone: the next collective says so
+            _store.set(_PHASE_KEY.format(rank()), name)
+
+
+@contextlib.contextmanager
+def phase(name: str):
+    """Phase `name` inside the block, the previous one after it; not after an error, so that a rank whose
+    collective failed names the phase it failed in."""
+    previous = _phase
+    set_phase(name)
+    yield
+    set_phase(previous)
+
+
+def lost_peer_line(exc: BaseException) -> str | None:
+    """One line for a collective that failed because a peer rank is gone or did not answer (gloo's "Connection
+    closed by peer", "Timed out waiting"): which rank (its process ended: same host, its pid no longer runs; or
+    it did not answer within --dist_timeout), the phase each was in, this rank's phase, where a --resume
+    continues from. None for any other error, or when the store does not answer (its host, rank 0, is gone)."""
+    text = errors.one_line(exc)
+    if not _LOST_PEER.search(text) or not re.search(r"gloo|nccl|c10d", text, re.I) or _store is None:
+        return None
+    try:
+        peers = _peers()
+    except Exception:
+        return None
+    mine = f"this rank was in {_phase}"
+    gone = [r for r, (ended, _) in peers.items() if ended]
+    if gone:
+        what = ", ".join(f"rank {r} (in {peers[r][1]})" for r in gone)
+        verb = "is" if len(gone) == 1 else "are"
+        line = f"{what} {verb} gone: its process ended (killed? the OOM killer? see the system log); {mine}"
+    elif _TIMED_OUT.search(text):
+        others = [r for r, (_, p) in peers.items() if p != _phase] or list(peers)
+        what = ", ".join(f"rank {r} (in {peers[r][1]})" for r in others)
+        line = f"no answer within --dist_timeout {_timeout_s} s from {what}: hung or too slow; {mine}"
+    else:
+        what = ", ".join(f"rank {r} in {p}" for r, (_, p) in peers.items())
+        line = f"lost the connection to a peer rank ({what}; on another host, not checked); {mine}"
+    where = errors.resume_point()
+    resume = f"--resume continues from {where}" if where else "no checkpoint to --resume from"
+    return f"{line}; {resume}"
+
+
+def _peers() -> dict[int, tuple[bool | None, str]]:
+    """Every other rank: (whether its process ended: None when on another host, its last phase), from the store."""
+    _store.set_timeout(datetime.timedelta(seconds=5))
+    host, out = socket.gethostname(), {}
+    for r in range(world_size()):
+        if r == rank():
+            continue
+        peer_host, pid = _store.get(_PROCESS_KEY.format(r)).decode().split()
+        ended = _process_ended(int(pid)) if peer_host == host else None
+        out[r] = (ended, _store.get(_PHASE_KEY.format(r)).decode())
+    return out
+
+
+def _process_ended(pid: int) -> bool:
+    """Whether process `pid` of this host no longer runs (gone, or a zombie its launcher has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc: whether a signal can reach it
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False
 
 
 def _unlink_shm_buffer() -> None:

@@ -18,6 +18,7 @@ The micro-batch loop with gradient accumulation is `utils.train.loop.train_micro
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -25,6 +26,7 @@ from typing import Callable, Iterator
 from utils import errors
 from utils.math.throughput import PhaseTokens, phase_rate_metrics, token_metrics
 from utils.models.export import ExportWriteError, reload_max_abs_diff
+from utils.runtime import distributed
 from utils.runtime.accelerator import PhaseMemory, peak_flops
 from utils.runtime.distributed import all_reduce_max_list, all_reduce_sum, run_output_dir, world_size
 from utils.train.checkpoint import BadStepGuard, Checkpointing, LoopState, TrainingCheckpoints
@@ -47,6 +49,22 @@ def resume_point() -> str | None:
 
 
 errors.use_resume_point(resume_point)  # the line of an interrupted run (utils/errors.py) names it
+
+
+def _phases_tracked(memory: PhaseMemory) -> PhaseMemory:
+    """`memory`, whose `phase(name)` blocks (step 3's generation / experience / training, steps 1-2's training)
+    also set this rank's phase (utils.runtime.distributed.phase: what a peer's lost-rank line names)."""
+    if getattr(memory, "_tracks_phases", False):
+        return memory
+    measured = memory.phase
+
+    @contextlib.contextmanager
+    def phase(name: str):
+        with distributed.phase(name), measured(name):
+            yield
+
+    memory.phase, memory._tracks_phases = phase, True
+    return memory
 
 
 def loop_metrics(loop: LoopState, memory: PhaseMemory) -> dict:
@@ -127,7 +145,7 @@ class Run:
     ):
         self.args, self.name, self.label, self.total_steps = args, name, label, total_steps
         self.checkpointing = Checkpointing(args, engines, layout)
-        self.memory = memory if memory is not None else PhaseMemory()
+        self.memory = _phases_tracked(memory if memory is not None else PhaseMemory())
         self.tokens = tokens if tokens is not None else PhaseTokens()  # the micro-batch loop's training tokens
         self._peak_logged = False  # perf/peak_flops: logged with the first step's row
         self.evaluate, self.evaluate_last = evaluate, evaluate_last
@@ -154,6 +172,7 @@ class Run:
         `before() -> (state, metrics)`: the state to keep with every checkpoint and the metrics logged
         at step 0 (the evaluation before training). Returns the run's state either way. Opens the
         logger (a resumed run keeps its metrics.jsonl rows up to the checkpoint) and the guard."""
+        distributed.set_phase("restore")
         loop, shared, self.rank_state = self.checkpointing.restore()
         write_deferred_run_config(self.args)  # a --resume's config.yaml, once the checkpoint's checks passed
         self.restored_from = self.checkpointing.last_path
@@ -172,7 +191,8 @@ class Run:
                     f"schedule continues from step {loop.step} over the new length"
                 )
         elif before is not None:
-            state, metrics = before()
+            with distributed.phase("evaluation"):
+                state, metrics = before()
             self.state = dict(state)
             if metrics:
                 self.log(0, metrics)
@@ -192,6 +212,7 @@ class Run:
             self.progress = progress_bar(self.total_steps, loop.step, self.label)
         start = time.time()
         eval_before = self.eval_s
+        distributed.set_phase("training")
         while loop.step < self.total_steps and loop.epoch < epochs:
             sampler.set_epoch(loop.epoch)
             batches = iter(loader)
@@ -262,7 +283,11 @@ class Run:
             shown = postfix(evaluation) if callable(postfix) else postfix
             self.progress.set_postfix(**(shown or {}), **memory_postfix(metrics))
         self.state.update(state or {})
-        self.checkpointing.maybe_save(loop, {**self.state, "total_steps": self.total_steps}, rank_state)
+        interval = self.checkpointing.interval
+        with (
+            distributed.phase("checkpoint") if interval > 0 and loop.step % interval == 0 else contextlib.nullcontext()
+        ):
+            self.checkpointing.maybe_save(loop, {**self.state, "total_steps": self.total_steps}, rank_state)
         return evaluation
 
     def evaluation_due(self) -> bool:
@@ -273,7 +298,8 @@ class Run:
 
     def _timed_evaluation(self) -> dict:
         start = time.time()
-        metrics = self.evaluate(self.loop.step)
+        with distributed.phase("evaluation"):
+            metrics = self.evaluate(self.loop.step)
         self.eval_s += time.time() - start
         return metrics
 
@@ -294,6 +320,7 @@ class Run:
         logger. Returns the difference (0.0 without a check). An export that could not be written
         (ExportWriteError: a full disk, a quota) is raised again saying where a --resume continues from."""
         start = time.time()
+        distributed.set_phase("export")
         try:
             export()
         except ExportWriteError as exc:
