@@ -12,6 +12,7 @@ from safetensors import SafetensorError
 
 import utils.models.export as export
 import utils.models.reward_model as reward_model
+from tests.test_step1_run import common_args, sft_data  # noqa: F401  (sft_data: a fixture)
 from utils.models.export import EXPORT_OLD, EXPORT_TMP, ExportWriteError, export_hf_model
 from utils.models.loading import load_causal_lm, load_tokenizer
 from utils.models.reward_model import RewardModel, export_reward_model
@@ -174,3 +175,30 @@ def test_the_run_names_the_checkpoint_to_resume_from(last_path):
         assert f"--resume continues from {last_path}" in message
     else:
         assert "no checkpoint" in message and "lost" in message
+
+
+@pytest.mark.slow
+def test_a_step1_run_whose_export_meets_a_full_disk_resumes_and_exports(
+    tiny_gpt2,
+    sft_data,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    """The line names the last checkpoint; a --resume from it (the run's last step) only exports."""
+    from step1_sft.main import main
+
+    out = tmp_path / "out"
+    args = [str(a) for a in common_args(tiny_gpt2, sft_data, str(out), steps=4)]
+    args += ["--zero_stage", "0", "--save_interval", "2"]
+    monkeypatch.setattr("transformers.modeling_utils.safe_save_file", weights_full)
+    with pytest.raises(ExportWriteError) as exc:
+        main(args)
+    message = one_line_naming(exc.value, out)
+    last = out / "checkpoints" / "step-00000004"
+    assert message.endswith(f"--resume continues from {last}, the last checkpoint (free space first)"), message
+    assert not (out / "model.safetensors").exists() and not (out / "config.json").exists()
+    no_leftovers(out)
+    monkeypatch.undo()
+    main(args + ["--resume"])
+    assert (out / "model.safetensors").exists() and (out / "config.json").exists()
+    no_leftovers(out)
