@@ -121,6 +121,7 @@ def summarise(rows: list[dict], warmup: int, ranks: int, extra_per_token: float 
     return {
         "steps_timed": len(timed),
         "step_s": statistics.median(seconds),
+        "step_s_total": total_s,
         "tokens_per_step": real / len(timed),
         "real_tokens_per_s": real / total_s,
         "processed_tokens_per_s": processed / total_s,
@@ -132,6 +133,13 @@ def summarise(rows: list[dict], warmup: int, ranks: int, extra_per_token: float 
         "model_flops_per_token": achieved * total_s / real,
         "mfu_with_head_attention": (achieved + extra_per_token * real / total_s) / peak_all,
     }
+
+
+def cpu_mfu(model_flops: float, cpu_seconds: float, core_flops: float) -> float:
+    """The model FLOPs over the CPU seconds the ranks were given (all their threads), against one core's peak: the
+    MFU of the time actually scheduled, which a machine shared with other work does not move as it moves the wall
+    clock's (a core taken away half the time halves the wall-clock MFU, not this one)."""
+    return model_flops / (cpu_seconds * core_flops) if cpu_seconds > 0 and core_flops > 0 else 0.0
 
 
 # ----------------------------------------------------------------------------------------------- the data
@@ -200,13 +208,16 @@ def worker(argv) -> None:
     after_step = Run.after_step
 
     def after_step_timed(self, *a, **k):
-        timings["steps"].append(dict(current))
+        wall, cpu = time.perf_counter(), time.process_time()  # the process's CPU seconds: all its threads
+        timings["steps"].append({**current, "wall": wall - clock["wall"], "cpu": cpu - clock["cpu"]})
+        clock.update(wall=wall, cpu=cpu)
         current.update(dict.fromkeys(current, 0.0))
         if profiler is not None:
             profiler.step()
         return after_step(self, *a, **k)
 
     Run.after_step = after_step_timed
+    clock = {"wall": time.perf_counter(), "cpu": time.process_time()}
     profile_at = int(options["--profile"])
     try:
         if profile_at >= 0 and rank == 0:
@@ -275,7 +286,7 @@ def parse_args(argv=None):
         default=None,
         help=f"comma-separated of: {', '.join(CONFIGS)} (default: all; --tiny: {TINY_CONFIGS})",
     )
-    p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 4; --tiny 3)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps per run (3: 1 warm-up, 2 timed)")
     p.add_argument("--warmup", type=int, default=1, help="first optimizer steps dropped from the figures")
     p.add_argument("--seq_len", type=int, default=None, help="tokens per generated row (default 512; --tiny 128)")
     p.add_argument("--batch", type=int, default=None, help="generated rows per rank per step (default 2; --tiny 4)")
@@ -287,7 +298,7 @@ def parse_args(argv=None):
         help="profile the last step of the 1r run (torch.profiler, by operator; left out of its figures)",
     )
     args = p.parse_args(argv)
-    args.steps = args.steps or (3 if args.tiny else 4)
+    args.steps = args.steps or 3
     args.seq_len = args.seq_len or (128 if args.tiny else 512)
     args.batch = args.batch or (4 if args.tiny else 2)
     names = (args.configs or (TINY_CONFIGS if args.tiny else DEFAULT_CONFIGS)).split(",")
@@ -316,8 +327,8 @@ def step1_flags(args, config: Config, model: str, data: str, out: str) -> list[s
 
 
 def run_config(args, name: str, model: str, data: str, shape: dict, index: int, profile: bool = False) -> dict:
-    """One configuration's launch and its figures (summarise), rank 0's split and, with `profile`, its profile
-    of the last optimizer step (left out of the figures)."""
+    """One configuration's launch and its figures (summarise), its ranks' CPU seconds in the timed steps, rank 0's
+    split and, with `profile`, its profile of the last optimizer step (left out of the figures)."""
     config = CONFIGS[name]
     out = fresh_dir(os.path.join(RUNS, "sft_throughput", name))
     profile_at = args.steps - 2 if profile else -1  # steps waited; then 1 profiler warm-up step, 1 recorded
@@ -349,9 +360,13 @@ def run_config(args, name: str, model: str, data: str, shape: dict, index: int, 
             with open(path) as f:
                 per_rank.append(json.load(f))
     result["torch_threads"] = [t["threads"] for t in per_rank]
-    steps = per_rank[0]["steps"][args.warmup : args.steps - (1 if profile else 0)] if per_rank else []
+    timed = slice(args.warmup, args.steps - (1 if profile else 0))
+    steps = per_rank[0]["steps"][timed] if per_rank else []
     if steps:
         result["split_s"] = {k: statistics.median(s[k] for s in steps) for k in steps[0]}
+    if len(per_rank) == config.ranks and all(len(t["steps"]) == args.steps for t in per_rank):
+        result["cpu_s"] = sum(s["cpu"] for t in per_rank for s in t["steps"][timed])  # all ranks, timed steps
+        result["model_flops"] = result["achieved_flops"] * result["step_s_total"]
     if per_rank and "profile" in per_rank[0]:
         result["profile"], result["profile_step"] = per_rank[0]["profile"], args.steps
     return result
@@ -385,6 +400,21 @@ def config_lines(results: list[dict]) -> list[str]:
             f"{r['achieved_flops'] / 1e9:9.1f} {100 * r['mfu']:5.1f}% {100 * r['mfu_with_head_attention']:12.1f}% "
             f"{cells}"
         )
+    return lines
+
+
+def cpu_lines(results: list[dict], core_flops: float) -> list[str]:
+    """Per configuration: the ranks' CPU seconds per timed step and the MFU over them (cpu_mfu)."""
+    lines = [
+        f"per CPU second the ranks were given (against one core's {core_flops / 1e9:.1f} GFLOP/s, the better "
+        "1-thread sgemm; the machine's other work left out): "
+        + "; ".join(
+            f"{r['config']} {r['cpu_s'] / r['steps_timed']:.1f} CPU s/step, MFU {100 * r['cpu_mfu']:.1f}% "
+            f"({100 * r['cpu_mfu_with_head_attention']:.1f}% with head + attention)"
+            for r in results
+            if "cpu_mfu" in r
+        )
+    ]
     return lines
 
 
@@ -425,12 +455,26 @@ def main(argv=None):
         ]
     )
     shape = model_shape(model)
-    results = []
+    results, failed = [], []
     for index, name in enumerate(args.configs):
         print(f"[sft_throughput] {name} ...", file=sys.stderr, flush=True)
-        r = run_config(args, name, model, data, shape, index, profile=args.profile and name == PROFILED)
+        try:
+            r = run_config(args, name, model, data, shape, index, args.profile and name == PROFILED)
+        except BenchError as exc:  # one configuration's failure (a rank killed for memory): the others still run
+            failed.append(f"{name}: {exc}")
+            continue
         results.append(r)
         print(f"[sft_throughput] {name}: MFU {100 * r['mfu']:.1f}%, {r['real_tokens_per_s']:.0f} tok/s", flush=True)
+    if not results:
+        raise BenchError("every configuration failed: " + "; ".join(failed))
+    after = sgemm_gflops()
+    core_flops = max(probe, after) * 1e9  # one core's peak for cpu_mfu: the better probe (the less shared moment)
+    for r in results:
+        if "cpu_s" in r:
+            r["cpu_mfu"] = cpu_mfu(r["model_flops"], r["cpu_s"], core_flops)
+            r["cpu_mfu_with_head_attention"] = r["cpu_mfu"] * (
+                1 + r["extra_flops_per_token"] / r["model_flops_per_token"]
+            )
     body = ["", *config_lines(results)]
     body.append(
         "(s/step: the training phase of a step, the slowest rank; tok/step: real tokens of all ranks; peak: the "
@@ -440,17 +484,21 @@ def main(argv=None):
     )
     threads = [f"{r['config']}: {r['torch_threads']}" for r in results]
     body.append("torch.get_num_threads() per rank: " + "; ".join(threads))
-    best = max(results, key=lambda r: r["mfu"])
+    body += [f"FAILED {line}" for line in failed]
+    body += cpu_lines(results, core_flops)
     for r in results:
         if "profile" in r:
             body += profile_lines(r)
-    after = sgemm_gflops()
     body.append(f"1-thread sgemm after: {after} GFLOP/s")
+    best = max(results, key=lambda r: r["mfu"])
+    best_cpu = max(results, key=lambda r: r.get("cpu_mfu", 0.0))
     body.append(
         f"best MFU: {100 * best['mfu']:.1f}% ({best['config']}, {best['real_tokens_per_s']:.0f} real tokens/s; "
-        f"{100 * best['mfu_with_head_attention']:.1f}% with the LM head and attention)"
+        f"{100 * best['mfu_with_head_attention']:.1f}% with the LM head and attention); per CPU second given: "
+        f"{100 * best_cpu.get('cpu_mfu', 0.0):.1f}% ({best_cpu['config']})"
     )
-    data_out = {"sgemm_gflops": [probe, after], "model": model, "shape": shape, "runs": results, "args": vars(args)}
+    data_out = {"sgemm_gflops": [probe, after], "model": model, "shape": shape, "runs": results, "failed": failed}
+    data_out["args"] = vars(args)
     end_report(args.save, header, body, data=data_out)
 
 

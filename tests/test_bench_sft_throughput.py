@@ -4,7 +4,7 @@ weighted), the FLOPs 6N leaves out, and the profile's operator groups."""
 import pytest
 
 from bench.common import BenchError
-from bench.sft_throughput import extra_flops_per_token, group_profile, summarise
+from bench.sft_throughput import cpu_mfu, extra_flops_per_token, group_profile, summarise
 
 
 def step(n: int, real: float, processed: float, tokens_per_s: float, mfu: float) -> dict:
@@ -74,3 +74,9 @@ def test_group_profile_sorts_operators_into_groups_and_skips_the_scopes():
     assert groups["optimizer (Adam)"] == 0.2
     assert groups["other (elementwise, norms, copies, ...)"] == 0.3
     assert sum(groups.values()) == pytest.approx(3.35)
+
+
+def test_cpu_mfu_counts_only_the_cpu_seconds_given():
+    # 1e12 model FLOPs in 20 CPU seconds on a 100 GFLOP/s core: 50%, whatever the wall clock said
+    assert cpu_mfu(1e12, 20.0, 100e9) == pytest.approx(0.5)
+    assert cpu_mfu(1e12, 0.0, 100e9) == 0.0
