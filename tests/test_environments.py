@@ -1,5 +1,6 @@
 """Environments (step3_ppo/agents/environments.py): loading by name, file or module, one-line errors, the reply
-and reward checks, failures as EnvFailed naming the environment and the row, and math_retry's episodes."""
+and reward checks, failures as EnvFailed naming the environment and the row, math_retry's episodes, and the
+worker process environments run in (an exit, a crash or a hang is one line, and this process lives on)."""
 
 import sys
 
@@ -9,11 +10,15 @@ from step3_ppo.agents.environments import (
     ENVIRONMENTS,
     EnvError,
     EnvFailed,
+    EnvironmentSpec,
+    EnvironmentWorker,
     MathRetry,
     environments_help,
     load_environment,
     normalise_reply,
 )
+from step3_ppo.agents.flags import add_agent_args, check_agent_args
+from utils.errors import UsageError
 
 ENVS = '''
 class Echo:
@@ -211,3 +216,145 @@ def test_math_retry_without_an_answer_stops_the_run_naming_the_row():
     with pytest.raises(EnvError) as info:
         load_environment("math_retry").make({"prompt": "hi", "origin": "data/math.jsonl:9", "extra": {}})
     assert one_line(info.value).startswith("environment math_retry: row data/math.jsonl:9 has no 'answer' field")
+
+
+# ---------------------------------------------------------------- in a worker process
+
+HOSTILE = """
+import os
+import time
+
+HOW, WHEN = {how!r}, {when!r}
+
+
+def act(when, row):
+    if when != WHEN or not row.get("origin", "").endswith(":1"):  # row 1 only: the others are bystanders
+        return
+    if HOW == "os_exit":
+        os._exit(0)
+    if HOW == "system_exit":
+        raise SystemExit(0)
+    if HOW == "raise":
+        raise RuntimeError("broken board")
+    if HOW == "hang":
+        time.sleep(3600)
+
+
+class Hostile:
+    def __init__(self, row):
+        self.row = row
+        act("init", row)
+
+    def step(self, message):
+        act("step", self.row)
+        return "again"
+
+    def reward(self):
+        act("reward", self.row)
+        return 1.0
+"""
+
+BAD, GOOD = {"prompt": "p", "origin": "x.jsonl:1"}, {"prompt": "p", "origin": "x.jsonl:2"}
+
+# how the environment misbehaves: what the one line says after "<call> " (a death: "during <call>, ...")
+HOSTILITIES = {
+    "os_exit": "during {call}, its worker process died (exit status 0)",
+    "system_exit": "{call} called sys.exit(0)",
+    "raise": "{call} raised RuntimeError: broken board",
+    "hang": "{call} ran past --env_timeout 0.5 s (its worker process was killed)",
+}
+
+
+def write_hostile(folder, how: str, when: str):
+    """The Hostile environment loaded from a file: on rows whose origin ends with ':1', its constructor
+    (when="init"), step() or reward() does `how` (a HOSTILITIES key)."""
+    path = folder / f"hostile_{how}_{when}.py"
+    path.write_text(HOSTILE.format(how=how, when=when))
+    return load_environment(f"{path}:Hostile")
+
+
+@pytest.mark.parametrize("how", list(HOSTILITIES))
+@pytest.mark.parametrize("when, call", [("init", "Hostile(row)"), ("step", "step()"), ("reward", "reward()")])
+def test_an_environment_that_exits_raises_or_hangs_is_one_line_and_the_worker_goes_on(tmp_path, how, when, call):
+    """os._exit(0), SystemExit(0), an exception or a hang in the constructor, step() or reward(): one line naming
+    the environment class, the row and the call; this process lives on. A death or a kill takes the environments
+    of the other trajectories in the worker with it ("lost", one line too); the next trajectory starts a new one."""
+    env = write_hostile(tmp_path, how, when)
+    worker = EnvironmentWorker(env, timeout=0.5)
+    try:
+        bystander = worker.make(GOOD)
+        with pytest.raises(EnvFailed) as info:
+            episode = worker.make(BAD)
+            assert worker.step(episode, "move") == {"role": "user", "content": "again"}
+            worker.reward(episode)
+        assert one_line(info.value) == f"environment Hostile failed on row x.jsonl:1: {HOSTILITIES[how]}".format(
+            call=call
+        )
+        if how == "raise":  # the worker lives on, and so does the other trajectory's environment
+            assert worker.step(bystander, "move") == {"role": "user", "content": "again"}
+        else:
+            with pytest.raises(EnvFailed) as lost:
+                worker.step(bystander, "move")
+            assert one_line(lost.value).startswith(
+                "environment Hostile failed on row x.jsonl:2: step(): its environment was lost with its worker process"
+            )
+        fresh = worker.make(GOOD)
+        assert worker.step(fresh, "move") == {"role": "user", "content": "again"} and worker.reward(fresh) == 1.0
+    finally:
+        worker.close()
+
+
+def test_an_environment_that_cannot_be_loaded_in_a_worker_says_so_in_one_line():
+    class Local:  # made here: no spec a worker process can load it by
+        def __init__(self, row):
+            pass
+
+        def step(self, message):
+            return None
+
+    worker = EnvironmentWorker(EnvironmentSpec("Local", Local, False, "Local"), timeout=5)
+    with pytest.raises(EnvError) as info:
+        worker.make(GOOD)
+    assert one_line(info.value).startswith(
+        "environment Local: cannot be loaded in a worker process (environments run in one): unknown environment"
+    )
+
+
+def test_a_wrong_setup_in_the_worker_still_stops_the_run_naming_the_row():
+    worker = EnvironmentWorker(load_environment("math_retry"), timeout=5)
+    try:
+        with pytest.raises(EnvError) as info:
+            worker.make({"prompt": "hi", "origin": "data/math.jsonl:9", "extra": {}})
+        assert one_line(info.value).startswith("environment math_retry: row data/math.jsonl:9 has no 'answer' field")
+        episode = worker.make(ROW)  # the worker's replies are the in-process environment's
+        assert worker.step(episode, "It is 41.") == {"role": "user", "content": MathRetry.retry}
+        assert worker.step(episode, "\\boxed{42}") is None and worker.reward(episode) == 1.0
+    finally:
+        worker.close()
+
+
+@pytest.mark.parametrize(
+    "given, error",
+    [
+        (["--env_timeout", "0"], "--env_timeout must be a number of seconds > 0, got 0.0"),
+        (["--env_timeout", "nan"], "--env_timeout must be a number of seconds > 0, got nan"),
+        (["--env_timeout", "inf"], "--env_timeout must be a number of seconds > 0, got inf"),
+        (["--tools", "calculator", "--env_timeout", "5"], "--env_timeout is for an environment's calls: give --env"),
+        (["--env_timeout", "5"], None),
+    ],
+)
+def test_env_timeout_is_checked(given, error):
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_agent_args(parser)
+    argv = given if "--tools" in given else ["--env", "math_retry", *given]
+    args = parser.parse_args(argv)
+    args.max_answer_seq_len = 8
+    if error is None:
+        check_agent_args(args)
+        assert args.env_timeout == 5.0
+        return
+    with pytest.raises(UsageError) as info:
+        check_agent_args(args)
+    assert str(info.value).startswith(error)

@@ -10,24 +10,34 @@ policy's last assistant message and returns the next message: a str (a `user` tu
 `{"role": "tool" | "user", "content": str}`, or None to end the episode. An optional `reward() -> float`,
 called once at the end, is the reward component `env`. step3_ppo/agents/loop.py runs the loop.
 
-What goes wrong: a spec that does not load, or a setup the environment itself refuses by raising EnvError
-(math_retry on a row without 'answer'), stops the run (EnvError, one line naming the spec). A constructor,
-step() or reward() that raises anything else, a reply of the wrong shape or a reward that is not a finite
-number is EnvFailed (naming the environment and the row): the trajectory ends, and the run stops unless
-`--skip_bad_rewards` drops it. A built-in is one ENVIRONMENTS entry next to its class.
+Where it runs: in a worker process of its own (EnvironmentWorker, step3_ppo/function_worker.py's), one per
+run and rank, holding the environments of every trajectory in flight; so an environment that calls
+`sys.exit`/`os._exit`, crashes or hangs cannot end or stall training and evaluation (a call is killed at
+`--env_timeout`).
+
+What goes wrong: a spec that does not load (here or in the worker), or a setup the environment itself refuses
+by raising EnvError (math_retry on a row without 'answer'), stops the run (EnvError, one line naming the spec).
+A constructor, step() or reward() that raises anything else, exits, crashes or runs past --env_timeout, a reply
+of the wrong shape or a reward that is not a finite number is EnvFailed (naming the environment, the row and
+the call): the trajectory ends, and the run stops unless `--skip_bad_rewards` drops it. A worker that exits,
+crashes or is killed takes the other trajectories' environments with it: their next call is EnvFailed too
+("lost"). A built-in is one ENVIRONMENTS entry next to its class.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import numbers
 from dataclasses import dataclass
 
+from step3_ppo.function_worker import CallFailed, FunctionWorker
 from step3_ppo.rewards.functions import answers_match, final_answer
 from step3_ppo.specs import load_object
 from utils.errors import ProjectError, one_line
 
 _MESSAGE_LIMIT = 200
+DEFAULT_ENV_TIMEOUT_S = 60.0  # --env_timeout: one constructor, step() or reward() call in the worker
 _FLOAT32_MAX = 3.4028234663852886e38  # a reward becomes a float32 tensor
 ROLES = ("tool", "user")
 
@@ -216,3 +226,110 @@ def load_environment(spec: str) -> EnvironmentSpec:
     if not callable(getattr(cls, "step", None)):
         raise EnvError(spec, f"class {cls.__name__} has no step(message) method")
     return EnvironmentSpec(name, cls, callable(getattr(cls, "reward", None)), spec)
+
+
+# ---------------------------------------------------------------- in a worker process
+
+
+@dataclass(frozen=True)
+class RemoteEpisode:
+    """One trajectory's environment, living in the EnvironmentWorker's process under `key`."""
+
+    key: int
+    origin: str
+
+
+class EnvironmentWorker:
+    """The run's environments in a worker process of their own (one per rank, started at the first `make`):
+    `make(prompt_row)` builds a trajectory's environment there, `step(episode, message)` is its normalised
+    reply, `reward(episode)` its finite reward (and forgets it). Every call is killed past `timeout` seconds.
+    A failure of the call (it raised, exited, crashed, hung, or its environment was lost with a worker that
+    another call ended) is EnvFailed naming the environment, the row and the call; an environment that cannot
+    be loaded in the worker, or whose setup is wrong (EnvError), stops the run."""
+
+    def __init__(self, environment: EnvironmentSpec, timeout: float = DEFAULT_ENV_TIMEOUT_S):
+        self.environment, self.timeout = environment, timeout
+        self.worker = FunctionWorker(environment.spec, f"{__name__}:serve", deadline_name="--env_timeout")
+        self.keys = itertools.count()  # never reused: a restarted worker answers an old key with "lost"
+        self.held: set[int] = set()  # keys whose environment the worker may still hold
+
+    def _call(self, what: str, origin: str, op: str, key, arg=None):
+        try:
+            kind, value = self.worker.call({"op": op, "key": key, "arg": arg}, self.timeout)
+        except CallFailed as exc:
+            if exc.kind in ("start", "load"):
+                raise EnvError(self.environment.spec, f"cannot be started in a worker process: {exc}") from None
+            how = f"during {what}, {exc}" if exc.kind == "died" else f"{what} {exc}"
+            raise EnvFailed(self.environment.name, origin, how) from None
+        if kind == "failed":
+            raise EnvFailed(self.environment.name, origin, value)
+        if kind == "lost":
+            raise EnvFailed(
+                self.environment.name,
+                origin,
+                f"{what}: its environment was lost with its worker process, which another trajectory's "
+                f"environment call ended (exit, crash or --env_timeout)",
+            )
+        return value
+
+    def make(self, prompt_row: dict) -> RemoteEpisode:
+        origin = str(env_row(prompt_row).get("origin") or "")
+        episode = RemoteEpisode(next(self.keys), origin)
+        self._call(f"{self.environment.cls.__name__}(row)", origin, "make", episode.key, prompt_row)
+        self.held.add(episode.key)
+        return episode
+
+    def step(self, episode: RemoteEpisode, message: str) -> dict | None:
+        return self._call("step()", episode.origin, "step", episode.key, message)
+
+    def reward(self, episode: RemoteEpisode) -> float:
+        self.held.discard(episode.key)  # the worker forgets it after reward(), whatever happens
+        return self._call("reward()", episode.origin, "reward", episode.key)
+
+    def forget(self, episodes) -> None:
+        """Drop these trajectories' environments in the worker (a live one only: none is started for this)."""
+        keys = [e.key for e in episodes if e is not None and e.key in self.held]
+        self.held.difference_update(keys)
+        process = self.worker.process
+        if keys and process is not None and process.poll() is None:
+            try:
+                self.worker.call({"op": "drop", "key": keys}, self.timeout)
+            except CallFailed:  # a __del__ that exits or hangs: the worker is restarted at the next call
+                pass
+
+    def close(self) -> None:
+        self.worker.stop()
+        self.held.clear()
+
+
+def serve(spec: str):
+    """In the worker: the environment `spec` names, loaded as the parent loaded it, and the function that
+    answers the parent's calls. An EnvFailed is an answer ("failed"), not a raise, so the worker and the
+    other trajectories' environments in it live on."""
+    try:
+        environment = load_environment(spec)
+    except EnvError as exc:
+        raise EnvError(spec, f"cannot be loaded in a worker process (environments run in one): {exc.problem}") from None
+    episodes: dict[int, Episode] = {}
+
+    def call(op: str, key, arg=None):
+        if op == "drop":
+            for k in key:
+                episodes.pop(k, None)
+            return "ok", None
+        try:
+            if op == "make":
+                episodes[key] = environment.make(arg)
+                return "ok", None
+            episode = episodes.get(key)
+            if episode is None:
+                return "lost", None
+            if op == "step":
+                return "ok", episode.step(arg)
+            del episodes[key]
+            return "ok", episode.reward()
+        except EnvFailed as exc:
+            episodes.pop(key, None)
+            return "failed", exc.problem
+
+    return call

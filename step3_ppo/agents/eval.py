@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from step3_ppo.agents.environments import DEFAULT_ENV_TIMEOUT_S
 from step3_ppo.agents.loop import AgentLimits, EnvReward, MultiTurn, agent_rates, agent_sums, prompts_with_tools
 from step3_ppo.agents.tools import Toolbox
 from step3_ppo.plot import read_rows
@@ -76,7 +77,8 @@ def evaluate_policy(model_dir: str, prompt_rows: list[dict], args, reward_functi
         top_k=args.top_k,
     )
     toolbox = Toolbox(args.tool_list, args.tool_timeout, args.tool_parser) if args.tool_list else None
-    agent = MultiTurn(tokenizer, limits, args.environment, toolbox)
+    env_timeout = getattr(args, "env_timeout", None) or DEFAULT_ENV_TIMEOUT_S
+    agent = MultiTurn(tokenizer, limits, args.environment, toolbox, env_timeout=env_timeout)
     components = [FunctionReward(f, tokenizer) for f in reward_functions]
     if args.environment is not None and args.environment.has_reward:
         components.append(EnvReward())
@@ -89,6 +91,7 @@ def evaluate_policy(model_dir: str, prompt_rows: list[dict], args, reward_functi
                     engine, collate(examples[i : i + args.batch_size]), settings, 1, stops, tokenizer.pad_token_id
                 )
     finally:
+        agent.close()  # the environments' worker process
         if toolbox is not None:
             toolbox.close()
     n = max(len(out), 1)

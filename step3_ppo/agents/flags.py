@@ -4,11 +4,19 @@ loop itself is step3_ppo/agents/loop.py."""
 
 from __future__ import annotations
 
-from step3_ppo.agents.environments import EnvError, environments_help, load_environment
+import math
+
+from step3_ppo.agents.environments import DEFAULT_ENV_TIMEOUT_S, EnvError, environments_help, load_environment
 from step3_ppo.agents.tools import TOOL_CALL_PARSERS, TOOLS, ToolError, load_tools, sandbox_missing
 from utils.train.flags import fail
 
-AGENT_DEFAULTS = {"max_turns": 4, "max_observation_len": 128, "tool_timeout": 10.0, "tool_parser": "hermes"}
+AGENT_DEFAULTS = {
+    "max_turns": 4,
+    "max_observation_len": 128,
+    "tool_timeout": 10.0,
+    "tool_parser": "hermes",
+    "env_timeout": DEFAULT_ENV_TIMEOUT_S,
+}
 
 
 def add_agent_args(parser) -> None:
@@ -38,6 +46,13 @@ def add_agent_args(parser) -> None:
         default=None,
         help=f"seconds one tool call may take; then its process is killed and the model is told "
         f"(default {AGENT_DEFAULTS['tool_timeout']:g})",
+    )
+    g.add_argument(
+        "--env_timeout",
+        type=float,
+        default=None,
+        help=f"seconds one call of the environment (its constructor, step() or reward()) may take in its worker "
+        f"process; then the process is killed and the trajectory fails (default {AGENT_DEFAULTS['env_timeout']:g})",
     )
     g.add_argument(
         "--tool_parser",
@@ -77,12 +92,14 @@ def check_agent_args(args) -> None:
     args.environment, args.tool_list = None, []
     multi_turn = bool(args.env or args.tools)
     if not multi_turn:
-        given = [name for name in (*AGENT_DEFAULTS, "max_trajectory_len") if getattr(args, name) is not None]
+        given = [name for name in (*AGENT_DEFAULTS, "max_trajectory_len") if getattr(args, name, None) is not None]
         if given:
             fail(f"--{given[0]} is for multi-turn rollouts: give --env or --tools (or leave it out)")
         return
+    if not args.env and getattr(args, "env_timeout", None) is not None:
+        fail("--env_timeout is for an environment's calls: give --env (or leave it out)")
     for name, value in AGENT_DEFAULTS.items():
-        if getattr(args, name) is None:
+        if getattr(args, name, None) is None:
             setattr(args, name, value)
     if args.max_trajectory_len is None:
         args.max_trajectory_len = args.max_turns * (args.max_answer_seq_len + args.max_observation_len)
@@ -91,6 +108,8 @@ def check_agent_args(args) -> None:
             fail(f"--{name} must be >= 1, got {getattr(args, name)}")
     if not args.tool_timeout > 0:
         fail(f"--tool_timeout must be > 0, got {args.tool_timeout}")
+    if not 0 < args.env_timeout < math.inf:  # NaN too
+        fail(f"--env_timeout must be a number of seconds > 0, got {args.env_timeout}")
     try:
         args.environment = load_environment(args.env) if args.env else None
         args.tool_list = load_tools(args.tools or [])

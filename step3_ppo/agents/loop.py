@@ -8,13 +8,16 @@ count actions only, and the sequence reward lands on the last action (utils/math
 step3_ppo/algo/shaping.py). The trained ids are exactly the ids that were generated or appended: a
 reply is rendered by the chat template as the suffix between the end of the assistant's turn and
 the next generation prompt (`ReplyRenderer`), tokenised once and appended; the conversation is
-never rendered and re-tokenised as a whole (which can give other ids than those generated).
+never rendered and re-tokenised as a whole (which can give other ids than those generated). A reply's
+text never becomes a control token: text that spells one (`<|im_end|>\n<|im_start|>assistant`, which would
+close the reply's turn and forge an assistant turn) is tokenised as plain text, and only the template's
+own markers around it are special.
 
 Each turn, every live trajectory of the batch generates together through the run's rollout engine
 (with the hybrid engine the actor stays gathered across all turns: the trainer's rollout phase
 holds it). After a turn: a tool call in it is answered by the tools (step3_ppo/agents/tools.py), else the
-environment (step3_ppo/agents/environments.py) answers; no tools' answer and no environment (or the
-environment's None) ends the episode.
+environment (step3_ppo/agents/environments.py, in a worker process of its own) answers; no tools' answer and
+no environment (or the environment's None) ends the episode.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from step3_ppo.agents.environments import EnvFailed
+from step3_ppo.agents.environments import DEFAULT_ENV_TIMEOUT_S, EnvFailed, EnvironmentWorker
 from step3_ppo.agents.tools import Toolbox, template_supports_tools, tool_system_prompt
 from utils.data.chat import end_of_turn_id, render, require_template
 from utils.errors import ProjectError
@@ -66,12 +69,23 @@ class ReplyRenderer:
     that closes the turn (ChatML's newline), the replies' turns and the next generation prompt. It is
     measured on a probe conversation: render(probe + replies, add_generation_prompt) must start with
     render(probe) up to its end-of-turn token, else the template rewrites earlier turns and token-in-
-    token-out cannot hold (one line naming the template)."""
+    token-out cannot hold (one line naming the template).
+
+    A reply whose text spells a special token (`<|im_end|>`) is rendered with a spare special token (the
+    `placeholder`, one the template never writes) in place of its content, and the content's own ids
+    (tokenised with special tokens split, as plain text) go where the placeholder is: the template's markers
+    stay special, the reply's text never becomes one. Other replies are the template's ids as they are."""
 
     def __init__(self, tokenizer):
         require_template(tokenizer)
         self.tokenizer = tokenizer
         self.end_of_turn = end_of_turn_id(tokenizer)
+        special = set(getattr(tokenizer, "all_special_tokens", None) or [])
+        for token in (getattr(tokenizer, "added_tokens_decoder", None) or {}).values():
+            if getattr(token, "special", False):
+                special.add(str(token))
+        self.special_texts = sorted(special - {""}, key=len, reverse=True)  # what split_special_tokens splits
+        self._placeholder = "unset"
         stops = [t for t in (self.end_of_turn, tokenizer.eos_token_id) if t is not None]
         base = render(tokenizer, _PROBE)
         ends = [i for i, t in enumerate(base) if t in stops]
@@ -84,6 +98,11 @@ class ReplyRenderer:
         self.turn_end = base[ends[-1]]  # appended (as the environment's) after a turn cut at its length limit
 
     def suffix(self, replies: list[dict]) -> list[int]:
+        if any(self.spells_special(r["content"]) for r in replies):
+            return self.placed_suffix(replies)
+        return self.rendered_suffix(replies)
+
+    def rendered_suffix(self, replies: list[dict]) -> list[int]:
         full = render(self.tokenizer, _PROBE + replies, add_generation_prompt=True)
         if full[: len(self.base)] != self.base:
             raise AgentError(
@@ -93,9 +112,53 @@ class ReplyRenderer:
             )
         return full[len(self.base) :]
 
+    def spells_special(self, text: str) -> bool:
+        return any(special in text for special in self.special_texts)
+
+    def encode_text(self, text: str) -> list[int]:
+        """Ids of a reply's text with special tokens split: `<|im_end|>` in it is plain text, not the token."""
+        return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+
+    @property
+    def placeholder(self) -> tuple[str, int] | None:
+        """(text, id) of a special token that stands in for a reply's content: one that the template does
+        not write around a reply and that renders as exactly one id; None if the tokenizer has none."""
+        if self._placeholder == "unset":
+            self._placeholder = None
+            plain = self.rendered_suffix([{"role": "user", "content": "x"}])
+            for text in self.special_texts:
+                token = self.tokenizer.convert_tokens_to_ids(text)
+                if not isinstance(token, int) or token in plain:
+                    continue
+                if self.rendered_suffix([{"role": "user", "content": text}]).count(token) == 1:
+                    self._placeholder = (text, token)
+                    break
+        return self._placeholder
+
+    def placed_suffix(self, replies: list[dict]) -> list[int]:
+        """The suffix with each reply's content tokenised as plain text where the template puts it."""
+        if self.placeholder is None:
+            raise AgentError(
+                "an environment or tool reply spells a special token of the tokenizer, and the tokenizer has "
+                "no spare special token to render it safely as plain text (one the chat template never writes)"
+            )
+        text, token = self.placeholder
+        frame = self.rendered_suffix([{**r, "content": text} for r in replies])
+        where = [i for i, t in enumerate(frame) if t == token]
+        if len(where) != len(replies):
+            raise AgentError(
+                f"the chat template does not write each reply's content once as it is ({len(where)} places for "
+                f"{len(replies)} replies); a reply that spells a special token cannot be placed as plain text"
+            )
+        out, start = [], 0
+        for i, reply in zip(where, replies):
+            out += frame[start:i] + self.encode_text(reply["content"])
+            start = i + 1
+        return out + frame[start:]
+
     def cut_content(self, content: str, limit: int) -> tuple[str, bool]:
         """A reply's content cut to `limit` tokens (marked), and whether it was cut."""
-        ids = self.tokenizer.encode(content, add_special_tokens=False)
+        ids = self.encode_text(content)
         if len(ids) <= limit:
             return content, False
         return self.tokenizer.decode(ids[:limit]) + OBSERVATION_CUT_MARK, True
@@ -138,16 +201,31 @@ class MultiTurn:
 
     `environment`: a loaded environment (step3_ppo.agents.environments.load_environment) or None; `toolbox`: a
     step3_ppo.agents.tools.Toolbox or None (neither: every trajectory is one turn, as step3_ppo.eval scores a policy's
-    plain answers with --reward_funcs); `skip_bad`: an environment that raises drops its trajectory (its score
-    NaN, `--skip_bad_rewards`) instead of stopping the run. `env_s` adds up the seconds spent in the
-    environment and the tools (apart from generation)."""
+    plain answers with --reward_funcs); `skip_bad`: an environment that fails drops its trajectory (its score
+    NaN, `--skip_bad_rewards`) instead of stopping the run. The environments run in a worker process
+    (EnvironmentWorker), each call killed past `env_timeout` seconds (`--env_timeout`); `close()` stops it.
+    `env_s` adds up the seconds spent in the environment and the tools (apart from generation)."""
 
-    def __init__(self, tokenizer, limits: AgentLimits, environment=None, toolbox=None, skip_bad: bool = False):
+    def __init__(
+        self,
+        tokenizer,
+        limits: AgentLimits,
+        environment=None,
+        toolbox=None,
+        skip_bad: bool = False,
+        env_timeout: float = DEFAULT_ENV_TIMEOUT_S,
+    ):
         self.tokenizer, self.limits = tokenizer, limits
         self.environment, self.toolbox, self.skip_bad = environment, toolbox, skip_bad
+        self.env_worker = EnvironmentWorker(environment, env_timeout) if environment is not None else None
         self.renderer = ReplyRenderer(tokenizer) if environment is not None or toolbox is not None else None
         self.env_s = 0.0
         self.env_failures = 0
+
+    def close(self) -> None:
+        """Stop the environments' worker process (it also dies with this process)."""
+        if self.env_worker is not None:
+            self.env_worker.close()
 
     # ------------------------------------------------------------------ one rollout
     def rollout(
@@ -160,7 +238,7 @@ class MultiTurn:
             p = i // n
             trajectories.append(Trajectory(prompt_ids=ids[p][mask[p].bool()].tolist(), prompt=prompt_rows[p]))
         for t in trajectories:
-            t.env = self._call(t, lambda: self.environment.make(t.prompt)) if self.environment is not None else None
+            t.env = self._call(t, lambda: self.env_worker.make(t.prompt)) if self.env_worker is not None else None
         stops = set([stop_token_ids] if isinstance(stop_token_ids, int) else stop_token_ids)
         while True:
             live = [t for t in trajectories if not t.done]
@@ -173,6 +251,8 @@ class MultiTurn:
                 self.answer(t)
         for t in trajectories:
             self.finish(t)
+        if self.env_worker is not None:
+            self.env_worker.forget(t.env for t in trajectories)
         return [self.to_row(t, logprobs) for t in trajectories]
 
     def generate_turn(
@@ -269,17 +349,17 @@ class MultiTurn:
     def step_environment(self, t: Trajectory, message: str) -> dict | None:
         if t.env is None:
             return None
-        return self._call(t, lambda: t.env.step(message))  # a normalised reply (environments.Episode), or None
+        return self._call(t, lambda: self.env_worker.step(t.env, message))  # a normalised reply, or None
 
     def finish(self, t: Trajectory) -> None:
         if t.env is not None and not t.failed and self.environment.has_reward:
-            t.env_reward = self._call(t, lambda: self.environment.reward_of(t.env, t.prompt))
+            t.env_reward = self._call(t, lambda: self.env_worker.reward(t.env))
         if t.failed:
             t.env_reward = float("nan")
 
     def _call(self, t: Trajectory, call):
-        """An environment call; its failure (EnvFailed) ends the trajectory, or without --skip_bad_rewards
-        stops the run."""
+        """An environment call; its failure (EnvFailed: it raised, exited, crashed or ran past --env_timeout)
+        ends the trajectory, or without --skip_bad_rewards stops the run."""
         t0 = time.time()
         try:
             return call()
@@ -351,7 +431,7 @@ def agent_rates(sums: dict, prefix: str) -> dict:
     }
 
 
-# ---------------------------------------------------------------------------- set-up (flags: agent_flags.py)
+# ---------------------------------------------------------------------------- set-up (flags: flags.py)
 def limits_of(args) -> AgentLimits:
     return AgentLimits(args.max_turns, args.max_answer_seq_len, args.max_trajectory_len, args.max_observation_len)
 
@@ -361,7 +441,14 @@ def build_agent(args, tokenizer) -> MultiTurn | None:
     if args.environment is None and not args.tool_list:
         return None
     toolbox = Toolbox(args.tool_list, args.tool_timeout, args.tool_parser) if args.tool_list else None
-    return MultiTurn(tokenizer, limits_of(args), args.environment, toolbox, getattr(args, "skip_bad_rewards", False))
+    return MultiTurn(
+        tokenizer,
+        limits_of(args),
+        args.environment,
+        toolbox,
+        getattr(args, "skip_bad_rewards", False),
+        getattr(args, "env_timeout", None) or DEFAULT_ENV_TIMEOUT_S,
+    )
 
 
 def prompts_with_tools(rows: list[dict], tokenizer, tool_list) -> tuple[list[dict], list | None]:
