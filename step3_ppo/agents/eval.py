@@ -78,7 +78,7 @@ def evaluate_policy(model_dir: str, prompt_rows: list[dict], args, reward_functi
     )
     toolbox = Toolbox(args.tool_list, args.tool_timeout, args.tool_parser) if args.tool_list else None
     env_timeout = getattr(args, "env_timeout", None) or DEFAULT_ENV_TIMEOUT_S
-    agent = MultiTurn(tokenizer, limits, args.environment, toolbox, env_timeout=env_timeout)
+    agent = MultiTurn(tokenizer, limits, args.environment, toolbox, env_timeout=env_timeout, skip_hint=False)
     components = [FunctionReward(f, tokenizer) for f in reward_functions]
     if args.environment is not None and args.environment.has_reward:
         components.append(EnvReward())

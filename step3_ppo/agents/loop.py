@@ -202,7 +202,8 @@ class MultiTurn:
     `environment`: a loaded environment (step3_ppo.agents.environments.load_environment) or None; `toolbox`: a
     step3_ppo.agents.tools.Toolbox or None (neither: every trajectory is one turn, as step3_ppo.eval scores a policy's
     plain answers with --reward_funcs); `skip_bad`: an environment that fails drops its trajectory (its score
-    NaN, `--skip_bad_rewards`) instead of stopping the run. The environments run in a worker process
+    NaN, `--skip_bad_rewards`) instead of stopping the run (`skip_hint`: the line that stops it says so, where
+    the command has that flag). The environments run in a worker process
     (EnvironmentWorker), each call killed past `env_timeout` seconds (`--env_timeout`); `close()` stops it.
     `env_s` adds up the seconds spent in the environment and the tools (apart from generation)."""
 
@@ -214,9 +215,10 @@ class MultiTurn:
         toolbox=None,
         skip_bad: bool = False,
         env_timeout: float = DEFAULT_ENV_TIMEOUT_S,
+        skip_hint: bool = True,
     ):
         self.tokenizer, self.limits = tokenizer, limits
-        self.environment, self.toolbox, self.skip_bad = environment, toolbox, skip_bad
+        self.environment, self.toolbox, self.skip_bad, self.skip_hint = environment, toolbox, skip_bad, skip_hint
         self.env_worker = EnvironmentWorker(environment, env_timeout) if environment is not None else None
         self.renderer = ReplyRenderer(tokenizer) if environment is not None or toolbox is not None else None
         self.env_s = 0.0
@@ -365,7 +367,8 @@ class MultiTurn:
             return call()
         except EnvFailed as exc:
             if not self.skip_bad:
-                raise AgentError(f"{exc} (--skip_bad_rewards drops such trajectories instead)") from None
+                hint = " (--skip_bad_rewards drops such trajectories instead)" if self.skip_hint else ""
+                raise AgentError(f"{exc}{hint}") from None
             t.failed, t.done = str(exc), True
             self.env_failures += 1
             return None
@@ -448,6 +451,7 @@ def build_agent(args, tokenizer) -> MultiTurn | None:
         toolbox,
         getattr(args, "skip_bad_rewards", False),
         getattr(args, "env_timeout", None) or DEFAULT_ENV_TIMEOUT_S,
+        skip_hint=hasattr(args, "skip_bad_rewards"),  # step 3's training has the flag, chat.py not
     )
 
 
