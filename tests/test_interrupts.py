@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from tests.launch import ROOT, free_port, subprocess_env
+from tests.launch import ROOT, free_port, rank_command, subprocess_env
 from tests.ranks import rank_env
 from tests.test_step1_run import common_args, sft_data  # noqa: F401  (sft_data: a fixture)
 from utils import errors
@@ -160,3 +160,82 @@ def test_ctrl_c_on_a_two_rank_run(tiny_gpt2, sft_data, tmp_path):  # noqa: F811
     assert len(lines) == 1 and lines[0].startswith("interrupted; --resume continues from "), text[-3000:]
     assert os.path.exists(os.path.join(lines[0].rsplit(" ", 1)[1], "COMPLETE")), lines
     assert "Traceback" not in text and "KeyboardInterrupt" not in text, text[-3000:]
+
+
+# run_main over a main thread inside one long C call (a float64 matmul of a minute on one thread)
+IN_A_LONG_C_CALL = """
+import sys
+import torch
+from utils.errors import run_main
+
+def main(argv):
+    torch.set_num_threads(1)
+    a = torch.ones(5000, 5000, dtype=torch.float64)
+    print("in", flush=True)
+    torch.mm(a, a)
+
+run_main(main)
+"""
+
+
+def test_sigterm_ends_a_rank_at_once_even_inside_a_c_call():
+    """Not interrupted, SIGTERM (the launcher ending the ranks after one failed) ends the rank at once, as its
+    default did, though the main thread is inside a C call for a minute: no line, status 143."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", IN_A_LONG_C_CALL],
+        cwd=ROOT,
+        env=subprocess_env(RANK=1, WORLD_SIZE=2),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline() == "in\n"
+        time.sleep(0.5)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(30)
+        seconds = time.monotonic() - sent
+    finally:
+        proc.kill()
+    assert code == 143 and seconds < 5, (code, seconds)
+    assert proc.stderr.read() == ""
+
+
+@pytest.mark.slow
+def test_ctrl_c_under_the_deepspeed_launcher(tiny_gpt2, sft_data, tmp_path):  # noqa: F811
+    """SIGINT to the `deepspeed` launcher's whole process group, as a terminal's Ctrl-C: the launcher's SIGTERM to
+    the ranks right after does not cut rank 0's line; the only traceback is the `deepspeed` command's own (its
+    runner process, DeepSpeed's code)."""
+    out = tmp_path / "out"
+    args = common_args(tiny_gpt2, sft_data, str(out), steps=100000) + ["--save_interval", 2, "--num_train_epochs", 1000]
+    log = tmp_path / "log.txt"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            rank_command("step1_sft.main", args, 2, launcher=True),
+            cwd=ROOT,
+            env=subprocess_env(),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        latest = out / "checkpoints" / "latest"
+        deadline = time.monotonic() + 240
+        while not latest.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.2)
+        assert latest.exists(), log.read_text()[-3000:]
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    lines = [
+        line[line.index("interrupted") :] for line in text.replace("\r", "\n").splitlines() if "interrupted" in line
+    ]
+    assert len(lines) == 1 and lines[0].startswith("interrupted; --resume continues from "), text[-3000:]
+    frames = [line for line in text.splitlines() if line.strip().startswith('File "')]
+    assert all("deepspeed/launcher/runner.py" in f or "subprocess.py" in f or "bin/deepspeed" in f for f in frames), (
+        frames
+    )

@@ -27,10 +27,12 @@ SIGKILL) or hangs is shown as one line naming that rank and what each rank was d
 Ctrl-C (SIGINT, which the terminal sends to the launcher and every rank at once) ends the run with one line from
 rank 0, `interrupted; --resume continues from <the last checkpoint>` (or that there is none yet), and exit
 status 130: no rank prints its KeyboardInterrupt traceback, and an error a rank meets because a peer already left
-counts as the same interrupt. After the first SIGINT a rank ignores the launcher's SIGTERM (it ends itself, the
-line printed) and leaves within `_INTERRUPT_GRACE_S` even when its main thread is stuck in a collective; a second
-Ctrl-C leaves at once. The run says where a resume continues from through `use_resume_point`
-(utils.train.run).
+counts as the same interrupt. The launcher answers the same Ctrl-C with SIGTERM to every rank, which would kill
+rank 0 before its line: SIGTERM is therefore caught, ignored once the run is interrupted and otherwise ends the
+rank within half a second (status 143), even while its main thread is inside a long C call (a backward, a
+collective), as a thread reading Python's signal wakeup pipe acts on it. An interrupted rank leaves within
+`_INTERRUPT_GRACE_S` even when its main thread is stuck in a collective; a second Ctrl-C leaves at once. The run
+says where a resume continues from through `use_resume_point` (utils.train.run).
 
 This module imports nothing of the project: the errors subclass `ProjectError` where they are defined,
 so `run_main` needs no list of them (and no import of the modules that define them).
@@ -42,6 +44,7 @@ import atexit
 import contextlib
 import datetime
 import os
+import select
 import signal
 import sys
 import threading
@@ -53,10 +56,15 @@ _NO_STORE_GRACE_S = 5.0  # before the process group exists: how long rank N > 0 
 _store = None  # the process group's store, once it exists (use_store)
 _INTERRUPT_STATUS = 130  # a shell's status for a command ended by SIGINT (128 + 2)
 _INTERRUPT_GRACE_S = 10.0  # how long after Ctrl-C a rank whose main thread does not get back may take to leave
+_SIGTERM_GRACE_S = 0.5  # how long a SIGTERM waits for a SIGINT of the same Ctrl-C that a busy thread still holds
 _resume_point = None  # () -> the checkpoint a --resume continues from, or None (use_resume_point)
 _lost_peer = None  # exception -> its one line when a peer rank is gone or hangs, else None (use_store)
 _interrupted = threading.Event()  # set by the first SIGINT
+_interrupt_once = threading.Lock()  # around setting _interrupted and starting the watchdog
 _interrupt_shown = threading.Lock()  # held by whichever (main thread or watchdog) prints the line
+_raised = False  # the main thread raised KeyboardInterrupt for the first Ctrl-C
+_fork_hook = False  # os.register_at_fork done (`_forked_child`)
+_wakeup_fd = -1  # the write end of the signal wakeup pipe `_watch_signals` reads
 
 
 class ProjectError(Exception):
@@ -152,8 +160,7 @@ def run_main(main, argv=None):
         error = exc  # bound outside the except's own name, which Python unbinds when the clause ends
         _fail(lambda: _show_exception(error))
     finally:
-        if previous is not None:  # an in-process run (tests): Python's own Ctrl-C back
-            signal.signal(signal.SIGINT, previous)
+        _release_signals(previous)  # an in-process run (tests): Python's own signal handling back
     if _world_size() > 1:
         _finish_now(result if isinstance(result, int) else 0)
     return result
@@ -173,26 +180,103 @@ def _show_exception(error: BaseException) -> None:
 
 
 def _catch_interrupts():
-    """SIGINT marks the run interrupted before Python raises KeyboardInterrupt (main thread only: elsewhere a
-    signal handler cannot be set, and Python's default stays). Returns the handler it replaced (None: none)."""
-    global _interrupt_shown
+    """SIGINT marks the run interrupted before Python raises KeyboardInterrupt, SIGTERM is caught (`_on_sigterm`),
+    and a thread reads Python's signal wakeup pipe to act on both while the main thread is inside a C call. Main
+    thread only (elsewhere signal handlers cannot be set: Python's own stay). Returns what `_release_signals`
+    puts back (None: nothing)."""
+    global _interrupt_shown, _raised, _fork_hook, _wakeup_fd
     _interrupted.clear()
-    _interrupt_shown = threading.Lock()
+    _interrupt_shown, _raised = threading.Lock(), False
     if threading.current_thread() is not threading.main_thread():
         return None
-    return signal.signal(signal.SIGINT, _on_sigint)
+    if not _fork_hook:
+        os.register_at_fork(after_in_child=_forked_child)
+        _fork_hook = True
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    _wakeup_fd = write_fd
+    previous = (
+        signal.signal(signal.SIGINT, _on_sigint),
+        signal.signal(signal.SIGTERM, _on_sigterm),
+        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False),
+        write_fd,
+    )
+    threading.Thread(target=_watch_signals, args=(read_fd,), name="signal-watch", daemon=True).start()
+    return previous
+
+
+def _release_signals(previous) -> None:
+    if previous is None:
+        return
+    sigint, sigterm, wakeup_fd, write_fd = previous
+    signal.signal(signal.SIGINT, sigint)
+    signal.signal(signal.SIGTERM, sigterm)
+    signal.set_wakeup_fd(wakeup_fd)
+    os.close(write_fd)  # the watching thread reads the end of the pipe and leaves
+
+
+def _forked_child() -> None:
+    """A child forked from a rank (a DataLoader worker) gets Python's own signal handling back: its signals stay
+    its own, not bytes in the rank's wakeup pipe (a worker ended with SIGTERM would end the rank)."""
+    with contextlib.suppress(Exception):  # forked from another thread: not the child's main thread
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _watch_signals(read_fd: int) -> None:
+    """Python's C-level handler writes each signal's number to the wakeup pipe at once, whatever the main thread
+    is doing: a SIGINT starts the interrupt (`_start_interrupt`); a SIGTERM of a run not interrupted ends the rank,
+    as SIGTERM's default did (no flush: the main thread may hold a stream's lock), unless a SIGINT follows within
+    `_SIGTERM_GRACE_S`: the kernel hands a signal to whichever thread it picks, so the terminal's SIGINT, sent
+    first, can reach the pipe after the launcher's SIGTERM when the thread it picked waits for a CPU."""
+    term_at = None
+    with contextlib.closing(os.fdopen(read_fd, "rb", buffering=0)) as pipe:
+        while True:
+            wait = None if term_at is None else max(0.0, term_at + _SIGTERM_GRACE_S - time.monotonic())
+            if not select.select([pipe], [], [], wait)[0]:
+                if not _interrupted.is_set() and signal.SIGINT not in signal.sigpending():
+                    os._exit(128 + signal.SIGTERM)
+                term_at = None
+                continue
+            data = pipe.read(64)
+            if not data:
+                return
+            for signum in data:
+                if signum == signal.SIGINT:
+                    _start_interrupt()
+                elif signum == signal.SIGTERM and term_at is None and not _interrupted.is_set():
+                    term_at = time.monotonic()
+
+
+def _start_interrupt() -> None:
+    """The first SIGINT: the run is interrupted, and a watchdog ends this rank if its main thread does not get
+    back to Python (stuck in a collective) within `_INTERRUPT_GRACE_S`."""
+    with _interrupt_once:
+        if _interrupted.is_set():
+            return
+        _interrupted.set()
+    threading.Thread(target=_interrupt_watchdog, name="interrupt-watchdog", daemon=True).start()
 
 
 def _on_sigint(signum, frame):
-    """The first Ctrl-C: KeyboardInterrupt, as Python's own handler raises it, with the launcher's SIGTERM (sent
-    right after, the same Ctrl-C) ignored so that rank 0 prints its line, and a watchdog that ends this rank
-    if its main thread does not get back (stuck in a collective). A second Ctrl-C: leave at once."""
-    if _interrupted.is_set():
+    """The first Ctrl-C: KeyboardInterrupt, as Python's own handler raises it; a second: leave at once."""
+    global _raised
+    _start_interrupt()
+    if _raised:
         _exit_now(_INTERRUPT_STATUS)
-    _interrupted.set()
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    threading.Thread(target=_interrupt_watchdog, name="interrupt-watchdog", daemon=True).start()
+    _raised = True
     raise KeyboardInterrupt
+
+
+def _on_sigterm(signum, frame):
+    """A handler, so that SIGTERM no longer kills at once: the thread reading the wakeup pipe decides
+    (`_watch_signals`). Should another library have taken the wakeup fd (asyncio's signal handlers), this
+    main-thread handler ends a run not interrupted itself."""
+    current = signal.set_wakeup_fd(-1)
+    signal.set_wakeup_fd(current)
+    if current != _wakeup_fd and not _interrupted.is_set():
+        os._exit(128 + signal.SIGTERM)
 
 
 def _interrupt_watchdog() -> None:
