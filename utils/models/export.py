@@ -175,7 +175,8 @@ def write_model_dir(out_dir: str, writes: list[tuple[str, Callable[[str], None]]
 
 def _move_into(tmp: str, out_dir: str) -> None:
     """Every entry of `tmp` into `out_dir` (os.replace: renames on one filesystem); an entry of the same name
-    already there is moved to `out_dir`/.export-old first. A move that fails puts everything back as it was."""
+    already there is moved to `out_dir`/.export-old first. A move that fails (or a Ctrl-C between two) puts
+    everything back as it was."""
     old = os.path.join(out_dir, EXPORT_OLD)
     shutil.rmtree(old, ignore_errors=True)
     os.makedirs(old)
@@ -188,7 +189,7 @@ def _move_into(tmp: str, out_dir: str) -> None:
                 moved_aside.append(name)
             os.replace(os.path.join(tmp, name), target)
             moved_in.append(name)
-    except OSError:
+    except BaseException:  # a failed move, or a Ctrl-C between two moves
         with contextlib.suppress(OSError):
             for name in reversed(moved_in):
                 os.replace(os.path.join(out_dir, name), os.path.join(tmp, name))
