@@ -68,36 +68,6 @@ class ActorEMA:
                     ema_param.data.copy_(torch.lerp(param.data.to(ema_param.dtype), ema_param.data, self.beta))
 
 
-def share_master_weights(engine) -> int:
-    """A ZeRO-3 engine trained in fp32: its optimizer's fp32 master partition made the SAME memory as the rank's
-    parameter partition (what DeepSpeed does itself when the two have one dtype and device, and misses on CPU,
-    where it compares the device 'cpu' as a string with torch.device('cpu')); returns the bytes freed (0 when
-    there is nothing to share: another stage or dtype, an offloaded optimizer).
-
-    The weights stay bit for bit the same: the optimizer updates the master partition in place and DeepSpeed's
-    copy of it into the parameter partition after each step becomes a copy onto itself. A SmolLM2-135M engine on
-    2 ranks frees 0.25 GiB per rank.
-    """
-    optimizer = getattr(engine, "optimizer", None)
-    low = getattr(optimizer, "fp16_partitioned_groups_flat", None)
-    high = getattr(optimizer, "fp32_partitioned_groups_flat", None)
-    if engine.zero_optimization_stage() != 3 or not low or not high or getattr(optimizer, "offload_optimizer", True):
-        return 0
-    freed = 0
-    for lp, hp in zip(low, high):
-        if (
-            lp is None
-            or hp.grad is not None
-            or (lp.dtype, lp.device, lp.shape) != (hp.dtype, hp.device, hp.shape)
-            or lp.untyped_storage().data_ptr() == hp.untyped_storage().data_ptr()
-            or not torch.equal(lp, hp)
-        ):
-            continue
-        freed += hp.untyped_storage().nbytes()
-        hp.data = lp.data  # the same tensor object: the optimizer's state and param groups still refer to it
-    return freed
-
-
 def needs_reference(args) -> bool:
     """A frozen reference is needed only for a KL term (in the reward or in the loss)."""
     return args.kl_ctl > 0
@@ -163,7 +133,6 @@ def build_engines(args, tokenizer, total_steps: int, reward_model_paths=()) -> E
         load_in_4bit=quantized,
     )
     actor = build_trained_engine(actor, actor_config, actor_spec, total_steps)
-    share_master_weights(actor)
 
     ref = None
     if needs_reference(args):
@@ -194,7 +163,6 @@ def build_engines(args, tokenizer, total_steps: int, reward_model_paths=()) -> E
                 require_value_head=not args.critic_fresh_value_head,
             )
         critic = build_trained_engine(critic, critic_config, critic_spec, total_steps)
-        share_master_weights(critic)
 
     reward_config = eval_ds_config(
         args.critic_zero_stage, ranks, args.per_device_training_batch_size, args.dtype, args.offload_reward_model

@@ -1,10 +1,10 @@
-"""step3_ppo.deepspeed_models.share_master_weights: a ZeRO-3 fp32 engine's master partition shares the parameter
+"""utils.train.loop.share_master_weights: a ZeRO-3 fp32 engine's master partition shares the parameter
 partition's memory, and training gives bit for bit the weights it gave with the separate copy."""
 
 import pytest
 import torch
 
-from step3_ppo.deepspeed_models import share_master_weights
+from utils.train.loop import share_master_weights
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +38,14 @@ def train(engine, steps: int = 3) -> dict:
         return {name: p.detach().clone() for name, p in params.items()}
 
 
-def test_the_shared_master_partition_trains_to_the_same_weights(dist, tiny_llama):
+def test_the_shared_master_partition_trains_to_the_same_weights(dist, tiny_llama, monkeypatch):
+    from utils.train import loop
+
+    monkeypatch.setattr(loop, "share_master_weights", lambda engine: 0)  # build_trained_engine's call left out
     separate = trained_engine(tiny_llama)
     expected = train(separate)
     shared = trained_engine(tiny_llama)
+    monkeypatch.undo()
     optimizer = shared.optimizer
     hp_bytes = sum(t.untyped_storage().nbytes() for t in optimizer.fp32_partitioned_groups_flat)
     assert share_master_weights(shared) == hp_bytes > 0
@@ -54,6 +58,12 @@ def test_the_shared_master_partition_trains_to_the_same_weights(dist, tiny_llama
         assert torch.equal(actual[name], expected[name]), name
     for lp, hp in zip(optimizer.fp16_partitioned_groups_flat, optimizer.fp32_partitioned_groups_flat):
         assert hp.untyped_storage().data_ptr() == lp.untyped_storage().data_ptr()  # still one memory after steps
+
+
+def test_every_trained_zero3_engine_shares_it(dist, tiny_llama):
+    optimizer = trained_engine(tiny_llama).optimizer  # build_trained_engine: steps 1, 2, DPO and step 3's
+    for lp, hp in zip(optimizer.fp16_partitioned_groups_flat, optimizer.fp32_partitioned_groups_flat):
+        assert hp.untyped_storage().data_ptr() == lp.untyped_storage().data_ptr()
 
 
 def test_nothing_is_shared_below_stage_3(dist, tiny_llama):

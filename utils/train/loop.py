@@ -295,8 +295,39 @@ def build_trained_engine(model: torch.nn.Module, ds_config: dict, spec: EngineSp
     optimizer = build_optimizer(groups, spec.learning_rate, spec.offload)
     scheduler = build_scheduler(optimizer, spec.lr_scheduler_type, spec.num_warmup_steps, total_steps)
     engine = initialize_engine(model, ds_config, optimizer, scheduler)
+    share_master_weights(engine)
     engine.train()  # from_pretrained returns eval mode: without this, dropout would silently stay off
     return engine
+
+
+def share_master_weights(engine) -> int:
+    """A ZeRO-3 engine trained in fp32: its optimizer's fp32 master partition made the SAME memory as the rank's
+    parameter partition (what DeepSpeed does itself when the two have one dtype and device, and misses on CPU,
+    where it compares the device 'cpu' as a string with torch.device('cpu')); returns the bytes freed (0 when
+    there is nothing to share: another stage or dtype, an offloaded optimizer).
+
+    The weights stay bit for bit the same: the optimizer updates the master partition in place and DeepSpeed's
+    copy of it into the parameter partition after each step becomes a copy onto itself. A SmolLM2-135M engine on
+    2 ranks frees 0.25 GiB per rank.
+    """
+    optimizer = getattr(engine, "optimizer", None)
+    low = getattr(optimizer, "fp16_partitioned_groups_flat", None)
+    high = getattr(optimizer, "fp32_partitioned_groups_flat", None)
+    if engine.zero_optimization_stage() != 3 or not low or not high or getattr(optimizer, "offload_optimizer", True):
+        return 0
+    freed = 0
+    for lp, hp in zip(low, high):
+        if (
+            lp is None
+            or hp.grad is not None
+            or (lp.dtype, lp.device, lp.shape) != (hp.dtype, hp.device, hp.shape)
+            or lp.untyped_storage().data_ptr() == hp.untyped_storage().data_ptr()
+            or not torch.equal(lp, hp)
+        ):
+            continue
+        freed += hp.untyped_storage().nbytes()
+        hp.data = lp.data  # the same tensor object: the optimizer's state and param groups still refer to it
+    return freed
 
 
 APPLIED, OVERFLOW = "applied", "overflow"

@@ -33,6 +33,7 @@ import os
 from dataclasses import dataclass, field, replace
 
 from utils.errors import ProjectError
+from utils.train.ds_config import REDUCE_BUCKET_ELEMENTS  # the reduce bucket the engines get under ZeRO >= 1
 
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -41,7 +42,6 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 NF4_BYTES_PER_PARAM = 0.5 + 1 / 64 + 4 / (64 * 256)
 ADAM_MOMENTS_BYTES = 8  # exp_avg and exp_avg_sq, fp32
 FP32_BYTES = 4  # the fp32 master weights and the fp32 gradient copy of mixed precision
-REDUCE_BUCKET_ELEMENTS = 50_000_000  # utils/train/ds_config.py's reduce_bucket_size under ZeRO >= 1
 ZERO3_MAX_LIVE_PARAMETERS = 30_000_000  # utils/train/ds_config.py's stage3_max_live_parameters
 # fp32 [tokens, vocabulary] tensors alive at the peak of the loss' backward: the logits, their log-softmax (kept
 # by cross-entropy), its gradient and the logits' gradient
@@ -255,7 +255,10 @@ def model_state_parts(model: ModelSpec, dtype: str, ranks: int) -> list[Part]:
         grads = trained * width / (ranks if stage >= 2 else 1)
         fp32_grads = trained * FP32_BYTES / (ranks if stage >= 1 else 1) if mixed else 0
         bucket = min(trained, REDUCE_BUCKET_ELEMENTS) * width if stage >= 1 else 0
-        optimizer = trained * (ADAM_MOMENTS_BYTES + (FP32_BYTES if mixed or stage >= 1 else 0))
+        # the fp32 master weights: a copy under mixed precision or ZeRO 1-2; under ZeRO-3 in fp32 the parameter
+        # partition itself (utils.train.loop.share_master_weights), unless the optimizer is offloaded
+        master = mixed or stage in (1, 2) or (stage == 3 and model.offload)
+        optimizer = trained * (ADAM_MOMENTS_BYTES + (FP32_BYTES if master else 0))
         optimizer /= ranks if stage >= 1 else 1
         opt_where = "cpu" if model.offload else "device"
         parts.append(Part(f"{model.name} gradients", grads + bucket, "device", hint="ZeRO-2, LoRA"))
