@@ -289,35 +289,16 @@ def runs(models: dict, data: str, work: str, mode: str) -> list[dict]:
             ],
             env={**script_env, "MODEL": g("gpu1"), "DATA": os.path.join(data, "pairs")},
         ),
-        dict(
-            name=f"{big} run_grpo_single_gpu.sh (GRPO, math_exact, no critic)",
-            model=big,
-            kind="step3",
-            out=g("gpu_grpo"),
-            cmd=[
-                "bash",
-                "scripts/step3_ppo/run_grpo_single_gpu.sh",
-                g("gpu_grpo"),
-                "--max_steps",
-                "3",
-                "--eval_interval",
-                "0",
-            ]
-            + (
-                []
-                if big != "tiny"
-                else [  # the CPU fallback: its template, and a CPU-sized rollout (2 x 8 rows)
-                    "--chat_template",
-                    "utils/chat_templates/chatml.jinja",
-                    "--per_device_generation_batch_size",
-                    "2",
-                    "--per_device_training_batch_size",
-                    "16",
-                    "--max_answer_seq_len",
-                    "16",
-                ]
-            ),
-            env={"ACTOR": model, "RLHF_USE_CURRENT_ENV": "1"},
+        grpo_single_gpu(big, model, g, "gpu_grpo", "(GRPO, math_exact, no critic)"),
+        # the same rollout with padding-free training forwards and token-budget micro-batches: its s/iteration and
+        # tokens/padding_fraction against the row above (same sitting)
+        grpo_single_gpu(
+            big,
+            model,
+            g,
+            "gpu_grpo_packed",
+            "--padding_free --max_tokens_per_micro_batch 4096",
+            ["--padding_free", "--max_tokens_per_micro_batch", "4096"],
         ),
         vllm_grpo(big, model, g, mode),
         dict(
@@ -355,6 +336,23 @@ def runs(models: dict, data: str, work: str, mode: str) -> list[dict]:
         sft_throughput(big, model, g, data, mode),
     ]
     return out
+
+
+def grpo_single_gpu(big: str, model: str, g, out: str, label: str, extra: tuple = ()) -> dict:
+    """run_grpo_single_gpu.sh for 3 iterations (`extra`: more of its flags); the CPU fallback with its template and
+    a CPU-sized rollout (2 x 8 rows)."""
+    cmd = ["bash", "scripts/step3_ppo/run_grpo_single_gpu.sh", g(out), "--max_steps", "3", "--eval_interval", "0"]
+    if big == "tiny":
+        cmd += ["--chat_template", "utils/chat_templates/chatml.jinja", "--per_device_generation_batch_size", "2"]
+        cmd += ["--per_device_training_batch_size", "16", "--max_answer_seq_len", "16"]
+    return dict(
+        name=f"{big} run_grpo_single_gpu.sh {label}",
+        model=big,
+        kind="step3",
+        out=g(out),
+        cmd=[*cmd, *extra],
+        env={"ACTOR": model, "RLHF_USE_CURRENT_ENV": "1"},
+    )
 
 
 def sft_throughput(big: str, model: str, g, data: str, mode: str) -> dict:
