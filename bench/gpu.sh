@@ -52,7 +52,7 @@ rc=$?
 # The chunked LM head's row (GPU_SH_CHUNKED=0 skips it): peak memory of one actor step's log-prob forward and
 # backward, --logprob_chunk_tokens 256/512/1024 against the whole logits (0), 8 rows of 384-token answers; on a
 # GPU a SmolLM2-135M-shaped random model (torch.cuda.max_memory_allocated, about a minute), in the CPU fallback
-# (no CUDA, or --mode cpu) the tiny model. Its report goes to bench/results/chunked_logprobs/ and to $OUT.
+# (no CUDA, or --mode cpu) the tiny model. Its report goes to bench/results/chunked_logprobs/ (on a GPU) and to $OUT.
 if [ "${GPU_SH_CHUNKED:-1}" = 1 ]; then
   chunked=(--batch 8 --chunks 0,256,512,1024)
   if [[ " $* " == *" --mode cpu "* ]] || \
@@ -61,7 +61,11 @@ if [ "${GPU_SH_CHUNKED:-1}" = 1 ]; then
   else
     chunked+=(--device cuda); tag=gpu
   fi
-  save="$ROOT/bench/results/chunked_logprobs/$(date +%F)-$tag.txt"
+  # a GPU's report joins the benchmark's results; the CPU fallback's (a check that it runs) stays in the temp dir,
+  # where it cannot become chunked_logprobs' latest result in bench/results/INDEX.md
+  results="$ROOT/bench/results/chunked_logprobs"
+  [ "$tag" = gpu ] || { results="${TMPDIR:-/tmp}/rlhf_gpu_chunked"; mkdir -p "$results"; }
+  save="$results/$(date +%F)-$tag.txt"
   timeout "${GPU_SH_CHUNKED_TIMEOUT:-240}" "$GPU_SH_PYTHON" bench/chunked_logprobs.py "${chunked[@]}" --save "$save" \
     || { echo "[gpu.sh] chunked_logprobs failed (exit $?)" >&2; [ "$rc" = 0 ] && rc=1; }
   [ -n "${OUT:-}" ] && [ -f "$save" ] && cp "$save" "${save%.txt}.json" "$OUT"/ 2>/dev/null
