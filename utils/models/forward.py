@@ -142,6 +142,16 @@ def causal_lm_hidden(
     class keeps its own route from the decoder to the head (OPT's `model.decoder`, GPT-2's `transformer`),
     with no per-architecture table. The head is then applied by the caller (chunked_head), through the same
     module: LoRA on it, tied embeddings and ZeRO-3's parameter hooks work as in the whole forward."""
+    hidden = _head_input(
+        model, lambda: causal_lm_logits(model, input_ids, attention_mask, logits_to_keep, shared_prompt_len)
+    )
+    return hidden[:, -logits_to_keep:] if 0 < logits_to_keep < hidden.shape[1] else hidden
+
+
+def _head_input(model: nn.Module, forward) -> Tensor:
+    """The LM head's input in `forward()` (a forward of `model`): a pre-hook on the output embeddings records it and
+    hands the head only its last position. The last call's: shared_prompt_cache's prefix forward calls the head
+    first."""
     head = _hf_model(model).get_output_embeddings()
     captured = []
 
@@ -153,11 +163,10 @@ def causal_lm_hidden(
 
     handle = head.register_forward_pre_hook(keep_input)
     try:
-        causal_lm_logits(model, input_ids, attention_mask, logits_to_keep, shared_prompt_len)
+        forward()
     finally:
         handle.remove()
-    hidden = captured[-1]  # the last call: shared_prompt_cache's prefix forward calls the head first
-    return hidden[:, -logits_to_keep:] if 0 < logits_to_keep < hidden.shape[1] else hidden
+    return captured[-1]
 
 
 def check_padding_free(model: nn.Module) -> None:
@@ -170,8 +179,7 @@ def check_padding_free(model: nn.Module) -> None:
     watched; a model whose mask code never asks it, or flash attention (whose varlen kernels take the row starts
     from the position ids themselves) pass or fail accordingly."""
     inner = getattr(model, "module", model)
-    inner = getattr(inner, "backbone", inner)
-    hf = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
+    hf = _hf_model(getattr(inner, "backbone", inner))  # a RewardModel's backbone, else the causal LM
     if getattr(getattr(hf, "config", None), "_attn_implementation", None) in ("flash_attention_2", "flash_attention_3"):
         return
     from transformers import masking_utils  # lazy: +1.5 s of import on every --help, for a start-up check
@@ -213,20 +221,8 @@ def packed_forward(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) 
 
 def packed_hidden(model: nn.Module, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
     """The LM head's input [N, H] at a batch's N real tokens, run as one padding-free sequence (packed_forward),
-    captured as causal_lm_hidden does (a pre-hook on the output embeddings; the head itself gets one position)."""
-    head = _hf_model(model).get_output_embeddings()
-    captured = []
-
-    def keep_input(module, args):
-        captured.append(args[0])
-        return (args[0][..., -1:, :], *args[1:])
-
-    handle = head.register_forward_pre_hook(keep_input)
-    try:
-        packed_forward(model, input_ids, attention_mask)
-    finally:
-        handle.remove()
-    return captured[-1][0]
+    captured as causal_lm_hidden does (_head_input)."""
+    return _head_input(model, lambda: packed_forward(model, input_ids, attention_mask))[0]
 
 
 def _packed_token_outputs(model, batch: dict, targets: Tensor, chunk_tokens: int, reduce, keep: Tensor):
