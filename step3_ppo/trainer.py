@@ -33,7 +33,7 @@ from step3_ppo.rollout.hybrid import gathered
 from utils.errors import ProjectError
 from utils.math import losses
 from utils.math.ops import explained_variance, masked_mean, masked_whiten, rollout_correction_weights, select
-from utils.math.rows import Row, from_token_layout, pack, split_generation, to_token_layout, token_budget_groups
+from utils.math.rows import Row, from_token_layout, pack, split_generation, to_token_layout
 from utils.math.throughput import (
     FORWARD_FLOPS_PER_PARAM,
     TRAIN_FLOPS_PER_PARAM,
@@ -53,7 +53,14 @@ from utils.models.forward import (
 )
 from utils.runtime import accelerator
 from utils.runtime.distributed import all_reduce_max, all_reduce_sum, world_size
-from utils.train.loop import OVERFLOW, accumulation_windows, backward_and_step, step_normalised_loss, window_totals
+from utils.train.loop import (
+    OVERFLOW,
+    accumulation_windows,
+    backward_and_step,
+    budget_groups,
+    step_normalised_loss,
+    window_totals,
+)
 
 
 class NothingToTrain(ProjectError):
@@ -610,7 +617,7 @@ class PPOTrainer:
         if self.config.max_tokens_per_micro_batch:
             windows = [self.budget_micro_batches(window) for window in windows]
         # (real, processed) tokens of the training forwards, for the metrics (throughput_sums)
-        lengths = [[r.prompt_ids.numel() + r.response_ids.numel() for r in mb] for window in windows for mb in window]
+        lengths = [[r.length for r in mb] for window in windows for mb in window]
         packed = [(sum(n), sum(n)) if self.config.padding_free else packed_tokens(n) for n in lengths]
         self.trained_tokens = (sum(real for real, _ in packed), sum(processed for _, processed in packed))
         for window in windows:
@@ -626,11 +633,11 @@ class PPOTrainer:
 
     def budget_micro_batches(self, window: list[list[Row]]) -> list[list[Row]]:
         """An optimizer step's rows (its window of mini-batches) re-cut into micro-batches of at most
-        `--max_tokens_per_micro_batch` tokens (utils.math.rows.token_budget_groups), as many on every rank as the
+        `--max_tokens_per_micro_batch` tokens (utils.train.loop.budget_groups), as many on every rank as the
         rank that needs the most (each forward of a ZeRO engine, each backward's gradient reduction, is a
         collective). The step's loss stays one mean over its trained tokens (or answers) whatever the cut."""
         rows = [row for mb in window for row in mb]
-        lengths = [r.prompt_ids.numel() + r.response_ids.numel() for r in rows]
+        lengths = [r.length for r in rows]
         budget = self.config.max_tokens_per_micro_batch
         longest = max(range(len(rows)), key=lambda i: lengths[i])
         if lengths[longest] > budget:
@@ -640,9 +647,7 @@ class PPOTrainer:
                 f"tokens ({row.prompt_ids.numel()} prompt + {row.response_ids.numel()} answer); raise the budget to "
                 f"at least that, or lower --max_prompt_seq_len / --max_answer_seq_len"
             )
-        needed = len(token_budget_groups(lengths, budget))
-        count = int(all_reduce_max(float(needed)))
-        return [[rows[i] for i in group] for group in token_budget_groups(lengths, budget, count)]
+        return [[rows[i] for i in group] for group in budget_groups(lengths, budget)]
 
     def count_overflow(self, outcome) -> None:
         if outcome == OVERFLOW:

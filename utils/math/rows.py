@@ -36,6 +36,11 @@ class Row:
     agent: dict | None = None  # a multi-turn trajectory's messages after the prompt and counters (agents.py)
 
     @property
+    def length(self) -> int:
+        """The row's tokens, prompt and response: what it adds to a padding-free micro-batch."""
+        return self.prompt_ids.numel() + self.response_ids.numel()
+
+    @property
     def action_count(self) -> int:
         """The response's actions: its tokens, less those an environment appended."""
         m = self.response_action_mask

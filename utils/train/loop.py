@@ -210,8 +210,16 @@ class TokenBudget:
     def micro_batches(self, examples: list) -> list[dict]:
         """The window's `examples` as collated micro-batches within the budget."""
         lengths = [self.tokens(example) for example in examples]
-        count = int(all_reduce_max(float(len(token_budget_groups(lengths, self.limit)))))
-        return [self.collate([examples[i] for i in group]) for group in token_budget_groups(lengths, self.limit, count)]
+        return [self.collate([examples[i] for i in group]) for group in budget_groups(lengths, self.limit)]
+
+
+def budget_groups(lengths: list[int], limit: int) -> list[list[int]]:
+    """utils.math.rows.token_budget_groups of this rank's rows, as many groups on every rank as the rank that needs
+    the most (one all-reduce): each micro-batch's forward and backward is a collective under ZeRO. The first fit is
+    redone, with the count, only on a rank that needs fewer."""
+    groups = token_budget_groups(lengths, limit)
+    count = int(all_reduce_max(float(len(groups))))
+    return groups if count == len(groups) else token_budget_groups(lengths, limit, count)
 
 
 def token_budget(args, examples: list, collator, tokens: Callable[[Any], int], what: str) -> TokenBudget | None:
