@@ -149,8 +149,8 @@ def main(argv=None):
 
     run = Run(args, "step1", "step1 sft", {"model": engine}, data_layout(args, len(train_examples)), total_steps)
 
-    def evaluate_before():
-        ppl = evaluate_perplexity(
+    def perplexity() -> float:  # before and after training, the same held-out batches
+        return evaluate_perplexity(
             engine,
             eval_examples,
             collator,
@@ -159,6 +159,9 @@ def main(argv=None):
             args.logprob_chunk_tokens,
             args.padding_free,
         )
+
+    def evaluate_before():
+        ppl = perplexity()
         print_rank0(f"[step1] eval perplexity before training: {ppl:.3f}")
         return {"ppl_before": ppl}, {"eval/perplexity": ppl}
 
@@ -181,15 +184,7 @@ def main(argv=None):
         padding_free=args.padding_free,
     )
 
-    ppl_after = evaluate_perplexity(
-        engine,
-        eval_examples,
-        collator,
-        args.per_device_eval_batch_size,
-        args.eval_iters,
-        args.logprob_chunk_tokens,
-        args.padding_free,
-    )
+    ppl_after = perplexity()
     print_rank0(
         f"[step1] eval perplexity after {run.loop.step} steps: {ppl_after:.3f} (before {ppl_before:.3f}); "
         f"training took {run.train_s:.1f} s"

@@ -568,6 +568,7 @@ def plan_rl(args, shapes: dict, ranks: int, needs_critic: bool, needs_reference:
     # experience: no-grad forwards over the rollout (logits of the actor/reference, log-probs gathered)
     batches = getattr(args, "generation_batches", 1)
     chunk = getattr(args, "logprob_chunk_tokens", 0) or 0
+    budget = getattr(args, "max_tokens_per_micro_batch", 0) or 0  # bounds a training micro-batch's tokens
     plan.parts.append(
         Part(
             f"experience logits ({rows} rows x {length} tokens)",
@@ -589,7 +590,7 @@ def plan_rl(args, shapes: dict, ranks: int, needs_critic: bool, needs_reference:
         getattr(args, "attn_implementation", None),
         chunk,
         True,
-        getattr(args, "max_tokens_per_micro_batch", 0) or 0,
+        budget,
     )
     plan.parts += actor_parts
     if needs_critic:
@@ -603,7 +604,7 @@ def plan_rl(args, shapes: dict, ranks: int, needs_critic: bool, needs_reference:
             getattr(args, "attn_implementation", None),
             chunk,
             False,
-            getattr(args, "max_tokens_per_micro_batch", 0) or 0,
+            budget,
         )
         if critic_parts[0].bytes > sum(p.bytes for p in actor_parts):
             plan.parts = [p for p in plan.parts if p not in actor_parts] + critic_parts
