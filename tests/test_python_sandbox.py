@@ -247,3 +247,52 @@ libc = ctypes.CDLL(None, use_errno=True)
 print(libc.unshare(0x10000000), ctypes.get_errno() != 0)  # CLONE_NEWUSER
 """)
     assert output == "65534 0000000000000000\n-1 True\n"
+
+
+def _process_count() -> int:
+    """The host's processes running the sandbox's runner (a forked child keeps its command line)."""
+    return len(marked_processes(python_sandbox.RUNNER))
+
+
+@pytest.mark.slow
+def test_a_fork_bomb_stops_at_the_process_limit_and_ends():
+    """`while True: os.fork()` stops at PROCESSES processes (RLIMIT_NPROC, counted in the sandbox's own user
+    namespace), ends at its timeout with an observation, and leaves no process behind."""
+    before = _process_count()
+    started = time.monotonic()
+    run = run_python(
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass", timeout=3
+    )
+    assert run.timed_out and time.monotonic() - started < 6
+    deadline = time.monotonic() + 5
+    while _process_count() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _process_count() == before
+    counted = python("""
+import os, time
+children = 0
+try:
+    while True:
+        if os.fork() == 0:
+            time.sleep(5)
+            os._exit(0)
+        children += 1
+except OSError as exc:
+    print(children, exc.strerror)
+""")
+    assert counted == f"{python_sandbox.PROCESSES - 1} Resource temporarily unavailable\n"
+
+
+def test_a_few_threads_and_subprocesses_run():
+    output = python("""
+import subprocess, sys, threading
+results = []
+threads = [threading.Thread(target=results.append, args=(i,)) for i in range(8)]
+for thread in threads:
+    thread.start()
+for thread in threads:
+    thread.join()
+print(sorted(results))
+print(subprocess.run([sys.executable, "-c", "print(7)"], capture_output=True, text=True).stdout, end="")
+""")
+    assert output == "[0, 1, 2, 3, 4, 5, 6, 7]\n7\n"

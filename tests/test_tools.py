@@ -484,7 +484,8 @@ def _fake_bwrap(folder, says: str) -> str:
     """A `bwrap` that knows the options but cannot create namespaces (a kernel without unprivileged ones)."""
     fake = folder / "bwrap"
     fake.write_text(
-        f'#!/bin/sh\n[ "$1" = --help ] && {{ echo "--size --disable-userns"; exit 0; }}\necho "{says}" >&2\nexit 1\n'
+        '#!/bin/sh\n[ "$1" = --help ] && { echo "--size --disable-userns --userns-block-fd"; exit 0; }\n'
+        f'echo "{says}" >&2\nexit 1\n'
     )
     fake.chmod(0o755)
     return str(fake)

@@ -226,15 +226,10 @@ def run_python(
     status_read, status_write = os.pipe()
     try:
         started = time.monotonic()
-        process = subprocess.Popen(
-            python_sandbox.command(timeout, memory, file_size, total_write, status_fd=status_write),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            env={},  # bwrap's own environment is readable in the sandbox (/proc/1/environ): none of the trainer's
-            pass_fds=(status_write,),
-            start_new_session=True,
-        )
+        try:  # with an empty environment: bwrap's own is readable in the sandbox (/proc/1/environ)
+            process = python_sandbox.spawn(timeout, memory, file_size, total_write, status_fd=status_write)
+        except OSError as exc:
+            raise ToolError("python", f"the sandbox did not start: {one_line(exc, _MESSAGE_LIMIT)}") from None
         os.close(status_write)
         status_write = -1
         try:
