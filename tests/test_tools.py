@@ -628,3 +628,29 @@ def test_python_cannot_outlive_its_timeout(code):
         assert box.respond(call("python", code="print('next')")).messages == [
             {"role": "tool", "name": "python", "content": "next\n"}
         ]
+
+
+def test_calls_past_the_cap_are_not_run_and_counted(user_tools):
+    """Thousands of calls in one message: the first max_calls run, the rest are not (the last tool message says how
+    many), and they count as calls that failed."""
+    with Toolbox(user_tools, timeout=30, max_calls=3) as box:
+        turn = box.respond(" ".join(call("add", a=i, b=1) for i in range(2000)))
+        assert (turn.calls, turn.errors, turn.dropped) == (2000, 1997, 1997)
+        assert [m["content"] for m in turn.messages] == [
+            "1",
+            "2",
+            "3\nerror: 1997 more tool calls in this message not run (at most 3 per message)",
+        ]
+        assert (
+            box.respond(call("add", a=1, b=1) * 4)
+            .messages[-1]["content"]
+            .endswith("1 more tool call in this message not run (at most 3 per message)")
+        )
+        assert box.respond(call("add", a=1, b=1) * 3) == type(turn)(
+            [{"role": "tool", "name": "add", "content": "2"}] * 3, 3, 0, 0
+        )
+    with Toolbox(user_tools, timeout=30, limit=200, max_calls=1) as box:  # the note survives the result's cut
+        content = box.respond(call("table", n=50) * 2).messages[0]["content"]
+        assert len(content) <= 200 and "[result cut at" in content and content.endswith("(at most 1 per message)")
+    with pytest.raises(ValueError, match=">= 1"):
+        Toolbox(user_tools, timeout=30, max_calls=0)

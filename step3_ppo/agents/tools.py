@@ -37,6 +37,7 @@ from step3_ppo.specs import load_object
 from utils.errors import ProjectError, one_line
 
 RESULT_LIMIT = 2000  # characters of a tool's result (or error) sent back to the model
+MAX_CALLS_PER_TURN = 8  # tool calls run per assistant message; the rest are not run (the model is told)
 _MESSAGE_LIMIT = 300
 _DEADLINE_NAME = "the time limit of"  # the worker's timeout message: "ran past the time limit of 2 s (...)"
 
@@ -539,12 +540,14 @@ def template_supports_tools(tokenizer) -> bool:
 
 @dataclass(frozen=True)
 class ToolTurn:
-    """The environment's answer to one assistant message: a `tool` message per call (none: no call), how many
-    calls there were and how many of them gave an error text."""
+    """The environment's answer to one assistant message: a `tool` message per call run (none: no call), how many
+    calls there were, how many of them gave an error text, and how many past the cap were not run (`dropped`, also
+    counted in `calls` and `errors`: the model made them and got an error text)."""
 
     messages: list[dict]
     calls: int
     errors: int
+    dropped: int = 0
 
 
 # A JSON schema type (as get_json_schema writes a parameter's) and the Python values that are one. bool is an int
@@ -608,13 +611,24 @@ def _encodable(text: str) -> str:
 
 
 class Toolbox:
-    """Runs the calls of assistant messages with `tools`, each under `timeout` seconds; results and error texts
-    are cut at `limit` characters. A user tool and the calculator keep one worker process each, started at
-    their first call (again after a kill); `close()` stops them."""
+    """Runs the calls of assistant messages with `tools`, each under `timeout` seconds, the first `max_calls` of a
+    message (a model can write thousands in one: the rest are not run, and the last tool message says how many);
+    results and error texts are cut at `limit` characters. A user tool and the calculator keep one worker process
+    each, started at their first call (again after a kill); `close()` stops them."""
 
-    def __init__(self, tools: list[Tool], timeout: float, parser: str = "hermes", limit: int = RESULT_LIMIT):
+    def __init__(
+        self,
+        tools: list[Tool],
+        timeout: float,
+        parser: str = "hermes",
+        limit: int = RESULT_LIMIT,
+        max_calls: int = MAX_CALLS_PER_TURN,
+    ):
         if not timeout or timeout <= 0:
             raise ValueError(f"a tool timeout must be a positive number of seconds, not {timeout!r}")
+        if max_calls < 1:
+            raise ValueError(f"the tool calls run per message must be >= 1, not {max_calls!r}")
+        self.max_calls = max_calls
         if parser not in TOOL_CALL_PARSERS:
             raise ToolError(parser, f"unknown tool-call parser; expected one of {', '.join(TOOL_CALL_PARSERS)}")
         self.tools = {tool.name: tool for tool in tools}
@@ -627,12 +641,18 @@ class Toolbox:
 
     def respond(self, message: str) -> ToolTurn:
         calls = self.parse(message)
-        answers = [self.answer(call) for call in calls]
+        run, dropped = calls[: self.max_calls], max(len(calls) - self.max_calls, 0)
+        answers = [self.answer(call) for call in run]
+        if dropped:  # told in the last message, cut to the limit with it
+            text, ok = answers[-1]
+            note = f"error: {dropped} more tool call{'s' if dropped > 1 else ''} in this message not run (at most "
+            note += f"{self.max_calls} per message)"
+            answers[-1] = (cut(text, max(self.limit - len(note) - 1, 0)) + "\n" + note, ok)
         messages = [
             {"role": "tool", "name": _encodable(call.name or ""), "content": _encodable(text)}
-            for call, (text, _) in zip(calls, answers)
+            for call, (text, _) in zip(run, answers)
         ]
-        return ToolTurn(messages, len(calls), sum(not ok for _, ok in answers))
+        return ToolTurn(messages, len(calls), sum(not ok for _, ok in answers) + dropped, dropped)
 
     def answer(self, call: ToolCall) -> tuple[str, bool]:
         """The call's result as text, or its error text; and whether it succeeded."""
