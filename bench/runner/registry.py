@@ -133,6 +133,15 @@ BENCHMARKS = (
         headline=r"sha256 of .*",
     ),
     Benchmark(
+        "sandbox_startup",
+        "the python tool's per-call start-up (bubblewrap) vs a plain python subprocess, median and p90 ms",
+        (0.1, 0.2),
+        module="bench.sandbox_startup",
+        tiny=("--calls", "5"),
+        takes_save=False,
+        headline=r"sandbox start-up: .*",
+    ),
+    Benchmark(
         "data_cache",
         "tokenising an SFT data set once (--data_output_path), then reading it back",
         (0.2, 1),
