@@ -296,3 +296,26 @@ print(sorted(results))
 print(subprocess.run([sys.executable, "-c", "print(7)"], capture_output=True, text=True).stdout, end="")
 """)
     assert output == "[0, 1, 2, 3, 4, 5, 6, 7]\n7\n"
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or os.uname().machine != "x86_64", reason="the seccomp filter is root's case")
+def test_no_syscall_creates_a_user_namespace():
+    """Run as root, the seccomp filter stands in for --disable-userns: clone and unshare with CLONE_NEWUSER get
+    EPERM, clone3 (flags the filter cannot read) ENOSYS; a plain fork and threads still work."""
+    output = python("""
+import ctypes, os, threading
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+for number, args in [(272, (0x10000000,)), (56, (0x10000000 | 17, 0, 0, 0, 0)), (435, (0, 0))]:
+    print(libc.syscall(number, *args), os.strerror(ctypes.get_errno()))
+pid = os.fork()
+if pid == 0:
+    os._exit(7)
+print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+thread = threading.Thread(target=print, args=("thread",))
+thread.start()
+thread.join()
+""")
+    assert output == (
+        "-1 Operation not permitted\n-1 Operation not permitted\n-1 Function not implemented\n7\nthread\n"
+    )

@@ -171,7 +171,7 @@ def seccomp_filter(machine: str | None = None) -> bytes | None:
         (_RET, 0, 0, _ERRNO | _EPERM),
         (_JEQ, 3, 0, unshare),
         (_JEQ, 2, 0, clone),
-        (_JEQ, 4, 0, clone3),
+        (_JEQ, 5, 0, clone3),
         (_RET, 0, 0, _ALLOW),
         (_LOAD, 0, 0, 16),  # args[0]'s low half: the flags of unshare and of clone on both machines
         (_JSET, 0, 1, _CLONE_NEWUSER),
@@ -218,6 +218,8 @@ def spawn(
             os.close(fd)
         block_read = info_write = filter_read = -1
         info = _read_info(info_read)
+        if info is None and process.poll() is None:  # no namespace to map after 30 s: not started unmapped
+            process.kill()
         if info is not None:  # bwrap made the namespace and waits: map it (else it failed; its output says why)
             try:
                 for name in ("uid_map", "gid_map"):
@@ -226,7 +228,10 @@ def spawn(
             except OSError:
                 process.kill()  # an unmapped sandbox would run the code as host root: never
                 raise
-        os.write(block_write, b"1")
+        try:
+            os.write(block_write, b"1")
+        except BrokenPipeError:  # bwrap ended before waiting (it failed): its output and status say why
+            pass
         return process
     finally:
         for fd in (block_read, block_write, info_read, info_write, filter_read, filter_write):
