@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import sys
 
+from utils.cli import Number
 from utils.errors import UsageError
 from utils.train.config_file import ConfigFileParser
 from utils.train.flags import add_device_arg, add_generation_args, resolve_generation_args
@@ -40,7 +41,9 @@ def build_parser():
         required=True,
         help="the policy to chat with: a from_pretrained directory (step 1 or 3 output) or hub name",
     )
-    p.add_argument("--max_new_tokens", type=int, default=128, help="max new tokens per reply (default %(default)s)")
+    p.add_argument(
+        "--max_new_tokens", type=Number(int, low=1), default=128, help="max new tokens per reply (default %(default)s)"
+    )
     p.add_argument("--system", default=None, help="system message prepended to the conversation")
     p.add_argument(
         "--template",
@@ -50,7 +53,12 @@ def build_parser():
         "auto: chat when the tokenizer has a template, else human_assistant (default %(default)s)",
     )
     add_generation_args(p, do_sample=False)
-    p.add_argument("--seed", type=int, default=0, help="random seed of the sampling (turn t uses this + t)")
+    p.add_argument(
+        "--seed",
+        type=Number(int, low=0, high=2**32 - 1),
+        default=0,
+        help="random seed of the sampling (turn t uses this + t)",
+    )
     add_device_arg(p)
     p.add_argument("--trust_remote_code", action="store_true", help="allow model code shipped with the model")
     from step3_ppo.agents.flags import add_agent_args  # no torch: --help stays fast

@@ -19,6 +19,7 @@ import importlib
 import os
 import sys
 
+from utils.cli import FlagParser, Number
 from utils.errors import UsageError, run_main
 from utils.train.memory_plan import GIB, format_plan, plan_rl, plan_single, read_shape, verdict
 
@@ -36,16 +37,18 @@ RUNTIME_GIB = {"cpu": 0.4, "cuda": 0.5}
 
 def build_parser() -> argparse.ArgumentParser:
     """plan.py's own flags; everything else goes to the step's parser."""
-    p = argparse.ArgumentParser(
+    p = FlagParser(
         prog="plan.py",
         description=__doc__.splitlines()[0],
         usage="python plan.py STEP [the step's flags | --config FILE] [--ranks N] [--device_memory_gib G]",
     )
     p.add_argument("step", metavar="STEP", help=f"the step to plan: {', '.join(STEPS)}")
-    p.add_argument("--ranks", type=int, default=1, help="number of ranks (GPUs, or CPU processes) the run uses")
+    p.add_argument(
+        "--ranks", type=Number(int, low=1), default=1, help="number of ranks (GPUs, or CPU processes) the run uses"
+    )
     p.add_argument(
         "--device_memory_gib",
-        type=float,
+        type=Number(float, above=0),
         default=None,
         help="memory per device in GiB (default: the GPU's on CUDA; on CPU this machine's, shared by the ranks)",
     )

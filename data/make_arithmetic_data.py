@@ -11,11 +11,11 @@ eval question appears in the train file.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
 
+from utils.cli import FlagParser, Number
 from utils.errors import UsageError, run_main
 
 # name -> (what it is, term ranges, operators); every answer is a non-negative integer, so "the last
@@ -110,21 +110,26 @@ def write(out: str, data: dict) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = FlagParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output folder (train.jsonl, eval.jsonl)")
     ap.add_argument(
         "--train",
-        type=int,
+        type=Number(int, low=1),
         default=2000,
         help="rows (problems) in train.jsonl; none is an eval question (default %(default)s)",
     )
     ap.add_argument(
         "--eval",
-        type=int,
+        type=Number(int, low=1),
         default=200,
         help="rows (distinct problems) in eval.jsonl, at most half the problems of --difficulty (default %(default)s)",
     )
-    ap.add_argument("--seed", type=int, default=0, help="random seed; the same seed gives the same rows")
+    ap.add_argument(
+        "--seed",
+        type=Number(int, low=0, high=2**32 - 1),
+        default=0,
+        help="random seed; the same seed gives the same rows",
+    )
     ap.add_argument(
         "--difficulty",
         choices=sorted(DIFFICULTIES),

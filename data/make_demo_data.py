@@ -13,7 +13,6 @@ arbitrary sentence of it).
 
 from __future__ import annotations
 
-import argparse
 import csv
 import importlib.util
 import json
@@ -22,6 +21,7 @@ import random
 import re
 import sys
 
+from utils.cli import FlagParser, Number
 from utils.errors import UsageError, run_main
 
 PROMPT_TEMPLATE = "Human: Continue this movie review: {prefix}\n\nAssistant:"  # --format raw
@@ -252,25 +252,35 @@ def write(out: str, data: dict, seed: int, fmt: str = "chat") -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = FlagParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output folder")
     ap.add_argument(
         "--seed",
-        type=int,
+        type=Number(int, low=0, high=2**32 - 1),
         default=0,
         help="random seed of the cuts, pools and pairings; the same seed gives the same files",
     )
-    ap.add_argument("--sft_train", type=int, default=3000, help="rows in sft/train.jsonl (default %(default)s)")
-    ap.add_argument("--sft_eval", type=int, default=300, help="rows in sft/eval.jsonl (default %(default)s)")
     ap.add_argument(
-        "--pairs_train", type=int, default=3000, help="pairs (rows) in pairs/train.jsonl (default %(default)s)"
+        "--sft_train", type=Number(int, low=1), default=3000, help="rows in sft/train.jsonl (default %(default)s)"
     )
     ap.add_argument(
-        "--pairs_eval", type=int, default=300, help="pairs (rows) in pairs/eval.jsonl (default %(default)s)"
+        "--sft_eval", type=Number(int, low=1), default=300, help="rows in sft/eval.jsonl (default %(default)s)"
+    )
+    ap.add_argument(
+        "--pairs_train",
+        type=Number(int, low=1),
+        default=3000,
+        help="pairs (rows) in pairs/train.jsonl (default %(default)s)",
+    )
+    ap.add_argument(
+        "--pairs_eval",
+        type=Number(int, low=1),
+        default=300,
+        help="pairs (rows) in pairs/eval.jsonl (default %(default)s)",
     )
     ap.add_argument(
         "--test",
-        type=int,
+        type=Number(int, low=1),
         default=256,
         help="prompts in test/prompts.jsonl, the demo's test split (default %(default)s)",
     )

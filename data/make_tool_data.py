@@ -26,7 +26,6 @@ as it is).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -34,6 +33,7 @@ import random
 
 from data.make_arithmetic_data import write  # the same JSONL writer: one file per split
 from step3_ppo.agents.tools import calculator, load_tools, tool_system_prompt
+from utils.cli import FlagParser, Number
 from utils.errors import UsageError, run_main
 
 QUESTION = "What is {expr}?"
@@ -173,27 +173,32 @@ def build(seed: int, n_sft: int, n_train: int, n_eval: int) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = FlagParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="output folder (sft/train.jsonl, rl/train.jsonl, rl/eval.jsonl)")
     ap.add_argument(
         "--sft",
-        type=int,
+        type=Number(int, low=1),
         default=400,
         help="tool-use traces (messages rows) in sft/train.jsonl, for step 1 (default %(default)s)",
     )
     ap.add_argument(
         "--train",
-        type=int,
+        type=Number(int, low=1),
         default=2000,
         help="prompt rows in rl/train.jsonl, for step 3 with --tools calculator (default %(default)s)",
     )
     ap.add_argument(
         "--eval",
-        type=int,
+        type=Number(int, low=1),
         default=200,
         help="held-out prompt rows in rl/eval.jsonl; no eval problem is in sft or train (default %(default)s)",
     )
-    ap.add_argument("--seed", type=int, default=0, help="random seed; the same seed gives the same rows")
+    ap.add_argument(
+        "--seed",
+        type=Number(int, low=0, high=2**32 - 1),
+        default=0,
+        help="random seed; the same seed gives the same rows",
+    )
     args = ap.parse_args(argv)
     data = build(args.seed, args.sft, args.train, args.eval)
     # one folder per step, in the data layer's naming (train.* / eval.*): step 1 reads sft/, step 3 rl/

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 
 import torch
-
+from utils.cli import Number
 from utils.data import SFTCollator, tokenize_sft
 from utils.errors import UsageError, run_main
 from utils.math.losses import IGNORE_INDEX
@@ -20,7 +20,7 @@ from utils.models.loading import check_4bit_args, load_causal_lm
 from utils.runtime.distributed import all_reduce_sum, rank_batches
 from utils.train.checkpoint import data_layout
 from utils.train.config_file import write_run_config
-from utils.train.flags import BATCH_FLAGS, check_range, single_model_parser, validate_training_args
+from utils.train.flags import single_model_parser, validate_training_args
 from utils.train.loop import (
     build_trained_engine,
     micro_batch_schedule,
@@ -44,7 +44,7 @@ def build_parser():
     )
     parser.add_argument(
         "--eval_iters",
-        type=int,
+        type=Number(int, low=0),
         default=0,
         help="perplexity on at most this many held-out batches per rank (0: all held-out rows)",
     )
@@ -53,8 +53,7 @@ def build_parser():
 
 def parse_args(argv=None):
     args = build_parser().parse_args(argv)
-    check_range(args, 0, ("eval_iters",))
-    validate_training_args(args, positive=BATCH_FLAGS)
+    validate_training_args(args)
     check_4bit_args(args, {"model": ""}, {"model": args.zero_stage})
     return args
 

@@ -13,10 +13,10 @@ config adds one); each model uses its own tokenizer.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
+from utils.cli import FlagParser, Number
 from utils.data import RowFormat, normalize_row, prompt_text
 from utils.train.flags import add_device_arg, add_format_args, add_generation_args, resolve_generation_args
 
@@ -30,7 +30,7 @@ DEFAULT_NUM_BEAMS = 4
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = FlagParser(description=__doc__.splitlines()[0])
     p.add_argument("--model_name_or_path_baseline", required=True, help="e.g. the base model")
     p.add_argument("--model_name_or_path_finetune", required=True, help="e.g. the step 1 output")
     p.add_argument(
@@ -39,17 +39,19 @@ def parse_args(argv=None):
         default=None,
         help="prompt strings, or one JSON/JSONL file/folder with a 'prompt' field (default: demo-style prompts)",
     )
-    p.add_argument("--num_prompts", type=int, default=8, help="prompts taken from a --prompts file")
-    p.add_argument("--max_new_tokens", type=int, default=64, help="max new tokens per answer (default %(default)s)")
+    p.add_argument("--num_prompts", type=Number(int, low=1), default=8, help="prompts taken from a --prompts file")
+    p.add_argument(
+        "--max_new_tokens", type=Number(int, low=1), default=64, help="max new tokens per answer (default %(default)s)"
+    )
     p.add_argument(
         "--max_prompt_len",
-        type=int,
+        type=Number(int, low=1),
         default=256,
         help="max prompt length in tokens; a longer prompt keeps its last tokens (default %(default)s)",
     )
     p.add_argument(
         "--num_beams",
-        type=int,
+        type=Number(int, low=1),
         default=None,
         help=f"beam search width (default {DEFAULT_NUM_BEAMS} when no mode is chosen)",
     )
@@ -57,11 +59,13 @@ def parse_args(argv=None):
     add_format_args(p.add_argument_group("prompt format (as in training)"), template_file=False)
     p.add_argument(
         "--seed",
-        type=int,
+        type=Number(int, low=0, high=2**32 - 1),
         default=0,
         help="random seed of the sampling and of the prompts picked from a --prompts file",
     )
-    p.add_argument("--batch_size", type=int, default=8, help="prompts per generation batch (default %(default)s)")
+    p.add_argument(
+        "--batch_size", type=Number(int, low=1), default=8, help="prompts per generation batch (default %(default)s)"
+    )
     add_device_arg(p)
     args = p.parse_args(argv)
     if args.num_beams is not None and args.num_beams < 1:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import time
 
 import torch
-
+from utils.cli import Number
 from utils.data import (
     PreferenceCollator,
     UnpairedCollator,
@@ -60,10 +60,8 @@ from utils.train.checkpoint import data_layout
 from utils.train.config_file import write_run_config
 from utils.train.ds_config import eval_ds_config
 from utils.train.flags import (
-    BATCH_FLAGS,
     add_offload_reference_arg,
     add_pair_eval_args,
-    check_range,
     fail,
     single_model_parser,
     validate_training_args,
@@ -95,7 +93,7 @@ def build_parser():
     g = parser.add_argument_group("DPO")
     g.add_argument(
         "--beta",
-        type=float,
+        type=Number(float, above=0),
         default=None,
         help="strength of the implicit KL to the reference: the loss reads beta * log-ratio margins "
         "(SimPO: beta * per-token log-prob margins); default: the loss's (simpo 2.0), else 0.1",
@@ -109,13 +107,13 @@ def build_parser():
     for name, (option, owners) in pair_loss_options().items():  # each loss's own settings
         g.add_argument(
             f"--{name}",
-            type=float,
+            type=Number(float, **{"above" if option.strict else "low": option.minimum}, below=option.below),
             default=option.default,
             help=f"{option.help} (--loss_type {' or '.join(owners)} only)",
         )
     g.add_argument(
         "--nll_loss_coef",
-        type=float,
+        type=Number(float, low=0),
         default=0.0,
         help="add this times the chosen responses' NLL per token (RPO; 0: off; orpo has its own, weight 1)",
     )
@@ -142,18 +140,11 @@ def parse_args(argv=None):
         fail(f"--beta: --loss_type {args.loss_type} does not read it; leave the flag out")
     if args.beta is None:
         args.beta = entry.default_beta
-    check_range(args, 0, ("eval_interval", "eval_iters", "nll_loss_coef"))
-    check_range(args, 0, ("beta",), strict=True)
-    for name, (option, _) in pair_loss_options().items():
-        if option.minimum is not None:
-            check_range(args, option.minimum, (name,), strict=option.strict)
     if entry.nll_coef and args.nll_loss_coef:
         fail(
             f"--nll_loss_coef: --loss_type {args.loss_type} has its own NLL term (weight {entry.nll_coef:g}); "
             f"leave the flag out"
         )
-    if not 0 <= args.label_smoothing < 0.5:
-        fail(f"--label_smoothing must be in [0, 0.5), got {args.label_smoothing}")
     for name, (option, owners) in pair_loss_options().items():
         if getattr(args, name) != option.default and args.loss_type not in owners:
             fail(
@@ -190,7 +181,7 @@ def parse_args(argv=None):
             f"--offload_reference_model: this run holds no reference model to offload (its reference is "
             f"{REFERENCE_KINDS[reference_kind(args)]})"
         )
-    validate_training_args(args, positive=BATCH_FLAGS)
+    validate_training_args(args)
     stages = {"policy": args.zero_stage}
     if reference_kind(args) == "engine":  # a separate frozen copy (ZeRO-3 offload with --offload_reference_model)
         stages["reference"] = 3 if args.offload_reference_model else args.zero_stage

@@ -20,6 +20,7 @@ import sys
 
 import torch
 
+from utils.cli import FlagParser, Number
 from utils.data import (
     DEFAULT_FORMAT,
     DataError,
@@ -64,7 +65,7 @@ class _ResponseAction(argparse.Action):
 
 
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = FlagParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model_name_or_path", required=True, help="step-2 output directory")
     parser.add_argument(
         "--prompt",
@@ -85,14 +86,14 @@ def parse_args(argv=None):
     parser.add_argument("--pairs", default=None, help="JSON/JSONL file (or folder) of prompt/chosen/rejected rows")
     parser.add_argument(
         "--batch_size",
-        type=int,
+        type=Number(int, low=1),
         default=16,
         help="rows per scoring forward: responses, or pairs with --pairs (default %(default)s)",
     )
     add_format_args(parser.add_argument_group("row format (as in training)"), template_file=False)
     parser.add_argument(
         "--max_seq_len",
-        type=int,
+        type=Number(int, low=1),
         default=512,
         help="max tokens per scored sequence (prompt + response), truncated as in training (default %(default)s)",
     )

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from utils.cli import Number
 from utils.data import PairCollator, split_pair_batch, tokenize_pairs
 from utils.errors import run_main
 from utils.math.losses import pair_metrics, pairwise_loss
@@ -24,7 +25,7 @@ from utils.models.reward_model import RewardModel, export_reward_model
 from utils.runtime.distributed import all_reduce_sum, rank_batches
 from utils.train.checkpoint import data_layout
 from utils.train.config_file import write_run_config
-from utils.train.flags import BATCH_FLAGS, add_pair_eval_args, check_range, single_model_parser, validate_training_args
+from utils.train.flags import add_pair_eval_args, single_model_parser, validate_training_args
 from utils.train.loop import (
     build_trained_engine,
     check_pair_splits,
@@ -45,15 +46,16 @@ def build_parser():
         __doc__.splitlines()[0], "causal LM directory (step 1 output) or hub name: the backbone", logprobs=False
     )
     g = parser.add_argument_group("reward model")
-    g.add_argument("--margin", type=float, default=0.0, help="loss margin: -log sigmoid(chosen - rejected - margin)")
+    g.add_argument(
+        "--margin", type=Number(float), default=0.0, help="loss margin: -log sigmoid(chosen - rejected - margin)"
+    )
     add_pair_eval_args(parser)
     return parser
 
 
 def parse_args(argv=None):
     args = build_parser().parse_args(argv)
-    check_range(args, 0, ("eval_interval", "eval_iters"))
-    validate_training_args(args, positive=BATCH_FLAGS)
+    validate_training_args(args)
     check_4bit_args(args, {"reward model": ""}, {"reward model": args.zero_stage})
     return args
 

@@ -24,6 +24,7 @@ import random
 from step3_ppo.agents.eval import evaluate_policy, format_agent_table
 from step3_ppo.agents.flags import add_agent_args, check_agent_args
 from step3_ppo.rewards.functions import RewardFunctionError, load_reward_function
+from utils.cli import Number
 from utils.data import DataError, RowFormat, read_rows
 from utils.errors import run_main
 from utils.evaluation import (
@@ -44,7 +45,6 @@ from utils.train.flags import (
     add_device_arg,
     add_format_args,
     add_generation_args,
-    check_range,
     fail,
     resolve_generation_args,
 )
@@ -74,26 +74,35 @@ def build_parser():
     )
     p.add_argument(
         "--num_prompts",
-        type=int,
+        type=Number(int, low=1),
         default=128,
         help="held-out prompts (the demo's eval split has 300; 128 keeps the intervals near +-0.09 on a win rate)",
     )
-    p.add_argument("--prompt_seed", type=int, default=0, help="seed of the prompt shuffle")
-    p.add_argument("--max_new_tokens", type=int, default=24, help="max new tokens per answer (default %(default)s)")
+    p.add_argument(
+        "--prompt_seed", type=Number(int, low=0, high=2**32 - 1), default=0, help="seed of the prompt shuffle"
+    )
+    p.add_argument(
+        "--max_new_tokens", type=Number(int, low=1), default=24, help="max new tokens per answer (default %(default)s)"
+    )
     p.add_argument(
         "--max_prompt_len",
-        type=int,
+        type=Number(int, low=1),
         default=256,
         help="max prompt length in tokens; longer prompts keep their last tokens (default %(default)s)",
     )
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (same for every policy)")
     p.add_argument(
-        "--batch_size", type=int, default=8, help="prompts per generation and scoring batch (default %(default)s)"
+        "--seed", type=Number(int, low=0, high=2**32 - 1), default=0, help="sampling seed (same for every policy)"
     )
-    p.add_argument("--num_samples", type=int, default=3, help="side-by-side samples to print")
+    p.add_argument(
+        "--batch_size",
+        type=Number(int, low=1),
+        default=8,
+        help="prompts per generation and scoring batch (default %(default)s)",
+    )
+    p.add_argument("--num_samples", type=Number(int, low=1), default=3, help="side-by-side samples to print")
     p.add_argument(
         "--logprob_chunk_tokens",
-        type=int,
+        type=Number(int, low=0),
         default=LOGPROB_CHUNK_TOKENS,
         help="the KL's token log-probs through the LM head this many tokens at a time (0: the whole logits at once)",
     )
@@ -118,7 +127,6 @@ def parse_args(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
     args.max_answer_seq_len = args.max_new_tokens  # per turn, as step 3's flag
-    check_range(args, 0, ("logprob_chunk_tokens",))
     check_agent_args(args)
     args.scored_by_functions = bool(args.env or args.tools or args.reward_funcs)
     if args.do_sample is None:

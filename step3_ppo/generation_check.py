@@ -15,7 +15,6 @@ over --repeats after a warm-up).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -23,6 +22,7 @@ import time
 import torch
 
 from step3_ppo.rollout.hybrid import gathered, generate, generation_mode
+from utils.cli import FlagParser, Number
 from utils.models.forward import GenerationSettings, causal_lm_logits, eval_mode, generation_kwargs
 from utils.models.loading import load_causal_lm, load_tokenizer
 from utils.runtime.distributed import init_distributed, is_rank0, set_seed, world_size
@@ -31,21 +31,33 @@ from utils.train.loop import EngineSpec, build_trained_engine
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = FlagParser(description=__doc__.splitlines()[0])
     p.add_argument("--model_name_or_path", required=True, help="causal LM directory or hub name to generate with")
-    p.add_argument("--zero_stage", type=int, default=3, help="DeepSpeed ZeRO stage of the engine (default %(default)s)")
+    p.add_argument(
+        "--zero_stage",
+        type=Number(int, low=0, high=3),
+        default=3,
+        help="DeepSpeed ZeRO stage of the engine (default %(default)s)",
+    )
     p.add_argument(
         "--lora_dim",
-        type=int,
+        type=Number(int, low=0),
         default=0,
         help="LoRA rank (0: no LoRA); the adapters get non-zero weights so merging them matters",
     )
-    p.add_argument("--batch_size", type=int, default=4, help="prompts per rank")
-    p.add_argument("--prompt_len", type=int, default=16, help="longest prompt in tokens (others shorter)")
-    p.add_argument("--new_tokens", type=int, default=16, help="new tokens generated per prompt (exactly, no EOS stop)")
+    p.add_argument("--batch_size", type=Number(int, low=1), default=4, help="prompts per rank")
+    p.add_argument(
+        "--prompt_len", type=Number(int, low=1), default=16, help="longest prompt in tokens (others shorter)"
+    )
+    p.add_argument(
+        "--new_tokens",
+        type=Number(int, low=1),
+        default=16,
+        help="new tokens generated per prompt (exactly, no EOS stop)",
+    )
     p.add_argument(
         "--repeats",
-        type=int,
+        type=Number(int, low=1),
         default=1,
         help="timed generate calls per mode after one warm-up (the median is reported)",
     )
@@ -56,7 +68,7 @@ def parse_args(argv=None):
     )
     p.add_argument("--dtype", default="fp32", help="engine precision: fp32, bf16 or fp16 (default %(default)s)")
     p.add_argument("--out", default=None, help="JSON result file (rank 0)")
-    p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    p.add_argument("--local_rank", type=Number(int, low=-1), default=-1, help="set by the deepspeed launcher")
     return p.parse_args(argv)
 
 

@@ -36,6 +36,7 @@ from step3_ppo.rewards.functions import (
 )
 from step3_ppo.rollout.engines import ROLLOUT_ENGINES, check_engine_args, engine_settings
 from step3_ppo.trainer import PPOConfig, PPOTrainer
+from utils.cli import Number
 from utils.data import (
     PromptCollator,
     SFTCollator,
@@ -64,11 +65,12 @@ from utils.train.flags import (
     add_offload_reference_arg,
     add_output_args,
     add_training_args,
-    check_range,
     check_sequence_fits,
     fail,
+    refuse_unread,
     resolve_generation_args,
     validate_training_args,
+    was_set,
 )
 from utils.train.loop import step_examples, total_training_steps
 from utils.train.metrics_logger import print_rank0
@@ -101,19 +103,21 @@ def build_parser():
     g = add_generation_args(p, do_sample=True)  # + step 3's rollout flags (DeepSpeed-Chat's names)
     g.add_argument(
         "--per_device_generation_batch_size",
-        type=int,
+        type=Number(int, low=1),
         default=4,
         help="prompts per rank per generation batch (each sampled --n_samples_per_prompt times)",
     )
-    g.add_argument("--generation_batches", type=int, default=1, help="generation batches per PPO iteration")
+    g.add_argument(
+        "--generation_batches", type=Number(int, low=1), default=1, help="generation batches per PPO iteration"
+    )
     g.add_argument(
         "--max_prompt_seq_len",
-        type=int,
+        type=Number(int, low=1),
         default=256,
         help="max prompt length in tokens; a longer prompt keeps its last tokens (and a chat template's header)",
     )
-    g.add_argument("--max_answer_seq_len", type=int, default=256, help="max new tokens per answer")
-    g.add_argument("--min_answer_seq_len", type=int, default=1, help="min new tokens per answer (>= 1)")
+    g.add_argument("--max_answer_seq_len", type=Number(int, low=1), default=256, help="max new tokens per answer")
+    g.add_argument("--min_answer_seq_len", type=Number(int, low=1), default=1, help="min new tokens per answer (>= 1)")
     g.add_argument(
         "--rollout_engine",
         choices=list(ROLLOUT_ENGINES),
@@ -161,7 +165,7 @@ def build_parser():
     )
     g.add_argument(
         "--rollout_correction_threshold",
-        type=float,
+        type=Number(float, above=1),
         default=2.0,
         metavar="C",
         help="C of --rollout_correction, a ratio of probabilities (> 1) (default %(default)s)",
@@ -195,14 +199,20 @@ def build_parser():
     add_training_args(p, MODELS, MODEL_DEFAULTS)
     g = p.add_argument_group("RL")
     g.add_argument(
-        "--per_device_training_batch_size", type=int, default=4, help="PPO mini-batch size, in rows (answers) per rank"
+        "--per_device_training_batch_size",
+        type=Number(int, low=1),
+        default=4,
+        help="PPO mini-batch size, in rows (answers) per rank",
     )
     g.add_argument(
-        "--ppo_epochs", type=int, default=1, help="passes over each rollout's mini-batches per PPO iteration"
+        "--ppo_epochs",
+        type=Number(int, low=1),
+        default=1,
+        help="passes over each rollout's mini-batches per PPO iteration",
     )
     g.add_argument(
         "--n_samples_per_prompt",
-        type=int,
+        type=Number(int, low=1),
         default=1,
         help="answers sampled per prompt (a group); --per_device_generation_batch_size counts prompts, "
         "so a rank's rollout is that x this x --generation_batches rows",
@@ -231,21 +241,21 @@ def build_parser():
     )
     g.add_argument(
         "--cliprange_low",
-        type=float,
+        type=Number(float, above=0, below=1),
         default=None,
         help="the ratio's lower clip, 1 - this (a fraction, > 0; ppo, gspo); default: --cliprange for "
         f"ppo, {GSPO_CLIPRANGE_LOW:g} for gspo (the paper's, on the sequence's mean log-ratio)",
     )
     g.add_argument(
         "--cliprange_high",
-        type=float,
+        type=Number(float, above=0),
         default=None,
         help="the ratio's upper clip, 1 + this (a fraction, > 0; DAPO's clip-higher: 0.28); cispo caps its "
         f"weight there; default: --cliprange for ppo and cispo, {GSPO_CLIPRANGE_HIGH:g} for gspo",
     )
     g.add_argument(
         "--dual_clip",
-        type=float,
+        type=Number(float, above=1),
         default=None,
         metavar="C",
         help="dual-clip: a negative-advantage action's loss is capped at -advantage x C (a ratio, > 1; "
@@ -253,23 +263,23 @@ def build_parser():
     )
     g.add_argument(
         "--entropy_coef",
-        type=float,
+        type=Number(float, low=0),
         default=0.0,
         help="entropy bonus: this x the action tokens' entropy (nats per token, aggregated as the loss) "
         "is subtracted from the actor loss (>= 0; 0: only logged, ppo/entropy)",
     )
-    g.add_argument("--kl_ctl", type=float, default=0.1, help="initial KL(actor||reference) coefficient")
+    g.add_argument("--kl_ctl", type=Number(float, low=0), default=0.1, help="initial KL(actor||reference) coefficient")
     g.add_argument("--adaptive_kl", action="store_true", help="Ziegler et al. controller towards --kl_target")
     g.add_argument(
         "--kl_target",
-        type=float,
+        type=Number(float, above=0),
         default=6.0,
         help="with --adaptive_kl: the KL(actor||reference) per answer (nats, summed over its tokens) "
         "Ziegler et al.'s controller steers --kl_ctl towards (default %(default)s)",
     )
     g.add_argument(
         "--kl_horizon",
-        type=float,
+        type=Number(float, above=0),
         default=10000,
         help="with --adaptive_kl: the controller's horizon, in answers (all ranks): each iteration "
         "moves --kl_ctl by at most 20%% x the rollout's answers / this (default %(default)s)",
@@ -297,13 +307,18 @@ def build_parser():
     )
     g.add_argument(
         "--clip_reward_value",
-        type=float,
+        type=Number(float, above=0),
         default=5.0,
         help="the sequence score is clipped to [-this, this] (reward units, > 0) before the KL penalty is added",
     )
     g.add_argument("--normalize_reward", action="store_true", help="score normalised by running mean/std")
-    g.add_argument("--gamma", type=float, default=1.0, help="per-token discount of the returns and of GAE, in [0, 1]")
-    g.add_argument("--lam", type=float, default=0.95, help="GAE's lambda (with gae), in [0, 1]")
+    g.add_argument(
+        "--gamma",
+        type=Number(float, low=0, high=1),
+        default=1.0,
+        help="per-token discount of the returns and of GAE, in [0, 1]",
+    )
+    g.add_argument("--lam", type=Number(float, low=0, high=1), default=0.95, help="GAE's lambda (with gae), in [0, 1]")
     g.add_argument(
         "--no_whiten_advantages",
         dest="whiten_advantages",
@@ -313,14 +328,14 @@ def build_parser():
     )
     g.add_argument(
         "--cliprange",
-        type=float,
+        type=Number(float, above=0),
         default=0.2,
         help="PPO's clip of the new/old policy ratio to [1 - this, 1 + this] (a fraction, > 0): the "
         "default of --cliprange_low / --cliprange_high for ppo and cispo (gspo has its own)",
     )
     g.add_argument(
         "--cliprange_value",
-        type=float,
+        type=Number(float, above=0),
         default=0.2,
         help="the critic's new values are clipped to the rollout's values +- this (reward units, > 0)",
     )
@@ -333,7 +348,7 @@ def build_parser():
     g.add_argument("--unsupervised_dataset_name", default=None, help="text/JSON file for the PPO-ptx loss")
     g.add_argument(
         "--unsup_coef",
-        type=float,
+        type=Number(float, low=0),
         default=27.8,
         help="weight of the PPO-ptx language-modelling loss (mean NLL per token of "
         "--unsupervised_dataset_name) added to the actor loss",
@@ -354,7 +369,7 @@ def build_parser():
         "completion_ids and every other field of the prompt rows as keyword lists), or "
         "built-ins: " + builtins_help().replace("%", "%%"),
     )  # argparse formats help with %
-    g.add_argument("--reward_weights", nargs="+", type=float, default=None, help="one per --reward_funcs entry")
+    g.add_argument("--reward_weights", nargs="+", type=Number(float), default=None, help="one per --reward_funcs entry")
     g.add_argument(
         "--reward_norm",
         choices=REWARD_NORMS,
@@ -372,26 +387,26 @@ def build_parser():
     )
     g.add_argument(
         "--reward_timeout",
-        type=float,
+        type=Number(float, above=0),
         default=None,
         help="seconds a reward function call may take; then its worker process is killed (default: none)",
     )
     g.add_argument(
         "--overlong_buffer_len",
-        type=int,
+        type=Number(int, low=0),
         default=0,
         help="DAPO's overlong penalty: answers longer than --max_answer_seq_len minus this lose up to "
         "--overlong_penalty_factor, linearly",
     )
     g.add_argument(
         "--overlong_penalty_factor",
-        type=float,
+        type=Number(float, low=0),
         default=1.0,
         help="the most DAPO's overlong penalty subtracts, reached at --max_answer_seq_len tokens (reward units)",
     )
     g.add_argument(
         "--truncation_penalty",
-        type=float,
+        type=Number(float, low=0),
         default=0.0,
         help="subtracted from the reward of answers cut at --max_answer_seq_len without EOS",
     )
@@ -415,7 +430,7 @@ def build_parser():
     )
     g.add_argument(
         "--max_sampling_rounds",
-        type=int,
+        type=Number(int, low=1),
         default=4,
         help="with --dynamic_sampling, the most generation rounds of one iteration, the first included "
         "(rounds, >= 1; each further one a prompt batch per rank from the training prompts) "
@@ -424,7 +439,7 @@ def build_parser():
     g = p.add_argument_group("evaluation during training")
     g.add_argument(
         "--eval_interval",
-        type=int,
+        type=Number(int, low=0),
         default=0,
         help="evaluate before the first iteration, every K iterations and at the end (0: never)",
     )
@@ -434,11 +449,13 @@ def build_parser():
         default=None,
         help="held-out prompt rows (default: step 3's eval split of --data_path)",
     )
-    g.add_argument("--eval_num_prompts", type=int, default=64, help="prompts evaluated (a multiple of the ranks)")
+    g.add_argument(
+        "--eval_num_prompts", type=Number(int, low=1), default=64, help="prompts evaluated (a multiple of the ranks)"
+    )
     g.add_argument("--eval_do_sample", action="store_true", help="sample the answers (default: greedy)")
     g.add_argument(
         "--per_device_eval_batch_size",
-        type=int,
+        type=Number(int, low=1),
         default=None,
         help="held-out prompts per generate call and rank (default: a rollout's rows, "
         "--per_device_generation_batch_size x --n_samples_per_prompt: the same memory)",
@@ -461,7 +478,7 @@ def build_parser():
     )
     g.add_argument(
         "--print_answers_interval",
-        type=int,
+        type=Number(int, low=1),
         default=1,
         help="PPO iterations between printed answers (with --print_answers)",
     )
@@ -478,16 +495,9 @@ def parse_args(argv=None):
 def validate_args(args) -> None:
     """Impossible settings stop the run here, before any model is loaded."""
     resolve_generation_args(args)
-    check_range(args, 0, ("cliprange", "cliprange_value", "clip_reward_value"), strict=True)
-    check_range(args, 0, ("cliprange_low", "cliprange_high"), strict=True)
-    check_range(args, 0, ("kl_ctl", "unsup_coef", "kl_horizon", "entropy_coef"))
     check_policy_loss_args(args)
-    check_range(args, 1, ("print_answers_interval", "max_sampling_rounds"))
     check_rollout_args(args)
     check_agent_args(args)
-    for name in ("gamma", "lam"):
-        if not 0 <= getattr(args, name) <= 1:
-            fail(f"--{name} must be in [0, 1], got {getattr(args, name)}")
     rollout = args.per_device_generation_batch_size * args.n_samples_per_prompt * args.generation_batches
     if rollout % args.per_device_training_batch_size:
         fail(
@@ -500,9 +510,8 @@ def validate_args(args) -> None:
             f"need 1 <= --min_answer_seq_len ({args.min_answer_seq_len}) <= --max_answer_seq_len "
             f"({args.max_answer_seq_len})"
         )
-    if args.adaptive_kl and args.kl_target <= 0:
-        fail(f"--kl_target must be > 0, got {args.kl_target}")
     validate_rl_args(args)
+    refuse_unread_flags(args)
     check_model_path(args.actor_model_name_or_path, "--actor_model_name_or_path")
     check_policy_dir(args.actor_model_name_or_path, "--actor_model_name_or_path")
     if args.critic_model_name_or_path:
@@ -535,18 +544,32 @@ def validate_args(args) -> None:
             check_sequence_fits(
                 path, args.max_prompt_seq_len + getattr(args, response), f"--max_prompt_seq_len + --{response}"
             )
-    validate_training_args(
-        args,
-        MODELS,
-        positive=(
-            "per_device_generation_batch_size",
-            "per_device_training_batch_size",
-            "generation_batches",
-            "ppo_epochs",
-            "max_prompt_seq_len",
-            "max_answer_seq_len",
-        ),
-    )  # last: it checks OUTPUT_DIR
+    validate_training_args(args, MODELS)  # last: it checks OUTPUT_DIR
+
+
+def refuse_unread_flags(args) -> None:
+    """A flag set to a value the run never reads stops it (it would silently do nothing): the critic's flags without
+    a critic, a controller's or a loss term's settings without it, another engine's flags."""
+    if not get_estimator(args.advantage_estimator).needs_critic:
+        reads = {"critic_model_name_or_path"} | ({"critic_zero_stage"} if args.reward_model_paths else set())
+        critic = [a for a in vars(args) if a.startswith("critic_") and a not in reads]  # the reward models' stage
+        refuse_unread(
+            args,
+            [*critic, "cliprange_value", "lam"],
+            f"with --advantage_estimator {args.advantage_estimator} (no critic)",
+        )
+    if not args.adaptive_kl:
+        refuse_unread(args, ["kl_target", "kl_horizon"], "without --adaptive_kl")
+    if not args.unsupervised_dataset_name:
+        refuse_unread(args, ["unsup_coef"], "without --unsupervised_dataset_name")
+    if not args.dynamic_sampling:
+        refuse_unread(args, ["max_sampling_rounds"], "without --dynamic_sampling")
+    if args.rollout_correction == "none":
+        refuse_unread(args, ["rollout_correction_threshold"], "without --rollout_correction")
+    if not args.overlong_buffer_len:
+        refuse_unread(args, ["overlong_penalty_factor"], "without --overlong_buffer_len")
+    if not args.print_answers:
+        refuse_unread(args, ["print_answers_interval"], "without --print_answers")
 
 
 def check_rollout_args(args) -> None:
@@ -601,8 +624,6 @@ def check_rollout_args(args) -> None:
             f"--rollout_correction {args.rollout_correction} needs the generator's log-probs, which "
             f"--no_rollout_logprobs leaves out"
         )
-    if not args.rollout_correction_threshold > 1:
-        fail(f"--rollout_correction_threshold must be > 1, got {args.rollout_correction_threshold}")
 
 
 def check_policy_loss_args(args) -> None:
@@ -610,11 +631,14 @@ def check_policy_loss_args(args) -> None:
     --dual_clip must exceed 1; the k3 KL loss prints its bias."""
     entry = POLICY_LOSSES[args.policy_loss]
     for name in sorted(set().union(*(e.options for e in POLICY_LOSSES.values())) - set(entry.options)):
-        if getattr(args, name, None) is not None and name != "cliprange":
+        if was_set(args, name):
             readers = [n for n, e in POLICY_LOSSES.items() if name in e.options]
             fail(f"--{name} does nothing with --policy_loss {args.policy_loss} (it is read by {', '.join(readers)})")
-    if args.dual_clip is not None and args.dual_clip <= 1:
-        fail(f"--dual_clip must be > 1, got {args.dual_clip}")
+    if "cliprange_low" in entry.options and args.cliprange_low is None and args.cliprange >= 1:
+        fail(
+            f"--cliprange {args.cliprange:g} makes the ratio's lower clip 1 - {args.cliprange:g} <= 0, which never "
+            f"clips: give a fraction below 1 (or --cliprange_low for the lower side)"
+        )
     if args.kl_in_loss and args.kl_loss_estimator == "k3":
         print_rank0(
             "[step3] warning: --kl_loss_estimator k3 as a loss has a biased gradient: its expectation is "
@@ -628,8 +652,6 @@ def validate_rl_args(args) -> None:
     resolves an OpenRLHF alias to its estimator."""
     args.advantage_estimator = estimator_name(args.advantage_estimator)
     estimator = get_estimator(args.advantage_estimator)
-    check_range(args, 1, ("n_samples_per_prompt", "eval_num_prompts", "per_device_eval_batch_size"))
-    check_range(args, 0, ("eval_interval",))
     for path in args.eval_data_path or []:
         if not os.path.exists(path):
             fail(f"--eval_data_path {path!r} does not exist")
@@ -640,14 +662,11 @@ def validate_rl_args(args) -> None:
         )
     if args.n_samples_per_prompt > 1 and not args.do_sample:
         fail("--n_samples_per_prompt > 1 needs sampling (without --do_sample every answer to a prompt is the same)")
-    check_range(args, 0, ("overlong_buffer_len", "overlong_penalty_factor", "truncation_penalty"))
     if args.overlong_buffer_len >= args.max_answer_seq_len:
         fail(
             f"--overlong_buffer_len {args.overlong_buffer_len} must be below --max_answer_seq_len "
             f"{args.max_answer_seq_len}"
         )
-    if args.reward_timeout is not None and args.reward_timeout <= 0:
-        fail(f"--reward_timeout must be > 0, got {args.reward_timeout}")
     env_reward = args.environment is not None and args.environment.has_reward  # the component `env`, last
     given = args.reward_funcs or ([args.reward_model_name_or_path] if args.reward_model_name_or_path else [])
     specs = args.reward_specs = given or ([] if env_reward else [args.critic_model_name_or_path])

@@ -17,6 +17,7 @@ import math
 import os
 from dataclasses import dataclass
 
+from utils.cli import FlagParser
 from utils.errors import UsageError, run_main
 
 EVAL_PREFIX = "eval/"
@@ -242,7 +243,7 @@ def eval_summary(rows: list[dict]) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = FlagParser(description=__doc__.splitlines()[0])
     p.add_argument("output_dir", help="a step-3 output directory holding metrics.jsonl")
     p.add_argument("--out", default=None, help="PNG path (default: OUTPUT_DIR/curves.png)")
     p.add_argument("--title", default=None, help="the figure's title (default: the run's steps and evaluation)")

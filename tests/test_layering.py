@@ -18,12 +18,13 @@ BENCH_MAY_IMPORT = {*STEPS, "utils", BENCH}
 # change to make here, on purpose. utils/errors.py sits below everything.
 ALLOWED = {
     "utils.errors": set(),
+    "utils.cli": {"utils.errors"},  # the entry points' parser and numeric flag type
     "utils.math": set(),
     "utils.runtime": {"utils.errors"},
     "utils.data": {"utils.errors", "utils.runtime"},
-    "utils.models": {"utils.errors", "utils.runtime", "utils.data", "utils.math"},
+    "utils.models": {"utils.errors", "utils.cli", "utils.runtime", "utils.data", "utils.math"},
     "utils.evaluation": {"utils.errors", "utils.runtime", "utils.data", "utils.math", "utils.models"},
-    "utils.train": {"utils.errors", "utils.runtime", "utils.data", "utils.math", "utils.models"},
+    "utils.train": {"utils.errors", "utils.cli", "utils.runtime", "utils.data", "utils.math", "utils.models"},
     "utils.tiny_model": {"utils.models"},  # entry shims of `python -m utils.tiny_model` / `utils.default_model`
     "utils.default_model": {"utils.models"},
     "step3_ppo.algo": {"utils.math"},

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from utils.data import DataError, pad_batch, split_pair_batch
+from utils.errors import UsageError
 from utils.math.losses import pair_metrics, pairwise_loss
 from utils.math.ops import sequence_score
 from utils.models.loading import apply_lora, load_tokenizer
@@ -270,9 +271,9 @@ def test_eval_cli_errors(tiny_gpt2, tiny_gpt2_reward, tmp_path):
     path = tiny_gpt2_reward
     with pytest.raises(ModelLoadError, match="no value_head.safetensors"):  # an SFT/base directory is no RM
         rw_eval.main(["--model_name_or_path", tiny_gpt2, "--prompt", "p", "--response", "r"])
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match="--response must follow a --prompt"):
         rw_eval.parse_args(["--model_name_or_path", path, "--response", "x"])
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match="give --prompt/--response texts and/or --pairs FILE"):
         rw_eval.parse_args(["--model_name_or_path", path])
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "p", "chosen": "c", "rejected": "r"}\n{"prompt": "p", "chosen": "c"}\n')

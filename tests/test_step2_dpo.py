@@ -256,7 +256,7 @@ def test_a_registered_reference_free_loss_runs_with_lengths_and_its_own_flag(
     [
         (["--label_smoothing", 0.1, "--loss_type", "ipo"], "does not take it"),
         (["--beta", 0], "--beta must be > 0"),
-        (["--label_smoothing", 0.5], "--label_smoothing must be in [0, 0.5)"),
+        (["--label_smoothing", 0.5], "--label_smoothing must be in [0, 0.5), got 0.5"),
         (["--precompute_ref_log_probs", "--offload_reference_model"], "no reference model to offload"),
     ],
 )

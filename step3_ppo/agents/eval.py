@@ -12,7 +12,6 @@ pipeline that re-tokenises the text would train on those other ids).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
@@ -23,6 +22,7 @@ from step3_ppo.agents.loop import AgentLimits, EnvReward, MultiTurn, agent_rates
 from step3_ppo.agents.tools import Toolbox
 from step3_ppo.plot import read_rows
 from step3_ppo.rewards.components import FunctionReward
+from utils.cli import FlagParser
 from utils.data import PromptCollator, stop_token_ids, tokenize_prompts
 from utils.data.chat import render
 from utils.errors import UsageError, run_main
@@ -76,7 +76,11 @@ def evaluate_policy(model_dir: str, prompt_rows: list[dict], args, reward_functi
         top_p=args.top_p,
         top_k=args.top_k,
     )
-    toolbox = Toolbox(args.tool_list, args.tool_timeout, args.tool_parser) if args.tool_list else None
+    toolbox = (
+        Toolbox(args.tool_list, args.tool_timeout, args.tool_parser, max_calls=args.max_tool_calls_per_turn)
+        if args.tool_list
+        else None
+    )
     env_timeout = getattr(args, "env_timeout", None) or DEFAULT_ENV_TIMEOUT_S
     agent = MultiTurn(tokenizer, limits, args.environment, toolbox, env_timeout=env_timeout, skip_hint=False)
     components = [FunctionReward(f, tokenizer) for f in reward_functions]
@@ -154,7 +158,7 @@ def format_tools_demo_table(without_tools: dict, evaluations: list[dict]) -> str
 
 
 def main(argv=None) -> str:
-    p = argparse.ArgumentParser(
+    p = FlagParser(
         description="The tool-use demo's table: a model without tools against a step-3 "
         "run's held-out evaluations with them (first and last)"
     )

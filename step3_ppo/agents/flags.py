@@ -4,10 +4,16 @@ loop itself is step3_ppo/agents/loop.py."""
 
 from __future__ import annotations
 
-import math
-
 from step3_ppo.agents.environments import DEFAULT_ENV_TIMEOUT_S, EnvError, environments_help, load_environment
-from step3_ppo.agents.tools import TOOL_CALL_PARSERS, TOOLS, ToolError, load_tools, sandbox_missing
+from step3_ppo.agents.tools import (
+    MAX_CALLS_PER_TURN,
+    TOOL_CALL_PARSERS,
+    TOOLS,
+    ToolError,
+    load_tools,
+    sandbox_missing,
+)
+from utils.cli import Number
 from utils.train.flags import fail
 
 AGENT_DEFAULTS = {
@@ -16,6 +22,7 @@ AGENT_DEFAULTS = {
     "tool_timeout": 10.0,
     "tool_parser": "hermes",
     "env_timeout": DEFAULT_ENV_TIMEOUT_S,
+    "max_tool_calls_per_turn": MAX_CALLS_PER_TURN,
 }
 
 
@@ -42,14 +49,14 @@ def add_agent_args(parser) -> None:
     )
     g.add_argument(
         "--tool_timeout",
-        type=float,
+        type=Number(float, above=0),
         default=None,
         help=f"seconds one tool call may take; then its process is killed and the model is told "
         f"(default {AGENT_DEFAULTS['tool_timeout']:g})",
     )
     g.add_argument(
         "--env_timeout",
-        type=float,
+        type=Number(float, above=0),
         default=None,
         help=f"seconds one call of the environment (its constructor, step() or reward()) may take in its worker "
         f"process; then the process is killed and the trajectory fails (default {AGENT_DEFAULTS['env_timeout']:g})",
@@ -63,22 +70,29 @@ def add_agent_args(parser) -> None:
         + f" (default {AGENT_DEFAULTS['tool_parser']})",
     )
     g.add_argument(
+        "--max_tool_calls_per_turn",
+        type=Number(int, low=1),
+        default=None,
+        help=f"tool calls run per assistant message; the rest are not run, the model is told how many, and they count "
+        f"as failed calls (default {AGENT_DEFAULTS['max_tool_calls_per_turn']})",
+    )
+    g.add_argument(
         "--max_turns",
-        type=int,
+        type=Number(int, low=1),
         default=None,
         help=f"the policy's turns per trajectory (default {AGENT_DEFAULTS['max_turns']}); "
         f"--max_answer_seq_len is per turn",
     )
     g.add_argument(
         "--max_observation_len",
-        type=int,
+        type=Number(int, low=1),
         default=None,
         help=f"tokens of one environment or tool reply; longer ones are cut and marked "
         f"(default {AGENT_DEFAULTS['max_observation_len']})",
     )
     g.add_argument(
         "--max_trajectory_len",
-        type=int,
+        type=Number(int, low=1),
         default=None,
         help="response tokens of a whole trajectory, turns and replies (default: --max_turns x "
         "(--max_answer_seq_len + --max_observation_len)); one that reaches it ends, truncated",
@@ -87,7 +101,7 @@ def add_agent_args(parser) -> None:
 
 def check_agent_args(args) -> None:
     """The multi-turn flags, before any model is loaded: the environment and tools load (one line if not),
-    the limits are positive, and none is given without --env or --tools (it would change nothing).
+    (their ranges: the parser), and none is given without --env or --tools (it would change nothing).
     Sets `args.environment` (a loaded EnvironmentSpec or None), `args.tool_list` and the limits' defaults."""
     args.environment, args.tool_list = None, []
     multi_turn = bool(args.env or args.tools)
@@ -103,13 +117,6 @@ def check_agent_args(args) -> None:
             setattr(args, name, value)
     if args.max_trajectory_len is None:
         args.max_trajectory_len = args.max_turns * (args.max_answer_seq_len + args.max_observation_len)
-    for name in ("max_turns", "max_observation_len", "max_trajectory_len"):
-        if getattr(args, name) < 1:
-            fail(f"--{name} must be >= 1, got {getattr(args, name)}")
-    if not args.tool_timeout > 0:
-        fail(f"--tool_timeout must be > 0, got {args.tool_timeout}")
-    if not 0 < args.env_timeout < math.inf:  # NaN too
-        fail(f"--env_timeout must be a number of seconds > 0, got {args.env_timeout}")
     try:
         args.environment = load_environment(args.env) if args.env else None
         args.tool_list = load_tools(args.tools or [])

@@ -443,7 +443,11 @@ def build_agent(args, tokenizer) -> MultiTurn | None:
     """The run's MultiTurn (None without --env / --tools); its tools' workers start at their first call."""
     if args.environment is None and not args.tool_list:
         return None
-    toolbox = Toolbox(args.tool_list, args.tool_timeout, args.tool_parser) if args.tool_list else None
+    toolbox = (
+        Toolbox(args.tool_list, args.tool_timeout, args.tool_parser, max_calls=args.max_tool_calls_per_turn)
+        if args.tool_list
+        else None
+    )
     return MultiTurn(
         tokenizer,
         limits_of(args),

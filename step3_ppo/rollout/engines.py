@@ -23,6 +23,7 @@ engine once per turn, so both serve both.
 
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
@@ -31,6 +32,7 @@ import torch
 from step3_ppo.rollout.hybrid import generate
 from step3_ppo.rollout.vllm_engine import VLLMRollout, VLLMSettings, add_vllm_args, check_vllm_args
 from utils.models.forward import GenerationSettings, generation_kwargs
+from utils.train.flags import refuse_unread
 
 
 class RolloutEngine(Protocol):
@@ -104,7 +106,15 @@ class RolloutEngineEntry:
 
 
 def check_engine_args(args) -> None:
-    """The chosen `--rollout_engine`'s checks of its own flags, before any model is built."""
+    """The chosen `--rollout_engine`'s checks of its own flags, before any model is built; another engine's flag
+    that was set does nothing with this one and stops the run."""
+    for name, other in ROLLOUT_ENGINES.items():
+        if name != args.rollout_engine and other.add_args is not None:
+            flags = argparse.ArgumentParser(add_help=False)
+            other.add_args(flags)
+            refuse_unread(
+                args, [a.dest for a in flags._actions], f"with --rollout_engine {args.rollout_engine} (read by {name})"
+            )
     entry = ROLLOUT_ENGINES[args.rollout_engine]
     if entry.check_args is not None:
         entry.check_args(args)

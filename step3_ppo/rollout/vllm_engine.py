@@ -42,6 +42,7 @@ from multiprocessing.connection import Client
 import torch
 
 from step3_ppo.rollout.hybrid import partitioned_params
+from utils.cli import Number
 from utils.errors import ProjectError
 from utils.models.forward import GenerationSettings, _hf_model
 from utils.train.flags import fail
@@ -107,20 +108,23 @@ def add_vllm_args(parser) -> None:
         help="eager: no compilation or CUDA graphs (on CPU the worker starts in 15-40 s instead of 2-3 "
         "minutes and decodes ~20%% slower); compiled: vLLM's default; auto: eager on CPU, compiled on GPU",
     )
-    g.add_argument("--vllm_kv_cache_gib", type=float, default=1.0, help="the worker's KV cache in GiB")
-    g.add_argument("--vllm_tensor_parallel_size", type=int, default=1, help="devices per worker (GPU)")
+    g.add_argument("--vllm_kv_cache_gib", type=Number(float, above=0), default=1.0, help="the worker's KV cache in GiB")
+    g.add_argument("--vllm_tensor_parallel_size", type=Number(int, low=1), default=1, help="devices per worker (GPU)")
     g.add_argument(
-        "--vllm_gpu_memory_utilization", type=float, default=0.5, help="the share of a GPU the worker may take (GPU)"
+        "--vllm_gpu_memory_utilization",
+        type=Number(float, above=0, high=1),
+        default=0.5,
+        help="the share of a GPU the worker may take (GPU)",
     )
     g.add_argument(
         "--vllm_start_timeout_s",
-        type=float,
+        type=Number(float, above=0),
         default=900.0,
         help="how long to wait for the worker to build its model before stopping the run",
     )
     g.add_argument(
         "--vllm_threads",
-        type=int,
+        type=Number(int, low=1),
         default=None,
         help="CPU: the worker's threads (default: every core; the ranks wait while it generates)",
     )
@@ -132,19 +136,28 @@ def add_vllm_args(parser) -> None:
     )
     g.add_argument(
         "--vllm_max_model_len",
-        type=int,
+        type=Number(int, low=1),
         default=None,
         help="longest prompt + answer the worker serves (default: the model's, at most 8192)",
     )
 
 
 def check_vllm_args(args) -> None:
-    """`--rollout_engine vllm`'s own checks, before any model is built: vLLM runs under --vllm_python, and the
-    worker does not sleep through the training that --async_rollout generates beside."""
+    """`--rollout_engine vllm`'s own checks, before any model is built: vLLM runs under --vllm_python, the
+    worker does not sleep through the training that --async_rollout generates beside, nor on a CPU (vLLM refuses
+    it there), and it serves a whole prompt + answer."""
     if missing := vllm_missing(args.vllm_python):
         fail(f"--rollout_engine vllm: {missing}")
     if args.async_rollout and args.vllm_sleep:
         fail("--async_rollout generates while the ranks train: the worker cannot sleep then (--vllm_sleep)")
+    if args.vllm_sleep and not torch.cuda.is_available():
+        fail("--vllm_sleep is vLLM's sleep mode for GPUs; vLLM refuses it on CPU (leave the flag out)")
+    longest = args.max_prompt_seq_len + args.max_answer_seq_len
+    if args.vllm_max_model_len is not None and args.vllm_max_model_len < longest:
+        fail(
+            f"--vllm_max_model_len {args.vllm_max_model_len} is below --max_prompt_seq_len + --max_answer_seq_len = "
+            f"{longest}: the worker would cut the answers short"
+        )
 
 
 def _last_error(path: str, limit: int = 400) -> str:

@@ -519,12 +519,13 @@ def unpaired_stats(rewards: Tensor, desirable: Tensor) -> Dict[str, Tensor]:
 @dataclass(frozen=True)
 class PairOption:
     """A setting of one pair loss, offered as the DPO step's flag `--<name>`; `minimum` (with `strict`: >)
-    its lower bound, checked with the other flags."""
+    its lower bound and `below` its exclusive upper one: the flag's range (checked as it is parsed)."""
 
     default: float
     help: str
     minimum: float | None = None
     strict: bool = False
+    below: float | None = None
 
 
 @dataclass(frozen=True)
@@ -557,7 +558,7 @@ PAIR_LOSSES: Dict[str, PairLoss] = {
         "DPO's -log sigmoid(beta * margin of log-ratios) (Rafailov et al. 2023)",
         options={
             "label_smoothing": PairOption(
-                0.0, "conservative DPO: the probability that a pair's label is flipped, in [0, 0.5)"
+                0.0, "conservative DPO: the probability that a pair's label is flipped, in [0, 0.5)", 0.0, below=0.5
             )
         },
     ),

@@ -16,7 +16,6 @@ embeddings. `utils.models.loading.load_tokenizer` adds a distinct `<pad>` on loa
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -24,6 +23,7 @@ import shutil
 import tempfile
 import time
 
+from utils.cli import FlagParser
 from utils.runtime.cache_dir import default_cache_root, print_path_for_scripts, relax_permissions
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -183,7 +183,7 @@ def describe(path: str) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = FlagParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help=f"folder of the converted model (default: {default_model_dir()})")
     parser.add_argument("--no_verify", action="store_true", help="skip the greedy-generation check")
     parser.add_argument("--print_path", action="store_true", help="only print the directory (for scripts)")

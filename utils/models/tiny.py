@@ -32,13 +32,13 @@ when several processes call it at once (build into a temp dir, then `os.rename`)
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
 import shutil
 import tempfile
 
+from utils.cli import FlagParser, Number
 from utils.runtime.cache_dir import default_cache_root, print_path_for_scripts, relax_permissions
 
 ARCHS = ("gpt2", "llama", "opt")
@@ -253,7 +253,7 @@ def _read_marker(path: str):
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = FlagParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", choices=ARCHS, required=True, help="transformers architecture of the model")
     parser.add_argument(
         "--out", default=None, help="folder to write; default: the shared cache entry for --arch (default sizes only)"
@@ -264,18 +264,29 @@ def main(argv=None) -> None:
         help="print only the model folder on stdout (for scripts); all else goes to stderr",
     )
     parser.add_argument(
-        "--seed", type=int, default=0, help="seed of the random weights, with --out (default %(default)s)"
+        "--seed",
+        type=Number(int, low=0, high=2**32 - 1),
+        default=0,
+        help="seed of the random weights, with --out (default %(default)s)",
     )
     parser.add_argument(
-        "--hidden", type=int, default=64, help="hidden size (a multiple of --heads), with --out (default %(default)s)"
+        "--hidden",
+        type=Number(int, low=1),
+        default=64,
+        help="hidden size (a multiple of --heads), with --out (default %(default)s)",
     )
     parser.add_argument(
-        "--layers", type=int, default=2, help="number of transformer layers, with --out (default %(default)s)"
+        "--layers",
+        type=Number(int, low=1),
+        default=2,
+        help="number of transformer layers, with --out (default %(default)s)",
     )
-    parser.add_argument("--heads", type=int, default=4, help="attention heads, with --out (default %(default)s)")
+    parser.add_argument(
+        "--heads", type=Number(int, low=1), default=4, help="attention heads, with --out (default %(default)s)"
+    )
     parser.add_argument(
         "--max_positions",
-        type=int,
+        type=Number(int, low=1),
         default=512,
         help="longest sequence in tokens (position table, tokenizer's model_max_length), "
         "with --out (default %(default)s)",

@@ -33,12 +33,12 @@ from __future__ import annotations
 import argparse
 import copy
 import difflib
-import math
 import os
 import re
 import sys
 import tempfile
 
+from utils.cli import FlagParser
 from utils.errors import UsageError
 
 CONFIG_FILE = "config.yaml"
@@ -54,12 +54,13 @@ def _fail(message: str):
 
 class Flags(argparse.Namespace):
     """The parsed flags; `as_parsed` (outside vars(), so comparisons and the saved flags ignore it) holds them as
-    the parser produced them, before any check changed one."""
+    the parser produced them, before any check changed one, and `defaults` the parser's defaults (a flag set to
+    something else was asked for: utils.train.flags.was_set)."""
 
-    __slots__ = ("as_parsed",)
+    __slots__ = ("as_parsed", "defaults")
 
 
-class ConfigFileParser(argparse.ArgumentParser):
+class ConfigFileParser(FlagParser):
     """argparse.ArgumentParser with `--config FILE` (repeatable): the files' flags first, the command line's win."""
 
     def __init__(self, *args, **kwargs):
@@ -86,6 +87,7 @@ class ConfigFileParser(argparse.ArgumentParser):
             delattr(namespace, "config")
         if isinstance(namespace, Flags):
             namespace.as_parsed = copy.deepcopy(vars(namespace))
+            namespace.defaults = {a.dest: a.default for a in self._actions if a.dest in namespace.as_parsed}
         return namespace, extras
 
     def _action_of(self, token: str) -> tuple[argparse.Action | None, str | None]:
@@ -285,20 +287,11 @@ def _checked(action: argparse.Action, value, where: str) -> str:
 # Writing the resolved flags
 # --------------------------------------------------------------------------- #
 def _dump(flags: dict) -> str:
-    """YAML of `flags`, one `flag: value` line (or list) each, in the parser's order; a float YAML would spell
-    .inf or .nan written as Python does (inf, nan), which the flag's float() reads back."""
+    """YAML of `flags`, one `flag: value` line (or list) each, in the parser's order (every float flag is finite:
+    utils.cli.Number)."""
     import yaml  # lazy: only a run that writes its config.yaml needs it (chat.py's --help stays without it)
 
-    class Dumper(yaml.SafeDumper):
-        pass
-
-    def represent_float(dumper, value: float):
-        if math.isfinite(value):
-            return dumper.represent_float(value)
-        return dumper.represent_scalar("tag:yaml.org,2002:str", repr(value))
-
-    Dumper.add_representer(float, represent_float)
-    return yaml.dump(flags, Dumper=Dumper, sort_keys=False, default_flow_style=False, width=10**6)
+    return yaml.dump(flags, Dumper=yaml.SafeDumper, sort_keys=False, default_flow_style=False, width=10**6)
 
 
 def resolved_flags(args) -> dict:

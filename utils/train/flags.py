@@ -15,6 +15,7 @@ import json
 import os
 from typing import Sequence
 
+from utils.cli import Number
 from utils.errors import UsageError
 from utils.train.config_file import ConfigFileParser
 from utils.train.output_dir import is_within, lock_output_dir, remove_entry
@@ -23,16 +24,20 @@ SCHEDULER_TYPES = ("linear", "cosine", "cosine_with_restarts", "polynomial", "co
 
 # name -> add_argument keywords; one flag per model prefix ("" in steps 1-2; "actor_", "critic_" in step 3)
 PER_MODEL_FLAGS = {
-    "learning_rate": dict(type=float, default=1e-5, help="learning rate of the base weights"),
+    "learning_rate": dict(type=Number(float, low=0), default=1e-5, help="learning rate of the base weights"),
     "weight_decay": dict(
-        type=float, default=0.0, help="AdamW weight decay of the base weights (biases, norms and LoRA adapters: none)"
+        type=Number(float, low=0),
+        default=0.0,
+        help="AdamW weight decay of the base weights (biases, norms and LoRA adapters: none)",
     ),
-    "zero_stage": dict(type=int, default=0, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage"),
+    "zero_stage": dict(type=Number(int, low=0, high=3), default=0, choices=[0, 1, 2, 3], help="DeepSpeed ZeRO stage"),
     "gradient_checkpointing": dict(action="store_true", help="recompute activations in the backward pass"),
-    "dropout": dict(type=float, default=None, help="override every dropout of the model (None: the model's)"),
-    "lora_dim": dict(type=int, default=0, help="LoRA rank; 0 disables LoRA"),
+    "dropout": dict(
+        type=Number(float, low=0, below=1), default=None, help="override every dropout of the model (None: the model's)"
+    ),
+    "lora_dim": dict(type=Number(int, low=0), default=0, help="LoRA rank; 0 disables LoRA"),
     "lora_module_name": dict(default="", help="substring of the layer names that get LoRA (default: every Linear)"),
-    "lora_learning_rate": dict(type=float, default=5e-4, help="learning rate of the LoRA adapters"),
+    "lora_learning_rate": dict(type=Number(float, low=0), default=5e-4, help="learning rate of the LoRA adapters"),
 }
 
 
@@ -126,7 +131,7 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--sft_only_data_path", nargs="*", default=[], help="sources used whole by step 1 only")
     g.add_argument(
         "--eval_fraction",
-        type=float,
+        type=Number(float, low=0, below=1),
         default=0.1,
         help="held-out share of a source that has no eval/test split of its own, a fraction in [0, 1)",
     )
@@ -189,7 +194,7 @@ def add_model_args(
     if logprobs:
         g.add_argument(
             "--logprob_chunk_tokens",
-            type=int,
+            type=Number(int, low=0),
             default=LOGPROB_CHUNK_TOKENS,
             help="token log-probs and the SFT loss through the LM head this many tokens at a time, forward and "
             "backward, so that no [batch, length, vocabulary] logits tensor exists (0: the whole logits at once)",
@@ -206,7 +211,6 @@ ATTN_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2")
 # --logprob_chunk_tokens' default: utils.models.forward.LOGPROB_CHUNK_TOKENS (not imported: this module stays
 # torch-free; tests/test_chunked_logprobs.py holds the two equal). Measured in bench/chunked_logprobs.py.
 LOGPROB_CHUNK_TOKENS = 512
-BATCH_FLAGS = ("per_device_train_batch_size", "per_device_eval_batch_size", "max_seq_len")
 
 
 def add_batch_args(parser: argparse.ArgumentParser) -> None:
@@ -214,19 +218,19 @@ def add_batch_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("batches")
     g.add_argument(
         "--per_device_train_batch_size",
-        type=int,
+        type=Number(int, low=1),
         default=8,
         help="training micro-batch size, in rows (examples; pairs in step 2) per rank",
     )
     g.add_argument(
         "--per_device_eval_batch_size",
-        type=int,
+        type=Number(int, low=1),
         default=8,
         help="evaluation batch size, in rows (examples; pairs in step 2) per rank",
     )
     g.add_argument(
         "--max_seq_len",
-        type=int,
+        type=Number(int, low=1),
         default=512,
         help="max tokens per sequence (prompt + response); longer rows are truncated or skipped",
     )
@@ -239,19 +243,19 @@ def add_training_args(
     g = parser.add_argument_group("optimisation and DeepSpeed")
     g.add_argument(
         "--num_train_epochs",
-        type=int,
+        type=Number(int, low=1),
         default=1,
         help="passes over the training data (the prompts in step 3), unless --max_steps stops first",
     )
     g.add_argument(
         "--max_steps",
-        type=int,
+        type=Number(int, low=0, also=(-1,)),
         default=0,
         help="stop after this many optimizer steps (PPO iterations in step 3; 0 or -1: no limit)",
     )
     g.add_argument(
         "--gradient_accumulation_steps",
-        type=int,
+        type=Number(int, low=1),
         default=1,
         help="micro-batches per rank accumulated into one optimizer step",
     )
@@ -262,16 +266,22 @@ def add_training_args(
         help="learning-rate schedule after the warmup (transformers' get_scheduler; default %(default)s)",
     )
     g.add_argument(
-        "--num_warmup_steps", type=int, default=0, help="optimizer steps of linear learning-rate warmup from 0"
+        "--num_warmup_steps",
+        type=Number(int, low=0),
+        default=0,
+        help="optimizer steps of linear learning-rate warmup from 0",
     )
     g.add_argument(
         "--gradient_clipping",
-        type=float,
+        type=Number(float, low=0),
         default=1.0,
         help="max global gradient norm before each optimizer step (0: no clipping)",
     )
     g.add_argument(
-        "--seed", type=int, default=1234, help="random seed of the data split and order, initialisation and sampling"
+        "--seed",
+        type=Number(int, low=0, high=2**32 - 1),
+        default=1234,
+        help="random seed of the data split and order, initialisation and sampling",
     )
     g.add_argument(
         "--padding_free",
@@ -281,7 +291,7 @@ def add_training_args(
     )
     g.add_argument(
         "--max_tokens_per_micro_batch",
-        type=int,
+        type=Number(int, low=0),
         default=0,
         help="cut each optimizer step's rows into micro-batches of at most this many real tokens (as many on every "
         "rank; a longer row stops the run) instead of a fixed number of rows; best with --padding_free (0: off)",
@@ -294,16 +304,18 @@ def add_training_args(
         choices=["fp32", "bf16", "fp16"],
         help="precision of the DeepSpeed engines (bf16/fp16: mixed precision; default %(default)s)",
     )
-    g.add_argument("--dist_timeout", type=int, default=600, help="seconds a rank waits on a dead peer")
+    g.add_argument("--dist_timeout", type=Number(int, low=1), default=600, help="seconds a rank waits on a dead peer")
     g.add_argument(
         "--no_tf32",
         action="store_true",
         help="full fp32 matmuls on CUDA (TF32 is on by default there; never used on CPU)",
     )
-    g.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    g.add_argument("--local_rank", type=Number(int, low=-1), default=-1, help="set by the deepspeed launcher")
     g = parser.add_argument_group("LoRA")
     add_per_model(g, ["lora_dim", "lora_module_name", "lora_learning_rate"], prefixes, defaults)
-    g.add_argument("--lora_alpha", type=float, default=None, help="LoRA alpha (default: lora_dim, scaling 1)")
+    g.add_argument(
+        "--lora_alpha", type=Number(float, above=0), default=None, help="LoRA alpha (default: lora_dim, scaling 1)"
+    )
     g.add_argument("--only_optimize_lora", action="store_true", help="freeze the base weights")
 
 
@@ -325,14 +337,21 @@ def add_generation_args(parser: argparse.ArgumentParser, do_sample: bool | None)
         action="store_false",
         help="greedy decoding" + (" (default)" if do_sample is False else ""),
     )
-    g.add_argument("--temperature", type=float, default=None, help="sampling temperature (default 1.0)")
+    g.add_argument(
+        "--temperature", type=Number(float, above=0), default=None, help="sampling temperature (default 1.0)"
+    )
     g.add_argument(
         "--top_p",
-        type=float,
+        type=Number(float, above=0, high=1),
         default=None,
         help="nucleus sampling: the most likely tokens whose probabilities sum to this, in (0, 1] (default 1.0: off)",
     )
-    g.add_argument("--top_k", type=int, default=None, help="top-k sampling: the k most likely tokens (default 0: off)")
+    g.add_argument(
+        "--top_k",
+        type=Number(int, low=0),
+        default=None,
+        help="top-k sampling: the k most likely tokens (default 0: off)",
+    )
     return g
 
 
@@ -364,11 +383,11 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("checkpoints and robustness")
     g.add_argument(
         "--save_interval",
-        type=int,
+        type=Number(int, low=0),
         default=0,
         help="write a resumable checkpoint every N steps under OUTPUT_DIR/checkpoints (0: never)",
     )
-    g.add_argument("--keep_checkpoints", type=int, default=2, help="how many checkpoints to keep")
+    g.add_argument("--keep_checkpoints", type=Number(int, low=1), default=2, help="how many checkpoints to keep")
     g.add_argument(
         "--resume",
         action="store_true",
@@ -389,7 +408,7 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--max_bad_steps",
-        type=int,
+        type=Number(int, low=1),
         default=5,
         help="stop after this many consecutive updates with a non-finite loss or reward",
     )
@@ -426,13 +445,13 @@ def add_pair_eval_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGro
     g = parser.add_argument_group("held-out evaluation")
     g.add_argument(
         "--eval_interval",
-        type=int,
+        type=Number(int, low=0),
         default=0,
         help="evaluate every this many optimizer steps (0: only before and after training)",
     )
     g.add_argument(
         "--eval_iters",
-        type=int,
+        type=Number(int, low=0),
         default=0,
         help="evaluate on at most this many batches per rank (0: all held-out pairs)",
     )
@@ -465,12 +484,21 @@ def single_model_parser(description: str, model_help: str, logprobs: bool = True
 # --------------------------------------------------------------------------- #
 # Checks shared by the training entry points
 # --------------------------------------------------------------------------- #
-def check_range(args, minimum: float, names: Sequence[str], strict: bool = False) -> None:
-    """Each flag in `names` (that the parser has) >= minimum, or > minimum when `strict`."""
+def was_set(args, name: str) -> bool:
+    """The flag `name` asks for something: parsed to a value other than its default (a namespace that was not
+    parsed by a ConfigFileParser: any value but None)."""
+    defaults = getattr(args, "defaults", None)
+    if defaults is None or name not in defaults:
+        return getattr(args, name, None) is not None
+    return args.as_parsed.get(name) != defaults[name]
+
+
+def refuse_unread(args, names: Sequence[str], why: str) -> None:
+    """A flag of `names` that was set does nothing in this run: stop, saying why (`why` completes
+    "--NAME does nothing ...")."""
     for name in names:
-        value = getattr(args, name, None)
-        if value is not None and (value <= minimum if strict else value < minimum):
-            fail(f"--{name} must be {'>' if strict else '>='} {minimum:g}, got {value}")
+        if hasattr(args, name) and was_set(args, name):
+            fail(f"--{name} does nothing {why}")
 
 
 # Files a run writes into its output directory; a log the launch script writes first does not count.
@@ -570,30 +598,9 @@ def check_sequence_fits(path: str, length: int, what: str) -> None:
         fail(f"{what} = {length} tokens exceeds the {limit} positions of the model at {path}")
 
 
-def validate_training_args(args, prefixes: Sequence[str] = ("",), positive: Sequence[str] = ()) -> None:
-    """Impossible settings stop the run here, before any model is loaded."""
-    check_range(
-        args, 1, ("gradient_accumulation_steps", "num_train_epochs", "max_bad_steps", "keep_checkpoints", *positive)
-    )
-    if args.max_steps < -1:
-        fail(f"--max_steps must be >= 0, or -1 (no limit), got {args.max_steps}")
+def validate_training_args(args, prefixes: Sequence[str] = ("",)) -> None:
+    """Impossible settings stop the run here, before any model is loaded (each flag's own range: its Number)."""
     args.max_steps = max(args.max_steps, 0)  # -1, as the HF Trainer spells "no limit", is 0 here
-    check_range(
-        args,
-        0,
-        ["gradient_clipping", "num_warmup_steps", "save_interval", "logprob_chunk_tokens", "max_tokens_per_micro_batch"]
-        + [
-            f"{p}{name}"
-            for p in prefixes
-            for name in ("learning_rate", "lora_learning_rate", "weight_decay", "lora_dim")
-        ],
-    )
-    if not 0 <= args.eval_fraction < 1:
-        fail(f"--eval_fraction must be in [0, 1), got {args.eval_fraction}")
-    for p in prefixes:
-        dropout = getattr(args, f"{p}dropout", None)
-        if dropout is not None and not 0 <= dropout < 1:
-            fail(f"--{p}dropout must be in [0, 1), got {dropout}")
     if args.only_optimize_lora and all(getattr(args, f"{p}lora_dim") <= 0 for p in prefixes):
         fail(f"--only_optimize_lora needs {' or '.join(f'--{p}lora_dim' for p in prefixes)} > 0")
     if getattr(args, "attn_implementation", None) == "flash_attention_2":
