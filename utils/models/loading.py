@@ -11,6 +11,7 @@ import contextlib
 import contextvars
 import json
 import os
+import re
 
 import torch
 from safetensors import safe_open
@@ -53,19 +54,67 @@ CONVERT_HINT = (
 )
 
 
-def check_model_path(path: str, what: str = "model") -> None:
-    """Fail early, naming the path, when a local-looking model path does not exist.
+# A Hugging Face hub model id: `name` or `org/name` (huggingface_hub's rules: letters, digits, '-', '_', '.')
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
-    A string that is not an existing directory is still accepted when it looks like a hub name
-    ("org/name") so users with network access can pass one.
+
+def is_hub_id(path: str) -> bool:
+    """True for a string that could name a hub model (`gpt2`, `org/name`) and not only a local path."""
+    return bool(_HUB_ID.fullmatch(path)) and ".." not in path and "--" not in path and len(path) <= 96
+
+
+def hub_offline() -> bool:
+    """Downloads from the hub are off: HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE (as huggingface_hub reads them)."""
+    from huggingface_hub import is_offline_mode  # lazy: only for a hub name (transformers imports it anyway)
+
+    flags = (os.environ.get(name, "").upper() for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return is_offline_mode() or any(flag in ("1", "ON", "YES", "TRUE") for flag in flags)
+
+
+def in_hub_cache(repo_id: str) -> bool:
+    """The local Hugging Face cache holds `repo_id`'s config.json (so from_pretrained can load it offline)."""
+    from huggingface_hub import try_to_load_from_cache  # lazy: only for a hub name
+
+    try:
+        return isinstance(try_to_load_from_cache(repo_id, "config.json"), str)
+    except Exception:  # an id huggingface_hub refuses: not cached
+        return False
+
+
+def not_on_disk(path: str, what: str, why: str) -> ModelLoadError:
+    """The one line for a model that is neither a local directory nor in the hub cache, `why` it was not downloaded."""
+    return ModelLoadError(
+        f"{what} {path!r} is neither a local directory nor in the local Hugging Face cache, and {why}; "
+        f"give the path of a from_pretrained directory, or download it once with network access "
+        f"(hf download {path})"
+    )
+
+
+def check_model_path(path: str, what: str = "model") -> None:
+    """Fail early, naming the path, when a local model path does not exist, or a hub name is not cached while
+    downloads are off (HF_HUB_OFFLINE=1).
+
+    A string that is not an existing directory is still accepted when it looks like a hub name (`gpt2`,
+    `org/name`) and is cached or may be downloaded; a failed download is `hub_load_error`'s line.
     """
     if os.path.isdir(path):
         if not os.path.exists(os.path.join(path, "config.json")):
             raise ModelLoadError(f"{what} directory {path!r} has no config.json (not a from_pretrained directory)")
         return
-    looks_like_hub_name = path.count("/") == 1 and not path.startswith((".", "/", "~"))
-    if not looks_like_hub_name or os.path.exists(path):
+    if not is_hub_id(path) or os.path.exists(path):
         raise ModelLoadError(f"{what} path {path!r} does not exist or is not a directory")
+    if hub_offline() and not in_hub_cache(path):
+        raise not_on_disk(path, what, "downloads are off (HF_HUB_OFFLINE=1 or TRANSFORMERS_OFFLINE=1)")
+
+
+def hub_load_error(path: str, what: str, exc: Exception) -> ModelLoadError | None:
+    """The one line for from_pretrained's failure to fetch hub model `path` (no network, an unknown id, a
+    gated repository); None for a local directory, or another error."""
+    if os.path.isdir(path) or not isinstance(exc, OSError):  # transformers raises OSError for what it cannot fetch
+        return None
+    why = "downloads are off" if hub_offline() else "downloading it failed"
+    first = one_line(str(exc).strip().split("\n")[0].split(". ")[0], 160)  # transformers' advice follows it
+    return not_on_disk(path, what, f"{why} ({first})")
 
 
 def check_weight_files(path: str, what: str = "model") -> None:
@@ -92,9 +141,13 @@ def check_weight_files(path: str, what: str = "model") -> None:
     )
 
 
-def check_remote_code(path: str, trust_remote_code: bool, what: str = "model") -> None:
+TRUST_HINT = "read it, and pass --trust_remote_code if you trust it"
+
+
+def check_remote_code(path: str, trust_remote_code: bool, what: str = "model", hint: str = TRUST_HINT) -> None:
     """Refuse a local directory whose config.json or tokenizer_config.json names its own Python code
-    (auto_map), which loading would import and run, unless --trust_remote_code."""
+    (auto_map), which loading would import and run, unless --trust_remote_code; `hint`: what to do (a tool
+    without the flag says so)."""
     if trust_remote_code or not os.path.isdir(path):
         return
     for name in ("config.json", "tokenizer_config.json"):
@@ -103,8 +156,7 @@ def check_remote_code(path: str, trust_remote_code: bool, what: str = "model") -
             code = sorted({str(ref).split("--")[-1].split(".")[0] + ".py" for ref in _flat(auto_map) if ref})
             raise ModelLoadError(
                 f"{what} directory {path!r} ships its own Python code ('auto_map' in {name}: "
-                f"{', '.join(code) or '?'}), which loading would run; read it, and pass "
-                f"--trust_remote_code if you trust it"
+                f"{', '.join(code) or '?'}), which loading would run; {hint}"
             )
 
 
@@ -156,7 +208,13 @@ def load_tokenizer(
 
     check_model_path(path, "tokenizer")
     check_remote_code(path, trust_remote_code)  # the model's directory, in every step
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except OSError as exc:
+        error = hub_load_error(path, "tokenizer", exc)
+        if error is None:
+            raise
+        raise error from exc
     if chat_template:
         use_chat_template_file(tokenizer, chat_template)
     if tokenizer.eos_token_id is None:
@@ -288,7 +346,13 @@ def load_causal_lm(
     check_remote_code(path, trust_remote_code)
     check_weight_files(path)
     check_precision_supported(ds_config)
-    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except OSError as exc:
+        error = hub_load_error(path, "model", exc)
+        if error is None:
+            raise
+        raise error from exc
     configure_dropout(config, dropout)
     hf_ds_config = zero3_model_context(ds_config)
     cls = AutoModel if base_model_only else AutoModelForCausalLM
@@ -315,6 +379,9 @@ def load_causal_lm(
                 f"model {path!r} has no safetensors weights; "
                 + CONVERT_HINT.format(src=path, dst=path.rsplit("/", 1)[-1])
             ) from exc
+        error = hub_load_error(path, "model", exc)  # its config cached, its weights not
+        if error is not None:
+            raise error from exc
         raise
     if load_in_4bit:
         _accept_own_quant_state(model)
