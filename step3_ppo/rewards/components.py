@@ -48,6 +48,12 @@ class RewardModelReward:
             return sequence_scores(self.engine, batch["input_ids"], batch["attention_mask"]).float().cpu()
 
 
+# A reward function call's limit when none is given (step 3's --reward_timeout): a function that blocks forever
+# (and catches every exception) then ends the run with one line naming it, instead of hanging it
+DEFAULT_REWARD_TIMEOUT_S = 120.0
+DEFAULT_DEADLINE = "the default limit of"  # "ran past the default limit of 120 s"
+
+
 class FunctionReward:
     """A reward function (TRL's convention: keyword lists aligned with the completions) over rows.
 
@@ -61,16 +67,19 @@ class FunctionReward:
 
     A function loaded by its spec is called in its own worker process (step3_ppo/rewards/reward_worker.py: a hang
     is killed at `timeout`, an exit or a crash is a failed call); one handed over as an object
-    (`RewardFunction.options` None) is called in this process.
+    (`RewardFunction.options` None) is called in this process. `timeout` None: DEFAULT_REWARD_TIMEOUT_S.
     """
 
     engine = None
 
     def __init__(self, func: RewardFunction, tokenizer, timeout: float | None = None, skip_bad: bool = False):
-        self.func, self.tokenizer, self.timeout, self.skip_bad = func, tokenizer, timeout, skip_bad
+        self.func, self.tokenizer, self.skip_bad = func, tokenizer, skip_bad
+        self.timeout = DEFAULT_REWARD_TIMEOUT_S if timeout is None else timeout
+        self.deadline = DEFAULT_DEADLINE if timeout is None else "--reward_timeout"
         self.name, self.is_accuracy = func.name, func.is_accuracy
         self.skipped = 0
-        self.worker = RewardWorker(func) if func.options is not None else None  # started at the first call
+        # started at the first call
+        self.worker = RewardWorker(func, self.deadline) if func.options is not None else None
         self.told_skip = False
 
     def __call__(self, rows: list[Row]) -> torch.Tensor:
@@ -89,6 +98,7 @@ class FunctionReward:
             extra=extra,
             origins=[r.prompt.get("origin", "") for r in rows],
             timeout=self.timeout,
+            deadline=self.deadline,
             skip_bad=self.skip_bad,
             on_skip=self.tell_first_skip,
             call=self.worker.call if self.worker is not None else None,

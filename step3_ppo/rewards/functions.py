@@ -9,13 +9,14 @@ is called ONCE per batch; every argument is a list with one value per completion
 fields of the prompt rows (None where a row lacks one), so a function takes what it needs and `**kwargs`
 the rest. It returns one finite number per completion (a list, tuple, 1-D tensor or numpy array).
 
-What stops a run (RewardFunctionError, one line naming the function and the first bad row's origin): a
-spec that does not load, a call that raises, runs past the timeout, returns the wrong count, or returns a
-None / non-number / non-finite value, or whose worker process exits or crashes (step 3 calls each function
-in a process of its own, step3_ppo/rewards/reward_worker.py). With `skip_bad` the per-row problems only make those
-rows NaN and a raise / wrong count / timeout / dead worker makes the whole batch NaN; the caller drops and
-counts them. A function that itself raises RewardFunctionError (math_exact without an 'answer' field) says
-the setup is wrong: that always stops the run.
+What stops a run (RewardFunctionError, one line naming the function and the first bad row's origin): a spec that
+does not load, a call that raises, runs past the timeout (--reward_timeout; without it
+step3_ppo/rewards/components.py's default, 120 s), returns the wrong count, or returns a None / non-number /
+non-finite value or one beyond float32 (an int like 10**400 too), or whose worker process exits or crashes (step 3
+calls each function in a process of its own, step3_ppo/rewards/reward_worker.py). With `skip_bad` the per-row
+problems only make those rows NaN and a raise / wrong count / timeout / dead worker makes the whole batch NaN; the
+caller drops and counts them. A function that itself raises RewardFunctionError (math_exact without an 'answer'
+field) says the setup is wrong: that always stops the run.
 
 A built-in is one `BUILTINS` entry (its factory, one line of help, whether it is an accuracy) next to its
 function; the weighted sum of the rewards is `step3_ppo.rewards.combine.combine`.
@@ -113,7 +114,10 @@ def final_answer(text: str) -> str | None:
 
 def _as_number(value) -> float | None:
     if isinstance(value, numbers.Real) and not isinstance(value, bool):
-        number = float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an int beyond any float
+            return None
         return number if math.isfinite(number) else None
     text = str(value).strip().rstrip(".").strip()
     if re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?", text):
@@ -349,7 +353,10 @@ def _number(value) -> float | None:
     if _is_tensor(value) and value.numel() == 1:
         value = value.item()
     if isinstance(value, numbers.Real):
-        number = float(value)
+        try:
+            number = float(value)
+        except OverflowError:  # an int (or Fraction) beyond any float: 10**400
+            return None
         return number if math.isfinite(number) and abs(number) <= _FLOAT32_MAX else None
     return None
 
@@ -357,6 +364,8 @@ def _number(value) -> float | None:
 def _describe(value) -> str:
     if value is None:
         return "None"
+    if isinstance(value, int) and value.bit_length() > 64:  # repr of a huge int is long (or refused past 4300 digits)
+        return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits (not a finite float32 number)"
     if _number_like(value):
         return f"{value!r} (not a finite float32 number)"
     return f"a {type(value).__name__} ({one_line(repr(value), 60)}), not a number"
@@ -387,6 +396,7 @@ def score_batch(
     extra: dict[str, list],
     origins: list[str],
     timeout: float | None = None,
+    deadline: str = "--reward_timeout",
     skip_bad: bool = False,
     on_skip: Callable[[str], None] | None = None,
     call: Callable[[dict, float | None], object] | None = None,
@@ -396,7 +406,8 @@ def score_batch(
     Calls `func.fn(prompts=, completions=, completion_ids=, **extra)` once: through `call(kwargs, timeout)`
     when given (step 3's worker process, RewardWorker.call, which kills a call at its deadline and raises
     CallFailed), else in this process, where `timeout` seconds (None or 0: no limit) stop a call by SIGALRM
-    in the main thread (at the next Python bytecode: not inside C code), else by abandoning a daemon thread.
+    in the main thread (at the next Python bytecode: not inside C code), else by abandoning a daemon thread;
+    `deadline` names the limit in the message ("ran past --reward_timeout 2 s").
     Without `skip_bad` every problem raises RewardFunctionError; with it bad rows (all rows, for a raise, a
     wrong count, a timeout or a dead worker) come back NaN and listed, and `on_skip` (if given) gets the
     error's one line.
@@ -421,7 +432,7 @@ def score_batch(
     except RewardFunctionError:
         raise
     except _Timeout:
-        return fail_batch(f"ran past --reward_timeout {timeout:g} s on rows {_origins(origins, everything)}")
+        return fail_batch(f"ran past {deadline} {timeout:g} s on rows {_origins(origins, everything)}")
     except CallFailed as exc:
         return fail_batch(f"{exc} (batch of {n} rows: {_origins(origins, everything)})")
     except Exception as exc:

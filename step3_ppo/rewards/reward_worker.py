@@ -3,7 +3,8 @@
 Why a worker: a call stuck in C code, one that catches every BaseException, or a `sys.exit` cannot take
 step 3 with it (step3_ppo/function_worker.py says how). Here: the worker loads the function by its spec and its
 built-in's options (a built-in registered by another module imports that module first), a spec that
-does not load there is a RewardFunctionError saying so, and a deadline is `--reward_timeout`'s.
+does not load there is a RewardFunctionError saying so, and a deadline is `--reward_timeout`'s (or, without it,
+step3_ppo/rewards/components.py's default).
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ class RewardWorker(FunctionWorker):
     """The parent's end: `call(kwargs, timeout)` is the function's result, or raises CallFailed (it raised,
     ran past `timeout`, exited or crashed) or RewardFunctionError (it cannot be loaded: stops the run)."""
 
-    def __init__(self, func: RewardFunction):
+    def __init__(self, func: RewardFunction, deadline_name: str = "--reward_timeout"):
         builtin = BUILTINS.get(func.spec)
         options = {"options": func.options, "builtin_module": builtin.make.__module__ if builtin else None}
-        super().__init__(func.spec, f"{__name__}:load", options, deadline_name="--reward_timeout")
+        super().__init__(func.spec, f"{__name__}:load", options, deadline_name=deadline_name)
         self.func = func
 
     def call(self, kwargs: dict, timeout: float | None):
