@@ -14,7 +14,7 @@ import random
 import re
 import resource
 import shutil
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -181,6 +181,7 @@ class TrainingCheckpoints:
         if path is None:
             raise CheckpointError(f"no checkpoint under {self.root}")
         shared = self.read_state(path)
+        check_writer(path, shared.get("flags"), flags)
         resharded = shared["world_size"] != world_size()
         if resharded and not universal:
             raise CheckpointError(
@@ -538,6 +539,32 @@ def run_flags(args) -> dict:
     return flags
 
 
+# Which entry point wrote a checkpoint, told by a flag only its parser has (every checkpoint saves the run's flags)
+WRITERS = (
+    ("train_on_last_turn_only", "step 1 (SFT, step1_sft.main)"),
+    ("margin", "step 2's reward-model trainer (step2_reward.main)"),
+    ("precompute_ref_log_probs", "step 2's DPO trainer (step2_dpo.main)"),
+    ("actor_model_name_or_path", "step 3 (step3_ppo.main)"),
+)
+
+
+def checkpoint_writer(flags: dict | None) -> str | None:
+    """The entry point whose run saved `flags` (run_flags of a checkpoint, or of this run); None when not known."""
+    return next((writer for name, writer in WRITERS if name in (flags or {})), None)
+
+
+def check_writer(path: str, saved: dict | None, given: dict | None) -> None:
+    """CheckpointError when checkpoint `path` was written by another step than this run's (its saved flags tell):
+    another step's engines and state would not load (a reward model's value head, step 1's plain LM), or
+    load silently under the wrong meaning."""
+    written_by, this = checkpoint_writer(saved), checkpoint_writer(given)
+    if written_by and this and written_by != this:
+        raise CheckpointError(
+            f"checkpoint {path} was written by {written_by}, and this is {this}: --resume continues a run of the "
+            f"same step only; give this step its own --output_dir (or --overwrite_output_dir to start over there)"
+        )
+
+
 def changed_flags(saved: dict | None, given: dict | None) -> list[str]:
     """`--name saved (this run: given)` for each flag both runs have whose value differs, but for
     utils.train.flags.RESUMABLE_FLAGS and the attributes derived from flags."""
@@ -609,6 +636,9 @@ class Checkpointing:
         # is a save that did not finish)
         candidates = [p for p in self.store.complete() if os.path.basename(p) <= os.path.basename(pointed)]
         problems = [] if pointed in candidates else [f"{pointed} (named by {LATEST_FILE}) is missing or incomplete"]
+        for path in candidates:  # another step's checkpoint has other engines' files: said before they are missed
+            with suppress(BrokenCheckpoint):
+                check_writer(path, self.store.read_state(path).get("flags"), self.flags)
         for path in candidates:
             problem = self._missing_file(path)
             if all_reduce_max(float(problem is not None)) == 0.0:  # every rank's files are there: load
