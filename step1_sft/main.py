@@ -10,8 +10,9 @@ from __future__ import annotations
 import math
 
 import torch
+
 from utils.cli import Number
-from utils.data import SFTCollator, tokenize_sft
+from utils.data import SFTCollator, check_not_all_too_long, tokenize_sft
 from utils.errors import UsageError, run_main
 from utils.math.losses import IGNORE_INDEX
 from utils.models.export import export_hf_model
@@ -124,6 +125,8 @@ def main(argv=None):
             f"held-out rows per rank (--eval_iters)"
         )
     collator = SFTCollator(tokenizer.pad_token_id)
+    check_not_all_too_long(train_examples, train_stats, args.max_seq_len, "training")
+    check_not_all_too_long(eval_examples, eval_stats, args.max_seq_len, "held-out")
     if not eval_examples:
         raise UsageError(
             "no held-out examples to evaluate (the eval split is empty: --eval_fraction 0, or "

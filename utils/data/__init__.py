@@ -57,6 +57,7 @@ from utils.data.token_cache import cached_examples
 from utils.data.tokenize import (
     IGNORE_INDEX,
     bos_prefix,
+    check_not_all_too_long,
     encode,
     fit_prompt,
     fit_tail,
@@ -91,6 +92,7 @@ __all__ = [
     "StepRows",
     "build_step_rows",
     "describe_skips",
+    "check_not_all_too_long",
     "eval_size",
     "parse_data_split",
     "read_rows",

@@ -45,11 +45,12 @@ SKIP_REASONS = ("empty", "empty_turn", "no_assistant_turn", "prefix_mismatch", "
 
 
 class SkipRow(Exception):
-    """A well-formed row that teaches nothing; ``reason`` is one of SKIP_REASONS."""
+    """A well-formed row that teaches nothing; ``reason`` is one of SKIP_REASONS. ``length``: a "too_long" row's
+    tokens (what an all-too-long split reports as its longest)."""
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, length: int | None = None):
         super().__init__(reason)
-        self.reason = reason
+        self.reason, self.length = reason, length
 
 
 @dataclass(frozen=True)

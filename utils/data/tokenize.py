@@ -73,8 +73,34 @@ def _check_len(max_len: int, tokenizer) -> None:
         raise DataError(f"max sequence length {max_len} is too small (need >= prompt token + response token)")
 
 
-def _skip(stats: dict, reason: str) -> None:
-    stats["skipped"][reason] = stats["skipped"].get(reason, 0) + 1
+def _skip(stats: dict, skip: SkipRow) -> None:
+    stats["skipped"][skip.reason] = stats["skipped"].get(skip.reason, 0) + 1
+    if skip.length is not None:  # a too-long row: the longest is what `check_not_all_too_long` reports
+        stats["longest_too_long"] = max(stats.get("longest_too_long", 0), skip.length)
+
+
+def check_not_all_too_long(examples: list, stats: dict, max_len: int, split: str, flag: str = "--max_seq_len") -> None:
+    """DataError when a split (`split`: "training", "held-out") kept no example and rows were skipped as longer
+    than `max_len` (`flag`): said as such, with the count and the longest, not as an empty split."""
+    too_long = stats.get("skipped", {}).get("too_long", 0)
+    if examples or not too_long:
+        return
+    longest = stats.get("longest_too_long")  # absent from a token cache written before it was counted
+    longest = f" (the longest: {longest} tokens)" if longest else ""
+    others = {k: v for k, v in stats["skipped"].items() if k != "too_long" and v}
+    others.update({k: stats[k] for k in ("skipped_empty", "skipped_bad_pairs") if stats.get(k)})
+    if not others:
+        head = f"every one of the {too_long} {split} rows was longer than {flag} {max_len}{longest}"
+    else:
+        shown = ", ".join(f"{k} {v}" for k, v in sorted(others.items()))
+        head = (
+            f"no {split} row is usable: {too_long} were longer than {flag} {max_len}{longest}, "
+            f"the others skipped ({shown})"
+        )
+    raise DataError(
+        f"{head}; a row must fit at least its prompt's frame (a chat template's header and generation prompt) and "
+        f"one response token: raise {flag}, or shorten the rows"
+    )
 
 
 def _sft_chat(row: dict, tokenizer, max_seq_len: int, last_turn_only: bool, stats: dict):
@@ -85,9 +111,10 @@ def _sft_chat(row: dict, tokenizer, max_seq_len: int, last_turn_only: bool, stat
         labels[start:end] = ids[start:end]
     if len(ids) > max_seq_len:
         stats["truncated_response"] += 1
+        length = len(ids)
         ids, labels = ids[:max_seq_len], labels[:max_seq_len]
         if all(t == IGNORE_INDEX for t in labels):
-            raise SkipRow("too_long")
+            raise SkipRow("too_long", length)
     return {"input_ids": ids, "labels": labels}
 
 
@@ -107,7 +134,7 @@ def tokenize_sft(rows: Sequence[dict], tokenizer, max_seq_len: int, last_turn_on
             try:
                 out.append(_sft_chat(row, tokenizer, max_seq_len, last_turn_only, stats))
             except SkipRow as skip:
-                _skip(stats, skip.reason)
+                _skip(stats, skip)
             continue
         if not (row.get("chosen") or "").strip() or not (row.get("prompt") or "").strip():
             stats["skipped_empty"] += 1
@@ -147,7 +174,7 @@ def prompt_parts(row: dict, tokenizer, replies: Sequence[str] = (), room: int | 
         return prompt_ids, [], [], tails
     head, foot = frame_lens(tokenizer, prompt, prompt_ids)
     if head + foot + 1 + min(1, longest) > room:
-        raise SkipRow("too_long")
+        raise SkipRow("too_long", len(prompt_ids) + longest)
     return prompt_ids[:head], prompt_ids[head : len(prompt_ids) - foot], prompt_ids[len(prompt_ids) - foot :], tails
 
 
@@ -211,7 +238,7 @@ def _fitted_pairs(rows: Sequence[dict], tokenizer, max_seq_len: int) -> tuple[li
         try:
             p, (chosen, rejected) = fit_replies(row, tokenizer, ("chosen", "rejected"), max_seq_len, stats)
         except SkipRow as skip:
-            _skip(stats, skip.reason)
+            _skip(stats, skip)
             continue
         out.append((p, chosen, rejected))
     stats["examples"] = len(out)
@@ -236,7 +263,7 @@ def tokenize_unpaired(rows: Sequence[dict], tokenizer, max_seq_len: int) -> tupl
         try:
             p, (completion,) = fit_replies(row, tokenizer, ("chosen",), max_seq_len, stats)
         except SkipRow as skip:
-            _skip(stats, skip.reason)
+            _skip(stats, skip)
             continue
         out.append(_unpaired(p, completion, row["label"]))
     stats["examples"] = len(out)
@@ -271,7 +298,7 @@ def _tokenize_prompts(rows: Sequence[dict], tokenizer, max_prompt_seq_len: int) 
         try:
             head, body, foot, _ = prompt_parts(row, tokenizer, room=max_prompt_seq_len)
         except SkipRow as skip:
-            _skip(stats, skip.reason)
+            _skip(stats, skip)
             continue
         ids, cut = fit_prompt(head, body, 0, max_prompt_seq_len, foot)
         stats["truncated_prompt"] += cut
