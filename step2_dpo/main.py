@@ -31,18 +31,22 @@ The output directory is a plain from_pretrained policy (LoRA merged) that step 3
 
 from __future__ import annotations
 
+import math
+import os
 import time
 
 import torch
+
 from utils.cli import Number
 from utils.data import (
     PreferenceCollator,
     UnpairedCollator,
+    check_not_all_too_long,
     split_pair_batch,
     tokenize_preference_pairs,
     tokenize_unpaired,
 )
-from utils.errors import run_main
+from utils.errors import one_line, run_main
 from utils.math.losses import (
     PAIR_LOSSES,
     PairLogps,
@@ -56,7 +60,7 @@ from utils.models.export import export_hf_model
 from utils.models.forward import LOGPROB_CHUNK_TOKENS, check_padding_free, eval_mode, sequence_logprobs
 from utils.models.loading import check_4bit_args, load_causal_lm
 from utils.runtime.distributed import all_reduce_sum, rank_batches, world_size
-from utils.train.checkpoint import data_layout
+from utils.train.checkpoint import LATEST_FILE, STATE_FILE, CheckpointError, data_layout
 from utils.train.config_file import write_run_config
 from utils.train.ds_config import eval_ds_config
 from utils.train.flags import (
@@ -260,6 +264,51 @@ def all_reference_logps(reference: Reference, pairs: list, collator, batch_size:
             logps[indices] = torch.stack(split_pair_batch(ref), dim=1)
     summed = torch.tensor(all_reduce_sum(logps.flatten().tolist()), dtype=torch.float64)
     return summed.view(-1, 2).tolist()
+
+
+def reference_logps_problem(logps, expected: int | None) -> str | None:
+    """What is wrong with a checkpoint's reference log-probs of one split ([[chosen, rejected]] per pair; `expected`
+    pairs, None: any number), None when nothing is."""
+    if not isinstance(logps, list):
+        return f"a {type(logps).__name__}, not a list"
+    for i, item in enumerate(logps):
+        numbers = isinstance(item, list) and len(item) == 2
+        if not numbers or not all(type(x) in (int, float) and math.isfinite(x) for x in item):
+            return f"entry {i} is {one_line(repr(item), 40)}, not two finite numbers"
+    if expected is not None and len(logps) != expected:
+        return f"{len(logps)} entries for {expected} pairs (cut short?)"
+    return None
+
+
+def restored_reference(state: dict, checkpoint: str, reference: Reference, n_eval: int, n_train: int, rescore) -> None:
+    """Check the reference log-probs a resumed checkpoint kept (its state.json's "ref_logps": the held-out pairs',
+    and with --precompute_ref_log_probs the training pairs'), which DPO trains and evaluates on. Cut or corrupt:
+    a CheckpointError naming the file when they cannot be recomputed (precomputed: the policy has moved since),
+    else the held-out ones are scored again with the reference (`rescore()`, collective), saying so."""
+    logps = state.get("ref_logps")
+    if not isinstance(logps, dict):
+        problem = "missing" if logps is None else f"a {type(logps).__name__}, not a mapping"
+    else:
+        splits = {"eval": None, **({"train": n_train} if reference.kind == "precomputed" else {})}
+        problem = next(
+            (f"{split}: {why}" for split, n in splits.items() if (why := reference_logps_problem(logps.get(split), n))),
+            None,
+        )
+    if problem is None:
+        return
+    file = os.path.join(checkpoint, STATE_FILE)
+    if reference.kind == "precomputed":
+        raise CheckpointError(
+            f"{file}: its reference log-probs ('ref_logps', --precompute_ref_log_probs) are cut or corrupt "
+            f"({problem}); they cannot be recomputed once the policy has moved: resume from an earlier checkpoint "
+            f"(write its folder's name into {os.path.join(os.path.dirname(checkpoint), LATEST_FILE)}), or start "
+            f"again with --overwrite_output_dir"
+        )
+    print_rank0(
+        f"[dpo] {file}: its held-out reference log-probs ('ref_logps') are cut or corrupt ({problem}); "
+        f"recomputing those of the {n_eval} held-out pairs with the reference"
+    )
+    state["ref_logps"] = {"eval": rescore()}
 
 
 def attach_reference(pairs: list, logps: list[list[float]]) -> None:
@@ -572,6 +621,8 @@ def main(argv=None):
     )
     kind = "examples" if unpaired else "pairs"
     print_rank0(f"[dpo] train {kind} {len(train_pairs)} {train_stats}; eval {kind} {len(eval_pairs)} {eval_stats}")
+    check_not_all_too_long(train_pairs, train_stats, args.max_seq_len, "training")
+    check_not_all_too_long(eval_pairs, eval_stats, args.max_seq_len, "held-out")
     check_pair_splits(train_pairs, train_stats, eval_pairs)
     if unpaired:
         check_both_labels(args, train_stats)
@@ -616,6 +667,9 @@ def main(argv=None):
         if "train" in ref_logps:
             attach_reference(train_pairs, ref_logps["train"])
 
+    def rescore() -> list[list[float]]:  # the held-out pairs' reference log-probs, from the reference itself
+        return all_reference_logps(reference, eval_pairs, collator, args.per_device_eval_batch_size)
+
     def evaluate_before():  # before any update: the policy is still the reference
         if reference.kind == "none":  # a reference-free loss: the policy's own evaluation
             metrics = run_eval(0)
@@ -625,7 +679,7 @@ def main(argv=None):
             print_rank0(f"[dpo] eval before training (the policy is the reference): {_format_eval(metrics)}")
             return {"before": metrics, "ref_logps": {}}, metrics
         ref_start = time.time()
-        ref_logps = {"eval": all_reference_logps(reference, eval_pairs, collator, args.per_device_eval_batch_size)}
+        ref_logps = {"eval": rescore()}
         if reference.kind == "precomputed":
             ref_logps["train"] = all_reference_logps(reference, train_pairs, collator, args.per_device_eval_batch_size)
         ref_time = time.time() - ref_start
@@ -639,6 +693,7 @@ def main(argv=None):
 
     state = run.restore(evaluate_before)
     if run.resumed and reference.kind != "none" and not unpaired:
+        restored_reference(state, run.restored_from, reference, len(eval_pairs), len(train_pairs), rescore)
         if len(state["ref_logps"]["eval"]) != len(eval_pairs):
             fail(
                 f"the checkpoint holds reference log-probs of {len(state['ref_logps']['eval'])} held-out pairs, this "
