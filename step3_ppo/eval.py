@@ -49,6 +49,11 @@ from utils.train.flags import (
     resolve_generation_args,
 )
 
+# What a model directory with its own code (auto_map) is told: this tool has no --trust_remote_code to run it
+NO_REMOTE_CODE = (
+    "the evaluation never runs a model's own code (it has no --trust_remote_code): evaluate a model without it"
+)
+
 
 def build_parser():
     """The argument parser of this entry point (the reference pages of docs/ are generated from it)."""
@@ -196,7 +201,7 @@ def main(argv=None) -> dict:
             fail(f"{flag} directory {path!r} does not exist")
         try:  # before anything loads: a directory that would fail later fails now
             check_model_path(path, flag)
-            check_remote_code(path, False, flag)
+            check_remote_code(path, False, flag, NO_REMOTE_CODE)
             check_weight_files(path, flag)
         except ModelLoadError as e:
             fail(str(e))
