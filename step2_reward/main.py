@@ -16,7 +16,7 @@ import time
 import torch
 
 from utils.cli import Number
-from utils.data import PairCollator, split_pair_batch, tokenize_pairs
+from utils.data import PairCollator, check_not_all_too_long, split_pair_batch, tokenize_pairs
 from utils.errors import run_main
 from utils.math.losses import pair_metrics, pairwise_loss
 from utils.models.forward import check_padding_free, eval_mode, sequence_scores
@@ -120,6 +120,8 @@ def main(argv=None):
         args, 2, lambda rows, tok: tokenize_pairs(rows, tok, args.max_seq_len), {"max_seq_len": args.max_seq_len}
     )
     print_rank0(f"[step2] train pairs {len(train_pairs)} {train_stats}; eval pairs {len(eval_pairs)} {eval_stats}")
+    check_not_all_too_long(train_pairs, train_stats, args.max_seq_len, "training")
+    check_not_all_too_long(eval_pairs, eval_stats, args.max_seq_len, "held-out")
     check_pair_splits(train_pairs, train_stats, eval_pairs)
     collator = PairCollator(tokenizer.pad_token_id)
 

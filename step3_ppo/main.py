@@ -389,7 +389,8 @@ def build_parser():
         "--reward_timeout",
         type=Number(float, above=0),
         default=None,
-        help="seconds a reward function call may take; then its worker process is killed (default: none)",
+        help="seconds a reward function call may take; then its worker process is killed (default: 120, "
+        "step3_ppo/rewards/components.py's DEFAULT_REWARD_TIMEOUT_S)",
     )
     g.add_argument(
         "--overlong_buffer_len",

@@ -81,7 +81,7 @@ def add_agent_args(parser) -> None:
         type=Number(int, low=1),
         default=None,
         help=f"the policy's turns per trajectory (default {AGENT_DEFAULTS['max_turns']}); "
-        f"--max_answer_seq_len is per turn",
+        f"the answer length limit (--max_answer_seq_len; eval's --max_new_tokens) is per turn",
     )
     g.add_argument(
         "--max_observation_len",
@@ -94,8 +94,8 @@ def add_agent_args(parser) -> None:
         "--max_trajectory_len",
         type=Number(int, low=1),
         default=None,
-        help="response tokens of a whole trajectory, turns and replies (default: --max_turns x "
-        "(--max_answer_seq_len + --max_observation_len)); one that reaches it ends, truncated",
+        help="response tokens of a whole trajectory, turns and replies (default: --max_turns x (the answer "
+        "length limit + --max_observation_len)); one that reaches it ends, truncated",
     )
 
 

@@ -298,7 +298,7 @@ class MultiTurn:
             elif end is None:
                 t.turns_cut += 1
             if not turn:
-                raise AgentError("generation returned no new token; set --min_answer_seq_len >= 1")
+                raise AgentError("generation returned no new token for a turn (each turn needs at least one)")
             lp = generated_logprobs[b, : len(turn)].float().tolist() if generated_logprobs is not None else None
             t.append(turn, True, lp)
             t.turns += 1
