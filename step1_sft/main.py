@@ -19,7 +19,7 @@ from utils.models.export import export_hf_model
 from utils.models.forward import LOGPROB_CHUNK_TOKENS, causal_lm_logits, check_padding_free, eval_mode, lm_nll
 from utils.models.loading import check_4bit_args, load_causal_lm
 from utils.runtime.distributed import all_reduce_sum, rank_batches
-from utils.train.checkpoint import data_layout
+from utils.train.checkpoint import check_resume_early, data_layout
 from utils.train.config_file import write_run_config
 from utils.train.flags import single_model_parser, validate_training_args
 from utils.train.loop import (
@@ -56,6 +56,7 @@ def parse_args(argv=None):
     args = build_parser().parse_args(argv)
     validate_training_args(args)
     check_4bit_args(args, {"model": ""}, {"model": args.zero_stage})
+    check_resume_early(args)  # a --resume that cannot continue stops before any model loads
     return args
 
 

@@ -60,7 +60,7 @@ from utils.models.export import export_hf_model
 from utils.models.forward import LOGPROB_CHUNK_TOKENS, check_padding_free, eval_mode, sequence_logprobs
 from utils.models.loading import check_4bit_args, load_causal_lm
 from utils.runtime.distributed import all_reduce_sum, rank_batches, world_size
-from utils.train.checkpoint import LATEST_FILE, STATE_FILE, CheckpointError, data_layout
+from utils.train.checkpoint import LATEST_FILE, STATE_FILE, CheckpointError, check_resume_early, data_layout
 from utils.train.config_file import write_run_config
 from utils.train.ds_config import eval_ds_config
 from utils.train.flags import (
@@ -190,6 +190,7 @@ def parse_args(argv=None):
     if reference_kind(args) == "engine":  # a separate frozen copy (ZeRO-3 offload with --offload_reference_model)
         stages["reference"] = 3 if args.offload_reference_model else args.zero_stage
     check_4bit_args(args, {"policy": ""}, stages)
+    check_resume_early(args)  # a --resume that cannot continue stops before any model loads
     return args
 
 

@@ -23,7 +23,7 @@ from utils.models.forward import check_padding_free, eval_mode, sequence_scores
 from utils.models.loading import check_4bit_args, four_bit_loading, load_tokenizer
 from utils.models.reward_model import RewardModel, export_reward_model
 from utils.runtime.distributed import all_reduce_sum, rank_batches
-from utils.train.checkpoint import data_layout
+from utils.train.checkpoint import check_resume_early, data_layout
 from utils.train.config_file import write_run_config
 from utils.train.flags import add_pair_eval_args, single_model_parser, validate_training_args
 from utils.train.loop import (
@@ -57,6 +57,7 @@ def parse_args(argv=None):
     args = build_parser().parse_args(argv)
     validate_training_args(args)
     check_4bit_args(args, {"reward model": ""}, {"reward model": args.zero_stage})
+    check_resume_early(args)  # a --resume that cannot continue stops before any model loads
     return args
 
 

@@ -55,7 +55,7 @@ from utils.models.forward import check_padding_free
 from utils.models.loading import check_model_path, load_tokenizer
 from utils.models.reward_model import check_policy_dir, check_reward_model_dir, export_reward_model
 from utils.runtime.distributed import is_rank0, rank, start_process, world_size
-from utils.train.checkpoint import data_layout
+from utils.train.checkpoint import check_resume_early, data_layout
 from utils.train.config_file import ConfigFileParser, write_run_config
 from utils.train.flags import (
     add_checkpoint_args,
@@ -490,6 +490,7 @@ def parse_args(argv=None):
     p = build_parser()
     args = p.parse_args(argv)
     validate_args(args)
+    check_resume_early(args)  # a --resume that cannot continue stops before any model loads
     return args
 
 

@@ -241,3 +241,29 @@ def test_eval_hints_name_no_flag_eval_lacks(tiny_gpt2, tmp_path):
     assert "pass --trust_remote_code" not in message
     eval_flags = {option for action in step3_eval.build_parser()._actions for option in action.option_strings}
     assert "--trust_remote_code" not in eval_flags  # else the hint should name it
+
+
+# ---------------------------------------------------------------- a --resume that cannot continue, before loading
+def test_a_resume_with_a_changed_flag_stops_before_any_model_loads(tiny_gpt2, tmp_path):
+    """The checkpoint `latest` names is compared with the run's flags as the checks end (the rollout engine's
+    worker would otherwise start first, a minute on CPU), and another step's checkpoint is named as such."""
+    import step3_ppo.main as step3  # lazy: the step's imports only for this test
+    from utils.train.checkpoint import CheckpointError, run_flags
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1 + 1 =", "answer": "2"}\n' * 8)
+    out = tmp_path / "out"
+    argv = ["--actor_model_name_or_path", tiny_gpt2, "--data_path", str(data), "--output_dir", str(out)]
+    argv += ["--reward_funcs", "math_exact", "--advantage_estimator", "grpo", "--n_samples_per_prompt", "2"]
+    saved = run_flags(step3.parse_args(argv))
+    checkpoint = out / "checkpoints" / "step-00000002"
+    checkpoint.mkdir(parents=True)
+    (out / "checkpoints" / "latest").write_text("step-00000002")
+    (checkpoint / "state.json").write_text(json.dumps({"flags": {**saved, "rollout_engine": "vllm"}}))
+    with pytest.raises(CheckpointError, match=r"--rollout_engine 'vllm' \(this run: 'hf'\)"):
+        step3.parse_args(argv + ["--resume"])
+    (checkpoint / "state.json").write_text(json.dumps({"flags": {"train_on_last_turn_only": False}}))
+    with pytest.raises(CheckpointError, match=r"was written by step 1 \(SFT, step1_sft.main\), and this is step 3"):
+        step3.parse_args(argv + ["--resume"])
+    (checkpoint / "state.json").write_text(json.dumps({"flags": saved}))
+    assert step3.parse_args(argv + ["--resume"]).resume  # the same flags: on to loading

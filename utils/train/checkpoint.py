@@ -203,13 +203,7 @@ class TrainingCheckpoints:
                     f"would skip or repeat the wrong rows: resume with the checkpoint's settings, or start a new "
                     f"run (--overwrite_output_dir)"
                 )
-        changed = changed_flags(shared.get("flags"), flags)
-        if changed:
-            raise CheckpointError(
-                f"checkpoint {path} was written with other settings, which cannot change mid-run: "
-                f"{'; '.join(changed)}. Resume with the checkpoint's values, or start a new run "
-                f"(--overwrite_output_dir)"
-            )
+        check_same_flags(path, shared.get("flags"), flags)
         if sorted(engines) != shared["engines"]:
             raise CheckpointError(
                 f"checkpoint {path} holds engines {shared['engines']}, this run has {sorted(engines)}"
@@ -563,6 +557,35 @@ def check_writer(path: str, saved: dict | None, given: dict | None) -> None:
             f"checkpoint {path} was written by {written_by}, and this is {this}: --resume continues a run of the "
             f"same step only; give this step its own --output_dir (or --overwrite_output_dir to start over there)"
         )
+
+
+def check_same_flags(path: str, saved: dict | None, given: dict | None) -> None:
+    """CheckpointError naming each flag whose value differs from checkpoint `path`'s (changed_flags)."""
+    changed = changed_flags(saved, given)
+    if changed:
+        raise CheckpointError(
+            f"checkpoint {path} was written with other settings, which cannot change mid-run: {'; '.join(changed)}. "
+            f"Resume with the checkpoint's values, or start a new run (--overwrite_output_dir)"
+        )
+
+
+def check_resume_early(args) -> None:
+    """With --resume, the checkpoint `latest` names checked against this run's flags as the entry point's checks
+    end, before any model loads or a rollout worker starts (a minute on CPU): another step's checkpoint, or a flag
+    that cannot change mid-run, stops the run now. `Checkpointing.restore` checks again when it loads (and reports
+    a broken checkpoint, looking for an intact one before it): a state it cannot read is left to it."""
+    if not getattr(args, "resume", False):
+        return
+    path = TrainingCheckpoints(args.output_dir, getattr(args, "keep_checkpoints", 2)).pointed()
+    if path is None:
+        return
+    try:
+        saved = TrainingCheckpoints.read_state(path).get("flags")
+    except BrokenCheckpoint:
+        return
+    given = run_flags(args)
+    check_writer(path, saved, given)
+    check_same_flags(path, saved, given)
 
 
 def changed_flags(saved: dict | None, given: dict | None) -> list[str]:

@@ -109,7 +109,7 @@ RESUMABLE_FLAGS = frozenset(
     }
 )
 # Attributes an entry point derives from its flags after parsing (compared through those flags)
-DERIVED_ATTRIBUTES = frozenset({"reward_specs", "reward_model_paths", "environment", "tool_list"})
+DERIVED_ATTRIBUTES = frozenset({"reward_specs", "reward_model_paths", "environment", "tool_list", "teachers"})
 
 
 # --------------------------------------------------------------------------- #
