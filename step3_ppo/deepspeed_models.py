@@ -12,16 +12,18 @@ critic    RewardModel from step 2, trained         (--critic_zero_stage, LoRA, o
 rewards   RewardModels from step 2, frozen         (ZeRO-3 when the critic is, else stage 0;
                                                    --offload_reward_model as the reference's): one per
                                                    reward-model directory of the run's rewards
-With --load_in_4bit (QLoRA) the base weights of the frozen models (reference, reward models, the EMA) and of an
-actor/critic trained through LoRA with --only_optimize_lora are NF4 (check_qlora_args refuses the rest); value heads,
-LM heads, embeddings and the adapters keep the engine's --dtype.
+teachers  causal LMs, frozen                       (as the reference, --offload_teacher_model): one per
+                                                   --teacher_model_name_or_path (step3_ppo/teachers.py)
+With --load_in_4bit (QLoRA) the base weights of the frozen models (reference, reward models, teachers, the EMA) and
+of an actor/critic trained through LoRA with --only_optimize_lora are NF4 (check_qlora_args refuses the rest); value
+heads, LM heads, embeddings and the adapters keep the engine's --dtype.
 Dropout is off by default in all of them: with dropout the rollout and training forwards of the
 same weights differ, and the PPO ratio at learning rate 0 is no longer 1.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +42,7 @@ class Engines:
     critic: object | None  # None when the advantage estimator needs no critic
     rewards: dict  # reward-model path -> its frozen engine (empty for function rewards only)
     ema: "ActorEMA | None" = None
+    teachers: dict = field(default_factory=dict)  # teacher name -> its frozen engine (--teacher_model_name_or_path)
 
 
 class ActorEMA:
@@ -90,6 +93,8 @@ def check_qlora_args(args, reward_model_paths=()) -> None:
         stages["critic"] = args.critic_zero_stage
     if reward_model_paths:
         stages["reward model"] = 3 if args.offload_reward_model else args.critic_zero_stage
+    if getattr(args, "teachers", None):
+        stages["teacher"] = 3 if args.offload_teacher_model else args.actor_zero_stage
     check_4bit_args(args, trained, stages)
     if args.enable_hybrid_engine and args.merge_lora_for_generation:
         raise ModelFlagError(
@@ -193,4 +198,19 @@ def build_engines(args, tokenizer, total_steps: int, reward_model_paths=()) -> E
             ema_model = add_lora(ema_model, actor_spec)
         ema = ActorEMA(initialize_engine(ema_model, ema_config))
         ema.engine.eval()
-    return Engines(actor=actor, ref=ref, critic=critic, rewards=rewards, ema=ema)
+    teachers = {}
+    for teacher in getattr(args, "teachers", []):  # frozen like the reference, scored on the student's tokens
+        teacher_config = eval_ds_config(
+            args.actor_zero_stage, ranks, args.per_device_training_batch_size, args.dtype, args.offload_teacher_model
+        )
+        model = load_causal_lm(
+            teacher.path,
+            tokenizer,
+            teacher_config,
+            0.0,
+            args.trust_remote_code,
+            attn_implementation=attn,
+            load_in_4bit=quantized,
+        )
+        teachers[teacher.name] = build_frozen_engine(model, teacher_config)
+    return Engines(actor=actor, ref=ref, critic=critic, rewards=rewards, ema=ema, teachers=teachers)

@@ -35,6 +35,7 @@ from step3_ppo.rewards.functions import (
     load_reward_function,
 )
 from step3_ppo.rollout.engines import ROLLOUT_ENGINES, check_engine_args, engine_settings
+from step3_ppo.teachers import add_teacher_args, check_same_tokenizer, check_teacher_args, check_teacher_column
 from step3_ppo.trainer import PPOConfig, PPOTrainer
 from utils.cli import Number
 from utils.data import (
@@ -470,6 +471,7 @@ def build_parser():
     )
     g.add_argument("--enable_ema", action="store_true", help="keep an EMA of the actor, saved as actor_ema/")
     add_agent_args(p)
+    add_teacher_args(p)
     add_checkpoint_args(p)
     g = add_output_args(p)
     g.add_argument(
@@ -500,6 +502,7 @@ def validate_args(args) -> None:
     check_policy_loss_args(args)
     check_rollout_args(args)
     check_agent_args(args)
+    check_teacher_args(args)
     rollout = args.per_device_generation_batch_size * args.n_samples_per_prompt * args.generation_batches
     if rollout % args.per_device_training_batch_size:
         fail(
@@ -672,8 +675,13 @@ def validate_rl_args(args) -> None:
     env_reward = args.environment is not None and args.environment.has_reward  # the component `env`, last
     given = args.reward_funcs or ([args.reward_model_name_or_path] if args.reward_model_name_or_path else [])
     specs = args.reward_specs = given or ([] if env_reward else [args.critic_model_name_or_path])
+    if specs == [None] and args.teachers:
+        specs = args.reward_specs = []  # distillation alone: the teachers' signal is the only one
     if specs == [None]:
-        fail("no reward: give --reward_funcs, --reward_model_name_or_path or --critic_model_name_or_path")
+        fail(
+            "no reward: give --reward_funcs, --reward_model_name_or_path or --critic_model_name_or_path (or "
+            "--teacher_model_name_or_path to distil)"
+        )
     names = specs + (["env"] if env_reward else [])
     if args.reward_weights is not None and len(args.reward_weights) != len(names):
         fail(f"--reward_weights has {len(args.reward_weights)} values for {len(names)} rewards ({' '.join(names)})")
@@ -772,6 +780,8 @@ def setup(args) -> Setup:
     tokenizer = load_tokenizer(
         args.actor_model_name_or_path, args.trust_remote_code, padding_side="left", chat_template=args.chat_template
     )
+    if args.teachers:
+        check_same_tokenizer(args, tokenizer)
     critic = [args.critic_model_name_or_path] if get_estimator(args.advantage_estimator).needs_critic else []
     for path in dict.fromkeys(critic + args.reward_model_paths):
         other = load_tokenizer(path, args.trust_remote_code)
@@ -797,6 +807,7 @@ def setup(args) -> Setup:
             **{**vars(args), "data_path": args.eval_data_path, "data_split": "0,0,1", "eval_fraction": 0.0}
         )
         eval_prompts = step_examples(eval_args, tokenizer, 3, tokenize, settings, with_eval=False)[0]
+    check_teacher_column([*prompts, *(eval_prompts or [])], args.teacher_key, [t.name for t in args.teachers])
     if not prompts and stats["skipped"]:
         fail(
             f"every prompt was skipped ({describe_skips(stats['skipped'])}); too_long: not even "

@@ -13,7 +13,7 @@ from utils.math.throughput import phase_rate_metrics, token_metrics
 from utils.runtime.distributed import all_reduce_max_list, all_reduce_sum
 
 # the loss figures logged as their optimizer steps' mean (each mini-batch logs its part of its step's loss)
-STEP_LOSSES = ("loss/actor", "loss/kl", "loss/critic")
+STEP_LOSSES = ("loss/actor", "loss/kl", "loss/critic", "loss/distill")
 # the experience figures that are not sums over rows (the critic's fit; a maximum, reduced apart)
 NOT_SUMMED = ("explained_variance", "logprob_diff_max")
 

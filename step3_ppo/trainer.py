@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from dataclasses import dataclass, fields
 
@@ -25,14 +26,23 @@ import torch
 from step3_ppo import metrics as step_metrics
 from step3_ppo.agents.loop import agent_rates, agent_sums
 from step3_ppo.algo.advantages import advantages_and_returns, get_estimator
+from step3_ppo.algo.distill import DISTILL_SIGNALS, chunked_signal, reverse_kl_sampled
 from step3_ppo.algo.shaping import RunningMoments, clip_scores, compute_rewards, length_penalty
 from step3_ppo.metrics import component_sums
 from step3_ppo.rewards.combine import combine, zero_variance_groups
 from step3_ppo.rollout.engines import ROLLOUT_ENGINES
 from step3_ppo.rollout.hybrid import gathered
+from step3_ppo.teachers import distill_metrics, distill_sums, row_teacher
 from utils.errors import ProjectError
 from utils.math import losses
-from utils.math.ops import explained_variance, masked_mean, masked_whiten, rollout_correction_weights, select
+from utils.math.ops import (
+    aggregate,
+    explained_variance,
+    masked_mean,
+    masked_whiten,
+    rollout_correction_weights,
+    select,
+)
 from utils.math.rows import Row, from_token_layout, pack, split_generation, to_token_layout
 from utils.math.throughput import (
     FORWARD_FLOPS_PER_PARAM,
@@ -44,7 +54,9 @@ from utils.models.export import is_zero3
 from utils.models.forward import (
     LOGPROB_CHUNK_TOKENS,
     GenerationSettings,
+    action_head_inputs,
     eval_mode,
+    head_chunk_count,
     lm_nll,
     model_device,
     to_device,
@@ -124,6 +136,10 @@ class PPOConfig:
     logprob_chunk_tokens: int = LOGPROB_CHUNK_TOKENS  # tokens per LM-head chunk of every log-prob forward (0: whole)
     padding_free: bool = False  # the actor's and critic's forwards on real tokens only, rows packed in one sequence
     max_tokens_per_micro_batch: int = 0  # > 0: an optimizer step's rows re-cut into micro-batches of this many tokens
+    distill_signal: str = "reverse_kl_sampled"  # with teachers: step3_ppo.algo.distill.DISTILL_SIGNALS
+    distill_coef: float = 1.0  # its weight beside the task's advantage
+    distill_jsd_beta: float = 0.5  # the jsd signal's beta
+    teacher_key: str = "teacher"  # the prompt rows' field naming a row's teacher (several teachers)
     seed: int = 1234
 
     @classmethod
@@ -187,6 +203,8 @@ class PPOTrainer:
         self.trained_tokens = (0, 0)  # (real, processed) tokens of the last iteration's training forwards
         self._flops_per_token = None  # model FLOPs per token of each phase (flops_per_token)
         self.used = {}  # per engine, whether the last mini-batch's loss was finite and trained on
+        self.teachers = dict(getattr(engines, "teachers", None) or {})  # name -> frozen engine (distillation)
+        self.distill = DISTILL_SIGNALS[config.distill_signal] if self.teachers else None
 
     def policy_logprobs(self, engine, batch: dict, temperature: float, **options):
         """utils.models.forward.token_logprobs with the run's `--logprob_chunk_tokens` and `--padding_free`."""
@@ -311,7 +329,10 @@ class PPOTrainer:
             parts = {
                 c.name: torch.tensor([r.score_parts[c.name] for r in rows], dtype=torch.float32) for c in self.rewards
             }
-            for row, score in zip(rows, combine(parts, self.config.reward_weights).tolist()):
+            combined = (
+                combine(parts, self.config.reward_weights) if parts else torch.zeros(len(rows))
+            )  # distillation alone
+            for row, score in zip(rows, combined.tolist()):
                 failed = row.agent is not None and row.agent["failed"] is not None  # its environment raised
                 row.score = float("nan") if failed else score
 
@@ -348,6 +369,8 @@ class PPOTrainer:
             phases.append((self.ref, lambda rows: self.store_logprobs(rows, self.ref, "ref_logprobs", share)))
         if self.critic is not None:
             phases.append((self.critic, self.store_values))
+        for name, teacher in self.teachers.items():  # every teacher on every row: a ZeRO-3 forward is a collective
+            phases.append((teacher, functools.partial(self.store_logprobs, engine=teacher, name=f"teacher/{name}")))
         with memory.phase("experience"):
             for engine, store in phases:
                 with self.inference_weights(engine):
@@ -357,6 +380,11 @@ class PPOTrainer:
         if self.ref is None:  # no KL term: the reference would be the old policy's copy, KL 0
             for row in (row for rows in rows_per_batch for row in rows):
                 row.per_action["ref_logprobs"] = row.per_action["old_logprobs"]
+        if self.teachers:  # each row keeps its own teacher's log-probs
+            names = list(self.teachers)
+            for row in (row for rows in rows_per_batch for row in rows):
+                scored = {name: row.per_action.pop(f"teacher/{name}") for name in names}
+                row.per_action["teacher_logprobs"] = scored[row_teacher(row.prompt, self.config.teacher_key, names)]
         if self.config.release_inference_cache:
             accelerator.empty_cache()  # the gathered models' blocks, before training's
         experience_s += time.time() - t0
@@ -398,7 +426,7 @@ class PPOTrainer:
         raw_scores = torch.tensor([r.score for r in rows], dtype=torch.float32)
         groups = torch.tensor([r.group for r in rows])
         scores = raw_scores
-        if c.reward_norm != "sum_then_normalize":  # each component normalised in its group before the sum
+        if c.reward_norm != "sum_then_normalize" and self.rewards:  # each component normalised in its group first
             parts = {
                 comp.name: torch.tensor([r.score_parts[comp.name] for r in rows], dtype=torch.float32)
                 for comp in self.rewards
@@ -447,6 +475,14 @@ class PPOTrainer:
         if self.estimator.whiten and c.whiten_advantages and loss_mask.sum() > 1:
             advantages = masked_whiten(advantages, loss_mask)
         advantages = select(advantages, loss_mask)
+        distilled = {}
+        if self.teachers:  # the sampled tokens' reverse KL to each row's teacher, over the trained actions
+            teacher = to_token_layout(rows, "teacher_logprobs", p, length)
+            signal = reverse_kl_sampled(layout["old_logprobs"], teacher, loss_mask)
+            if not self.distill.needs_logits:  # a dense per-token advantage, after the estimator's whitening
+                advantages = advantages - c.distill_coef * signal
+            owners = [row_teacher(r.prompt, c.teacher_key, list(self.teachers)) for r in rows]
+            distilled = distill_sums(signal, teacher, loss_mask, owners, list(self.teachers))
         for name, tensor in (("rewards", rewards), ("advantages", advantages), ("returns", returns), ("kl", kl)):
             from_token_layout(rows, name, tensor, p)
         explained = explained_variance(values, returns, loss_mask).item() if self.critic is not None else 0.0
@@ -462,6 +498,7 @@ class PPOTrainer:
             "dropped_rows": selected["dropped_rows"],
             "zero_variance_rows": selected["zero_variance_rows"],
             **mismatch,
+            **distilled,
             **component_sums(rows, [comp.name for comp in self.rewards]),
         }
 
@@ -555,6 +592,10 @@ class PPOTrainer:
                 old_logprobs=old["old_logprobs"],
             )
             policy = policy + self.kl_ctl.value * kl_loss
+        distill_loss, agreement = torch.zeros(()), None
+        if self.distill is not None and self.distill.needs_logits:
+            distill_loss, agreement = self.vocabulary_divergence(batch, loss_mask, agg)
+            policy = policy + c.distill_coef * distill_loss
         loss, _ = step_normalised_loss({unit: policy}, counts, totals, steps, ranks)
         ptx_loss = torch.zeros(())
         if self.unsup_batches is not None:
@@ -572,6 +613,11 @@ class PPOTrainer:
             "ppo/approx_kl_old": actor_stats["approx_kl"].item(),
             "ppo/log_ratio_max_abs": actor_stats["log_ratio_max_abs"].item(),
             "ppo/entropy": masked_mean(entropy.detach(), loss_mask).item(),
+            **(
+                {"loss/distill": distill_loss.item() * share, "distill/top1_agreement": agreement}
+                if agreement is not None
+                else {}
+            ),
         }  # nats per trained token
         if self.critic is not None:
             critic_mask = loss_mask.to(model_device(self.critic))
@@ -587,6 +633,35 @@ class PPOTrainer:
             self.used["critic"] = self.backward(self.critic, scaled, boundary, (replay or {}).get("critic"))
             stats.update({"loss/critic": logged, "value/clipfrac": critic_stats["value_clipfrac"].item()})
         return stats
+
+    def vocabulary_divergence(self, batch: dict, loss_mask: torch.Tensor, agg: dict) -> tuple[torch.Tensor, float]:
+        """The full-vocabulary distillation signal (--distill_signal reverse_kl, forward_kl or jsd) of the
+        mini-batch's trained actions against the (one) teacher, aggregated as the policy loss is, and the top-1
+        agreement of the two models there. The student's LM-head inputs keep their gradient; the teacher runs
+        without one; the vocabulary goes through both heads a chunk of positions at a time."""
+        c = self.config
+        (teacher,) = self.teachers.values()
+        chunk, temperature = c.logprob_chunk_tokens, c.generation.logprob_temperature
+        student_hidden, student_head = action_head_inputs(self.actor, batch, loss_mask, chunk)
+        with torch.no_grad(), eval_mode(teacher):
+            teacher_hidden, teacher_head = action_head_inputs(teacher, batch, loss_mask, chunk)
+        count = head_chunk_count([student_head, teacher_head], student_hidden.shape[0], chunk)
+        options = {"beta": c.distill_jsd_beta} if "beta" in self.distill.options else {}
+        values, agree = chunked_signal(
+            c.distill_signal,
+            student_hidden,
+            student_head,
+            (teacher_hidden, teacher_head),
+            chunk,
+            temperature,
+            agreement=True,
+            min_chunks=count,
+            **options,
+        )
+        per_token = torch.zeros(loss_mask.shape, dtype=values.dtype, device=values.device)
+        per_token = per_token.masked_scatter(loss_mask.to(values.device).bool(), values)
+        loss = aggregate(per_token, loss_mask.to(values.device), agg["loss_agg"], agg["agg_constant"])
+        return loss, agree.mean().item() if agree.numel() else 0.0
 
     def backward(self, engine, loss, boundary: bool, replay_rows: list[Row] | None) -> bool:
         """`loss`'s backward and step on `engine` when it is finite on every rank (else the bad-step guard
@@ -829,6 +904,7 @@ class PPOTrainer:
         """(name, engine) of the actor, reference, critic and each reward component's model (those that have one)."""
         named = [("actor", self.actor), ("ref", self.ref), ("critic", self.critic)]
         named += [(f"reward:{comp.name}", getattr(comp, "engine", None)) for comp in self.rewards]
+        named += [(f"teacher:{name}", engine) for name, engine in self.teachers.items()]
         return [(name, engine) for name, engine in named if engine is not None]
 
     def iteration_metrics(
@@ -871,6 +947,7 @@ class PPOTrainer:
             **step_metrics.dynamic_metrics(totals, sampling),
             **step_metrics.rollout_metrics(totals, diff_max, c.rollout_correction),
             **step_metrics.agent_metrics(totals, self.agent is not None),
+            **distill_metrics(totals, list(self.teachers), c.distill_signal),
             **step_metrics.timing_metrics(totals["rows"], **seconds),
             **step_metrics.throughput_metrics(totals, dict(zip(phase_s, slowest)), self.flops_per_token()),
             **self.rollout.metrics(),

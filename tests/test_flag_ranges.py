@@ -66,10 +66,7 @@ def test_number_refuses_what_it_should():
             Number(float, above=0)(text)
     assert Number(float)("-1e38") == -1e38 and Number(float).problem(FP32_MAX * 1.01) is not None
     assert Number(float, low=0, below=1).describe() == "in [0, 1)"
-    assert (
-        Number(int, low=0, also=(-1,)).describe() == ">= 0, or -1"
-        and Number(int, low=0, also=(-1,))("-1") == -1
-    )
+    assert Number(int, low=0, also=(-1,)).describe() == ">= 0, or -1" and Number(int, low=0, also=(-1,))("-1") == -1
     assert Number(int, low=1, high=3)("3") == 3
     with pytest.raises(argparse.ArgumentTypeError, match=r"must be in \[1, 3\], got 4"):
         Number(int, low=1, high=3)("4")

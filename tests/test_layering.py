@@ -40,9 +40,11 @@ ALLOWED = {
         "step3_ppo.plot",
     },
     "step3_ppo.deepspeed_models": {"utils", "step3_ppo.algo"},
+    "step3_ppo.teachers": {"utils", "step3_ppo.algo"},
     "step3_ppo.trainer": {
         "utils",
         "step3_ppo.algo",
+        "step3_ppo.teachers",
         "step3_ppo.rollout",
         "step3_ppo.rewards",
         "step3_ppo.agents",

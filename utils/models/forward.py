@@ -261,11 +261,37 @@ def head_chunks(head: nn.Module, hidden: Tensor, chunk_tokens: int, *per_token: 
     """utils.math.ops.chunked_head of `head` over `hidden` [B, T, H]. A ZeRO-3 head whose weights are partitioned
     gathers them at every call, a collective: every rank then makes as many calls as the rank with the most
     tokens (one small all-reduce of the chunk count; the extra chunks are empty), forward and backward alike."""
-    count = -(-hidden.shape[0] * hidden.shape[1] // chunk_tokens)
-    partitioned = any(hasattr(p, "ds_id") and not getattr(p, "ds_persist", False) for p in head.parameters())
+    count = head_chunk_count([head], hidden.shape[0] * hidden.shape[1], chunk_tokens)
+    return chunked_head(hidden, head, reduce, chunk_tokens, *per_token, min_chunks=count)
+
+
+def head_chunk_count(heads: list[nn.Module], tokens: int, chunk_tokens: int) -> int:
+    """How many chunks of `chunk_tokens` the heads run over `tokens` positions: the most of any rank when a head's
+    weights are ZeRO-3 partitioned (each call a collective), else this rank's own."""
+    count = -(-tokens // chunk_tokens)
+    partitioned = any(
+        hasattr(p, "ds_id") and not getattr(p, "ds_persist", False) for h in heads for p in h.parameters()
+    )
     if partitioned and world_size() > 1:
         count = int(all_reduce_max(float(count)))
-    return chunked_head(hidden, head, reduce, chunk_tokens, *per_token, min_chunks=count)
+    return count
+
+
+def action_head_inputs(
+    model: nn.Module, batch: dict, action_mask: Tensor, chunk_tokens: int
+) -> tuple[Tensor, nn.Module]:
+    """The LM head's input [N, H] at the N positions that predict the batch's actions (`action_mask` [B, L-1] in
+    the layout of utils/math/ops.py, row-major order) and the head module, for a divergence over the vocabulary
+    computed a chunk at a time (step3_ppo.algo.distill.chunked_signal). One forward of `model` as token_logprobs
+    runs it (padded layout; the prompt positions before the first response prediction skipped)."""
+    head = chunks_head(model, chunk_tokens)
+    if head is None:
+        raise ValueError("a divergence over the vocabulary needs chunked LM-head access (--logprob_chunk_tokens > 0)")
+    input_ids = batch["input_ids"]
+    skipped = max(int(batch.get("prompt_len", 1)) - 1, 0)
+    hidden = causal_lm_hidden(model, input_ids, batch["attention_mask"], input_ids.shape[1] - skipped)
+    wanted = action_mask[:, skipped:].to(hidden.device).bool()
+    return hidden[:, :-1][wanted], head
 
 
 def _hf_model(model: nn.Module) -> nn.Module:
