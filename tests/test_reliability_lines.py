@@ -267,3 +267,33 @@ def test_a_resume_with_a_changed_flag_stops_before_any_model_loads(tiny_gpt2, tm
         step3.parse_args(argv + ["--resume"])
     (checkpoint / "state.json").write_text(json.dumps({"flags": saved}))
     assert step3.parse_args(argv + ["--resume"]).resume  # the same flags: on to loading
+
+
+# ---------------------------------------------------------------- a killed trainer's vLLM folders
+def test_the_folders_of_killed_runs_go_when_a_worker_starts(tmp_path):
+    """A trainer killed by SIGKILL never runs close(): its rlhf-vllm-* folder is removed by a later run once its
+    rank is gone and it is an hour old (a failed run's log stays that long); a live run's folder stays."""
+    import subprocess  # lazy: only this test makes a process to outlive
+
+    from step3_ppo.rollout.vllm_engine import DIR_PREFIX, OWNER_FILE, STALE_DIR_S, remove_stale_dirs
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that existed and is no more
+    folders = {}
+    for name, owner, age in [
+        ("dead_old", gone.pid, 2),
+        ("live_old", os.getpid(), 2),
+        ("dead_new", gone.pid, 0),
+        ("nameless_old", None, 2),
+    ]:
+        path = tmp_path / f"{DIR_PREFIX}{name}"
+        path.mkdir()
+        if owner is not None:
+            (path / OWNER_FILE).write_text(str(owner))
+        stamp = time.time() - age * STALE_DIR_S
+        os.utime(path, (stamp, stamp))
+        folders[name] = path
+    (tmp_path / "unrelated").mkdir()
+    removed = remove_stale_dirs(str(tmp_path))
+    assert sorted(removed) == sorted(str(folders[n]) for n in ("dead_old", "nameless_old"))
+    assert folders["live_old"].exists() and folders["dead_new"].exists() and (tmp_path / "unrelated").exists()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import glob
 import json
 import os
 import re
@@ -160,6 +161,43 @@ def check_vllm_args(args) -> None:
         )
 
 
+DIR_PREFIX, OWNER_FILE = "rlhf-vllm-", "owner.pid"  # a worker's folder in the temp dir, and the rank that made it
+STALE_DIR_S = 3600.0  # a dead run's folder (its worker log) is kept this long for the user to read, then removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
+
+
+def remove_stale_dirs(root: str | None = None, now: float | None = None) -> list[str]:
+    """Remove the worker folders of runs that are gone: a trainer killed (SIGKILL, the OOM killer) never reaches
+    close(), so its folder (socket, log) would stay in the temp dir for good. A folder goes when the rank that made
+    it is no longer alive (or it names none) and it is older than STALE_DIR_S, which leaves a failed run's log to
+    read for an hour. Returns the folders removed."""
+    root, now = root or tempfile.gettempdir(), time.time() if now is None else now
+    removed = []
+    for path in glob.glob(os.path.join(root, DIR_PREFIX + "*")):
+        try:
+            with open(os.path.join(path, OWNER_FILE)) as f:
+                owner = int(f.read().strip() or 0)
+        except (OSError, ValueError):
+            owner = 0
+        try:
+            old = now - os.path.getmtime(path) > STALE_DIR_S
+        except OSError:
+            continue
+        if old and not (owner and _alive(owner)):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
 def _last_error(path: str, limit: int = 400) -> str:
     """The worker log's last exception with its message lines (else its last line), as one line of at most
     `limit` characters: what an error line can say of it."""
@@ -210,7 +248,10 @@ class VLLMRollout:
         self.owner = int(os.environ.get("LOCAL_RANK", "0")) == 0
         node = self.rank // local_size
         if self.owner:
-            self.dir = tempfile.mkdtemp(prefix="rlhf-vllm-")
+            remove_stale_dirs()
+            self.dir = tempfile.mkdtemp(prefix=DIR_PREFIX)
+            with open(os.path.join(self.dir, OWNER_FILE), "w") as f:
+                f.write(str(os.getpid()))
             self.key = secrets.token_hex(16)
             self._start(local_size)
         # every rank of the node learns where its worker listens
