@@ -297,3 +297,21 @@ def test_the_folders_of_killed_runs_go_when_a_worker_starts(tmp_path):
     removed = remove_stale_dirs(str(tmp_path))
     assert sorted(removed) == sorted(str(folders[n]) for n in ("dead_old", "nameless_old"))
     assert folders["live_old"].exists() and folders["dead_new"].exists() and (tmp_path / "unrelated").exists()
+
+
+# ---------------------------------------------------------------- an output folder that is a file
+def test_an_output_dir_or_tensorboard_path_on_a_file_is_one_line(tiny_gpt2, tmp_path):
+    """It was a NotADirectoryError / FileExistsError traceback on every rank once the run began writing."""
+    from step1_sft.main import parse_args as step1_args  # lazy: the step's imports only for this test
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    data = tmp_path / "sft.jsonl"
+    data.write_text('{"prompt": "a", "response": "b"}\n')
+    argv = ["--model_name_or_path", tiny_gpt2, "--data_path", str(data)]
+    with pytest.raises(UsageError, match=f"^--output_dir {a_file}/out: {a_file} is a file, not a folder$"):
+        step1_args(argv + ["--output_dir", str(a_file / "out")])
+    out = ["--output_dir", str(tmp_path / "out"), "--enable_tensorboard"]
+    with pytest.raises(UsageError, match=f"^--tensorboard_path {a_file}: {a_file} is a file, not a folder$"):
+        step1_args(argv + out + ["--tensorboard_path", str(a_file)])
+    assert step1_args(argv + out + ["--tensorboard_path", str(tmp_path / "tb" / "deep")]).enable_tensorboard

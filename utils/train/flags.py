@@ -539,6 +539,18 @@ def run_inputs(args, inputs: Sequence = ()) -> list[tuple[str, str, str]]:
     return [(flag, path, kind) for flag, path, kind in dict.fromkeys(found) if path and os.path.exists(path)]
 
 
+def check_writable_dir(path: str, flag: str) -> None:
+    """A folder the run creates or writes into: refused in one line when it, or the nearest folder above it that
+    exists, is a file, or when that folder cannot be written."""
+    here = os.path.abspath(path)
+    while not os.path.exists(here) and os.path.dirname(here) != here:
+        here = os.path.dirname(here)
+    if not os.path.isdir(here):
+        fail(f"{flag} {path}: {here} is a file, not a folder")
+    if not os.access(here, os.W_OK | os.X_OK):
+        fail(f"{flag} {path}: the folder {here} cannot be written")
+
+
 def check_output_dir(args, inputs: Sequence[str]) -> None:
     """No run overwrites its inputs, shares its output directory with a live run, or silently mixes with a
     previous run's outputs.
@@ -548,6 +560,9 @@ def check_output_dir(args, inputs: Sequence[str]) -> None:
     (RUN_OUTPUTS) is refused unless --resume finds a checkpoint there or --overwrite_output_dir asks to
     start clean: then the lock holder deletes the old metrics.jsonl, checkpoints and tensorboard, never
     through a symlink (a linked folder is unlinked, its target kept)."""
+    check_writable_dir(args.output_dir, "--output_dir")
+    if getattr(args, "enable_tensorboard", False) and getattr(args, "tensorboard_path", None):
+        check_writable_dir(args.tensorboard_path, "--tensorboard_path")
     out = os.path.realpath(args.output_dir)
     for flag, path, kind in run_inputs(args, inputs):
         if is_within(path, out):
