@@ -10,7 +10,8 @@ In priority order (later runs are skipped, and the report says so, when --budget
                scripts/step{1_sft,2_reward,3_ppo}/run_single_gpu.sh as they are (LoRA, bf16, gradient
                checkpointing; step 3 with the frozen reference and reward model offloaded),
                scripts/step2_dpo/run_single_gpu.sh (LoRA, the reference = adapters off) and
-               scripts/step3_ppo/run_grpo_single_gpu.sh (GRPO on the arithmetic task), then the
+               scripts/step3_ppo/run_grpo_single_gpu.sh (GRPO on the arithmetic task), the same script as
+               on-policy distillation alone (the model as its own teacher; reverse_kl_sampled, reverse_kl), then the
                GRPO script again with the vLLM worker as its rollout engine (where vLLM is installed:
                GPU_VLLM_PYTHON), then the generation benchmark (bench/generation.py's worker on one rank:
                unsharded limit, plain ZeRO-3, hybrid; tokens/s), then step 1's training tokens/s and MFU
@@ -290,6 +291,11 @@ def runs(models: dict, data: str, work: str, mode: str) -> list[dict]:
             env={**script_env, "MODEL": g("gpu1"), "DATA": os.path.join(data, "pairs")},
         ),
         grpo_single_gpu(big, model, g, "gpu_grpo", "(GRPO, math_exact, no critic)"),
+        # on-policy distillation alone on the same rollout shape (bench/distill.py's arms on one GPU, the GRPO
+        # preset's bigger batch): the model as its own teacher (the cost is a teacher's), no reward weight, no
+        # reference; its s/iteration and peak memory against the GRPO row above (same sitting)
+        distill_single_gpu(big, model, g, "reverse_kl_sampled"),
+        distill_single_gpu(big, model, g, "reverse_kl"),
         # the same rollout with padding-free training forwards and token-budget micro-batches: its s/iteration and
         # tokens/padding_fraction against the row above (same sitting)
         grpo_single_gpu(
@@ -353,6 +359,14 @@ def grpo_single_gpu(big: str, model: str, g, out: str, label: str, extra: tuple 
         cmd=[*cmd, *extra],
         env={"ACTOR": model, "RLHF_USE_CURRENT_ENV": "1"},
     )
+
+
+def distill_single_gpu(big: str, model: str, g, signal: str) -> dict:
+    """run_grpo_single_gpu.sh as on-policy distillation alone with `signal`: the model as its own teacher (a
+    teacher's cost, a signal of 0), the rewards' weights 0, no reference (kl_ctl 0)."""
+    distill = ["--teacher_model_name_or_path", model, "--distill_signal", signal]
+    distill += ["--reward_weights", "0", "0", "--kl_ctl", "0"]
+    return grpo_single_gpu(big, model, g, f"gpu_distill_{signal}", f"(distillation alone, {signal})", distill)
 
 
 def sft_throughput(big: str, model: str, g, data: str, mode: str) -> dict:

@@ -5,7 +5,7 @@
 # lengths) and
 # draws OUTPUT_ROOT/step3/curves.png.
 # usage: bash scripts/demo.sh [--step 1 2 3] [--with_dpo [LOSS]] [--output_root DIR] [--quick] [--format chat|raw]
-#                             [--task arithmetic|tools] [--eval_split test|dev]
+#                             [--task arithmetic|tools|distill] [--eval_split test|dev]
 #   --with_dpo [LOSS]: also DPO from the step-1 model on the step-2 pairs (scripts/step2_dpo/run_cpu.sh, after
 #             step 2), and its row in the evaluation next to SFT and RLHF; LOSS: the DPO step's --loss_type
 #             (sigmoid, the default: a "DPO" row; ipo, simpo, orpo, kto: a row named after it)
@@ -23,6 +23,11 @@
 #             with --tools calculator on arithmetic word problems scored by math_exact (no step 2, no critic);
 #             held-out greedy accuracy without tools, after SFT and after RL, tool-call and tool-error rates;
 #             outputs and curves under OUTPUT_ROOT/tools
+#   --task distill: on-policy distillation of SmolLM2-135M-Instruct from the arithmetic GRPO policy (--task
+#             arithmetic's OUTPUT_ROOT/grpo, reused when that run is complete, made first otherwise) with no reward;
+#             held-out greedy accuracy before, every 2 iterations and after; a table of teacher, student before,
+#             after distillation and GRPO given the same training time, in OUTPUT_ROOT/distill (comparison.txt,
+#             accuracy_vs_time.png, curves.png)
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 STEPS=(1 2 3)
@@ -47,7 +52,7 @@ while [ $# -gt 0 ]; do
     --eval_split) EVAL_SPLIT="$2"; shift 2
       case "$EVAL_SPLIT" in test|dev) ;; *) echo "--eval_split must be test or dev, got $EVAL_SPLIT" >&2; exit 2 ;; esac ;;
     *) echo "unknown argument: $1 (use --step 1 2 3, --with_dpo [LOSS], --output_root DIR, --quick, --format chat|raw," \
-            "--task arithmetic|tools, --eval_split test|dev)" >&2
+            "--task arithmetic|tools|distill, --eval_split test|dev)" >&2
        exit 2 ;;
   esac
 done
@@ -55,6 +60,41 @@ USER_OMP_NUM_THREADS="${OMP_NUM_THREADS:-}"
 # shellcheck source=common.sh
 source "$ROOT/scripts/common.sh"  # set-up, venv, offline mode, default_model/tiny_model
 case "$DEMO_FORMAT" in chat|raw) ;; *) echo "--format must be chat or raw, got $DEMO_FORMAT" >&2; exit 2 ;; esac
+if [ "$TASK" = distill ]; then
+  start=$(date +%s)
+  G=(--overwrite_output_dir) D=(--overwrite_output_dir)
+  if [ "$QUICK" = 1 ]; then  # tiny random models with ChatML: a smoke test of the chain
+    STUDENT="$(tiny_model llama)"
+    G+=(--chat_template utils/chat_templates/chatml.jinja --max_steps 2 --max_prompt_seq_len 96 --eval_num_prompts 8)
+    D+=(--chat_template utils/chat_templates/chatml.jinja --max_steps 2 --max_prompt_seq_len 96 --eval_num_prompts 8
+        --eval_interval 1)
+  else
+    STUDENT="$(default_model)"
+  fi
+  # the teacher: --task arithmetic's GRPO policy, trained from this student; its run is complete when its actor was
+  # exported (at the end of the run) from this very student
+  if [ -f "$OUTPUT_ROOT/grpo/actor/model.safetensors" ] \
+      && grep -qxF "actor_model_name_or_path: $STUDENT" "$OUTPUT_ROOT/grpo/config.yaml" 2>/dev/null; then
+    echo "[demo] teacher: the GRPO policy of $OUTPUT_ROOT/grpo (reused)"
+  else
+    echo "[demo] teacher: GRPO of $STUDENT on the arithmetic task -> $OUTPUT_ROOT/grpo"
+    t0=$(date +%s)
+    ACTOR="$STUDENT" bash scripts/step3_ppo/run_grpo_cpu.sh "$OUTPUT_ROOT/grpo" "${G[@]}"
+    python -m step3_ppo.plot "$OUTPUT_ROOT/grpo" >/dev/null
+    echo "[demo] the teacher's GRPO run took $(( $(date +%s) - t0 )) s"
+  fi
+  t0=$(date +%s)
+  echo "[demo] on-policy distillation of $STUDENT from $OUTPUT_ROOT/grpo/actor (no reward) -> $OUTPUT_ROOT/distill"
+  ACTOR="$STUDENT" TEACHER="$OUTPUT_ROOT/grpo/actor" bash scripts/step3_ppo/run_distill_cpu.sh "$OUTPUT_ROOT/distill" \
+    "${D[@]}"
+  echo "[demo] distillation took $(( $(date +%s) - t0 )) s"
+  python -m step3_ppo.plot "$OUTPUT_ROOT/distill" >/dev/null
+  echo "[demo] held-out greedy accuracy (math_exact); training time = generation + experience + training seconds:"
+  python scripts/distill_compare.py --distill "$OUTPUT_ROOT/distill" --grpo "$OUTPUT_ROOT/grpo"
+  echo "[demo] finished in $(( $(date +%s) - start )) s; outputs under $OUTPUT_ROOT/distill (curves.png," \
+    "accuracy_vs_time.png, comparison.txt)"
+  exit 0
+fi
 if [ "$TASK" = arithmetic ]; then
   start=$(date +%s)
   G=(--overwrite_output_dir)
@@ -103,7 +143,7 @@ if [ "$TASK" = tools ]; then
   echo "[demo] finished in $(( $(date +%s) - start )) s; outputs under $T (curves: $T/grpo/curves.png)"
   exit 0
 fi
-[ "$TASK" = reviews ] || { echo "--task must be arithmetic or tools (or left out), got $TASK" >&2; exit 2; }
+[ "$TASK" = reviews ] || { echo "--task must be arithmetic, tools or distill (or left out), got $TASK" >&2; exit 2; }
 if [ "$WITH_DPO" = 1 ]; then  # DPO runs after steps 1-2 (it needs step 1's model), before step 3
   ORDERED=(); for step in "${STEPS[@]}"; do ORDERED+=("$step"); [ "$step" = 2 ] && ORDERED+=(dpo); done
   [[ " ${ORDERED[*]} " == *" dpo "* ]] || ORDERED=(dpo "${ORDERED[@]}")

@@ -67,6 +67,13 @@ BENCHMARKS = (
         module="bench.memory_step3",
     ),
     Benchmark(
+        "distill",
+        "one on-policy distillation iteration vs one GRPO iteration on the same rollout: s per phase, peak memory",
+        (1, 8),
+        module="bench.distill",
+        headline=r"reverse_kl_sampled +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+x",
+    ),
+    Benchmark(
         "memory_dpo",
         "peak per rank and s/step of two step-2 losses (sigmoid vs simpo), alternating",
         (1, 12),
