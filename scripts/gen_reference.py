@@ -30,6 +30,7 @@ from step2_dpo.main import REFERENCE_KINDS  # noqa: E402
 from step3_ppo.agents.environments import ENVIRONMENTS  # noqa: E402
 from step3_ppo.agents.tools import TOOL_CALL_PARSERS, TOOLS  # noqa: E402
 from step3_ppo.algo.advantages import ALIASES, ESTIMATORS  # noqa: E402
+from step3_ppo.algo.distill import DISTILL_SIGNALS  # noqa: E402
 from step3_ppo.rewards.functions import BUILTINS  # noqa: E402
 from step3_ppo.rollout.engines import ROLLOUT_ENGINES  # noqa: E402
 from utils.math.losses import PAIR_LOSSES, POLICY_LOSSES  # noqa: E402
@@ -418,6 +419,28 @@ def rollout_engines_section() -> list[str]:
     ]
 
 
+def distill_signals_section() -> list[str]:
+    rows = [
+        [
+            code(name),
+            cell(s.help),
+            "the vocabulary at each action (a loss term)" if s.needs_logits else "the sampled tokens (an advantage)",
+            ", ".join(f"`--distill_{o}`" if name != "jsd" else f"`--distill_jsd_{o}`" for o in s.options) or NONE,
+        ]
+        for name, s in DISTILL_SIGNALS.items()
+    ]
+    return [
+        "## Distillation signals",
+        "",
+        "`--distill_signal` of [rlhf-rl](flags.md#rlhf-rl) with `--teacher_model_name_or_path`, "
+        f"{_defined('step3_ppo/algo/distill.py', 'DISTILL_SIGNALS')}: what the student learns from its teacher "
+        "([guide](../guides/distillation.md)).",
+        "",
+        *table(["name", "what it is", "reads", "own flags"], rows),
+        "",
+    ]
+
+
 def agents_section() -> list[str]:
     envs = [[code(name), cell(e.help), code(e.cls.__name__)] for name, e in ENVIRONMENTS.items()]
     tools = [
@@ -523,6 +546,7 @@ def registries_page() -> str:
         pair_losses_section,
         reward_functions_section,
         rollout_engines_section,
+        distill_signals_section,
         agents_section,
         per_model_section,
         fixed_choices_section,
@@ -573,6 +597,7 @@ def readme_block() -> str:
         ["DPO-family losses (`rlhf-dpo --loss_type`)", _names(PAIR_LOSSES)],
         ["Reward functions (`--reward_funcs`)", _names(BUILTINS) + ", reward models, your own Python functions"],
         ["Rollout engines (`--rollout_engine`)", _names(ROLLOUT_ENGINES)],
+        ["Distillation signals (`--distill_signal`)", _names(DISTILL_SIGNALS)],
         ["Environments (`--env`)", _names(ENVIRONMENTS) + ", your own classes"],
         [
             "Tools (`--tools`, `--tool_parser`)",
