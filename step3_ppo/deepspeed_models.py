@@ -13,7 +13,9 @@ rewards   RewardModels from step 2, frozen         (ZeRO-3 when the critic is, e
                                                    --offload_reward_model as the reference's): one per
                                                    reward-model directory of the run's rewards
 teachers  causal LMs, frozen                       (as the reference, --offload_teacher_model): one per
-                                                   --teacher_model_name_or_path (step3_ppo/teachers.py)
+                                                   --teacher_model_name_or_path (step3_ppo/teachers.py); with
+                                                   --teacher_engine vllm each a client of its own vLLM worker
+                                                   instead (step3_ppo/rollout/vllm_teacher.py)
 With --load_in_4bit (QLoRA) the base weights of the frozen models (reference, reward models, teachers, the EMA) and
 of an actor/critic trained through LoRA with --only_optimize_lora are NF4 (check_qlora_args refuses the rest); value
 heads, LM heads, embeddings and the adapters keep the engine's --dtype.
@@ -28,6 +30,8 @@ from dataclasses import dataclass, field
 import torch
 
 from step3_ppo.algo.advantages import needs_critic
+from step3_ppo.rollout.vllm_engine import VLLMSettings
+from step3_ppo.rollout.vllm_teacher import VLLMTeacher
 from utils.models.loading import ModelFlagError, check_4bit_args, four_bit_loading, load_causal_lm
 from utils.models.reward_model import RewardModel
 from utils.runtime.distributed import is_rank0, world_size
@@ -42,7 +46,8 @@ class Engines:
     critic: object | None  # None when the advantage estimator needs no critic
     rewards: dict  # reward-model path -> its frozen engine (empty for function rewards only)
     ema: "ActorEMA | None" = None
-    teachers: dict = field(default_factory=dict)  # teacher name -> its frozen engine (--teacher_model_name_or_path)
+    # teacher name -> its frozen engine (--teacher_model_name_or_path), or its VLLMTeacher (--teacher_engine vllm)
+    teachers: dict = field(default_factory=dict)
 
 
 class ActorEMA:
@@ -93,7 +98,7 @@ def check_qlora_args(args, reward_model_paths=()) -> None:
         stages["critic"] = args.critic_zero_stage
     if reward_model_paths:
         stages["reward model"] = 3 if args.offload_reward_model else args.critic_zero_stage
-    if getattr(args, "teachers", None):
+    if getattr(args, "teachers", None) and getattr(args, "teacher_engine", "hf") == "hf":
         stages["teacher"] = 3 if args.offload_teacher_model else args.actor_zero_stage
     check_4bit_args(args, trained, stages)
     if args.enable_hybrid_engine and args.merge_lora_for_generation:
@@ -200,6 +205,11 @@ def build_engines(args, tokenizer, total_steps: int, reward_model_paths=()) -> E
         ema.engine.eval()
     teachers = {}
     for teacher in getattr(args, "teachers", []):  # frozen like the reference, scored on the student's tokens
+        if getattr(args, "teacher_engine", "hf") == "vllm":  # its worker loads the weights itself, in --dtype
+            teachers[teacher.name] = VLLMTeacher(
+                teacher.name, teacher.path, args.dtype, VLLMSettings.from_args(args), args.seed, args.trust_remote_code
+            )
+            continue
         teacher_config = eval_ds_config(
             args.actor_zero_stage, ranks, args.per_device_training_batch_size, args.dtype, args.offload_teacher_model
         )

@@ -370,7 +370,13 @@ class PPOTrainer:
         if self.critic is not None:
             phases.append((self.critic, self.store_values))
         for name, teacher in self.teachers.items():  # every teacher on every row: a ZeRO-3 forward is a collective
-            phases.append((teacher, functools.partial(self.store_logprobs, engine=teacher, name=f"teacher/{name}")))
+            if isinstance(teacher, torch.nn.Module):  # a frozen engine
+                store = functools.partial(self.store_logprobs, engine=teacher, name=f"teacher/{name}")
+                phases.append((teacher, store))
+            else:  # its own vLLM worker (--teacher_engine vllm): each rank sends its rows
+                temperature = self.config.generation.logprob_temperature
+                store = functools.partial(teacher.store, name=f"teacher/{name}", temperature=temperature)
+                phases.append((None, store))
         with memory.phase("experience"):
             for engine, store in phases:
                 with self.inference_weights(engine):

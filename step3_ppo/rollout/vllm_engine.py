@@ -225,25 +225,25 @@ def checkpoint_name(name: str) -> str | None:
     return name.replace(".base_layer.", ".").replace(".modules_to_save.default.", ".")
 
 
-class VLLMRollout:
-    """A rollout engine (step3_ppo/rollout/engines.py) over a vLLM worker; see the module docstring."""
+class NodeWorker:
+    """One vLLM worker process per node (step3_ppo/rollout/vllm_worker.py) and this rank's connection to it, the
+    machinery the rollout engine and a teacher on vLLM (step3_ppo/rollout/vllm_teacher.py) share: local rank 0 makes
+    the worker's folder (socket, log) and starts it, every rank of the node learns where it listens and connects at
+    its first request; a worker that dies or answers an error is one RolloutEngineError with its log's last lines.
+    A subclass gives the worker's own arguments (`_worker_args`) and calls `_open_worker` from its `__init__`."""
 
-    def __init__(self, actor, config, settings: VLLMSettings | None = None):
-        self.actor, self.config = actor, config
-        self.settings = settings or VLLMSettings()
-        self.model = _hf_model(actor)  # the transformers model (peft's base when LoRA wraps it)
-        self.peft = getattr(actor, "module", actor)
-        self.lora = hasattr(self.peft, "peft_config")
-        self.synced_step, self.unlinked = None, False
-        self.sync_s, self.sync_bytes = 0.0, 0  # of the last sync (logged per iteration)
-        self.proc, self.conn, self.shm, self.hello, self.start_s = None, None, None, {}, 0.0
-        self.failed, self.asleep = False, False
-        self.pending = []  # prefetched requests: {"key", "reply" (None until read), "step" (weights), "prompts"}
-        self.staleness = 0  # the actor's optimizer steps between the last rollout's weights and the current ones
+    what = "vLLM worker"  # how errors name the worker
+
+    def _worker_args(self) -> list[str]:
+        """The worker's arguments besides the socket, the ranks and the `--vllm_*` settings (run on the owner)."""
+        raise NotImplementedError
+
+    def _open_worker(self, settings: VLLMSettings) -> None:
+        """Start the node's worker (local rank 0) and learn where it listens (every rank; collective)."""
+        self.settings = settings
+        self.proc, self.conn, self.hello, self.failed = None, None, {}, False
         dist = torch.distributed.is_initialized()
         self.rank = torch.distributed.get_rank() if dist else 0
-        # each sampled row's vLLM seed, drawn in rollout order (the same with and without --async_rollout)
-        self.seeds = torch.Generator().manual_seed(config.seed * 1000 + self.rank)
         local_size = int(os.environ.get("LOCAL_WORLD_SIZE", torch.distributed.get_world_size() if dist else 1))
         self.owner = int(os.environ.get("LOCAL_RANK", "0")) == 0
         node = self.rank // local_size
@@ -263,38 +263,25 @@ class VLLMRollout:
         _, self.dir, self.key = next(p for p in places if p is not None and p[0] == node)
         self.log = os.path.join(self.dir, "worker.log")
 
-    # ------------------------------------------------------------------ process
     def _start(self, ranks: int) -> None:
-        s, model = self.settings, self.model
-        model.config.save_pretrained(self.dir)  # the worker builds the architecture from it (weights: dummy)
-        max_len = s.max_model_len or min(getattr(model.config, "max_position_embeddings", 8192), 8192)
-        temperature = self.config.generation.logprob_temperature
+        s = self.settings
         cmd = [
             s.python or sys.executable,
             WORKER,
             "--socket",
             os.path.join(self.dir, "worker.sock"),
-            "--model",
-            self.dir,
-            "--dtype",
-            str(next(model.parameters()).dtype).removeprefix("torch."),
-            "--max_model_len",
-            str(max_len),
-            "--kv_cache_gib",
-            str(s.kv_cache_gib),
             "--ranks",
             str(ranks),
+            "--kv_cache_gib",
+            str(s.kv_cache_gib),
             "--tensor_parallel_size",
             str(s.tensor_parallel_size),
             "--gpu_memory_utilization",
             str(s.gpu_memory_utilization),
-            "--seed",
-            str(self.config.seed),
-            # the trainer's log-probs are at the rollout temperature: vLLM's raw ones are before it
-            "--logprobs_mode",
-            "raw_logprobs" if temperature == 1.0 else "processed_logprobs",
+            "--mode",
+            s.mode,
+            *self._worker_args(),
         ]
-        cmd += ["--mode", s.mode] + (["--sleep"] if s.sleep else [])
         # on CPU the ranks wait while the worker generates: it takes every core, not a rank's share (OMP_NUM_THREADS)
         env = {**os.environ, "VLLM_WORKER_AUTHKEY": self.key, "OMP_NUM_THREADS": str(s.threads or os.cpu_count())}
         for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
@@ -322,7 +309,7 @@ class VLLMRollout:
         self.failed = True  # close() keeps the log
         status = f" (exit code {code})" if code is not None else ""
         return RolloutEngineError(
-            f"vLLM worker {what}{status}: {detail or _last_error(self.log)} (its log: {self.log})"
+            f"{self.what} {what}{status}: {detail or _last_error(self.log)} (its log: {self.log})"
         )
 
     def _connect(self) -> None:
@@ -355,20 +342,12 @@ class VLLMRollout:
             self._connect()
         self.conn.send_bytes(json.dumps(request).encode())
 
-    def _drain(self) -> None:
-        """The replies to prefetched requests, read (in order: the worker answers a connection in order) before
-        any other call's reply; kept for the `generate` that asks for them."""
-        for entry in self.pending:
-            if entry["reply"] is None:
-                entry["reply"] = self._receive("generating ahead")
-
     def _call(self, request: dict, what: str) -> dict:
-        self._drain()
         self._send(request)
         return self._receive(what)
 
     def close(self) -> None:
-        """The worker told to exit (and killed if it does not), its folder and shared memory removed."""
+        """The worker told to exit (and killed if it does not), its folder removed (kept after a failure: its log)."""
         if self.conn is not None:
             try:
                 if self.owner:
@@ -377,10 +356,6 @@ class VLLMRollout:
             except OSError:
                 pass
             self.conn = None
-        if self.shm is not None:
-            self.flat = None  # the tensor over the block's buffer first: a mapped buffer cannot close
-            self.shm.close()
-            self.shm = None
         if self.proc is not None:
             try:
                 self.proc.wait(timeout=30)
@@ -390,6 +365,64 @@ class VLLMRollout:
             self.proc = None
             if not self.failed:
                 shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class VLLMRollout(NodeWorker):
+    """A rollout engine (step3_ppo/rollout/engines.py) over a vLLM worker; see the module docstring."""
+
+    def __init__(self, actor, config, settings: VLLMSettings | None = None):
+        self.actor, self.config = actor, config
+        self.model = _hf_model(actor)  # the transformers model (peft's base when LoRA wraps it)
+        self.peft = getattr(actor, "module", actor)
+        self.lora = hasattr(self.peft, "peft_config")
+        self.synced_step, self.unlinked = None, False
+        self.sync_s, self.sync_bytes = 0.0, 0  # of the last sync (logged per iteration)
+        self.shm, self.start_s = None, 0.0
+        self.asleep = False
+        self.pending = []  # prefetched requests: {"key", "reply" (None until read), "step" (weights), "prompts"}
+        self.staleness = 0  # the actor's optimizer steps between the last rollout's weights and the current ones
+        self._open_worker(settings or VLLMSettings())
+        # each sampled row's vLLM seed, drawn in rollout order (the same with and without --async_rollout)
+        self.seeds = torch.Generator().manual_seed(config.seed * 1000 + self.rank)
+
+    # ------------------------------------------------------------------ process
+    def _worker_args(self) -> list[str]:
+        s, model = self.settings, self.model
+        model.config.save_pretrained(self.dir)  # the worker builds the architecture from it (weights: dummy)
+        max_len = s.max_model_len or min(getattr(model.config, "max_position_embeddings", 8192), 8192)
+        temperature = self.config.generation.logprob_temperature
+        return [
+            "--model",
+            self.dir,
+            "--dtype",
+            str(next(model.parameters()).dtype).removeprefix("torch."),
+            "--max_model_len",
+            str(max_len),
+            "--seed",
+            str(self.config.seed),
+            # the trainer's log-probs are at the rollout temperature: vLLM's raw ones are before it
+            "--logprobs_mode",
+            "raw_logprobs" if temperature == 1.0 else "processed_logprobs",
+        ] + (["--sleep"] if s.sleep else [])
+
+    def _drain(self) -> None:
+        """The replies to prefetched requests, read (in order: the worker answers a connection in order) before
+        any other call's reply; kept for the `generate` that asks for them."""
+        for entry in self.pending:
+            if entry["reply"] is None:
+                entry["reply"] = self._receive("generating ahead")
+
+    def _call(self, request: dict, what: str) -> dict:
+        self._drain()
+        return super()._call(request, what)
+
+    def close(self) -> None:
+        """The worker told to exit (and killed if it does not), its folder and shared memory removed."""
+        if self.shm is not None:
+            self.flat = None  # the tensor over the block's buffer first: a mapped buffer cannot close
+            self.shm.close()
+            self.shm = None
+        super().close()
 
     # ------------------------------------------------------------------ weight sync
     def _weights_to_send(self) -> list[tuple[str, torch.nn.Parameter, object]]:

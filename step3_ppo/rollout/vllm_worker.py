@@ -1,4 +1,5 @@
-"""The vLLM worker process of `--rollout_engine vllm` (started by step3_ppo/rollout/vllm_engine.py, never by hand).
+"""The vLLM worker process of `--rollout_engine vllm` and `--teacher_engine vllm` (started by
+step3_ppo/rollout/vllm_engine.py and vllm_teacher.py, never by hand).
 
 Runs as a plain script under the Python that has vLLM (`--vllm_python`: the project's venv on CPU, its own
 environment on GPU), so it imports nothing of the project: only the standard library, torch and vllm. It
@@ -10,8 +11,14 @@ connects and sends JSON requests (bytes framed by multiprocessing.connection, ne
       -> {"seconds": s}: checkpoint-format weights read from shared memory into the model in place
          (vLLM's reload_weights), then the prefix cache reset
   {"op": "sleep"} / {"op": "wake"} -> {}: vLLM's sleep mode, level 1 (started with --sleep)
+  {"op": "score", "sequences": [[ids]], "prompt_len": [...], "temperature": 1.0}
+      -> {"logprobs": [[...]]}: each sequence's log-probs of its tokens after the first prompt_len, each given its
+         prefix (vLLM's prompt log-probs: a teacher scoring the student's tokens); at temperature 1 only, since
+         vLLM 0.32 computes prompt log-probs from the raw logits (no temperature; another is answered an error)
   {"op": "close"} -> {} and the worker exits.
-Requests that arrive together from several ranks are generated in one batch. A failure is answered
+Requests that arrive together from several ranks are generated (or scored) in one batch. A rollout worker starts
+with dummy weights (the trainer's arrive by sync: `--load_format dummy`); a teacher's reads its folder's
+(`--load_format auto`). A failure is answered
 {"error": "..."} and the worker keeps serving; the worker's own output goes to the log file the trainer
 shows when it dies.
 """
@@ -35,7 +42,13 @@ def parse_args(argv=None):
     p.add_argument("--socket", required=True, help="the Unix socket to listen on (created once the model is built)")
     p.add_argument("--ranks", type=int, default=1, help="trainer ranks that connect")
     p.add_argument("--authkey_env", default="VLLM_WORKER_AUTHKEY", help="environment variable holding the key")
-    p.add_argument("--model", required=True, help="a folder with the model's config.json (weights come by sync)")
+    p.add_argument("--model", required=True, help="a folder with the model's config.json (and its weights: auto)")
+    p.add_argument(
+        "--load_format",
+        default="dummy",
+        choices=["dummy", "auto"],
+        help="dummy: random weights, the trainer's arrive by sync (the rollout); auto: the folder's (a teacher)",
+    )
     p.add_argument("--dtype", default="float32", help="the actor's dtype (torch name)")
     p.add_argument("--max_model_len", type=int, required=True, help="longest prompt + answer served")
     p.add_argument(
@@ -59,8 +72,9 @@ def parse_args(argv=None):
 
 
 def build_llm(args):
-    """vLLM on the model's config with dummy weights (the trainer's weights arrive by the first sync), no
-    tokenizer (token ids in and out) and no generation_config defaults (the trainer passes every setting)."""
+    """vLLM on the model's config with dummy weights (the trainer's weights arrive by the first sync) or the
+    folder's own (`--load_format auto`), no tokenizer (token ids in and out) and no generation_config defaults (the
+    trainer passes every setting)."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, round(args.kv_cache_gib))))
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # this process is the worker: the model lives here
     from vllm import LLM  # lazy: vLLM reads the VLLM_* variables set just above when it is imported
@@ -79,7 +93,7 @@ def build_llm(args):
     return LLM(
         model=args.model,
         dtype=args.dtype,
-        load_format="dummy",
+        load_format=args.load_format,
         skip_tokenizer_init=True,
         generation_config="vllm",
         max_model_len=args.max_model_len,
@@ -138,6 +152,33 @@ def generate(llm, requests: list[dict]) -> list[dict]:
     return replies
 
 
+def score(llm, requests: list[dict]) -> list[dict]:
+    """Every request's sequences scored in one `generate` call of one token each (greedy; discarded): vLLM's
+    prompt log-probs of the sequence's own tokens (the log-prob of token i given tokens before i; prompt_logprobs=0
+    keeps just that one), from position prompt_len on. A request at another temperature than 1 is answered an
+    error: vLLM 0.32's prompt log-probs skip the sampler's processing (its temperature included)."""
+    from vllm import SamplingParams  # lazy: as generate's
+    from vllm.inputs import TokensPrompt  # lazy: as generate's
+
+    params = SamplingParams(n=1, max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+    valid = [r for r in requests if r.get("temperature", 1.0) == 1.0]
+    prompts = [TokensPrompt(prompt_token_ids=ids) for r in valid for ids in r["sequences"]]
+    outputs = iter(llm.generate(prompts, params, use_tqdm=False) if prompts else [])
+    replies = []
+    for request in requests:
+        if request.get("temperature", 1.0) != 1.0:
+            replies.append(
+                {"error": f"temperature {request['temperature']}: vLLM's prompt log-probs are at temperature 1 only"}
+            )
+            continue
+        scored = []
+        for ids, start in zip(request["sequences"], request["prompt_len"]):
+            steps = next(outputs).prompt_logprobs  # [None, {id: Logprob} for each later token]
+            scored.append([steps[i][ids[i]].logprob for i in range(max(start, 1), len(ids))])
+        replies.append({"logprobs": scored})
+    return replies
+
+
 _blocks = {}  # shared-memory blocks by name, mapped once: the trainer unlinks the name after the first load
 
 
@@ -180,15 +221,16 @@ def serve(llm, listener, ranks: int, hello: dict) -> None:
                 conns.remove(conn)
                 continue
             requests.append((conn, request))
-        gen = [(c, r) for c, r in requests if r["op"] == "generate"]
-        if gen:
-            try:
-                replies = generate(llm, [r for _, r in gen])
-            except Exception as e:  # answered, not fatal: the trainer stops with this line
-                traceback.print_exc()
-                replies = [{"error": f"{type(e).__name__}: {e}"}] * len(gen)
-            for (conn, _), reply in zip(gen, replies):
-                conn.send_bytes(json.dumps(reply).encode())
+        for op, run in (("generate", generate), ("score", score)):  # each op's requests in one batch
+            batch = [(c, r) for c, r in requests if r["op"] == op]
+            if batch:
+                try:
+                    replies = run(llm, [r for _, r in batch])
+                except Exception as e:  # answered, not fatal: the trainer stops with this line
+                    traceback.print_exc()
+                    replies = [{"error": f"{type(e).__name__}: {e}"}] * len(batch)
+                for (conn, _), reply in zip(batch, replies):
+                    conn.send_bytes(json.dumps(reply).encode())
         for conn, request in requests:
             if request["op"] == "load":
                 try:
@@ -208,7 +250,7 @@ def serve(llm, listener, ranks: int, hello: dict) -> None:
             elif request["op"] == "close":
                 conn.send_bytes(b"{}")
                 closing = True
-            elif request["op"] != "generate":
+            elif request["op"] not in ("generate", "score"):
                 conn.send_bytes(json.dumps({"error": f"unknown op {request['op']!r}"}).encode())
         if closing:
             return
