@@ -978,6 +978,8 @@ def main(argv=None):
         run = train(prepared)  # a RewardFunctionError on any rank is shown once, by run_main (utils/errors.py)
     finally:
         prepared.trainer.rollout.close()
+        for teacher in prepared.engines.teachers.values():  # a teacher on its own vLLM worker ends with the run
+            getattr(teacher, "close", lambda: None)()
     print_rank0(f"[step3] {run.loop.step} PPO iterations in {run.train_s:.1f} s (evaluations {run.eval_s:.1f} s)")
     engines = prepared.engines
     saved = ["actor/"] + ["critic/"] * (engines.critic is not None) + ["actor_ema/"] * (engines.ema is not None)

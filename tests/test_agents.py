@@ -346,6 +346,8 @@ def agent_setup(model, critic, tmp, *extra):
     with open(tmp / "prompts.jsonl", "w") as f:
         for i, text in enumerate(AGENT_PROMPTS * 2):
             f.write(json.dumps({"prompt": [{"role": "user", "content": text}], "answer": str(i)}) + "\n")
+    estimator = extra[extra.index("--advantage_estimator") + 1] if "--advantage_estimator" in extra else "gae"
+    critic_flags = ["--critic_zero_stage", "0", "--critic_learning_rate", "0"] if estimator == "gae" else []
     args = parse_args(
         [
             "--actor_model_name_or_path",
@@ -360,12 +362,9 @@ def agent_setup(model, critic, tmp, *extra):
             str(tmp / "out"),
             "--actor_zero_stage",
             "0",
-            "--critic_zero_stage",
-            "0",
             "--actor_learning_rate",
             "0",
-            "--critic_learning_rate",
-            "0",
+            *critic_flags,  # a critic's flags only where there is one (refused otherwise: they would do nothing)
             "--max_prompt_seq_len",
             "40",
             "--max_answer_seq_len",

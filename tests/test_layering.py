@@ -39,7 +39,7 @@ ALLOWED = {
         "step3_ppo.rewards",
         "step3_ppo.plot",
     },
-    "step3_ppo.deepspeed_models": {"utils", "step3_ppo.algo"},
+    "step3_ppo.deepspeed_models": {"utils", "step3_ppo.algo", "step3_ppo.rollout"},  # a teacher's vLLM worker
     "step3_ppo.teachers": {"utils", "step3_ppo.algo"},
     "step3_ppo.trainer": {
         "utils",
