@@ -144,21 +144,18 @@ def build_engines(args, tokenizer, total_steps: int, reward_model_paths=()) -> E
     )
     actor = build_trained_engine(actor, actor_config, actor_spec, total_steps)
 
+    def frozen_lm(path: str, offload: bool):
+        """(a causal LM beside the actor, without dropout, and its inference config): the reference, the EMA, a
+        teacher; at the actor's ZeRO stage, or ZeRO-3 with its parameters in CPU memory when `offload`."""
+        config = eval_ds_config(args.actor_zero_stage, ranks, args.per_device_training_batch_size, args.dtype, offload)
+        model = load_causal_lm(
+            path, tokenizer, config, 0.0, args.trust_remote_code, attn_implementation=attn, load_in_4bit=quantized
+        )
+        return model, config
+
     ref = None
     if needs_reference(args):
-        ref_config = eval_ds_config(
-            args.actor_zero_stage, ranks, args.per_device_training_batch_size, args.dtype, args.offload_reference_model
-        )
-        ref = load_causal_lm(
-            args.actor_model_name_or_path,
-            tokenizer,
-            ref_config,
-            0.0,
-            args.trust_remote_code,
-            attn_implementation=attn,
-            load_in_4bit=quantized,
-        )
-        ref = build_frozen_engine(ref, ref_config)
+        ref = build_frozen_engine(*frozen_lm(args.actor_model_name_or_path, args.offload_reference_model))
 
     critic = None
     if needs_critic(args.advantage_estimator):
@@ -187,18 +184,7 @@ def build_engines(args, tokenizer, total_steps: int, reward_model_paths=()) -> E
 
     ema = None
     if args.enable_ema:
-        ema_config = eval_ds_config(
-            args.actor_zero_stage, ranks, args.per_device_training_batch_size, args.dtype, args.offload_reference_model
-        )
-        ema_model = load_causal_lm(
-            args.actor_model_name_or_path,
-            tokenizer,
-            ema_config,
-            0.0,
-            args.trust_remote_code,
-            attn_implementation=attn,
-            load_in_4bit=quantized,
-        )
+        ema_model, ema_config = frozen_lm(args.actor_model_name_or_path, args.offload_reference_model)
         if actor_spec.lora_dim > 0:  # same structure as the actor, so parameters pair up by name
             ema_model = add_lora(ema_model, actor_spec)
         ema = ActorEMA(initialize_engine(ema_model, ema_config))
@@ -210,17 +196,5 @@ def build_engines(args, tokenizer, total_steps: int, reward_model_paths=()) -> E
                 teacher.name, teacher.path, args.dtype, VLLMSettings.from_args(args), args.seed, args.trust_remote_code
             )
             continue
-        teacher_config = eval_ds_config(
-            args.actor_zero_stage, ranks, args.per_device_training_batch_size, args.dtype, args.offload_teacher_model
-        )
-        model = load_causal_lm(
-            teacher.path,
-            tokenizer,
-            teacher_config,
-            0.0,
-            args.trust_remote_code,
-            attn_implementation=attn,
-            load_in_4bit=quantized,
-        )
-        teachers[teacher.name] = build_frozen_engine(model, teacher_config)
+        teachers[teacher.name] = build_frozen_engine(*frozen_lm(teacher.path, args.offload_teacher_model))
     return Engines(actor=actor, ref=ref, critic=critic, rewards=rewards, ema=ema, teachers=teachers)

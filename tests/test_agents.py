@@ -781,7 +781,9 @@ def test_an_environment_that_exits_or_hangs_stops_the_rollout_in_one_line_or_fai
     limits = AgentLimits(max_turns=3, max_answer_seq_len=4, max_trajectory_len=200, max_observation_len=20)
     batch = prompt_batch(tokenizer, ["one two", "three"])
     settings = GenerationSettings(max_new_tokens=4)
-    agent = MultiTurn(tokenizer, limits, environment=env, env_timeout=0.5)
+    agent = MultiTurn(
+        tokenizer, limits, environment=env, env_timeout=0.5 if how == "hang" else 5.0
+    )  # a death is seen at once
     try:
         with pytest.raises(AgentError) as info:
             agent.rollout(RecordingEngine(model, stops, 0), batch, settings, 2, stops, 0)
