@@ -216,11 +216,17 @@ def check_teacher_column(examples, key: str, names: list[str]) -> None:
 
 
 def distill_sums(
-    signal: Tensor, teacher_logprobs: Tensor, loss_mask: Tensor, owners: list[str], names: list[str]
+    signal: Tensor,
+    teacher_logprobs: Tensor,
+    loss_mask: Tensor,
+    owners: list[str],
+    names: list[str],
+    agree: Tensor | None = None,
 ) -> dict:
     """This rank's sums for the distillation metrics (`distill_metrics`), from the sampled tokens' reverse KL
     and the teacher's log-probs [B, T] over the trained actions `loss_mask`: per token, per answer (each row's own
-    mean), and the teacher's log-prob of the student's tokens; per teacher too when there are several
+    mean), and the teacher's log-prob of the student's tokens; with `agree` [B, T] (1 where the student's and the
+    teacher's most likely tokens are the same) their top-1 agreement; per teacher too when there are several
     (`owners`: each row's teacher)."""
     groups = {"": torch.ones(len(owners), dtype=torch.bool)}
     if len(names) > 1:
@@ -236,14 +242,17 @@ def distill_sums(
         out[f"distill/{prefix}seq_signal_sum"] = per_row.sum().item()
         out[f"distill/{prefix}answers"] = int(answered.sum())
         out[f"distill/{prefix}teacher_logprob_sum"] = (teacher_logprobs[rows] * mask).sum().item()
+        if agree is not None:
+            out[f"distill/{prefix}top1_agree_sum"] = (agree[rows] * mask).sum().item()
     return out
 
 
 def distill_metrics(totals: dict, names: list[str], signal: str) -> dict:
     """The distillation metrics of an iteration over all ranks (none without a teacher): the sampled tokens'
     reverse KL to the teacher per token and per answer, and the teacher's mean log-prob of the student's tokens;
-    the same per teacher (`distill/<name>/...`) when there are several. The full-vocabulary signals log their loss
-    and the top-1 agreement from the training micro-batches (`loss/distill`, `distill/top1_agreement`)."""
+    the share of actions where the student's and the teacher's most likely tokens agree (an in-process teacher and
+    the old log-probs from a forward); the same per teacher (`distill/<name>/...`) when there are several. The
+    full-vocabulary signals log their loss from the training micro-batches (`loss/distill`)."""
     if not names:
         return {}
     out = {}
@@ -252,4 +261,6 @@ def distill_metrics(totals: dict, names: list[str], signal: str) -> dict:
         out[f"distill/{prefix}reverse_kl_sampled_token_mean"] = totals[f"distill/{prefix}signal_sum"] / tokens
         out[f"distill/{prefix}reverse_kl_sampled_seq_mean"] = totals[f"distill/{prefix}seq_signal_sum"] / answers
         out[f"distill/{prefix}teacher_logprob_mean"] = totals[f"distill/{prefix}teacher_logprob_sum"] / tokens
+        if f"distill/{prefix}top1_agree_sum" in totals:
+            out[f"distill/{prefix}top1_agreement"] = totals[f"distill/{prefix}top1_agree_sum"] / tokens
     return out

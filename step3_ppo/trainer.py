@@ -284,9 +284,12 @@ class PPOTrainer:
         return contextlib.nullcontext()
 
     @torch.no_grad()
-    def store_logprobs(self, rows: list[Row], engine, name: str, share_prompts: bool = False) -> None:
+    def store_logprobs(
+        self, rows: list[Row], engine, name: str, share_prompts: bool = False, top1: str | None = None
+    ) -> None:
         """One no-grad forward of a causal LM on the packed rows; per-action log-probs stored as `name`.
-        `share_prompts`: a group's prompt runs once (utils.models.forward.token_logprobs), for the reference."""
+        `share_prompts`: a group's prompt runs once (utils.models.forward.token_logprobs), for the reference;
+        `top1`: the model's most likely token at each action is stored as that too (the distillation metrics)."""
         batch = pack(rows, self.config.pad_token_id)
         with eval_mode(engine):
             if share_prompts:
@@ -298,7 +301,11 @@ class PPOTrainer:
                     chunk_tokens=self.config.logprob_chunk_tokens,
                 )
             else:
-                logprobs = self.logprobs_fn(engine, batch, self.config.generation.logprob_temperature)
+                extra = {"return_top1": True} if top1 else {}
+                logprobs = self.logprobs_fn(engine, batch, self.config.generation.logprob_temperature, **extra)
+        if top1:
+            logprobs, most_likely = logprobs
+            from_token_layout(rows, top1, most_likely, batch["prompt_len"])
         from_token_layout(rows, name, logprobs, batch["prompt_len"])
 
     def shares_prompts(self, engine) -> bool:
@@ -357,7 +364,8 @@ class PPOTrainer:
                         row.per_action["old_logprobs"] = row.per_action["rollout_logprobs"]
                 else:
                     with memory.phase("experience"):
-                        self.store_logprobs(rows, self.actor, "old_logprobs")
+                        top1 = "student_top1" if self.teachers else None  # the distillation's agreement metric
+                        self.store_logprobs(rows, self.actor, "old_logprobs", top1=top1)
                 generation_s, experience_s = generation_s + t1 - t0, experience_s + time.time() - t1
                 rows_per_batch.append(rows)
         if self.config.release_inference_cache:
@@ -371,11 +379,13 @@ class PPOTrainer:
             phases.append((self.critic, self.store_values))
         for name, teacher in self.teachers.items():  # every teacher on every row: a ZeRO-3 forward is a collective
             if isinstance(teacher, torch.nn.Module):  # a frozen engine
-                store = functools.partial(self.store_logprobs, engine=teacher, name=f"teacher/{name}")
+                store = functools.partial(
+                    self.store_logprobs, engine=teacher, name=f"teacher_logprobs/{name}", top1=f"teacher_top1/{name}"
+                )
                 phases.append((teacher, store))
             else:  # its own vLLM worker (--teacher_engine vllm): each rank sends its rows
                 temperature = self.config.generation.logprob_temperature
-                store = functools.partial(teacher.store, name=f"teacher/{name}", temperature=temperature)
+                store = functools.partial(teacher.store, name=f"teacher_logprobs/{name}", temperature=temperature)
                 phases.append((None, store))
         with memory.phase("experience"):
             for engine, store in phases:
@@ -389,8 +399,11 @@ class PPOTrainer:
         if self.teachers:  # each row keeps its own teacher's log-probs
             names = list(self.teachers)
             for row in (row for rows in rows_per_batch for row in rows):
-                scored = {name: row.per_action.pop(f"teacher/{name}") for name in names}
-                row.per_action["teacher_logprobs"] = scored[row_teacher(row.prompt, self.config.teacher_key, names)]
+                own = row_teacher(row.prompt, self.config.teacher_key, names)
+                for kind in ("logprobs", "top1"):  # a teacher on a vLLM worker gives no top-1
+                    scored = {name: row.per_action.pop(f"teacher_{kind}/{name}", None) for name in names}
+                    if scored[own] is not None:
+                        row.per_action[f"teacher_{kind}"] = scored[own]
         if self.config.release_inference_cache:
             accelerator.empty_cache()  # the gathered models' blocks, before training's
         experience_s += time.time() - t0
@@ -488,7 +501,11 @@ class PPOTrainer:
             if not self.distill.needs_logits:  # a dense per-token advantage, after the estimator's whitening
                 advantages = advantages - c.distill_coef * signal
             owners = [row_teacher(r.prompt, c.teacher_key, list(self.teachers)) for r in rows]
-            distilled = distill_sums(signal, teacher, loss_mask, owners, list(self.teachers))
+            agree = None  # the two models' most likely tokens, where both were read (an in-process teacher)
+            if all("student_top1" in r.per_action and "teacher_top1" in r.per_action for r in rows):
+                student, top = (to_token_layout(rows, name, p, length) for name in ("student_top1", "teacher_top1"))
+                agree = (student == top).float()
+            distilled = distill_sums(signal, teacher, loss_mask, owners, list(self.teachers), agree)
         for name, tensor in (("rewards", rewards), ("advantages", advantages), ("returns", returns), ("kl", kl)):
             from_token_layout(rows, name, tensor, p)
         explained = explained_variance(values, returns, loss_mask).item() if self.critic is not None else 0.0
@@ -598,10 +615,9 @@ class PPOTrainer:
                 old_logprobs=old["old_logprobs"],
             )
             policy = policy + self.kl_ctl.value * kl_loss
-        distill_loss, agreement = torch.zeros(()), None
-        if self.distill is not None and self.distill.needs_logits:
-            distill_loss, agreement = self.vocabulary_divergence(batch, loss_mask, agg)
-            policy = policy + c.distill_coef * distill_loss
+        vocabulary = self.distill is not None and self.distill.needs_logits
+        distill_loss = self.vocabulary_divergence(batch, loss_mask, agg) if vocabulary else torch.zeros(())
+        policy = policy + c.distill_coef * distill_loss
         loss, _ = step_normalised_loss({unit: policy}, counts, totals, steps, ranks)
         ptx_loss = torch.zeros(())
         if self.unsup_batches is not None:
@@ -619,11 +635,7 @@ class PPOTrainer:
             "ppo/approx_kl_old": actor_stats["approx_kl"].item(),
             "ppo/log_ratio_max_abs": actor_stats["log_ratio_max_abs"].item(),
             "ppo/entropy": masked_mean(entropy.detach(), loss_mask).item(),
-            **(
-                {"loss/distill": distill_loss.item() * share, "distill/top1_agreement": agreement}
-                if agreement is not None
-                else {}
-            ),
+            **({"loss/distill": distill_loss.item() * share} if vocabulary else {}),
         }  # nats per trained token
         if self.critic is not None:
             critic_mask = loss_mask.to(model_device(self.critic))
@@ -640,11 +652,11 @@ class PPOTrainer:
             stats.update({"loss/critic": logged, "value/clipfrac": critic_stats["value_clipfrac"].item()})
         return stats
 
-    def vocabulary_divergence(self, batch: dict, loss_mask: torch.Tensor, agg: dict) -> tuple[torch.Tensor, float]:
+    def vocabulary_divergence(self, batch: dict, loss_mask: torch.Tensor, agg: dict) -> torch.Tensor:
         """The full-vocabulary distillation signal (--distill_signal reverse_kl, forward_kl or jsd) of the
-        mini-batch's trained actions against the (one) teacher, aggregated as the policy loss is, and the top-1
-        agreement of the two models there. The student's LM-head inputs keep their gradient; the teacher runs
-        without one; the vocabulary goes through both heads a chunk of positions at a time."""
+        mini-batch's trained actions against the (one) teacher, aggregated as the policy loss is. The student's
+        LM-head inputs keep their gradient; the teacher runs without one; the vocabulary goes through both heads a
+        chunk of positions at a time."""
         c = self.config
         (teacher,) = self.teachers.values()
         chunk, temperature = c.logprob_chunk_tokens, c.generation.logprob_temperature
@@ -653,21 +665,20 @@ class PPOTrainer:
             teacher_hidden, teacher_head = action_head_inputs(teacher, batch, loss_mask, chunk)
         count = head_chunk_count([student_head, teacher_head], student_hidden.shape[0], chunk)
         options = {"beta": c.distill_jsd_beta} if "beta" in self.distill.options else {}
-        values, agree = chunked_signal(
+        values = chunked_signal(
             c.distill_signal,
             student_hidden,
             student_head,
             (teacher_hidden, teacher_head),
             chunk,
             temperature,
-            agreement=True,
             min_chunks=count,
             **options,
         )
         per_token = torch.zeros(loss_mask.shape, dtype=values.dtype, device=values.device)
         per_token = per_token.masked_scatter(loss_mask.to(values.device).bool(), values)
         loss = aggregate(per_token, loss_mask.to(values.device), agg["loss_agg"], agg["agg_constant"])
-        return loss, agree.mean().item() if agree.numel() else 0.0
+        return loss
 
     def backward(self, engine, loss, boundary: bool, replay_rows: list[Row] | None) -> bool:
         """`loss`'s backward and step on `engine` when it is finite on every rank (else the bad-step guard

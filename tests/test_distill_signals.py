@@ -370,3 +370,23 @@ def test_large_vocabulary_and_large_logits_stay_finite():
         values.sum().backward()
         assert values.dtype == torch.float32 and torch.isfinite(values).all() and (values >= 0).all(), name
         assert torch.isfinite(student.grad.float()).all(), name
+
+
+def test_the_agreement_and_sums_behind_the_metrics():
+    """distill_sums / distill_metrics by hand: two rows, one teacher each (two teachers)."""
+    from step3_ppo.teachers import distill_metrics, distill_sums
+
+    signal = torch.tensor([[0.5, 1.0, 0.0], [2.0, 0.0, 0.0]])
+    teacher = torch.tensor([[-1.0, -2.0, 0.0], [-4.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    agree = torch.tensor([[1.0, 0.0, 1.0], [1.0, 1.0, 1.0]])
+    sums = distill_sums(signal, teacher, mask, ["a", "b"], ["a", "b"], agree)
+    assert sums["distill/signal_sum"] == 3.5 and sums["distill/tokens"] == 3
+    assert sums["distill/seq_signal_sum"] == 0.75 + 2.0 and sums["distill/answers"] == 2
+    assert sums["distill/a/top1_agree_sum"] == 1.0 and sums["distill/b/top1_agree_sum"] == 1.0
+    metrics = distill_metrics(sums, ["a", "b"], "reverse_kl_sampled")
+    assert metrics["distill/reverse_kl_sampled_token_mean"] == pytest.approx(3.5 / 3)
+    assert metrics["distill/reverse_kl_sampled_seq_mean"] == pytest.approx(2.75 / 2)
+    assert metrics["distill/teacher_logprob_mean"] == pytest.approx(-7.0 / 3)
+    assert metrics["distill/top1_agreement"] == pytest.approx(2 / 3) and metrics["distill/a/top1_agreement"] == 0.5
+    assert distill_metrics(sums, [], "reverse_kl_sampled") == {}

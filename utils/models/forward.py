@@ -314,6 +314,7 @@ def token_logprobs(
     share_prompts: bool = False,
     chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
     padding_free: bool = False,
+    return_top1: bool = False,
 ):
     """log p(token i+1 | prefix) [B, L-1] fp32 of a packed batch (utils.math.rows.pack: input_ids,
     attention_mask, prompt_len, ...), in the layout of utils/math/ops.py; optionally with the per-token entropy,
@@ -338,6 +339,9 @@ def token_logprobs(
     `padding_free` (`--padding_free`; not with `share_prompts`, which keeps its padded prefix cache): the batch's
     real tokens run as one sequence (packed_forward) and only the response positions go through the head; the
     other positions hold 0.
+
+    `return_top1`: also the model's most likely token at each position (its argmax, a float tensor, last), read
+    from the same logits: the distillation metrics compare a student's with its teacher's.
     """
     input_ids = batch["input_ids"]
     skipped = max(int(batch.get("prompt_len", 1)) - 1, 0)  # positions before the first prediction of a response token
@@ -347,16 +351,18 @@ def token_logprobs(
     def reduce(logits: Tensor, targets: Tensor):
         if temperature != 1.0:
             logits = logits / temperature
-        logprobs = logprobs_from_logits(logits, targets)
-        if not return_entropy:
-            return logprobs
-        return logprobs, entropy_from_logits(logits if entropy_grad else logits.detach())
+        out = (logprobs_from_logits(logits, targets),)
+        if return_entropy:
+            out += (entropy_from_logits(logits if entropy_grad else logits.detach()),)
+        if return_top1:
+            out += (logits.detach().argmax(dim=-1).float(),)
+        return out if len(out) > 1 else out[0]
 
     if padding_free and not share_prompts:
         keep = torch.zeros(labels.shape[0], input_ids.shape[1] - 1, dtype=torch.bool)
         keep[:, skipped:] = True
         out = _packed_token_outputs(model, batch, input_ids[:, 1:], chunk_tokens, reduce, keep)
-        return out if return_entropy else out[0]
+        return out if len(out) > 1 else out[0]
     head = chunks_head(model, chunk_tokens)
     if head is not None:
         # every kept position, the last one's (which predicts nothing) dropped after: one chunk then runs the
@@ -368,7 +374,7 @@ def token_logprobs(
         out = reduce(causal_lm_logits(model, input_ids, batch["attention_mask"], keep, shared)[:, :-1], labels)
         out = out if isinstance(out, tuple) else (out,)
     out = tuple(_front_pad(t, skipped) for t in out)
-    return out if return_entropy else out[0]
+    return out if len(out) > 1 else out[0]
 
 
 def _front_pad(per_token: Tensor, n: int) -> Tensor:
