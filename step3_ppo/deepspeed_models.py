@@ -30,8 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from step3_ppo.algo.advantages import needs_critic
-from step3_ppo.rollout.vllm_engine import VLLMSettings
-from step3_ppo.rollout.vllm_teacher import VLLMTeacher
+from step3_ppo.rollout.engines import ROLLOUT_ENGINES
 from utils.models.loading import ModelFlagError, check_4bit_args, four_bit_loading, load_causal_lm
 from utils.models.reward_model import RewardModel
 from utils.runtime.distributed import is_rank0, world_size
@@ -191,10 +190,9 @@ def build_engines(args, tokenizer, total_steps: int, reward_model_paths=()) -> E
         ema.engine.eval()
     teachers = {}
     for teacher in getattr(args, "teachers", []):  # frozen like the reference, scored on the student's tokens
-        if getattr(args, "teacher_engine", "hf") == "vllm":  # its worker loads the weights itself, in --dtype
-            teachers[teacher.name] = VLLMTeacher(
-                teacher.name, teacher.path, args.dtype, VLLMSettings.from_args(args), args.seed, args.trust_remote_code
-            )
-            continue
-        teachers[teacher.name] = build_frozen_engine(*frozen_lm(teacher.path, args.offload_teacher_model))
+        serve = ROLLOUT_ENGINES[getattr(args, "teacher_engine", "hf")].teacher
+        if serve is not None:  # a worker of the engine's own (--teacher_engine)
+            teachers[teacher.name] = serve(teacher, args)
+        else:
+            teachers[teacher.name] = build_frozen_engine(*frozen_lm(teacher.path, args.offload_teacher_model))
     return Engines(actor=actor, ref=ref, critic=critic, rewards=rewards, ema=ema, teachers=teachers)

@@ -19,8 +19,8 @@ Only the policy's own tokens get a signal: the loss mask leaves out an environme
 the loss drops. With several teachers, the data column `--teacher_key` names each prompt's teacher (a row without it
 goes to the first); every teacher scores every row (a forward under ZeRO-3 is a collective every rank must make), and
 each row keeps its own teacher's scores. A teacher must share the student's tokenizer: a different vocabulary stops
-the run (cross-tokenizer distillation is not supported). With `--teacher_engine vllm` each teacher is served by its own
-vLLM worker instead (step3_ppo/rollout/vllm_teacher.py): reverse_kl_sampled only, at temperature 1.
+the run (cross-tokenizer distillation is not supported). A rollout engine that can serve a teacher (its registry entry's
+`teacher`, step3_ppo/rollout/engines.py) scores the rows in a worker of its own instead (`--teacher_engine`).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from step3_ppo.algo.distill import DISTILL_SIGNALS
+from step3_ppo.rollout.engines import ROLLOUT_ENGINES
 from utils.cli import Number
 from utils.models.loading import check_model_path, load_tokenizer
 from utils.train.flags import fail, refuse_unread
@@ -96,11 +97,15 @@ def add_teacher_args(parser) -> None:
     )
     g.add_argument(
         "--teacher_engine",
-        choices=["hf", "vllm"],
+        choices=["hf", *[name for name, entry in ROLLOUT_ENGINES.items() if entry.teacher is not None]],
         default="hf",
-        help="hf: each teacher a frozen DeepSpeed engine in the trainer; vllm: each on its own vLLM worker that "
-        "scores the sampled tokens (with --rollout_engine vllm, reverse_kl_sampled, temperature 1)",
+        help="what scores the student's tokens: hf, each teacher a frozen DeepSpeed engine in the trainer; "
+        + "; ".join(f"{name}, {entry.teacher_help}" for name, entry in ROLLOUT_ENGINES.items() if entry.teacher),
     )
+
+
+def served_by() -> str:
+    return ", ".join(name for name, entry in ROLLOUT_ENGINES.items() if entry.teacher is not None)
 
 
 def parse_teachers(values: list[str]) -> list[Teacher]:
@@ -139,8 +144,11 @@ def check_teacher_args(args) -> None:
             f"--distill_signal {args.distill_signal} runs the teacher in every training micro-batch: it takes one "
             f"teacher (reverse_kl_sampled takes several)"
         )
-    if args.teacher_engine == "vllm":
-        check_vllm_teacher_args(args)
+    serving = ROLLOUT_ENGINES[args.teacher_engine]
+    if serving.teacher is None and args.teacher_engine != "hf":
+        fail(f"--teacher_engine {args.teacher_engine} cannot serve a teacher (engines that can: hf, {served_by()})")
+    if serving.check_teacher is not None:
+        serving.check_teacher(args)
     if signal.needs_logits and args.padding_free:
         fail(
             f"--distill_signal {args.distill_signal} reads the padded layout's hidden states: leave --padding_free out"
@@ -158,29 +166,6 @@ def check_teacher_args(args) -> None:
                 f"[step3] teacher {teacher.name!r} is the actor's own starting model ({teacher.path}): {start} the "
                 f"distillation signal starts at 0 and holds the student near it"
             )
-
-
-def check_vllm_teacher_args(args) -> None:
-    """`--teacher_engine vllm`: its worker runs as the rollout's does (the same interpreter and `--vllm_*` set-up),
-    gives the sampled tokens' log-probs only (not the hidden states a full-vocabulary signal reads in training),
-    at temperature 1 only (vLLM's prompt log-probs skip the sampler's temperature), and holds its own weights."""
-    if args.rollout_engine != "vllm":
-        fail(
-            "--teacher_engine vllm runs the teacher on a vLLM worker set up as the rollout's: it needs "
-            "--rollout_engine vllm"
-        )
-    if args.distill_signal != "reverse_kl_sampled":
-        fail(
-            f"--teacher_engine vllm gives the sampled tokens' log-probs only: --distill_signal {args.distill_signal} "
-            f"needs the teacher's hidden states in training (use reverse_kl_sampled, or --teacher_engine hf)"
-        )
-    temperature = args.temperature if args.do_sample else 1.0
-    if temperature != 1.0:
-        fail(
-            f"--teacher_engine vllm scores at temperature 1 only (vLLM's prompt log-probs skip the temperature): "
-            f"--temperature {temperature} (use --teacher_engine hf)"
-        )
-    refuse_unread(args, ["offload_teacher_model"], "with --teacher_engine vllm (the worker holds the teacher)")
 
 
 def check_same_tokenizer(args, student_tokenizer) -> None:

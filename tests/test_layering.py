@@ -39,8 +39,8 @@ ALLOWED = {
         "step3_ppo.rewards",
         "step3_ppo.plot",
     },
-    "step3_ppo.deepspeed_models": {"utils", "step3_ppo.algo", "step3_ppo.rollout"},  # a teacher's vLLM worker
-    "step3_ppo.teachers": {"utils", "step3_ppo.algo"},
+    "step3_ppo.deepspeed_models": {"utils", "step3_ppo.algo", "step3_ppo.rollout"},  # rollout: a served teacher
+    "step3_ppo.teachers": {"utils", "step3_ppo.algo", "step3_ppo.rollout"},  # rollout: engines that serve one
     "step3_ppo.trainer": {
         "utils",
         "step3_ppo.algo",

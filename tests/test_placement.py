@@ -115,8 +115,8 @@ MODEL_METHODS = {"generate", "forward"}
 # the engine places its inputs itself (ActorGenerate through step3_ppo.rollout.hybrid.generate -> utils.models.forward,
 # whose own call is checked here); so does the multi-turn rollout's generate_turn (step3_ppo/agents/loop.py), the same
 # engine turn by turn, and bench/vllm_engine.py's worker, which times both engines. The vLLM worker's generate
-# is vLLM's own `LLM.generate` on token-id lists (vLLM places them on its device). Each exception is one named
-# function, never a whole file or folder.
+# and score (a served teacher's prompt log-probs) are vLLM's own `LLM.generate` on token-id lists (vLLM places them
+# on its device). Each exception is one named function, never a whole file or folder.
 ALLOWED = {
     ("utils/models/forward.py", "*"),
     ("utils/models/reward_model.py", "forward"),
@@ -124,6 +124,7 @@ ALLOWED = {
     ("step3_ppo/trainer.py", "generate_rows"),
     ("step3_ppo/agents/loop.py", "generate_turn"),
     ("step3_ppo/rollout/vllm_worker.py", "generate"),
+    ("step3_ppo/rollout/vllm_worker.py", "score"),
     ("bench/vllm_engine.py", "worker"),
 }
 

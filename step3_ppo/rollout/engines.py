@@ -29,6 +29,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from step3_ppo.rollout import vllm_teacher
 from step3_ppo.rollout.hybrid import generate
 from step3_ppo.rollout.vllm_engine import VLLMRollout, VLLMSettings, add_vllm_args, check_vllm_args
 from utils.models.forward import GenerationSettings, generation_kwargs
@@ -103,6 +104,9 @@ class RolloutEngineEntry:
     prefetch: bool = False  # offers prefetch(ids, mask, settings, logprobs): --async_rollout
     check_args: Callable | None = None
     settings: Callable | None = None
+    teacher: Callable | None = None  # (Teacher, args) -> a client whose store(rows, name, temperature) scores them
+    check_teacher: Callable | None = None  # stops the run on a setting a teacher on this engine cannot serve
+    teacher_help: str = ""  # what `--teacher_engine NAME` does
 
 
 def check_engine_args(args) -> None:
@@ -148,5 +152,9 @@ ROLLOUT_ENGINES: dict[str, RolloutEngineEntry] = {
         prefetch=True,
         check_args=check_vllm_args,
         settings=VLLMSettings.from_args,
+        teacher=vllm_teacher.build_teacher,
+        check_teacher=vllm_teacher.check_teacher_args,
+        teacher_help="each teacher on its own vLLM worker that scores the sampled tokens (with --rollout_engine "
+        "vllm, reverse_kl_sampled, temperature 1)",
     ),
 }

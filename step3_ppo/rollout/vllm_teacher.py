@@ -8,8 +8,8 @@ sequence prompt + answer, the answer's part kept. The trainer's teacher phase ca
 `row.per_action[name]` as PPOTrainer.store_logprobs does for a teacher engine: one fp32 value per response token.
 
 vLLM 0.32 computes prompt log-probs from the raw logits (the sampler's processing, temperature included, is for
-sampled tokens only), so a teacher on vLLM scores at temperature 1: step3_ppo/teachers.py refuses a run that
-samples at another. The full-vocabulary signals need the teacher's hidden states in training, which a worker does
+sampled tokens only), so a teacher on vLLM scores at temperature 1: `check_teacher_args` refuses a run that samples
+at another. The full-vocabulary signals need the teacher's hidden states in training, which a worker does
 not give: only `--distill_signal reverse_kl_sampled` takes it.
 """
 
@@ -20,6 +20,7 @@ from transformers import AutoConfig
 
 from step3_ppo.rollout.vllm_engine import NodeWorker, VLLMSettings
 from utils.math.rows import Row
+from utils.train.flags import fail, refuse_unread
 
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # --dtype as the worker's --dtype
 
@@ -75,3 +76,33 @@ class VLLMTeacher(NodeWorker):
         scored = self._call(request, "scoring")["logprobs"]
         for row, values in zip(rows, scored):
             row.per_action[name] = torch.tensor(values, dtype=torch.float32).reshape(row.response_ids.numel())
+
+
+def check_teacher_args(args) -> None:
+    """`--teacher_engine vllm`: its worker runs as the rollout's does (the same interpreter and `--vllm_*` set-up),
+    gives the sampled tokens' log-probs only (not the hidden states a full-vocabulary signal reads in training),
+    at temperature 1 only (vLLM's prompt log-probs skip the sampler's temperature), and holds its own weights."""
+    if args.rollout_engine != "vllm":
+        fail(
+            "--teacher_engine vllm runs the teacher on a vLLM worker set up as the rollout's: it needs "
+            "--rollout_engine vllm"
+        )
+    if args.distill_signal != "reverse_kl_sampled":
+        fail(
+            f"--teacher_engine vllm gives the sampled tokens' log-probs only: --distill_signal {args.distill_signal} "
+            f"needs the teacher's hidden states in training (use reverse_kl_sampled, or --teacher_engine hf)"
+        )
+    temperature = args.temperature if args.do_sample else 1.0
+    if temperature != 1.0:
+        fail(
+            f"--teacher_engine vllm scores at temperature 1 only (vLLM's prompt log-probs skip the temperature): "
+            f"--temperature {temperature} (use --teacher_engine hf)"
+        )
+    refuse_unread(args, ["offload_teacher_model"], "with --teacher_engine vllm (the worker holds the teacher)")
+
+
+def build_teacher(teacher, args) -> VLLMTeacher:
+    """The client of `teacher` (a step3_ppo.teachers.Teacher): its worker loads the weights itself, in --dtype."""
+    return VLLMTeacher(
+        teacher.name, teacher.path, args.dtype, VLLMSettings.from_args(args), args.seed, args.trust_remote_code
+    )
