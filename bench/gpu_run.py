@@ -10,12 +10,13 @@ In priority order (later runs are skipped, and the report says so, when --budget
                scripts/step{1_sft,2_reward,3_ppo}/run_single_gpu.sh as they are (LoRA, bf16, gradient
                checkpointing; step 3 with the frozen reference and reward model offloaded),
                scripts/step2_dpo/run_single_gpu.sh (LoRA, the reference = adapters off) and
-               scripts/step3_ppo/run_grpo_single_gpu.sh (GRPO on the arithmetic task), the same script as
-               on-policy distillation alone (the model as its own teacher; reverse_kl_sampled, reverse_kl), then the
+               scripts/step3_ppo/run_grpo_single_gpu.sh (GRPO on the arithmetic task), then the
                GRPO script again with the vLLM worker as its rollout engine (where vLLM is installed:
                GPU_VLLM_PYTHON), then the generation benchmark (bench/generation.py's worker on one rank:
                unsharded limit, plain ZeRO-3, hybrid; tokens/s), then step 1's training tokens/s and MFU
-               (bench/sft_throughput.py's figures: 32 rows x 1024 tokens, bf16, 1 rank)
+               (bench/sft_throughput.py's figures: 32 rows x 1024 tokens, bf16, 1 rank), then the GRPO
+               script as on-policy distillation alone (the model as its own teacher; reverse_kl_sampled,
+               reverse_kl), beside the GRPO row
 On CPU the same list runs on the tiny model (the run_single_gpu.sh scripts and the generation
 benchmark included), so every part of the script is exercised before GPU minutes are spent.
 Every run is the real entry point in its own process; its figures come from its metrics.jsonl:
@@ -291,11 +292,6 @@ def runs(models: dict, data: str, work: str, mode: str) -> list[dict]:
             env={**script_env, "MODEL": g("gpu1"), "DATA": os.path.join(data, "pairs")},
         ),
         grpo_single_gpu(big, model, g, "gpu_grpo", "(GRPO, math_exact, no critic)"),
-        # on-policy distillation alone on the same rollout shape (bench/distill.py's arms on one GPU, the GRPO
-        # preset's bigger batch): the model as its own teacher (the cost is a teacher's), no reward weight, no
-        # reference; its s/iteration and peak memory against the GRPO row above (same sitting)
-        distill_single_gpu(big, model, g, "reverse_kl_sampled"),
-        distill_single_gpu(big, model, g, "reverse_kl"),
         # the same rollout with padding-free training forwards and token-budget micro-batches: its s/iteration and
         # tokens/padding_fraction against the row above (same sitting)
         grpo_single_gpu(
@@ -340,6 +336,12 @@ def runs(models: dict, data: str, work: str, mode: str) -> list[dict]:
             ],
         ),
         sft_throughput(big, model, g, data, mode),
+        # last (the first to go when the budget is spent): on-policy distillation alone on the GRPO row's rollout
+        # shape (bench/distill.py's arms on one GPU, with the GPU preset's bigger batch): the model as its own
+        # teacher (a teacher's cost), no reward weight, no reference; s/iteration and peak memory per phase against
+        # the GRPO row (same sitting)
+        distill_single_gpu(big, model, g, "reverse_kl_sampled"),
+        distill_single_gpu(big, model, g, "reverse_kl"),
     ]
     return out
 
