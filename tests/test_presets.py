@@ -107,6 +107,7 @@ def test_each_preset_parses_and_passes_its_entry_points_checks(preset, run_input
 
 # every input given (no model is made); multi_node: this node only (no_ssh), so the stub launcher is the one called
 SCRIPT_ENV = {"MODEL": "/m", "ACTOR": "/a", "CRITIC": "/c", "DATA": "/d", "MASTER_PORT": "12345", "NUM_RANKS": "1"}
+SCRIPT_ENV["TEACHER"] = "/t"
 SCRIPT_ENV.update(MULTI_NODE_MODE="no_ssh", NODE_RANK="0", MASTER_ADDR="127.0.0.1")
 
 
@@ -132,7 +133,7 @@ def required_of(argv: list[str]) -> list[str]:
         if argv[i] in names:
             kept += argv[i : i + 2]
             i += 2
-        elif argv[i] == "--data_path":
+        elif argv[i] in ("--data_path", "--teacher_model_name_or_path"):  # one or several paths
             j = i + 1
             while j < len(argv) and not argv[j].startswith("--"):
                 j += 1

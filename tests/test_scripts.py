@@ -28,6 +28,7 @@ SCRIPT_ENV = (
     "MODEL",
     "ACTOR",
     "CRITIC",
+    "TEACHER",
     "DATA",
     "NUM_RANKS",
     "MAX_STEPS",
@@ -58,11 +59,12 @@ GRPO_KINDS = ("cpu", "single_gpu", "single_node")
 
 
 def test_the_run_scripts_are_there():
-    """Four per step, plus step 3's critic-free GRPO variants and the tool-use demo's step 3."""
+    """Four per step, plus step 3's critic-free GRPO variants, the tool-use demo's step 3 and the distillation
+    demo's."""
     assert SCRIPTS == sorted(
         [f"scripts/{d}/run_{k}.sh" for d in STEP_DIRS for k in KINDS]
         + [f"scripts/step3_ppo/run_grpo_{k}.sh" for k in GRPO_KINDS]
-        + ["scripts/step3_ppo/run_tools_cpu.sh"]
+        + ["scripts/step3_ppo/run_tools_cpu.sh", "scripts/step3_ppo/run_distill_cpu.sh"]
     )
 
 
@@ -77,8 +79,9 @@ def test_run_script_is_one_launch_step_call(script):
     text = read(script)
     code = code_lines(text)
     step_dir, name = script.split("/")[1:]
-    grpo, tools = name.startswith("run_grpo_"), name.startswith("run_tools_")
-    kind = name[len("run_grpo_" if grpo else "run_tools_" if tools else "run_") : -len(".sh")]
+    grpo, tools = name.startswith(("run_grpo_", "run_distill_")), name.startswith("run_tools_")  # arithmetic: both
+    prefix = next((p for p in ("run_grpo_", "run_distill_", "run_tools_") if name.startswith(p)), "run_")
+    kind = name[len(prefix) : -len(".sh")]
     assert text.startswith("#!/usr/bin/env bash\n# Step ")
     assert "# usage: " in text and "# env: " in text
     assert 'source "$(dirname "$0")/../common.sh"' in code
@@ -108,12 +111,12 @@ def script_preset(script: str) -> str:
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_data_split_convention(script):
-    """data/demo/sft feeds step 1 only (10,0,0); steps 2 and 3 share data/demo/pairs (0,5,5); the GRPO and
-    tools scripts' prompt rows are all step 3's (0,0,1). The split is the script's preset's, not its own flag."""
+    """data/demo/sft feeds step 1 only (10,0,0); steps 2 and 3 share data/demo/pairs (0,5,5); the GRPO, tools and
+    distillation scripts' prompt rows are all step 3's (0,0,1). The split is the script's preset's, not its own flag."""
     assert "--data_split" not in code_lines(read(script))
     with open(os.path.join(ROOT, script_preset(script))) as f:
         split = yaml.safe_load(f)["data_split"]
-    step3_only = "/run_grpo_" in script or "/run_tools_" in script
+    step3_only = any(f"/run_{kind}_" in script for kind in ("grpo", "tools", "distill"))
     assert split == ("0,0,1" if step3_only else "10,0,0" if "/step1_sft/" in script else "0,5,5")
 
 
