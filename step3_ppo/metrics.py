@@ -156,7 +156,8 @@ def rollout_metrics(totals: dict, logprob_diff_max: float, correction: str) -> d
 
 def agent_metrics(totals: dict, agent: bool) -> dict:
     """Multi-turn rollouts: per trajectory the turns, tool calls, errors and tokens; the rates of calling a tool
-    and of a call failing; the counts of tool errors, truncated trajectories and failed environments."""
+    and of a call failing; the counts of tool errors, of calls past --max_tool_calls_per_turn (not run), truncated
+    trajectories and failed environments."""
     if not agent:
         return {}
     n = totals["rows"]
@@ -166,7 +167,10 @@ def agent_metrics(totals: dict, agent: bool) -> dict:
             for name in ("turns", "tool_calls", "tool_errors", "env_tokens", "action_tokens")
         },
         **agent_rates(totals, "rollout/"),
-        **{f"rollout/{name}": totals[f"agent/{name}_sum"] for name in ("tool_errors", "truncated", "env_failures")},
+        **{
+            f"rollout/{name}": totals[f"agent/{name}_sum"]
+            for name in ("tool_errors", "tool_calls_dropped", "truncated", "env_failures")
+        },
     }
 
 

@@ -288,6 +288,23 @@ def test_a_malformed_tool_call_is_an_observation_and_a_failed_call_in_the_loop(c
     assert sums["agent/tool_errors_sum"] == 1 and agent_rates(sums, "rollout/")["rollout/tool_error_rate"] == 1.0
 
 
+def test_calls_past_the_cap_are_counted_as_dropped_in_the_loop(chat_model):
+    """Three calls in one message with a cap of 1: two are not run, counted as errors and as dropped."""
+    from step3_ppo.agents.loop import agent_sums
+    from step3_ppo.agents.tools import Toolbox, load_tools
+
+    tokenizer, _ = chat_model
+    call = '<tool_call>{"name": "calculator", "arguments": {"expression": "1 + 1"}}</tool_call>'
+    engine = ScriptedEngine(tokenizer, [call * 3, "The answer is 2."])
+    limits = AgentLimits(max_turns=3, max_answer_seq_len=120, max_trajectory_len=30_000, max_observation_len=80)
+    with Toolbox(load_tools(["calculator"]), timeout=10, max_calls=1) as toolbox:
+        agent = MultiTurn(tokenizer, limits, toolbox=toolbox)
+        stops = stop_token_ids(tokenizer, chat=True)
+        (row,) = agent.rollout(engine, prompt_batch(tokenizer, ["1 + 1?"]), GenerationSettings(120), 1, stops, 0)
+    assert (row.agent["tool_calls"], row.agent["tool_errors"], row.agent["tool_calls_dropped"]) == (3, 2, 2)
+    assert agent_sums([row])["agent/tool_calls_dropped_sum"] == 2
+
+
 def test_tools_are_offered_in_the_system_message_of_a_template_without_tools(chat_model):
     from step3_ppo.agents.loop import prompts_with_tools
     from step3_ppo.agents.tools import load_tools

@@ -67,6 +67,7 @@ AGENT = {
     "rollout/tool_call_rate",
     "rollout/tool_error_rate",
     "rollout/tool_errors",
+    "rollout/tool_calls_dropped",
     "rollout/truncated",
     "rollout/env_failures",
     "time/env_s",
@@ -277,6 +278,7 @@ def test_agent_means_rates_and_counts():
         "agent/tool_calls_sum": 4,
         "agent/calling_sum": 2,
         "agent/tool_errors_sum": 1,
+        "agent/tool_calls_dropped_sum": 0,
         "agent/env_tokens_sum": 20,
         "agent/action_tokens_sum": 12,
         "agent/truncated_sum": 1,
@@ -291,6 +293,7 @@ def test_agent_means_rates_and_counts():
         "rollout/tool_call_rate": 0.5,
         "rollout/tool_error_rate": 0.25,
         "rollout/tool_errors": 1,
+        "rollout/tool_calls_dropped": 0,
         "rollout/truncated": 1,
         "rollout/env_failures": 0,
     }

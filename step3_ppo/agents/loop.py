@@ -178,6 +178,7 @@ class Trajectory:
     turns: int = 0
     tool_calls: int = 0
     tool_errors: int = 0
+    tool_calls_dropped: int = 0  # calls past --max_tool_calls_per_turn, not run (counted among the errors too)
     turns_cut: int = 0  # turns that reached max_answer_seq_len
     observations_cut: int = 0
     truncated: bool = False  # the trajectory reached --max_trajectory_len
@@ -192,7 +193,12 @@ class Trajectory:
         self.logprobs += logprobs if logprobs is not None else [0.0] * len(ids)
 
     def counters(self) -> dict:
-        return {"turns": self.turns, "tool_calls": self.tool_calls, "tool_errors": self.tool_errors}
+        return {
+            "turns": self.turns,
+            "tool_calls": self.tool_calls,
+            "tool_errors": self.tool_errors,
+            "tool_calls_dropped": self.tool_calls_dropped,
+        }
 
 
 class MultiTurn:
@@ -343,6 +349,7 @@ class MultiTurn:
             self.env_s += time.time() - t0
             t.tool_calls += outcome.calls
             t.tool_errors += outcome.errors
+            t.tool_calls_dropped += outcome.dropped
             if outcome.messages:
                 return outcome.messages
         reply = self.step_environment(t, message)
@@ -417,6 +424,7 @@ def agent_sums(rows: list[Row]) -> dict:
         "agent/tool_calls_sum": sum(a["tool_calls"] for a in agents),
         "agent/calling_sum": sum(a["tool_calls"] > 0 for a in agents),  # trajectories with a tool call
         "agent/tool_errors_sum": sum(a["tool_errors"] for a in agents),
+        "agent/tool_calls_dropped_sum": sum(a.get("tool_calls_dropped", 0) for a in agents),
         "agent/env_tokens_sum": sum(a["env_tokens"] for a in agents),
         "agent/action_tokens_sum": sum(r.action_count for r in rows),
         "agent/truncated_sum": sum(a["truncated"] for a in agents),
