@@ -54,9 +54,10 @@ from utils.models.export import is_zero3
 from utils.models.forward import (
     LOGPROB_CHUNK_TOKENS,
     GenerationSettings,
-    action_head_inputs,
+    HeadInput,
     eval_mode,
     head_chunk_count,
+    head_input,
     lm_nll,
     model_device,
     to_device,
@@ -588,8 +589,14 @@ class PPOTrainer:
         unit = "tokens" if self.loss_agg == "token_mean" else "sequences"
         steps, ranks = self.actor.gradient_accumulation_steps(), world_size()
 
-        logprobs, entropy = self.logprobs_fn(
-            self.actor, batch, c.generation.logprob_temperature, return_entropy=True, entropy_grad=c.entropy_coef != 0
+        vocabulary = self.distill is not None and self.distill.needs_logits  # the student's head input: kept
+        logprobs, entropy, *student = self.logprobs_fn(
+            self.actor,
+            batch,
+            c.generation.logprob_temperature,
+            return_entropy=True,
+            entropy_grad=c.entropy_coef != 0,
+            **({"return_head_input": True} if vocabulary else {}),
         )
         actor_loss, actor_stats = self.policy_loss.fn(
             logprobs,
@@ -615,8 +622,7 @@ class PPOTrainer:
                 old_logprobs=old["old_logprobs"],
             )
             policy = policy + self.kl_ctl.value * kl_loss
-        vocabulary = self.distill is not None and self.distill.needs_logits
-        distill_loss = self.vocabulary_divergence(batch, loss_mask, agg) if vocabulary else torch.zeros(())
+        distill_loss = self.vocabulary_divergence(batch, loss_mask, agg, *student) if vocabulary else torch.zeros(())
         policy = policy + c.distill_coef * distill_loss
         loss, _ = step_normalised_loss({unit: policy}, counts, totals, steps, ranks)
         ptx_loss = torch.zeros(())
@@ -652,17 +658,21 @@ class PPOTrainer:
             stats.update({"loss/critic": logged, "value/clipfrac": critic_stats["value_clipfrac"].item()})
         return stats
 
-    def vocabulary_divergence(self, batch: dict, loss_mask: torch.Tensor, agg: dict) -> torch.Tensor:
+    def vocabulary_divergence(
+        self, batch: dict, loss_mask: torch.Tensor, agg: dict, student: HeadInput
+    ) -> torch.Tensor:
         """The full-vocabulary distillation signal (--distill_signal reverse_kl, forward_kl or jsd) of the
-        mini-batch's trained actions against the (one) teacher, aggregated as the policy loss is. The student's
-        LM-head inputs keep their gradient; the teacher runs without one; the vocabulary goes through both heads a
-        chunk of positions at a time."""
+        mini-batch's trained actions against the (one) teacher, aggregated as the policy loss is. `student`: the
+        LM head's input of the policy forward of this mini-batch (its gradient kept: one decoder pass serves both
+        losses); the teacher runs without one; the vocabulary goes through both heads a chunk of positions at a
+        time."""
         c = self.config
         (teacher,) = self.teachers.values()
         chunk, temperature = c.logprob_chunk_tokens, c.generation.logprob_temperature
-        student_hidden, student_head = action_head_inputs(self.actor, batch, loss_mask, chunk)
         with torch.no_grad(), eval_mode(teacher):
-            teacher_hidden, teacher_head = action_head_inputs(teacher, batch, loss_mask, chunk)
+            taught = head_input(teacher, batch, chunk)
+        student_hidden, teacher_hidden = student.at(loss_mask), taught.at(loss_mask)
+        student_head, teacher_head = student.head, taught.head
         count = head_chunk_count([student_head, teacher_head], student_hidden.shape[0], chunk)
         options = {"beta": c.distill_jsd_beta} if "beta" in self.distill.options else {}
         values = chunked_signal(

@@ -277,21 +277,32 @@ def head_chunk_count(heads: list[nn.Module], tokens: int, chunk_tokens: int) -> 
     return count
 
 
-def action_head_inputs(
-    model: nn.Module, batch: dict, action_mask: Tensor, chunk_tokens: int
-) -> tuple[Tensor, nn.Module]:
-    """The LM head's input [N, H] at the N positions that predict the batch's actions (`action_mask` [B, L-1] in
-    the layout of utils/math/ops.py, row-major order) and the head module, for a divergence over the vocabulary
-    computed a chunk at a time (step3_ppo.algo.distill.chunked_signal). One forward of `model` as token_logprobs
-    runs it (padded layout; the prompt positions before the first response prediction skipped)."""
+@dataclass(frozen=True)
+class HeadInput:
+    """The LM head's input [B, K, H] of a padded batch from the first response prediction on (`skipped` positions
+    before it), with the head module: what a divergence over the vocabulary reads a chunk at a time
+    (step3_ppo.algo.distill.chunked_signal)."""
+
+    hidden: Tensor
+    head: nn.Module
+    skipped: int
+
+    def at(self, action_mask: Tensor) -> Tensor:
+        """[N, H] at the N positions that predict the actions of `action_mask` [B, L-1] (the layout of
+        utils/math/ops.py), in row-major order."""
+        return self.hidden[:, :-1][action_mask[:, self.skipped :].to(self.hidden.device).bool()]
+
+
+def head_input(model: nn.Module, batch: dict, chunk_tokens: int) -> HeadInput:
+    """One forward of `model` as token_logprobs runs it (padded layout), keeping the LM head's input (a frozen
+    teacher's; the trained student's comes from token_logprobs' `return_head_input`, its own forward)."""
     head = chunks_head(model, chunk_tokens)
     if head is None:
         raise ValueError("a divergence over the vocabulary needs chunked LM-head access (--logprob_chunk_tokens > 0)")
     input_ids = batch["input_ids"]
     skipped = max(int(batch.get("prompt_len", 1)) - 1, 0)
     hidden = causal_lm_hidden(model, input_ids, batch["attention_mask"], input_ids.shape[1] - skipped)
-    wanted = action_mask[:, skipped:].to(hidden.device).bool()
-    return hidden[:, :-1][wanted], head
+    return HeadInput(hidden, head, skipped)
 
 
 def _hf_model(model: nn.Module) -> nn.Module:
@@ -315,6 +326,7 @@ def token_logprobs(
     chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
     padding_free: bool = False,
     return_top1: bool = False,
+    return_head_input: bool = False,
 ):
     """log p(token i+1 | prefix) [B, L-1] fp32 of a packed batch (utils.math.rows.pack: input_ids,
     attention_mask, prompt_len, ...), in the layout of utils/math/ops.py; optionally with the per-token entropy,
@@ -340,8 +352,11 @@ def token_logprobs(
     real tokens run as one sequence (packed_forward) and only the response positions go through the head; the
     other positions hold 0.
 
-    `return_top1`: also the model's most likely token at each position (its argmax, a float tensor, last), read
+    `return_top1`: also the model's most likely token at each position (its argmax, a float tensor), read
     from the same logits: the distillation metrics compare a student's with its teacher's.
+
+    `return_head_input` (the chunked padded path only): also the LM head's input (`HeadInput`, last), so that a
+    divergence over the vocabulary in the same loss reuses this forward instead of running the decoder again.
     """
     input_ids = batch["input_ids"]
     skipped = max(int(batch.get("prompt_len", 1)) - 1, 0)  # positions before the first prediction of a response token
@@ -358,12 +373,14 @@ def token_logprobs(
             out += (logits.detach().argmax(dim=-1).float(),)
         return out if len(out) > 1 else out[0]
 
+    head = chunks_head(model, chunk_tokens)
+    if return_head_input and (head is None or padding_free or share_prompts):
+        raise ValueError("return_head_input needs the chunked padded path (chunk_tokens > 0, not padding-free)")
     if padding_free and not share_prompts:
         keep = torch.zeros(labels.shape[0], input_ids.shape[1] - 1, dtype=torch.bool)
         keep[:, skipped:] = True
         out = _packed_token_outputs(model, batch, input_ids[:, 1:], chunk_tokens, reduce, keep)
         return out if len(out) > 1 else out[0]
-    head = chunks_head(model, chunk_tokens)
     if head is not None:
         # every kept position, the last one's (which predicts nothing) dropped after: one chunk then runs the
         # whole path's matmuls on the same rows, so its numbers are the whole path's bit for bit
@@ -374,6 +391,8 @@ def token_logprobs(
         out = reduce(causal_lm_logits(model, input_ids, batch["attention_mask"], keep, shared)[:, :-1], labels)
         out = out if isinstance(out, tuple) else (out,)
     out = tuple(_front_pad(t, skipped) for t in out)
+    if return_head_input:
+        out += (HeadInput(hidden, head, skipped),)
     return out if len(out) > 1 else out[0]
 
 
