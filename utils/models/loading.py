@@ -117,6 +117,18 @@ def hub_load_error(path: str, what: str, exc: Exception) -> ModelLoadError | Non
     return not_on_disk(path, what, f"{why} ({first})")
 
 
+@contextlib.contextmanager
+def hub_errors(path: str, what: str):
+    """A from_pretrained inside that fails to fetch hub model `path` raises `hub_load_error`'s one line instead."""
+    try:
+        yield
+    except OSError as exc:
+        error = hub_load_error(path, what, exc)
+        if error is None:
+            raise
+        raise error from exc
+
+
 def check_weight_files(path: str, what: str = "model") -> None:
     """Refuse a local directory without safetensors weights: pickled ones (*.bin, a one-line conversion
     given) or none at all (a config.json alone). A hub name is left to from_pretrained."""
@@ -208,13 +220,8 @@ def load_tokenizer(
 
     check_model_path(path, "tokenizer")
     check_remote_code(path, trust_remote_code)  # the model's directory, in every step
-    try:
+    with hub_errors(path, "tokenizer"):
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except OSError as exc:
-        error = hub_load_error(path, "tokenizer", exc)
-        if error is None:
-            raise
-        raise error from exc
     if chat_template:
         use_chat_template_file(tokenizer, chat_template)
     if tokenizer.eos_token_id is None:
@@ -346,13 +353,8 @@ def load_causal_lm(
     check_remote_code(path, trust_remote_code)
     check_weight_files(path)
     check_precision_supported(ds_config)
-    try:
+    with hub_errors(path, "model"):
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except OSError as exc:
-        error = hub_load_error(path, "model", exc)
-        if error is None:
-            raise
-        raise error from exc
     configure_dropout(config, dropout)
     hf_ds_config = zero3_model_context(ds_config)
     cls = AutoModel if base_model_only else AutoModelForCausalLM
