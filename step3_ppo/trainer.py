@@ -44,6 +44,7 @@ from utils.math.ops import (
     select,
 )
 from utils.math.rows import Row, from_token_layout, pack, split_generation, to_token_layout
+from utils.math.sampling import PROCESSED_LOGPROB_FLOOR, truncates
 from utils.math.throughput import (
     FORWARD_FLOPS_PER_PARAM,
     TRAIN_FLOPS_PER_PARAM,
@@ -290,8 +291,17 @@ class PPOTrainer:
     ) -> None:
         """One no-grad forward of a causal LM on the packed rows; per-action log-probs stored as `name`.
         `share_prompts`: a group's prompt runs once (utils.models.forward.token_logprobs), for the reference;
-        `top1`: the model's most likely token at each action is stored as that too (the distillation metrics)."""
+        `top1`: the model's most likely token at each action is stored as that too (the distillation metrics).
+
+        The actor's "old_logprobs", when the rows carry the generator's own log-probs and the rollout samples with
+        top-k / top-p (processed_sampling), also stores "old_processed_logprobs" from the same forward: each
+        action's log-prob under the distribution sampled (softmax(logits / T) renormalised over the tokens top-k
+        then top-p keep), the generator's kind (vLLM's processed log-probs, the hf engine's), which the mismatch
+        metric and the rollout correction compare (rollout_mismatch)."""
         batch = pack(rows, self.config.pad_token_id)
+        processed = self.processed_sampling() if name == "old_logprobs" else None
+        extra = {"return_top1": True} if top1 else {}
+        extra.update({"return_processed": processed} if processed else {})
         with eval_mode(engine):
             if share_prompts:
                 logprobs = token_logprobs(
@@ -300,14 +310,29 @@ class PPOTrainer:
                     self.config.generation.logprob_temperature,
                     share_prompts=True,
                     chunk_tokens=self.config.logprob_chunk_tokens,
+                    **extra,
                 )
             else:
-                extra = {"return_top1": True} if top1 else {}
                 logprobs = self.logprobs_fn(engine, batch, self.config.generation.logprob_temperature, **extra)
+        logprobs, *more = logprobs if extra else (logprobs,)
         if top1:
-            logprobs, most_likely = logprobs
-            from_token_layout(rows, top1, most_likely, batch["prompt_len"])
+            from_token_layout(rows, top1, more.pop(0), batch["prompt_len"])
+        if processed:
+            from_token_layout(rows, "old_processed_logprobs", more.pop(0), batch["prompt_len"])
         from_token_layout(rows, name, logprobs, batch["prompt_len"])
+
+    def processed_sampling(self) -> tuple[int, float] | None:
+        """(top_k, top_p) of the rollout's sampling when it truncates and the rows carry the generator's log-probs
+        to compare with (store_logprobs keeps the trainer's log-probs of that truncated distribution); else None.
+
+        Only the comparison reads them: the PPO ratio stays on "old_logprobs", the plain softmax(logits / T), since
+        that is the policy trained (its new log-probs are the same forward's with a gradient); --old_logprobs
+        rollout with a truncating top-k / top-p is refused (step3_ppo/main.py), as its ratio would compare the
+        generator's processed log-probs with the trainer's plain ones."""
+        g = self.config.generation
+        if self.rollout_logprobs and g.do_sample and truncates(g.top_k, g.top_p):
+            return g.top_k, g.top_p
+        return None
 
     def shares_prompts(self, engine) -> bool:
         """Whether the reference's scoring runs each group's prompt once: with several samples per prompt and
@@ -475,9 +500,10 @@ class PPOTrainer:
         action_mask, loss_mask = batch["action_mask"], batch["loss_mask"]
         p, length = batch["prompt_len"], batch["input_ids"].shape[1]
         names = ("old_logprobs", "ref_logprobs") + (("old_values",) if self.critic is not None else ())
-        names += ("rollout_logprobs",) if self.rollout_logprobs else ()
-        layout = {name: to_token_layout(rows, name, p, length) for name in names}
         compared = self.rollout_logprobs and c.old_logprobs == "forward"  # else they ARE the old log-probs
+        names += ("rollout_logprobs",) if self.rollout_logprobs else ()
+        names += ("old_processed_logprobs",) if compared and self.processed_sampling() else ()
+        layout = {name: to_token_layout(rows, name, p, length) for name in names}
         mismatch = self.rollout_mismatch(rows, layout, action_mask, loss_mask, p) if compared else {}
         values = layout.get("old_values", torch.zeros_like(action_mask))
         scores = selected["scores"]
@@ -531,10 +557,20 @@ class PPOTrainer:
     ) -> dict:
         """|generator - trainer| log-prob of every action (the trainer's old log-probs against the rollout
         engine's own), as sums for the iteration's mean and max; with --rollout_correction the per-action
-        off-policy weights stored in the rows ("rollout_weights") and their sums over the trained actions."""
+        off-policy weights stored in the rows ("rollout_weights") and their sums over the trained actions.
+
+        With a truncating top-k / top-p the trainer's side is "old_processed_logprobs" (store_logprobs), the
+        distribution the generator sampled and gave the log-probs of: the plain tempered ones would differ by
+        log(kept mass) with identical weights. A sampled token the trainer's own top-k / top-p leaves out (a near
+        tie at the cut, the engines' numerics apart) has log-prob -inf there: it counts as PROCESSED_LOGPROB_FLOOR
+        (a finite outlier in the max rather than an infinite mean), its weight ~0 (the trainer would not draw it).
+        """
         c = self.config
         mask = action_mask != 0
-        diff = select((layout["old_logprobs"] - layout["rollout_logprobs"]).abs(), mask)
+        trainer = layout["old_logprobs"]
+        if "old_processed_logprobs" in layout:
+            trainer = layout["old_processed_logprobs"].clamp(min=PROCESSED_LOGPROB_FLOOR)
+        diff = select((trainer - layout["rollout_logprobs"]).abs(), mask)
         out = {
             "logprob_diff_sum": diff.sum().item(),
             "logprob_diff_count": int(mask.sum()),
@@ -542,7 +578,7 @@ class PPOTrainer:
         }
         if c.rollout_correction != "none":
             weights = rollout_correction_weights(
-                layout["old_logprobs"],
+                trainer,
                 layout["rollout_logprobs"],
                 action_mask,
                 c.rollout_correction,

@@ -44,6 +44,7 @@ from utils.math.ops import (
     scatter_packed,
     sequence_score,
 )
+from utils.math.sampling import processed_token_logprobs, truncates
 from utils.runtime.distributed import all_reduce_max, world_size
 
 # Tokens per LM-head chunk of the log-prob forwards: the default of --logprob_chunk_tokens (utils/train/flags.py;
@@ -327,6 +328,7 @@ def token_logprobs(
     padding_free: bool = False,
     return_top1: bool = False,
     return_head_input: bool = False,
+    return_processed: tuple[int, float] | None = None,
 ):
     """log p(token i+1 | prefix) [B, L-1] fp32 of a packed batch (utils.math.rows.pack: input_ids,
     attention_mask, prompt_len, ...), in the layout of utils/math/ops.py; optionally with the per-token entropy,
@@ -355,15 +357,22 @@ def token_logprobs(
     `return_top1`: also the model's most likely token at each position (its argmax, a float tensor), read
     from the same logits: the distillation metrics compare a student's with its teacher's.
 
+    `return_processed` (top_k, top_p) of the rollout's sampling (no-grad scoring only): also each token's log-prob
+    under the distribution sampled, softmax(logits / T) after top-k and top-p (utils.math.sampling.processed_logprobs;
+    vLLM's processed log-probs), read from the same logits after the top-1.
+
     `return_head_input` (the chunked padded path only): also the LM head's input (`HeadInput`, last), so that a
     divergence over the vocabulary in the same loss reuses this forward instead of running the decoder again.
     """
+    if return_processed is not None and torch.is_grad_enabled():
+        raise ValueError("return_processed is for no-grad scoring (its top-k / top-p masks have no gradient)")
     input_ids = batch["input_ids"]
     skipped = max(int(batch.get("prompt_len", 1)) - 1, 0)  # positions before the first prediction of a response token
     keep, shared = input_ids.shape[1] - skipped, skipped + 1 if share_prompts else 0
     labels = input_ids[:, 1 + skipped :]
 
     def reduce(logits: Tensor, targets: Tensor):
+        raw = logits
         if temperature != 1.0:
             logits = logits / temperature
         out = (logprobs_from_logits(logits, targets),)
@@ -371,6 +380,8 @@ def token_logprobs(
             out += (entropy_from_logits(logits if entropy_grad else logits.detach()),)
         if return_top1:
             out += (logits.detach().argmax(dim=-1).float(),)
+        if return_processed is not None:  # from the raw logits: fp32 before the temperature, as the samplers
+            out += (processed_token_logprobs(raw.detach(), targets, temperature, *return_processed),)
         return out if len(out) > 1 else out[0]
 
     head = chunks_head(model, chunk_tokens)
@@ -527,8 +538,9 @@ def generate(
     """Sequences [B, P + T] of a plain (unwrapped) causal LM for left-padded prompts [B, P], on its device.
 
     With `logprob_temperature`: (sequences, the generator's own log-probs [B, T] fp32 of the tokens it
-    chose, under softmax(logits / logprob_temperature)), the distribution the trainer scores
-    (`token_logprobs`; before min-length, top-k and top-p processing, as vLLM's raw log-probs). `generate`
+    chose, under the distribution it sampled: softmax(logits / logprob_temperature) after the top-k and top-p
+    of the sampling kwargs (utils.math.sampling.processed_logprobs, the rule of transformers' warpers; vLLM's
+    processed log-probs), before min-length processing. `generate`
     is asked for its raw logits (`output_logits`), which it keeps for every step: T x B x V x 4 bytes
     more while generating (16 rows x 64 tokens x 49152 tokens of SmolLM2: 0.2 GB), freed here. Rows that
     repeat a prompt share its prefill (shared_prompt_cache; not with beam search or plain ZeRO-3's
@@ -545,7 +557,23 @@ def generate(
     out = model.generate(
         input_ids=input_ids, attention_mask=attention_mask, output_logits=True, return_dict_in_generate=True, **kwargs
     )
-    return out.sequences, sampled_logprobs(out.logits, out.sequences[:, input_ids.shape[1] :], logprob_temperature)
+    tokens = out.sequences[:, input_ids.shape[1] :]
+    return out.sequences, sampled_logprobs(out.logits, tokens, logprob_temperature, *sampling_truncation(model, kwargs))
+
+
+def sampling_truncation(model: nn.Module, kwargs: dict) -> tuple[int, float]:
+    """(top_k, top_p) that transformers' `generate(**kwargs)` samples with: the kwargs', else the model's
+    generation_config's (as generate merges them); (0, 1.0) when it does not sample."""
+    config = getattr(model, "generation_config", None)
+
+    def setting(name, default):
+        value = kwargs.get(name)
+        value = getattr(config, name, None) if value is None else value
+        return default if value is None else value
+
+    if not setting("do_sample", False):
+        return 0, 1.0
+    return int(setting("top_k", 0)), float(setting("top_p", 1.0))
 
 
 def shared_prompt_cache(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, always: bool = False):
@@ -582,13 +610,22 @@ def shared_prompt_cache(model: nn.Module, input_ids: Tensor, attention_mask: Ten
     return cache
 
 
-def sampled_logprobs(step_logits, tokens: Tensor, temperature: float = 1.0) -> Tensor:
+def sampled_logprobs(
+    step_logits, tokens: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
+) -> Tensor:
     """[B, T] fp32: log softmax(step_logits[t] / temperature) at tokens[:, t], one step at a time (no
-    [B, T, V] stack); `step_logits` is `generate`'s tuple of T raw [B, V] logits."""
+    [B, T, V] stack); `step_logits` is `generate`'s tuple of T raw [B, V] logits. With `top_k` (> 0) or
+    `top_p` (< 1), over the tokens they keep (utils.math.sampling.processed_logprobs)."""
     if len(step_logits) != tokens.shape[1]:
         raise ValueError(f"{len(step_logits)} steps of logits for {tokens.shape[1]} generated tokens")
-    columns = [
-        logprobs_from_logits(logits.float() / temperature, tokens[:, t].to(logits.device))
-        for t, logits in enumerate(step_logits)
-    ]
+    if truncates(top_k, top_p):
+        columns = [
+            processed_token_logprobs(logits, tokens[:, t], temperature, top_k, top_p)
+            for t, logits in enumerate(step_logits)
+        ]
+    else:
+        columns = [
+            logprobs_from_logits(logits.float() / temperature, tokens[:, t].to(logits.device))
+            for t, logits in enumerate(step_logits)
+        ]
     return torch.stack(columns, dim=1) if columns else tokens.new_zeros(tokens.shape, dtype=torch.float32)
