@@ -412,7 +412,7 @@ def rollout_engines_section() -> list[str]:
         f"{_defined('step3_ppo/rollout/engines.py', 'ROLLOUT_ENGINES')}: "
         "what generates the rollout. *log-probs*: it returns its own log-probs of the sampled tokens "
         "(`--old_logprobs rollout`, `--rollout_correction`). *async*: it can generate the next rollout while the "
-        "current one trains (`--async_rollout`).",
+        "current one trains (`--max_staleness`).",
         "",
         *table(["name", "what it is", "log-probs", "async", "own flags"], rows),
         "",

@@ -129,11 +129,13 @@ def build_parser():
         if entry.add_args is not None:
             entry.add_args(p)
     g.add_argument(
-        "--async_rollout",
-        action="store_true",
-        help="one-step-off overlap: the rollout engine generates iteration k+1 (with the weights before "
-        "iteration k's update) while iteration k trains; rollout/staleness is logged and "
-        "--rollout_correction applies (engines: "
+        "--max_staleness",
+        type=Number(int, low=0),
+        default=0,
+        help="k > 0: the rollout engine generates the next iterations while this one trains, with weights at most "
+        "k optimizer steps older than those the rows train under (k // one iteration's steps iterations ahead; "
+        "staler rows are generated again, counted in rollout/stale_rows_regenerated); 0: synchronous. "
+        "rollout/staleness_* are logged and --rollout_correction applies (engines: "
         + ", ".join(name for name, e in ROLLOUT_ENGINES.items() if e.prefetch)
         + ")",
     )
@@ -582,13 +584,13 @@ def check_rollout_args(args) -> None:
     the generator's own log-probs (an engine that gives them, not turned off), the correction C > 1 and the
     forward's old log-probs; the chosen engine checks its own flags."""
     check_engine_args(args)
-    if args.async_rollout:
+    if args.max_staleness:
         if not ROLLOUT_ENGINES[args.rollout_engine].prefetch:
             ahead = ", ".join(name for name, e in ROLLOUT_ENGINES.items() if e.prefetch)
-            fail(f"--async_rollout: --rollout_engine {args.rollout_engine} cannot generate ahead (use {ahead})")
+            fail(f"--max_staleness: --rollout_engine {args.rollout_engine} cannot generate ahead (use {ahead})")
         if args.dynamic_sampling or args.env or args.tools:
             fail(
-                "--async_rollout generates the next iteration's prompts ahead in one round; it does not combine "
+                "--max_staleness generates later iterations' prompts ahead in one round each; it does not combine "
                 "with --dynamic_sampling or multi-turn rollouts (--env/--tools)"
             )
     if args.dynamic_sampling and args.n_samples_per_prompt < 2:
@@ -605,6 +607,14 @@ def check_rollout_args(args) -> None:
                     if args.rollout_logprobs
                     else "--no_rollout_logprobs leaves out"
                 )
+            )
+        processed = ROLLOUT_ENGINES[args.rollout_engine].processed_logprobs
+        if processed and args.do_sample and (args.top_k > 0 or args.top_p < 1):
+            fail(
+                f"--old_logprobs rollout with --rollout_engine {args.rollout_engine} --top_k {args.top_k} --top_p "
+                f"{args.top_p}: the generator's log-probs are "
+                "of the truncated distribution it sampled, not of the policy trained (softmax(logits / T)), so the "
+                "PPO ratio would not start at 1; use --old_logprobs forward"
             )
         if args.rollout_correction != "none":
             fail(
@@ -933,7 +943,7 @@ def train(prepared: Setup) -> Run:
             prompt_batches,
             run.loop.step,
             more_prompts=run.next_batch,
-            next_prompts=lambda: run.peek(args.generation_batches),
+            next_prompts=lambda ahead: run.peek(args.generation_batches, ahead),
         )
         if metrics.get("dynamic/missing_groups"):
             print_rank0(

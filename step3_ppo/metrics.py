@@ -154,6 +154,18 @@ def rollout_metrics(totals: dict, logprob_diff_max: float, correction: str) -> d
     return out
 
 
+def staleness_metrics(totals: dict, largest: float, smallest: float, max_staleness: int) -> dict:
+    """With --max_staleness: how many optimizer steps old the weights that generated the rows were, over the
+    rows (their least, mean and most)."""
+    if not max_staleness:
+        return {}
+    return {
+        "rollout/staleness_min": smallest,
+        "rollout/staleness_mean": totals["staleness_sum"] / max(totals["staleness_rows"], 1),
+        "rollout/staleness_max": largest,
+    }
+
+
 def agent_metrics(totals: dict, agent: bool) -> dict:
     """Multi-turn rollouts: per trajectory the turns, tool calls, errors and tokens; the rates of calling a tool
     and of a call failing; the counts of tool errors, of calls past --max_tool_calls_per_turn (not run), truncated

@@ -75,6 +75,7 @@ from utils.train.loop import (
     step_normalised_loss,
     window_totals,
 )
+from utils.train.metrics_logger import print_rank0
 
 
 class NothingToTrain(ProjectError):
@@ -104,7 +105,9 @@ class PPOConfig:
     entropy_coef: float = 0.0
     rollout_engine: str = "hf"  # an entry of step3_ppo.rollout.engines.ROLLOUT_ENGINES
     engine_settings: object = None  # the rollout engine's own flags (its entry's settings(args); None: defaults)
-    async_rollout: bool = False  # the engine generates iteration k+1 while iteration k trains (one step stale)
+    # the engine generates later iterations while this one trains, with weights at most this many optimizer steps
+    # older than the ones the rows train under (0: synchronous); staler rows are generated again
+    max_staleness: int = 0
     loss_agg: str | None = None  # None: the policy loss's default, else the estimator's
     reward_weights: tuple | None = None  # one per reward component; None: 1 each
     reward_norm: str = "sum_then_normalize"  # step3_ppo.rewards.combine.REWARD_NORMS
@@ -181,6 +184,7 @@ class PPOTrainer:
         engine_entry = ROLLOUT_ENGINES[config.rollout_engine]
         self.rollout = engine_entry.build(self.actor, config)
         self.rollout_logprobs = engine_entry.logprobs and config.rollout_logprobs  # rows keep "rollout_logprobs"
+        self.rollout_processed = engine_entry.processed_logprobs  # of the truncated distribution sampled
         readers = (["--old_logprobs rollout"] if config.old_logprobs == "rollout" else []) + (
             [f"--rollout_correction {config.rollout_correction}"] if config.rollout_correction != "none" else []
         )
@@ -202,6 +206,7 @@ class PPOTrainer:
         self.guard = None  # BadStepGuard: skips updates with a non-finite reward or loss (set by main)
         self.memory = accelerator.PhaseMemory()  # peak memory of generation / experience / training
         self.overflow_skipped = 0  # updates of this iteration the fp16 loss scaler skipped
+        self.said_too_stale = False  # --max_staleness below one iteration's optimizer steps: said once
         self.trained_tokens = (0, 0)  # (real, processed) tokens of the last iteration's training forwards
         self._flops_per_token = None  # model FLOPs per token of each phase (flops_per_token)
         self.used = {}  # per engine, whether the last mini-batch's loss was finite and trained on
@@ -244,7 +249,7 @@ class PPOTrainer:
                 logprobs=logprobs,
             )
             for i, row in enumerate(rows):
-                row.group = first_group + i // n
+                row.group, row.weight_version = first_group + i // n, self.generated_version()
             return rows
         ids, mask = prompt_batch["input_ids"], prompt_batch["attention_mask"]
         inputs = self.rollout_inputs(prompt_batch, n, settings or c.generation)
@@ -254,8 +259,9 @@ class PPOTrainer:
             sequences = self.rollout.generate(*inputs)
         rows = split_generation(sequences, ids, mask, c.stop_token_ids, samples_per_prompt=n)
         prompt_rows = prompt_batch.get("rows") or [{} for _ in range(ids.shape[0])]
+        version = self.generated_version()
         for i, row in enumerate(rows):
-            row.group, row.prompt = first_group + i // n, prompt_rows[i // n]
+            row.group, row.prompt, row.weight_version = first_group + i // n, prompt_rows[i // n], version
             if logprobs:
                 row.per_action["rollout_logprobs"] = generated[i, : row.response_ids.numel()].float().cpu().clone()
         return rows
@@ -266,14 +272,46 @@ class PPOTrainer:
         ids, mask = prompt_batch["input_ids"], prompt_batch["attention_mask"]
         return ids.repeat_interleave(n, 0), mask.repeat_interleave(n, 0), settings
 
-    def prefetch(self, prompt_batches: list[dict]) -> None:
-        """`--async_rollout`: the next iteration's prompt batches handed to the engine now, generated while
-        this iteration trains (with the weights before its update: one step stale)."""
+    def generated_version(self) -> int:
+        """The weight version (the actor's optimizer steps) the engine's last answers came from: the one its reply
+        names (an engine in another process), else the actor's current one (it generates with the actor itself)."""
+        version = getattr(self.rollout, "weight_version", None)
+        return self.actor.global_steps if version is None else version
+
+    def optimizer_steps(self, rows: int) -> int:
+        """The optimizer steps an iteration of `rows` rollout rows takes (train_epochs' windows)."""
         c = self.config
-        for batch in prompt_batches:
-            self.rollout.prefetch(
-                *self.rollout_inputs(batch, c.n_samples_per_prompt, c.generation), logprobs=self.rollout_logprobs
-            )
+        minibatches = c.ppo_epochs * (rows // c.per_device_training_batch_size)
+        return len(list(accumulation_windows(range(minibatches), self.actor.gradient_accumulation_steps())))
+
+    def generate_ahead(self, rows: list[Row], next_prompts) -> bool:
+        """`--max_staleness k`: the prompt batches of the next iterations handed to the engine now, generated while
+        this one trains with the weights of this moment: as many iterations ahead as keep their rows at most k
+        optimizer steps stale when they train (k // the steps of one iteration). `next_prompts(j)` gives the
+        batches of the iteration j ahead (None past the run's end). Returns whether anything is generated ahead."""
+        c = self.config
+        steps = max(self.optimizer_steps(len(rows)), 1)
+        depth = c.max_staleness // steps
+        if depth == 0:
+            if not self.said_too_stale:
+                print_rank0(
+                    f"[step3] --max_staleness {c.max_staleness} is below the {steps} optimizer steps of one iteration: "
+                    f"rows generated ahead would be too stale to train, so rollouts stay synchronous (raise it to "
+                    f"{steps} to generate one iteration ahead)"
+                )
+                self.said_too_stale = True
+            return False
+        ahead = False
+        for j in range(1, depth + 1):
+            batches = next_prompts(j)
+            if not batches:
+                break
+            for batch in batches:
+                inputs = self.rollout_inputs(batch, c.n_samples_per_prompt, c.generation)
+                if not self.rollout.prefetched(*inputs, logprobs=self.rollout_logprobs):
+                    self.rollout.prefetch(*inputs, logprobs=self.rollout_logprobs)
+                ahead = True
+        return ahead
 
     def inference_weights(self, engine):
         """With the hybrid engine, a no-grad phase holds the whole model gathered once (hybrid.gathered).
@@ -322,15 +360,16 @@ class PPOTrainer:
         from_token_layout(rows, name, logprobs, batch["prompt_len"])
 
     def processed_sampling(self) -> tuple[int, float] | None:
-        """(top_k, top_p) of the rollout's sampling when it truncates and the rows carry the generator's log-probs
-        to compare with (store_logprobs keeps the trainer's log-probs of that truncated distribution); else None.
+        """(top_k, top_p) of the rollout's sampling when it truncates and the rows carry an engine's log-probs of the
+        truncated distribution (vLLM's processed ones; the hf engine's are of the tempered softmax, as the trainer's)
+        to compare with (store_logprobs keeps the trainer's log-probs of that distribution); else None.
 
         Only the comparison reads them: the PPO ratio stays on "old_logprobs", the plain softmax(logits / T), since
         that is the policy trained (its new log-probs are the same forward's with a gradient); --old_logprobs
         rollout with a truncating top-k / top-p is refused (step3_ppo/main.py), as its ratio would compare the
         generator's processed log-probs with the trainer's plain ones."""
         g = self.config.generation
-        if self.rollout_logprobs and g.do_sample and truncates(g.top_k, g.top_p):
+        if self.rollout_logprobs and self.rollout_processed and g.do_sample and truncates(g.top_k, g.top_p):
             return g.top_k, g.top_p
         return None
 
@@ -907,8 +946,8 @@ class PPOTrainer:
         self, prompt_batches: list[dict], step: int, more_prompts=None, next_prompts=None
     ) -> tuple[dict, list[Row]]:
         """Rollout over the prompt batches (with dynamic sampling, more from `more_prompts`), then PPO epochs;
-        returns metrics averaged over ranks. With `--async_rollout`, `next_prompts()` (the next iteration's
-        prompt batches, or None) are handed to the engine before training starts."""
+        returns metrics averaged over ranks. With `--max_staleness`, `next_prompts(j)` (the prompt batches of the
+        iteration j ahead, or None) are handed to the engine before training starts (generate_ahead)."""
         c = self.config
         env_s0 = self.agent.env_s if self.agent is not None else 0.0
         rows, generation_s, experience_s = self.make_experience(prompt_batches)
@@ -924,14 +963,16 @@ class PPOTrainer:
             return step_metrics.skipped_metrics(generation_s, experience_s), rows
         t0 = time.time()
         exp_stats = self.compute_advantages(rows)
+        # optimizer steps between the weights that generated each row and those its old log-probs are taken under
+        exp_stats["staleness"] = [
+            self.actor.global_steps - r.weight_version for r in rows if r.weight_version is not None
+        ]
         if c.skip_bad_rewards:
             self.stop_if_nothing_to_train(rows, step)
         t2 = time.time()
         experience_s += t2 - t0
 
-        if c.async_rollout and next_prompts is not None and (upcoming := next_prompts()):
-            self.prefetch(upcoming)
-        else:
+        if not (c.max_staleness and next_prompts is not None and self.generate_ahead(rows, next_prompts)):
             self.rollout.sleep()
         self.overflow_skipped = 0
         with self.memory.phase("training"):
@@ -982,6 +1023,7 @@ class PPOTrainer:
         """The iteration's metrics over all ranks, family by family (step3_ppo/metrics.py), and the rows of all
         ranks (for the KL controller)."""
         c = self.config
+        stale = exp_stats.pop("staleness")  # per row, not a sum
         local = {
             **step_metrics.local_sums(rows, exp_stats, sampling, train_stats, optimizer_steps, self.agent is not None),
             **step_metrics.throughput_sums(rows, self.trained_tokens, accelerator.peak_flops()),
@@ -991,11 +1033,14 @@ class PPOTrainer:
             "experience": seconds["experience_s"],
             "training": seconds["train_s"],
         }
-        totals, (log_ratio_max, diff_max, *slowest) = step_metrics.all_ranks(
+        local.update(staleness_sum=float(sum(stale)), staleness_rows=float(len(stale)))
+        totals, (log_ratio_max, diff_max, stale_max, stale_min, *slowest) = step_metrics.all_ranks(
             local,
             [
                 max(s["ppo/log_ratio_max_abs"] for s in train_stats),
                 exp_stats.get("logprob_diff_max", 0.0),
+                max(stale, default=0),
+                -min(stale, default=0),
                 *phase_s.values(),
             ],
         )
@@ -1009,6 +1054,7 @@ class PPOTrainer:
             **step_metrics.selection_metrics(totals, c),
             **step_metrics.dynamic_metrics(totals, sampling),
             **step_metrics.rollout_metrics(totals, diff_max, c.rollout_correction),
+            **step_metrics.staleness_metrics(totals, stale_max, -stale_min, c.max_staleness),
             **step_metrics.agent_metrics(totals, self.agent is not None),
             **distill_metrics(totals, list(self.teachers), c.distill_signal),
             **step_metrics.timing_metrics(totals["rows"], **seconds),

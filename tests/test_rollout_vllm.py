@@ -27,6 +27,10 @@ if os.environ.get("RLHF_TESTS_NEED_VLLM") != "1":
 
 pytestmark = pytest.mark.slow
 GREEDY = GenerationSettings(max_new_tokens=8, do_sample=False)
+EVEN = """
+def even_first_token(completions, completion_ids, **kwargs):
+    return [float(len(ids) > 0 and ids[0] % 2 == 0) for ids in completion_ids]
+"""
 
 
 def test_vllms_packages_leave_gguf_importable():
@@ -158,40 +162,111 @@ def test_lr0_log_ratio_and_a_flat_mismatch_over_five_iterations(vllm_run):
     assert max(diffs) <= 1e-4, diffs
 
 
-def test_async_rollout_at_lr0_gives_the_synchronous_run(vllm_run):
-    """--async_rollout: iteration k+1 is generated while k trains, with the weights before k's update
-    (one iteration stale); at lr 0 those are the same weights, so the same tokens and rewards as without it."""
+@pytest.mark.parametrize("top_k, top_p", [(5, 1.0), (20, 0.9)])
+def test_the_log_probs_of_the_distribution_sampled_at_temperature_and_top_k(vllm_run, top_k, top_p):
+    """At T 0.7 with top-k (and top-p) the worker's log-probs are vLLM's processed ones, of the distribution it
+    sampled: the trainer's of that same distribution are within 1e-4 of them, its plain tempered ones (the PPO
+    ratio's) are not; the iteration's mismatch metric and TIS weights read the processed pair."""
     trainer = vllm_run.trainer
-    batches = [prompt_batches(vllm_run, 2, n_rows=2, offset=2 * k) for k in range(3)]
+    c = trainer.config
+    saved = (c.temperature, c.top_k, c.top_p, c.rollout_correction)
+    c.temperature, c.top_k, c.top_p, c.rollout_correction = 0.7, top_k, top_p, "tis"
+    try:
+        torch.manual_seed(3)
+        metrics_, rows = trainer.step(prompt_batches(vllm_run, 2, n_rows=2, offset=16), step=0)
+    finally:
+        c.temperature, c.top_k, c.top_p, c.rollout_correction = saved
+    assert metrics_["rollout/logprob_diff_max"] <= 1e-4, metrics_["rollout/logprob_diff_max"]
+    assert metrics_["rollout/correction_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert metrics_["ppo/log_ratio_max_abs"] <= 1e-4
+    for row in rows:
+        generated = row.per_action["rollout_logprobs"]
+        assert (generated - row.per_action["old_processed_logprobs"]).abs().max() <= 1e-4
+        assert (generated - row.per_action["old_logprobs"]).abs().max() > 1e-2
 
-    def three_steps(overlap: bool):
-        trainer.config.async_rollout = overlap
+
+@pytest.mark.parametrize("k", [0, 1, 2, 4])
+def test_max_staleness_at_lr0_gives_the_synchronous_run(vllm_run, k, capsys):
+    """--max_staleness k: later iterations are generated while one trains, as many ahead as keep their rows at most k
+    optimizer steps stale (an iteration is 2 steps here: k 1 generates nothing ahead and says so, k 2 one iteration
+    ahead, k 4 two); at lr 0 the weights never change, so the same tokens and rewards as synchronously, the
+    log-ratio ~0, and each row's staleness is counted in optimizer steps."""
+    trainer = vllm_run.trainer
+    batches = [prompt_batches(vllm_run, 2, n_rows=2, offset=2 * j) for j in range(4)]
+
+    def four_steps(max_staleness: int):
+        trainer.config.max_staleness = max_staleness
         trainer.rollout.seeds.manual_seed(77)
         out = []
-        for k in range(3):
+        for j in range(4):
 
-            def upcoming(k=k):
-                return batches[k + 1] if k + 1 < 3 else None
+            def upcoming(ahead, j=j):
+                return batches[j + ahead] if j + ahead < 4 else None
 
-            metrics_, rows = trainer.step(batches[k], step=k, next_prompts=upcoming)
+            metrics_, rows = trainer.step(batches[j], step=j, next_prompts=upcoming)
+            stale = [trainer.actor.global_steps - 2 - r.weight_version for r in rows]  # at its experience
             out.append(
                 (
                     metrics_["reward/score_mean"],
                     [r.response_ids.tolist() for r in rows],
-                    metrics_["rollout/staleness"],
+                    max(stale),
                     metrics_["ppo/log_ratio_max_abs"],
+                    metrics_.get("rollout/staleness_max"),
                 )
             )
         return out
 
     try:
-        plain, overlapped = three_steps(False), three_steps(True)
+        plain, ahead = four_steps(0), four_steps(k)
     finally:
-        trainer.config.async_rollout = False
-    # staleness counts the actor's optimizer steps: one iteration's (2 mini-batches here)
-    assert [o[2] for o in plain] == [0, 0, 0] and [o[2] for o in overlapped] == [0, 2, 2]
-    assert [o[:2] for o in overlapped] == [o[:2] for o in plain]
-    assert max(o[3] for o in overlapped) <= 1e-4 and not trainer.rollout.pending
+        trainer.config.max_staleness = 0
+    expected = {0: [0, 0, 0, 0], 1: [0, 0, 0, 0], 2: [0, 2, 2, 2], 4: [0, 2, 4, 4]}[k]
+    assert [o[2] for o in plain] == [0, 0, 0, 0] and [o[2] for o in ahead] == expected
+    if k:
+        assert [o[4] for o in ahead] == expected  # rollout/staleness_max
+    assert ("below the 2 optimizer steps of one iteration" in capsys.readouterr().out) == (k == 1)
+    assert [o[:2] for o in ahead] == [o[:2] for o in plain]
+    assert max(o[3] for o in ahead) <= 1e-4 and not trainer.rollout.pending
+
+
+def test_a_sync_drains_the_request_in_flight_and_a_row_too_stale_is_generated_again(vllm_run):
+    """A load sent while a generate request runs waits for it: the request's tokens and log-probs are all the old
+    version's (as generated before the change) and its reply names that version. A prefetched row older than
+    --max_staleness by the time it is asked for is generated again with the current weights, and counted."""
+    trainer, engine, actor = vllm_run.trainer, vllm_run.trainer.rollout, vllm_run.trainer.actor
+    batch = prompt_batches(vllm_run, 4, n_rows=4, offset=12)[0]
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    long = GenerationSettings(max_new_tokens=64, do_sample=False)
+    old_tokens, old_logprobs = engine.generate_with_logprobs(ids, mask, long)
+    v0 = engine.weight_version
+    assert v0 == actor.global_steps
+    saved = [p.detach().clone() for p in actor.module.parameters()]
+    trainer.config.max_staleness = 1
+    try:
+        torch.manual_seed(2)
+        with torch.no_grad():
+            for p in actor.module.parameters():
+                p.add_(torch.randn_like(p) * 0.5)
+        engine.prefetch(ids, mask, long, logprobs=True)  # no optimizer step yet: generated with v0's weights
+        actor.global_steps += 1
+        engine.sync_weights()  # sent while the worker generates the 64 tokens
+        tokens, logprobs = engine.generate_with_logprobs(ids, mask, long)  # the prefetched answers
+        assert engine.weight_version == v0 and torch.equal(tokens, old_tokens)
+        assert torch.equal(logprobs, old_logprobs)
+        fresh = engine.generate(ids, mask, long)
+        assert engine.weight_version == v0 + 1 and not torch.equal(fresh, old_tokens)
+        engine.metrics()  # resets the count
+        engine.prefetch(ids, mask, long)
+        actor.global_steps += 2  # two steps later: staler than 1
+        assert torch.equal(engine.generate(ids, mask, long), hf_generate(vllm_run, batch, long))
+        assert engine.weight_version == actor.global_steps
+        assert engine.metrics()["rollout/stale_rows_regenerated"] == 4 and not engine.pending
+    finally:
+        trainer.config.max_staleness = 0
+        with torch.no_grad():
+            for p, value in zip(actor.module.parameters(), saved):
+                p.copy_(value)
+        actor.global_steps += 1
 
 
 def test_a_worker_that_dies_stops_the_next_rollout_with_its_last_lines(vllm_run):
@@ -206,12 +281,16 @@ def test_a_worker_that_dies_stops_the_next_rollout_with_its_last_lines(vllm_run)
     assert time.time() - t0 < 5
 
 
-def test_lora_sync_sends_the_adapters_merged(tiny_llama_32, tmp_path, worker_python):
+def test_lora_sync_sends_the_adapters_merged(tiny_llama_32, tmp_path, worker_python, capsys):
+    """LoRA on a base that trains too (no --only_optimize_lora): the adapter alone would leave the worker on the
+    initial base, so the sync sends the merged model, and says why."""
     run = vllm_setup(
         tiny_llama_32, tmp_path, worker_python, "--actor_lora_dim", 4, "--actor_lora_module_name", "q_proj"
     )
     try:
         trainer, engine = run.trainer, run.trainer.rollout
+        assert engine.sync == "merged"
+        assert "not the adapter alone: the base weights train too" in capsys.readouterr().out
         batch = prompt_batches(run, 4, n_rows=4)[0]
         assert torch.equal(
             engine.generate(batch["input_ids"], batch["attention_mask"], GREEDY), hf_generate(run, batch, GREEDY)
@@ -230,9 +309,93 @@ def test_lora_sync_sends_the_adapters_merged(tiny_llama_32, tmp_path, worker_pyt
         run.trainer.rollout.close()
 
 
+@pytest.fixture(scope="module")
+def lora_run(tiny_llama_32, tmp_path_factory, worker_python):
+    """LoRA (rank 4) on every projection of a frozen base, trained at a learning rate that moves it."""
+    tmp = tmp_path_factory.mktemp("vllm_lora")
+    (tmp / "even.py").write_text(EVEN)  # a reward the sampled answers differ in: GRPO has a gradient
+    lora = ["--actor_lora_dim", 4, "--actor_lora_module_name", "proj", "--only_optimize_lora"]
+    reward = ["--reward_funcs", f"{tmp / 'even.py'}:even_first_token", "--actor_lora_learning_rate", "5e-2"]
+    run = vllm_setup(tiny_llama_32, tmp, worker_python, *lora, *reward)
+    yield run
+    run.trainer.rollout.close()
+
+
+def test_adapter_sync_follows_real_updates(lora_run):
+    """--vllm_lora_sync adapter: the base goes once, then the adapter alone (a few KB here, far below the whole
+    model); after real updates the worker's log-probs of a probe prompt are the trainer's, not step 0's, and the
+    norm of what each sync pushed changes (an adapter frozen at its start, or a base pushed instead, would not)."""
+    trainer, engine = lora_run.trainer, lora_run.trainer.rollout
+    assert engine.sync == "adapter"
+    probe = prompt_batches(lora_run, 2, n_rows=2, offset=20)[0]
+    before = trainer.generate_rows(probe, settings=GREEDY, n=1, logprobs=True)
+    norms = []
+    for step in range(3):
+        torch.manual_seed(step)
+        metrics_, rows = trainer.step(prompt_batches(lora_run, 2, n_rows=2, offset=2 * step), step=step)
+        assert all(r.weight_version == trainer.actor.global_steps - 2 for r in rows)  # 2 optimizer steps each
+        norms.append(metrics_["rollout/weight_sync_norm"])
+    assert len(set(norms)) == 3, norms
+    whole = sum(p.numel() * p.element_size() for p in trainer.actor.module.parameters())
+    after = trainer.generate_rows(probe, settings=GREEDY, n=1, logprobs=True)
+    assert 0 < engine.sync_bytes < whole / 100, (engine.sync_bytes, whole)
+    trainer.store_logprobs(after, trainer.actor, "old_logprobs")
+    for row in after:
+        assert (row.per_action["rollout_logprobs"] - row.per_action["old_logprobs"]).abs().max() <= 1e-4
+    moved = [
+        not torch.equal(a.response_ids, b.response_ids)
+        or (a.per_action["rollout_logprobs"] - b.per_action["rollout_logprobs"]).abs().max() > 1e-3
+        for a, b in zip(after, before)
+    ]
+    assert all(moved)
+
+
+def test_an_adapter_whose_names_match_no_module_stops_the_run(lora_run, monkeypatch):
+    """A peft that names the adapter's tensors differently (peft 0.21 in verl-omni #608) would let vLLM place
+    none of them and sample the bare base: the sync stops with one line instead."""
+    import peft
+
+    engine, actor = lora_run.trainer.rollout, lora_run.trainer.actor
+    real = peft.get_peft_model_state_dict
+
+    def renamed(model, *a, **k):
+        return {
+            name.replace("base_model.model.", "base_model.model.backbone."): t
+            for name, t in real(model, *a, **k).items()
+        }
+
+    monkeypatch.setattr(peft, "get_peft_model_state_dict", renamed)
+    actor.global_steps += 1
+    batch = prompt_batches(lora_run, 2, n_rows=2)[0]
+    with pytest.raises(RolloutEngineError, match=r"LoRA modules and vLLM placed 0 of them") as failure:
+        engine.generate(batch["input_ids"], batch["attention_mask"], GREEDY)
+    assert "\n" not in str(failure.value)
+
+
+def test_adapters_vllm_cannot_serve_are_merged_with_the_reason(tiny_llama_32):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from step3_ppo.rollout.vllm_engine import adapter_sync_refusal
+
+    def peft_model(train_base=False, **config):
+        model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama_32), LoraConfig(r=4, **config))
+        if train_base:
+            for p in model.parameters():
+                p.requires_grad_(True)
+        return model
+
+    assert adapter_sync_refusal(peft_model(target_modules=["q_proj", "v_proj"])) is None
+    assert "base weights train too" in adapter_sync_refusal(peft_model(True, target_modules=["q_proj"]))
+    assert "not on lm_head" in adapter_sync_refusal(peft_model(target_modules=["q_proj", "lm_head"]))
+    assert "DoRA" in adapter_sync_refusal(peft_model(target_modules=["q_proj"], use_dora=True))
+    assert "bias" in adapter_sync_refusal(peft_model(target_modules=["q_proj"], bias="lora_only"))
+
+
 def test_multi_turn_rows_at_lr0_with_the_vllm_worker(tiny_chat_llama_32, tmp_path, worker_python):
     """Trajectories of up to 3 turns, the engine called turn by turn: the worker's tokens train at lr 0 (the
-    environment's tokens are not actions) and its log-probs of its own tokens are the trainer's."""
+    environment's tokens are not actions) and its log-probs of its own tokens (at T 0.7, top-k 5: of the truncated
+    distribution) are the trainer's of that distribution, on the same action positions."""
     from tests.test_agents import agent_setup
     from utils.data import PromptCollator
     from utils.models.reward_model import make_reward_model_dir
@@ -250,6 +413,10 @@ def test_multi_turn_rows_at_lr0_with_the_vllm_worker(tiny_chat_llama_32, tmp_pat
         "grpo",
         "--n_samples_per_prompt",
         "2",
+        "--temperature",
+        "0.7",
+        "--top_k",
+        "5",
         *worker_python,
     )
     try:
@@ -320,12 +487,6 @@ def test_a_worker_that_never_starts_is_one_error_in_seconds(tiny_llama_32, tmp_p
     with pytest.raises(RolloutEngineError, match="Sleep mode is not supported on current platform"):
         engine.generate(ids, mask, GREEDY)  # on CPU vLLM refuses it; on GPU it frees memory during training
     engine.close()
-
-
-EVEN = """
-def even_first_token(completions, completion_ids, **kwargs):
-    return [float(len(ids) > 0 and ids[0] % 2 == 0) for ids in completion_ids]
-"""
 
 
 def test_two_ranks_zero3_grpo_learns_with_the_vllm_worker(tiny_llama_32, tmp_path, worker_python):

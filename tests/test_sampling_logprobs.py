@@ -1,8 +1,10 @@
 """Log-probs of the distribution actually sampled (utils/math/sampling.py): softmax(logits / T) after top-k then top-p,
 renormalised over the kept tokens. By hand on a 5-token vocabulary; against transformers' warpers and vLLM's
 apply_top_k_top_p on random logits; through token_logprobs' `return_processed` (chunked, whole, padding-free) and
-the hf engine's generate; and in step 3 at lr 0 with --top_k, where the trainer's processed log-probs meet the
-generator's (rollout/logprob_diff_max) although its plain tempered ones do not."""
+the hf engine's generate (whose log-probs stay the tempered softmax's: the policy trained); and in step 3 at lr 0
+with --top_k and an engine of processed log-probs (vLLM's kind), where the trainer's processed log-probs meet the
+generator's (rollout/logprob_diff_max) although its plain tempered ones do not. The vLLM worker's own are checked in
+tests/test_rollout_vllm.py."""
 
 import math
 
@@ -18,7 +20,7 @@ from tests.test_step3_lr0 import prompt_batches
 from utils.math.rows import Row, pack
 from utils.math.sampling import kept_tokens, processed_logprobs, processed_token_logprobs, truncates
 from utils.models import forward
-from utils.models.forward import causal_lm_logits, sampled_logprobs, sampling_truncation, token_logprobs
+from utils.models.forward import causal_lm_logits, sampled_logprobs, token_logprobs
 
 NEG = float("-inf")
 # probabilities 0.5, 0.2, 0.15, 0.1, 0.05 as logits (T = 1)
@@ -198,17 +200,9 @@ def test_processed_logprobs_are_refused_with_a_gradient(model, batch):
 
 
 # --------------------------------------------------------------------------- the hf engine's generate
-def test_sampling_truncation_reads_the_kwargs_then_the_generation_config(model):
-    assert sampling_truncation(model, {"do_sample": True, "top_k": 5, "top_p": 0.9}) == (5, 0.9)
-    assert sampling_truncation(model, {"do_sample": True, "top_k": 0, "top_p": 1.0}) == (0, 1.0)
-    assert sampling_truncation(model, {"do_sample": False, "top_k": None, "top_p": None}) == (0, 1.0)
-    config_k = model.generation_config.top_k
-    assert sampling_truncation(model, {"do_sample": True}) == (config_k or 0, model.generation_config.top_p or 1.0)
-
-
-def test_generate_gives_the_log_probs_of_the_distribution_it_sampled(model):
-    """transformers' generate with top_k 5 at T 0.7: its log-probs are the trainer's processed ones of the same
-    tokens (within fp32 rounding), and far from the plain tempered ones."""
+def test_generate_gives_the_log_probs_of_the_tempered_softmax_whatever_top_k(model):
+    """transformers' generate with top_k 5 at T 0.7: its log-probs are the trainer's plain tempered ones of the same
+    tokens (the policy trained: `--old_logprobs rollout` stands for the trainer's forward), far from the processed."""
     torch.manual_seed(0)
     prompts = torch.randint(3, 50000, (3, 5))
     mask = torch.ones_like(prompts)
@@ -223,8 +217,8 @@ def test_generate_gives_the_log_probs_of_the_distribution_it_sampled(model):
     with torch.no_grad():
         plain, processed = token_logprobs(model, batch, 0.7, return_processed=(5, 1.0))
     actions = batch["action_mask"] != 0
-    assert (generated.reshape(-1) - processed[actions]).abs().max() <= 1e-5
-    assert (generated.reshape(-1) - plain[actions]).abs().min() > 1.0  # top-5 of 50258 tokens: far apart
+    assert (generated.reshape(-1) - plain[actions]).abs().max() <= 1e-5
+    assert (generated.reshape(-1) - processed[actions]).abs().min() > 1.0  # top-5 of 50258 tokens: far apart
     # sampled_logprobs without truncation is the plain tempered log-softmax
     step = [torch.randn(2, 30) for _ in range(3)]
     tokens = torch.randint(0, 30, (2, 3))
@@ -235,6 +229,21 @@ def test_generate_gives_the_log_probs_of_the_distribution_it_sampled(model):
 
 
 # --------------------------------------------------------------------------- step 3 at lr 0 with the hf engine
+def processed_engine(monkeypatch, trainer, top_k=5, top_p=1.0):
+    """The hf engine made to return log-probs of the truncated distribution, as the vLLM worker does (its entry's
+    processed_logprobs): the trainer's side of the comparison, without a worker."""
+
+    def processed(step_logits, tokens, temperature=1.0):
+        columns = [
+            processed_token_logprobs(logits, tokens[:, t], temperature, top_k, top_p)
+            for t, logits in enumerate(step_logits)
+        ]
+        return torch.stack(columns, dim=1)
+
+    monkeypatch.setattr(forward, "sampled_logprobs", processed)
+    monkeypatch.setattr(trainer, "rollout_processed", True)
+
+
 @pytest.fixture(scope="module")
 def top_k_run(tiny_llama, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("processed_logprobs")
@@ -244,11 +253,21 @@ def top_k_run(tiny_llama, tmp_path_factory):
     return setup(parse_args(grpo_args(tiny_llama, tmp, *extra)))
 
 
-def test_lr0_generator_and_trainer_agree_on_the_truncated_distribution(top_k_run):
+def test_the_hf_engine_is_compared_with_the_plain_log_probs(top_k_run):
+    trainer = top_k_run.trainer
+    torch.manual_seed(0)
+    metrics, rows = trainer.step(prompt_batches(top_k_run, 2, n_rows=2), step=0)
+    assert metrics["rollout/logprob_diff_max"] <= 1e-4 and metrics["ppo/log_ratio_max_abs"] <= 1e-4
+    assert all("old_processed_logprobs" not in r.per_action for r in rows)
+
+
+def test_lr0_generator_and_trainer_agree_on_the_truncated_distribution(top_k_run, monkeypatch):
     """At --temperature 0.7 --top_k 5 and lr 0 the generator's log-probs (the truncated distribution's) meet the
     trainer's processed ones (rollout/logprob_diff_max <= 1e-4, TIS weights 1), while the trainer's plain tempered
     old log-probs, which the PPO ratio keeps using (log-ratio ~0), differ from them by log(kept mass)."""
     trainer = top_k_run.trainer
+    assert trainer.processed_sampling() is None  # the hf engine's log-probs are of the tempered softmax
+    processed_engine(monkeypatch, trainer)
     assert trainer.processed_sampling() == (5, 1.0)
     torch.manual_seed(0)
     metrics, rows = trainer.step(prompt_batches(top_k_run, 2, n_rows=2), step=0)
@@ -263,8 +282,9 @@ def test_lr0_generator_and_trainer_agree_on_the_truncated_distribution(top_k_run
     assert all(math.isfinite(metrics[k]) for k in ("rollout/logprob_diff_mean", "loss/actor"))
 
 
-def test_without_truncation_nothing_more_is_stored(top_k_run):
+def test_without_truncation_nothing_more_is_stored(top_k_run, monkeypatch):
     trainer = top_k_run.trainer
+    processed_engine(monkeypatch, trainer, top_k=0)
     saved = trainer.config.top_k
     trainer.config.top_k = 0
     try:
@@ -277,7 +297,9 @@ def test_without_truncation_nothing_more_is_stored(top_k_run):
     assert max((r.per_action["rollout_logprobs"] - r.per_action["old_logprobs"]).abs().max() for r in rows) <= 1e-4
 
 
-def test_multi_turn_rows_get_processed_logprobs_on_their_actions(tiny_chat_llama, tiny_chat_llama_reward, tmp_path):
+def test_multi_turn_rows_get_processed_logprobs_on_their_actions(
+    tiny_chat_llama, tiny_chat_llama_reward, tmp_path, monkeypatch
+):
     """Trajectories with the environment's replies between the policy's turns: the trainer's processed log-probs sit
     on the same action positions as the generator's (each turn's own), so the distance over the actions is rounding."""
     from utils.data import PromptCollator
@@ -296,6 +318,7 @@ def test_multi_turn_rows_get_processed_logprobs_on_their_actions(tiny_chat_llama
         "5",
     )
     trainer = run.trainer
+    processed_engine(monkeypatch, trainer)
     collate = PromptCollator(run.tokenizer.pad_token_id)
     torch.manual_seed(0)
     rows, _, _ = trainer.make_experience([collate(list(run.loader.dataset)[:3])])

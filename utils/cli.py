@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 
 from utils.errors import UsageError
 
@@ -99,7 +100,13 @@ class FlagParser(argparse.ArgumentParser):
     UsageError: one `error:` line through the entry point's run_main, once per job under the launcher, not
     argparse's usage block of every flag (a hundred lines for step 3) above the reason on every rank."""
 
+    # a flag that was renamed: its old name's refusal names the new one
+    RENAMED = {"--async_rollout": "--max_staleness K (optimizer steps; one iteration's steps = the old one-step-off)"}
+
     def error(self, message: str):
+        for old, new in self.RENAMED.items():
+            if re.search(rf"{old}\b", message):
+                raise UsageError(f"{old} was renamed: use {new}")
         flag, sep, reason = message.removeprefix("argument ").partition(": ")
         if sep and reason.startswith("must be "):  # a Number's refusal says it all: `--cliprange must be > 0, got 0`
             raise UsageError(f"{flag} {reason}")

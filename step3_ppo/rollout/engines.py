@@ -9,10 +9,12 @@ engine's own log-probs may only measure the generator-trainer mismatch), so the 
 for every engine that returns the tokens it sampled.
 
 An engine whose entry says `logprobs=True` also offers `generate_with_logprobs(input_ids, attention_mask,
-settings) -> (sequences, log-probs [B, T])`: its own log-probs of the tokens it sampled, under its full
-distribution at the rollout temperature (`settings.logprob_temperature`). The trainer logs their distance
-to its old log-probs (`rollout/logprob_diff_*`) and `--rollout_correction` weights the loss by their ratio;
-an engine that cannot give them says `logprobs=False`, and then neither is available.
+settings) -> (sequences, log-probs [B, T])`: its own log-probs of the tokens it sampled, at the rollout temperature
+(`settings.logprob_temperature`): of its full tempered softmax, or, where the entry says `processed_logprobs=True`
+(vLLM), of the distribution after top-k and top-p, and the trainer then compares its own of that distribution
+(utils.math.sampling.processed_logprobs). The trainer logs their distance to its old log-probs
+(`rollout/logprob_diff_*`) and `--rollout_correction` weights the loss by their ratio; an engine that cannot give
+them says `logprobs=False`, and then neither is available.
 
 `metrics()` are logged with each iteration's (an engine's own costs), `sleep()` comes before training (an engine
 may free memory then and wake itself at its next call), `close()` ends what the engine started
@@ -101,7 +103,10 @@ class RolloutEngineEntry:
     help: str
     logprobs: bool = False
     add_args: Callable | None = None
-    prefetch: bool = False  # offers prefetch(ids, mask, settings, logprobs): --async_rollout
+    # its log-probs are of the distribution sampled (after top-k / top-p, vLLM's processed ones), not of the tempered
+    # softmax the trainer trains: with a truncating top-k / top-p the trainer compares its own of that distribution
+    processed_logprobs: bool = False
+    prefetch: bool = False  # offers prefetch(ids, mask, settings, logprobs) and prefetched(...): --max_staleness
     check_args: Callable | None = None
     settings: Callable | None = None
     teacher: Callable | None = None  # (Teacher, args) -> a client whose store(rows, name, temperature) scores them
@@ -148,6 +153,7 @@ ROLLOUT_ENGINES: dict[str, RolloutEngineEntry] = {
         "a vLLM worker process per node (its own cores; token ids in and out), the "
         "actor's weights synced to it after each optimizer step through shared memory",
         logprobs=True,
+        processed_logprobs=True,
         add_args=add_vllm_args,
         prefetch=True,
         check_args=check_vllm_args,

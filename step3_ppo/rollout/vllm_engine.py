@@ -7,18 +7,28 @@ socket and sends its prompts as token ids; requests that arrive together are gen
 Answers come back as token ids (and the sampled tokens' log-probs): no text round trip, so the ids the
 trainer trains on are the ids vLLM generated.
 
-Weight sync, before the first rollout after any optimizer step: the actor's weights are gathered from
-ZeRO-3 a group of parameters at a time (all ranks take part; the whole model is never gathered twice),
-local rank 0 copies them into a shared-memory block in the checkpoint's names and layout, and the worker
-loads them in place with vLLM's reload API and drops its prefix cache. With LoRA the adapters are merged
-into the weights sent (W + B A scaled). Every sync sends the whole model: vLLM 0.32's in-place reload
-rebuilds the layers it is sent and should keep the others, but measured on CPU a reload of the LoRA-targeted
-layers alone left the model's log-probs 0.35-0.6 off (NaN without the norms); adapter-only sync would need
-vLLM's own LoRA serving (`enable_lora`, a new adapter id per step). The worker starts on the model's config
-with dummy weights: what it generates with are always the trainer's weights.
+Weight sync, before the first rollout after any optimizer step, under a version (the actor's optimizer steps):
+- whole weights (full fine-tuning, and LoRA with `--vllm_lora_sync merged`): the actor's weights are gathered from
+  ZeRO-3 a group of parameters at a time (all ranks take part; the whole model is never gathered twice), local
+  rank 0 copies them into a shared-memory block in the checkpoint's names and layout (a LoRA adapter merged in:
+  W + B A scaled), and the worker loads them in place with vLLM's reload API and drops its prefix cache.
+- adapter only (LoRA, `--vllm_lora_sync adapter`, the default where vLLM serves the adapter): the frozen base goes
+  once, as above but unmerged; then each sync writes the adapter alone (peft's own state dict and config, a few MB)
+  to a folder that the worker adds under a new name and id (`actor-v<version>`), so neither an older adapter nor
+  KV computed under one is reused; it checks that vLLM placed every module sent (a name mismatch would leave the
+  bare base sampling, with no error). Reloading only the LoRA-targeted layers of the merged model instead left
+  vLLM 0.32's CPU model 0.35-0.6 nats off: the adapter path uses vLLM's own LoRA serving.
+The worker starts on the model's config with dummy weights: what it generates with are always the trainer's. It
+answers requests one batch at a time, a load after the generate requests read before it (a sync drains those in
+flight), and stamps every reply with the version it generated with: each row knows its weights.
 
-The trainer still computes the old log-probs with its own forward; the worker's log-probs only measure
-the generator-trainer mismatch (`rollout/logprob_diff_*`) and feed `--rollout_correction`.
+`--max_staleness k` (the trainer) hands the engine later iterations' prompts before training (`prefetch`),
+generated with the weights of that moment while the ranks train; `generate` returns them if they are at most k
+optimizer steps old by then, else generates them again (counted: `rollout/stale_rows_regenerated`).
+
+The trainer still computes the old log-probs with its own forward; the worker's log-probs (after temperature,
+top-k and top-p: those of the distribution sampled) measure the generator-trainer mismatch
+(`rollout/logprob_diff_*`) and feed `--rollout_correction`.
 """
 
 from __future__ import annotations
@@ -46,10 +56,14 @@ from step3_ppo.rollout.hybrid import partitioned_params
 from utils.cli import Number
 from utils.errors import ProjectError
 from utils.models.forward import GenerationSettings, _hf_model
-from utils.train.flags import fail
+from utils.train.flags import fail, was_set
+from utils.train.metrics_logger import print_rank0
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_worker.py")
 GATHER_BYTES = 256 * 2**20  # parameters gathered from ZeRO-3 at a time
+LORA_SYNCS = ("adapter", "merged")  # --vllm_lora_sync
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's max_lora_rank choices
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # vLLM serves these
 
 
 class RolloutEngineError(ProjectError, RuntimeError):
@@ -69,6 +83,7 @@ class VLLMSettings:
     max_model_len: int | None = None  # None: the model's max_position_embeddings, at most 8192
     threads: int | None = None  # CPU: the worker's threads; None: every core of the machine
     sleep: bool = False  # the worker sleeps (weights offloaded, KV cache freed) while the ranks train
+    lora_sync: str = "adapter"  # with LoRA: the adapter alone each sync (where vLLM serves it), or merged weights
 
     @classmethod
     def from_args(cls, args) -> "VLLMSettings":
@@ -136,6 +151,14 @@ def add_vllm_args(parser) -> None:
         "KV cache freed) and wakes for the next rollout; GPU only (vLLM refuses it on CPU)",
     )
     g.add_argument(
+        "--vllm_lora_sync",
+        choices=LORA_SYNCS,
+        default="adapter",
+        help="with LoRA: adapter sends the adapter alone each sync (vLLM serves it on the base, sent once; a few MB) "
+        "where vLLM serves its modules, else merged with a line saying why; merged sends the whole model, the "
+        "adapter merged in",
+    )
+    g.add_argument(
         "--vllm_max_model_len",
         type=Number(int, low=1),
         default=None,
@@ -145,12 +168,14 @@ def add_vllm_args(parser) -> None:
 
 def check_vllm_args(args) -> None:
     """`--rollout_engine vllm`'s own checks, before any model is built: vLLM runs under --vllm_python, the
-    worker does not sleep through the training that --async_rollout generates beside, nor on a CPU (vLLM refuses
+    worker does not sleep through the training that --max_staleness generates beside, nor on a CPU (vLLM refuses
     it there), and it serves a whole prompt + answer."""
     if missing := vllm_missing(args.vllm_python):
         fail(f"--rollout_engine vllm: {missing}")
-    if args.async_rollout and args.vllm_sleep:
-        fail("--async_rollout generates while the ranks train: the worker cannot sleep then (--vllm_sleep)")
+    if args.max_staleness and args.vllm_sleep:
+        fail("--max_staleness generates while the ranks train: the worker cannot sleep then (--vllm_sleep)")
+    if not args.actor_lora_dim and was_set(args, "vllm_lora_sync"):
+        fail("--vllm_lora_sync does nothing without --actor_lora_dim (the whole model is synced)")
     if args.vllm_sleep and not torch.cuda.is_available():
         fail("--vllm_sleep is vLLM's sleep mode for GPUs; vLLM refuses it on CPU (leave the flag out)")
     longest = args.max_prompt_seq_len + args.max_answer_seq_len
@@ -215,6 +240,30 @@ def _set_parent_death_signal() -> None:
     """The worker ends with the rank that started it, even when that rank leaves by os._exit or SIGKILL."""
 
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def adapter_sync_refusal(peft_model) -> str | None:
+    """Why vLLM cannot serve this actor's LoRA adapter as an adapter (the sync then sends the merged model), or
+    None. The base must be frozen (it is sent once); vLLM 0.32 serves plain LoRA (no DoRA, no bias, no fully
+    trained modules) on a decoder's linear layers."""
+    from peft.tuners.lora import LoraLayer  # lazy: +3 s on step 3's --help (peft)
+
+    config = next(iter(peft_model.peft_config.values()))
+    if getattr(config, "use_dora", False):
+        return "vLLM does not serve DoRA adapters"
+    if getattr(config, "bias", "none") != "none":
+        return f"vLLM does not serve adapters with bias={config.bias!r}"
+    if getattr(config, "modules_to_save", None):
+        return f"the adapter also trains whole modules ({', '.join(config.modules_to_save)})"
+    ranks = [config.r, *getattr(config, "rank_pattern", {}).values()]
+    if max(ranks) > VLLM_LORA_RANKS[-1]:
+        return f"rank {max(ranks)} is above vLLM's largest, {VLLM_LORA_RANKS[-1]}"
+    if trained := [n for n, p in peft_model.named_parameters() if p.requires_grad and ".lora_" not in n]:
+        return f"the base weights train too ({len(trained)} tensors; --only_optimize_lora freezes them)"
+    names = {name.rsplit(".", 1)[-1] for name, m in peft_model.named_modules() if isinstance(m, LoraLayer)}
+    if others := sorted(names - set(LORA_MODULES)):
+        return f"vLLM serves LoRA on {', '.join(LORA_MODULES)}, not on {', '.join(others)}"
+    return None
 
 
 def checkpoint_name(name: str) -> str | None:
@@ -301,7 +350,7 @@ class NodeWorker:
 
     def _failure(self, what: str, detail: str | None = None) -> RolloutEngineError:
         code = None
-        if self.proc is not None:
+        if self.proc is not None and detail is None:  # a hang-up, not an error answered by a worker still serving
             try:
                 code = self.proc.wait(timeout=5)  # a hang-up is the socket closing as the process ends
             except subprocess.TimeoutExpired:
@@ -372,26 +421,37 @@ class VLLMRollout(NodeWorker):
 
     def __init__(self, actor, config, settings: VLLMSettings | None = None):
         self.actor, self.config = actor, config
+        settings = settings or VLLMSettings()
         self.model = _hf_model(actor)  # the transformers model (peft's base when LoRA wraps it)
         self.peft = getattr(actor, "module", actor)
         self.lora = hasattr(self.peft, "peft_config")
-        self.synced_step, self.unlinked = None, False
-        self.sync_s, self.sync_bytes = 0.0, 0  # of the last sync (logged per iteration)
+        self.sync = self._sync_mode(settings.lora_sync)
+        self.synced_step, self.unlinked, self.base_synced = None, False, False
+        self.sync_s, self.sync_bytes, self.sync_norm = 0.0, 0, 0.0  # of the last sync (logged per iteration)
         self.shm, self.start_s = None, 0.0
         self.asleep = False
-        self.pending = []  # prefetched requests: {"key", "reply" (None until read), "step" (weights), "prompts"}
-        self.staleness = 0  # the actor's optimizer steps between the last rollout's weights and the current ones
-        self._open_worker(settings or VLLMSettings())
-        # each sampled row's vLLM seed, drawn in rollout order (the same with and without --async_rollout)
+        self.pending = []  # prefetched requests: {"key", "reply" (None until read), "prompts"}
+        self.weight_version = None  # the version of the weights the last generate's tokens came from
+        self.regenerated = 0  # rows generated ahead, found staler than --max_staleness, generated again
+        self._open_worker(settings)
+        # each sampled row's vLLM seed, drawn in rollout order (the same with and without --max_staleness)
         self.seeds = torch.Generator().manual_seed(config.seed * 1000 + self.rank)
+
+    def _sync_mode(self, asked: str) -> str:
+        """ "whole" (no LoRA), "adapter" or "merged"; an adapter vLLM cannot serve is merged, said in one line."""
+        if not self.lora:
+            return "whole"
+        if asked == "adapter" and (why := adapter_sync_refusal(self.peft)):
+            print_rank0(f"[step3] vLLM weight sync: the merged model each sync, not the adapter alone: {why}")
+            return "merged"
+        return asked
 
     # ------------------------------------------------------------------ process
     def _worker_args(self) -> list[str]:
         s, model = self.settings, self.model
         model.config.save_pretrained(self.dir)  # the worker builds the architecture from it (weights: dummy)
         max_len = s.max_model_len or min(getattr(model.config, "max_position_embeddings", 8192), 8192)
-        temperature = self.config.generation.logprob_temperature
-        return [
+        args = [
             "--model",
             self.dir,
             "--dtype",
@@ -400,10 +460,13 @@ class VLLMRollout(NodeWorker):
             str(max_len),
             "--seed",
             str(self.config.seed),
-            # the trainer's log-probs are at the rollout temperature: vLLM's raw ones are before it
-            "--logprobs_mode",
-            "raw_logprobs" if temperature == 1.0 else "processed_logprobs",
-        ] + (["--sleep"] if s.sleep else [])
+        ]
+        if self.sync == "adapter":  # the adapter in use, those k versions older still asked for, one being added
+            config = next(iter(self.peft.peft_config.values()))
+            rank = max([config.r, *getattr(config, "rank_pattern", {}).values()])
+            max_rank = next(r for r in VLLM_LORA_RANKS if r >= rank)
+            args += ["--max_loras", str(self.config.max_staleness + 2), "--max_lora_rank", str(max_rank)]
+        return args + (["--sleep"] if s.sleep else [])
 
     def _drain(self) -> None:
         """The replies to prefetched requests, read (in order: the worker answers a connection in order) before
@@ -426,13 +489,14 @@ class VLLMRollout(NodeWorker):
 
     # ------------------------------------------------------------------ weight sync
     def _weights_to_send(self) -> list[tuple[str, torch.nn.Parameter, object]]:
-        """(checkpoint name, parameter, the LoRA layer to merge into it or None) for this sync."""
+        """(checkpoint name, parameter, the LoRA layer to merge into it or None) for a whole-weights sync."""
         from peft.tuners.lora import LoraLayer  # lazy: +3 s on step 3's --help (peft)
 
         lora_of = {}
-        for name, m in self.model.named_modules():
-            if isinstance(m, LoraLayer):
-                lora_of[id(m.get_base_layer().weight)] = m
+        if self.sync == "merged":
+            for name, m in self.model.named_modules():
+                if isinstance(m, LoraLayer):
+                    lora_of[id(m.get_base_layer().weight)] = m
         out = []
         # a tied weight (embeddings and LM head) goes under each of its names: vLLM's in-place reload rebuilds
         # each layer from what it receives, and a layer sent nothing keeps its old tensor, tie or not
@@ -444,13 +508,11 @@ class VLLMRollout(NodeWorker):
         return out
 
     def sync_weights(self) -> None:
-        """The actor's current weights into the worker, when an optimizer step changed them since the last
-        sync (collective under ZeRO-3: every rank calls it at the same point)."""
+        """The actor's current weights into the worker under their version (the actor's optimizer steps), when a
+        step changed them since the last sync (collective under ZeRO-3: every rank calls it at the same point)."""
         step = self.actor.global_steps
         if step == self.synced_step:
             return
-        import deepspeed  # lazy: +0.5 s on step 3's --help (deepspeed)
-
         if self.conn is None:
             t0 = time.time()
             self._connect()  # every rank of the node; the first time waits for the worker to build its model
@@ -460,6 +522,23 @@ class VLLMRollout(NodeWorker):
             if self.owner:
                 self._call({"op": "wake"}, "waking up")
             self.asleep = False
+        sent, squares = 0, 0.0
+        if self.sync != "adapter" or not self.base_synced:  # the adapter's frozen base goes once
+            sent, squares = self._push_whole(None if self.sync == "adapter" else step)
+            self.base_synced = True
+        if self.sync == "adapter":
+            bytes_, adapter_squares = self._push_adapter(step)
+            sent, squares = sent + bytes_, adapter_squares  # the norm of what changes: the adapter's
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()  # no rank generates before its node's worker has the new weights
+        self.synced_step, self.sync_s, self.sync_bytes = step, time.time() - t0, sent
+        self.sync_norm = squares**0.5
+
+    def _push_whole(self, version: int | None) -> tuple[int, float]:
+        """Every weight (the LoRA adapter merged in with --vllm_lora_sync merged) through the shared-memory block
+        into the worker; returns the bytes and the sum of squares sent (owner; 0 elsewhere)."""
+        import deepspeed  # lazy: +0.5 s on step 3's --help (deepspeed)
+
         weights = self._weights_to_send()
         shapes = [tuple(getattr(p, "ds_shape", p.shape)) for _, p, _ in weights]
         layout, offset = [], 0
@@ -470,7 +549,7 @@ class VLLMRollout(NodeWorker):
             if self.shm is None:
                 self.shm = shared_memory.SharedMemory(create=True, size=max(offset, 1))
                 self.flat = torch.frombuffer(self.shm.buf, dtype=torch.uint8)
-        group, size = [], 0
+        group, size, squares = [], 0, 0.0
         for i, (_, param, _) in enumerate(weights):
             group.append(i)
             size += param.element_size() * torch.Size(shapes[i]).numel()
@@ -493,15 +572,45 @@ class VLLMRollout(NodeWorker):
                         nbytes = value.numel() * value.element_size()
                         start = layout[j][3]
                         self.flat[start : start + nbytes].view(value.dtype).view(value.shape).copy_(value)
+                        squares += float(value.double().square().sum())
             group, size = [], 0
         if self.owner:
-            self._call({"op": "load", "shm": self.shm.name, "tensors": layout}, "loading weights")
+            self._call({"op": "load", "shm": self.shm.name, "tensors": layout, "version": version}, "loading weights")
             if not self.unlinked:  # mapped by both sides now: no name left behind if either dies
                 self.shm.unlink()
                 self.unlinked = True
-        if torch.distributed.is_initialized():
-            torch.distributed.barrier()  # no rank generates before its node's worker has the new weights
-        self.synced_step, self.sync_s, self.sync_bytes = step, time.time() - t0, offset
+        return offset, squares
+
+    def _push_adapter(self, version: int) -> tuple[int, float]:
+        """The LoRA adapter alone (peft's own state dict and config: the names vLLM reads) written to a new folder
+        that the worker adds as version `version`; returns the bytes and the sum of squares sent (owner)."""
+        import deepspeed  # lazy: as _push_whole's
+        from peft import get_peft_model_state_dict  # lazy: +3 s on step 3's --help (peft)
+        from peft.tuners.lora import LoraLayer  # lazy: as get_peft_model_state_dict
+        from safetensors.torch import save_file  # lazy: only the adapter sync writes one
+
+        layers = [m for m in self.peft.modules() if isinstance(m, LoraLayer)]
+        params = partitioned_params([p for m in layers for n, p in m.named_parameters() if "lora_" in n])
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=bool(params)), torch.no_grad():
+            if not self.owner:
+                return 0, 0.0
+            state = {k: v.detach().contiguous().clone() for k, v in get_peft_model_state_dict(self.peft).items()}
+        if not state:
+            raise RolloutEngineError(
+                f"--vllm_lora_sync adapter: peft's state dict of the actor's {len(layers)} LoRA modules is empty: "
+                f"nothing to send (--vllm_lora_sync merged sends the merged model)"
+            )
+        folder = os.path.join(self.dir, f"adapter-v{version}")
+        os.makedirs(folder, exist_ok=True)
+        save_file(state, os.path.join(folder, "adapter_model.safetensors"))
+        next(iter(self.peft.peft_config.values())).save_pretrained(folder)
+        nbytes = os.path.getsize(os.path.join(folder, "adapter_model.safetensors"))
+        modules = sum(1 for m in layers if any(a in m.lora_A for a in m.active_adapters))
+        self._call({"op": "load_lora", "path": folder, "version": version, "modules": modules}, "loading the adapter")
+        for old in glob.glob(os.path.join(self.dir, "adapter-v*")):  # read into the worker's memory: not needed
+            if old != folder:
+                shutil.rmtree(old, ignore_errors=True)
+        return nbytes, sum(float(v.double().square().sum()) for v in state.values())
 
     def sleep(self) -> None:
         """With --vllm_sleep, before training: the worker frees its accelerator memory; the next sync (forced)
@@ -513,12 +622,16 @@ class VLLMRollout(NodeWorker):
         self.asleep, self.synced_step = True, None
 
     def metrics(self) -> dict:
-        """Logged per iteration: the last weight sync's seconds and megabytes (this node's worker)."""
-        return {
+        """Logged per iteration: the last weight sync's seconds, megabytes and the norm of what it sent (this
+        node's worker), and the rows generated ahead that were too stale and generated again (this rank)."""
+        out = {
             "time/weight_sync_s": self.sync_s,
             "rollout/weight_sync_mb": self.sync_bytes / 2**20,
-            "rollout/staleness": float(self.staleness),
+            "rollout/weight_sync_norm": self.sync_norm,
+            "rollout/stale_rows_regenerated": float(self.regenerated),
         }
+        self.regenerated = 0
+        return out
 
     # ------------------------------------------------------------------ generation
     def _request(
@@ -547,6 +660,11 @@ class VLLMRollout(NodeWorker):
     def _key(input_ids, attention_mask, settings, logprobs):
         return input_ids.tolist(), attention_mask.tolist(), settings, logprobs
 
+    def prefetched(self, input_ids, attention_mask, settings: GenerationSettings, logprobs: bool = False) -> bool:
+        """Whether these rows were handed to `prefetch` and not yet taken by `generate`."""
+        key = self._key(input_ids, attention_mask, settings, logprobs)
+        return any(e["key"] == key for e in self.pending)
+
     def prefetch(
         self,
         input_ids: torch.Tensor,
@@ -554,35 +672,32 @@ class VLLMRollout(NodeWorker):
         settings: GenerationSettings,
         logprobs: bool = False,
     ) -> None:
-        """Start generating these rows now (`--async_rollout`: while the trainer trains on the current rollout),
+        """Start generating these rows now (`--max_staleness`: while the trainer trains on the current rollout),
         with the weights of the last optimizer step; the `generate` call with the same inputs takes the answers.
         Under ZeRO-3 collective like `generate` (the weight sync)."""
         self.sync_weights()
         request = self._request(input_ids, attention_mask, settings, logprobs)
         self._send(request)
-        self.pending.append(
-            {
-                "key": self._key(input_ids, attention_mask, settings, logprobs),
-                "reply": None,
-                "step": self.synced_step,
-                "prompts": len(request["prompts"]),
-            }
-        )
+        key = self._key(input_ids, attention_mask, settings, logprobs)
+        self.pending.append({"key": key, "reply": None, "prompts": len(request["prompts"])})
 
     def _generate(
         self, input_ids: torch.Tensor, attention_mask: torch.Tensor, settings: GenerationSettings, logprobs: bool
     ):
         key = self._key(input_ids, attention_mask, settings, logprobs)
         entry = next((e for e in self.pending if e["key"] == key), None)
+        reply = None
         if entry is not None:  # generated ahead, with the weights of an earlier step
             self._drain()
             self.pending.remove(entry)
-            outputs = entry["reply"]["outputs"]
-            self.staleness = self.actor.global_steps - entry["step"]
-        else:
+            reply = entry["reply"]
+            if self.actor.global_steps - reply["version"] > self.config.max_staleness:
+                self.regenerated += entry["prompts"]  # staler than the bound: never trained, generated again
+                reply = None
+        if reply is None:
             self.sync_weights()
-            outputs = self._call(self._request(input_ids, attention_mask, settings, logprobs), "generating")["outputs"]
-            self.staleness = 0
+            reply = self._call(self._request(input_ids, attention_mask, settings, logprobs), "generating")
+        outputs, self.weight_version = reply["outputs"], reply["version"]
         c = self.config
         width = max(1, max(len(o["ids"]) for o in outputs))
         answers = torch.full((len(outputs), width), c.pad_token_id, dtype=torch.long)

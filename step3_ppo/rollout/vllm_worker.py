@@ -6,17 +6,26 @@ environment on GPU), so it imports nothing of the project: only the standard lib
 listens on a Unix socket (created once the model is built: its appearance says "ready"); each trainer rank of the node
 connects and sends JSON requests (bytes framed by multiprocessing.connection, never pickles):
   {"op": "generate", "prompts": [[ids]], "params": {...}, "seeds": [...]}
-      -> {"outputs": [{"ids": [...], "logprobs": [...] | null}]}: token ids in, token ids out, no text
-  {"op": "load", "shm": name, "tensors": [[name, dtype, shape, offset], ...]}
+      -> {"outputs": [{"ids": [...], "logprobs": [...] | null}], "version": v}: token ids in, token ids out, no
+         text; `version` names the weights every one of its tokens came from (the last load's)
+  {"op": "load", "shm": name, "tensors": [[name, dtype, shape, offset], ...], "version": v}
       -> {"seconds": s}: checkpoint-format weights read from shared memory into the model in place
          (vLLM's reload_weights), then the prefix cache reset
+  {"op": "load_lora", "path": folder, "version": v, "modules": n}
+      -> {"seconds": s}: a peft adapter folder (adapter_config.json, adapter_model.safetensors) added under a new
+         name and id for version v (started with --max_loras): later generate requests use it, so neither an
+         older adapter nor KV computed under one is reused; answered an error unless vLLM placed all n of the
+         adapter's LoRA modules (a name mismatch would otherwise serve the bare base); adapters older than the
+         last max_loras - 1 are removed
   {"op": "sleep"} / {"op": "wake"} -> {}: vLLM's sleep mode, level 1 (started with --sleep)
   {"op": "score", "sequences": [[ids]], "prompt_len": [...], "temperature": 1.0}
       -> {"logprobs": [[...]]}: each sequence's log-probs of its tokens after the first prompt_len, each given its
          prefix (vLLM's prompt log-probs: a teacher scoring the student's tokens); at temperature 1 only, since
          vLLM 0.32 computes prompt log-probs from the raw logits (no temperature; another is answered an error)
   {"op": "close"} -> {} and the worker exits.
-Requests that arrive together from several ranks are generated (or scored) in one batch. A rollout worker starts
+Requests that arrive together from several ranks are generated (or scored) in one batch. The worker serves one
+request batch at a time: a load waits until every generate request read before it is answered (a sync drains
+the requests in flight), so no request generates with two versions' weights. A rollout worker starts
 with dummy weights (the trainer's arrive by sync: `--load_format dummy`); a teacher's reads its folder's
 (`--load_format auto`). A failure is answered
 {"error": "..."} and the worker keeps serving; the worker's own output goes to the log file the trainer
@@ -52,11 +61,12 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default="float32", help="the actor's dtype (torch name)")
     p.add_argument("--max_model_len", type=int, required=True, help="longest prompt + answer served")
     p.add_argument(
-        "--logprobs_mode",
-        default="raw_logprobs",
-        choices=["raw_logprobs", "processed_logprobs"],
-        help="vLLM's: raw (before temperature) when the rollout samples at temperature 1, else processed",
+        "--max_loras",
+        type=int,
+        default=0,
+        help="serve LoRA adapters (vLLM's enable_lora) with this many loaded at once; 0: no LoRA (whole weights)",
     )
+    p.add_argument("--max_lora_rank", type=int, default=16, help="the largest adapter rank served")
     p.add_argument("--kv_cache_gib", type=float, default=1.0, help="KV cache size in GiB")
     p.add_argument(
         "--mode",
@@ -99,12 +109,27 @@ def build_llm(args):
         max_model_len=args.max_model_len,
         enforce_eager=eager,
         tensor_parallel_size=args.tensor_parallel_size,
-        logprobs_mode=args.logprobs_mode,
+        # the sampled tokens' log-probs after temperature, top-k and top-p: those of the distribution sampled
+        logprobs_mode="processed_logprobs",
         seed=args.seed,
         enable_prefix_caching=True,
         enable_sleep_mode=args.sleep,
+        **lora_kwargs(args),
         **kwargs,
     )
+
+
+def lora_kwargs(args) -> dict:
+    """vLLM's LoRA settings with --max_loras > 0: adapters of up to --max_lora_rank in the model's dtype, as many
+    on the device as in the CPU cache (an adapter still in use is never evicted to make room)."""
+    if not args.max_loras:
+        return {}
+    return {
+        "enable_lora": True,
+        "max_loras": args.max_loras,
+        "max_cpu_loras": args.max_loras,
+        "max_lora_rank": args.max_lora_rank,
+    }
 
 
 def sampling_params(params: dict, seed: int | None):
@@ -128,16 +153,30 @@ def sampling_params(params: dict, seed: int | None):
     )
 
 
-def generate(llm, requests: list[dict]) -> list[dict]:
-    """Every request's prompts in one `generate` call; each request's outputs in its prompts' order."""
+class Weights:
+    """Which weights the worker generates with: the version of the last load (None before the first) and, when it
+    serves adapters, the LoRA request of each loaded version (oldest first)."""
+
+    def __init__(self, max_loras: int = 0):
+        self.version, self.max_loras, self.adapters = None, max_loras, []
+
+    @property
+    def lora_request(self):
+        return self.adapters[-1][1] if self.adapters else None
+
+
+def generate(llm, requests: list[dict], weights: Weights | None = None) -> list[dict]:
+    """Every request's prompts in one `generate` call (with the current adapter, if any); each request's outputs
+    in its prompts' order, stamped with the weights' version."""
     from vllm.inputs import TokensPrompt  # lazy: as SamplingParams
 
+    weights = weights or Weights()
     prompts, params = [], []
     for request in requests:
         for prompt, seed in zip(request["prompts"], request["seeds"]):
             prompts.append(TokensPrompt(prompt_token_ids=prompt))
             params.append(sampling_params(request["params"], seed))
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=weights.lora_request)
     replies, start = [], 0
     for request in requests:
         answers = []
@@ -147,7 +186,7 @@ def generate(llm, requests: list[dict]) -> list[dict]:
             if completion.logprobs is not None:
                 logprobs = [step[token].logprob for step, token in zip(completion.logprobs, completion.token_ids)]
             answers.append({"ids": list(completion.token_ids), "logprobs": logprobs})
-        replies.append({"outputs": answers})
+        replies.append({"outputs": answers, "version": weights.version})
         start += len(request["prompts"])
     return replies
 
@@ -182,7 +221,48 @@ def score(llm, requests: list[dict]) -> list[dict]:
 _blocks = {}  # shared-memory blocks by name, mapped once: the trainer unlinks the name after the first load
 
 
-def load(llm, request: dict) -> dict:
+def _loaded_modules(worker, adapter_id: int) -> int:
+    """Run in vLLM's worker (collective_rpc): how many of the adapter's LoRA modules vLLM placed on a layer of the
+    model, counting each part of a packed layer (q, k, v of qkv_proj) on its own, as the trainer's model has them."""
+    manager = worker.model_runner.lora_manager._adapter_manager
+    adapter = manager._registered_adapters.get(adapter_id)
+    if adapter is None:
+        return 0
+    count = 0
+    for module_name in manager.modules:  # the model's layers that take LoRA: a tensor named otherwise is never used
+        layer = adapter.loras.get(module_name)
+        if layer is not None:
+            parts = layer.lora_a if isinstance(layer.lora_a, list) else [layer.lora_a]
+            count += sum(part is not None for part in parts)
+    return count
+
+
+def load_lora(llm, request: dict, weights: Weights) -> dict:
+    """The adapter folder of version v under the name `actor-v<v>` and id v + 1 (a new one each sync: vLLM keys its
+    prefix cache and loaded adapters by it), checked to have placed every module sent; the oldest adapters beyond
+    max_loras - 1 removed (the newest is in use, and none older than those can still be asked for)."""
+    from vllm.lora.request import LoRARequest  # lazy: as SamplingParams
+
+    t0 = time.perf_counter()
+    version = request["version"]
+    lora = LoRARequest(f"actor-v{version}", version + 1, request["path"])
+    llm.llm_engine.add_lora(lora)
+    placed = llm.collective_rpc(_loaded_modules, args=(lora.lora_int_id,))[0]
+    if placed != request["modules"]:
+        llm.llm_engine.remove_lora(lora.lora_int_id)
+        raise ValueError(
+            f"the adapter of version {version} has {request['modules']} LoRA modules and vLLM placed {placed} of "
+            f"them (its tensor names do not match the model's modules: the worker would sample the bare base model)"
+        )
+    weights.adapters.append((version, lora))
+    while len(weights.adapters) > max(weights.max_loras - 1, 1):
+        llm.llm_engine.remove_lora(weights.adapters.pop(0)[1].lora_int_id)
+    weights.version = version
+    llm.reset_prefix_cache()
+    return {"seconds": time.perf_counter() - t0, "placed": placed}
+
+
+def load(llm, request: dict, weights: Weights | None = None) -> dict:
     """Weights from the trainer's shared memory block into the model in place (checkpoint names and layout:
     vLLM fuses and repacks them itself), then the prefix cache dropped (its KV came from the old weights)."""
     t0 = time.perf_counter()
@@ -192,7 +272,7 @@ def load(llm, request: dict) -> dict:
         _blocks[request["shm"]] = (shm, torch.frombuffer(shm.buf, dtype=torch.uint8))
     flat = _blocks[request["shm"]][1]
 
-    def weights():
+    def tensors():
         for name, dtype, shape, offset in request["tensors"]:
             dt = getattr(torch, dtype)
             count = 1
@@ -201,13 +281,17 @@ def load(llm, request: dict) -> dict:
             nbytes = count * torch.empty((), dtype=dt).element_size()
             yield name, flat[offset : offset + nbytes].view(dt).view(shape)
 
-    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights(), "is_checkpoint_format": True})
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors(), "is_checkpoint_format": True})
     llm.reset_prefix_cache()
+    if weights is not None and request.get("version") is not None:
+        weights.version = request["version"]
     return {"seconds": time.perf_counter() - t0}
 
 
-def serve(llm, listener, ranks: int, hello: dict) -> None:
-    """Answer the ranks' requests until one sends "close" (or every rank has hung up)."""
+def serve(llm, listener, ranks: int, hello: dict, weights: Weights | None = None) -> None:
+    """Answer the ranks' requests until one sends "close" (or every rank has hung up). Each round answers the
+    generate (and score) requests read first, then the loads: a sync drains what is in flight."""
+    weights = weights or Weights()
     conns = [listener.accept() for _ in range(ranks)]
     for conn in conns:
         conn.send_bytes(json.dumps(hello).encode())
@@ -225,16 +309,16 @@ def serve(llm, listener, ranks: int, hello: dict) -> None:
             batch = [(c, r) for c, r in requests if r["op"] == op]
             if batch:
                 try:
-                    replies = run(llm, [r for _, r in batch])
+                    replies = run(llm, [r for _, r in batch], *((weights,) if op == "generate" else ()))
                 except Exception as e:  # answered, not fatal: the trainer stops with this line
                     traceback.print_exc()
                     replies = [{"error": f"{type(e).__name__}: {e}"}] * len(batch)
                 for (conn, _), reply in zip(batch, replies):
                     conn.send_bytes(json.dumps(reply).encode())
         for conn, request in requests:
-            if request["op"] == "load":
+            if request["op"] in ("load", "load_lora"):
                 try:
-                    reply = load(llm, request)
+                    reply = (load if request["op"] == "load" else load_lora)(llm, request, weights)
                 except Exception as e:
                     traceback.print_exc()
                     reply = {"error": f"{type(e).__name__}: {e}"}
@@ -271,7 +355,7 @@ def main(argv=None) -> None:
     }
     # the socket appears once the model is built: the trainer ranks wait for it, connect and read `hello`
     listener = Listener(args.socket, family="AF_UNIX", authkey=key)
-    serve(llm, listener, args.ranks, hello)
+    serve(llm, listener, args.ranks, hello, Weights(args.max_loras))
     listener.close()
 
 

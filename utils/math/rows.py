@@ -34,6 +34,7 @@ class Row:
     # step3_ppo/agents/loop.py); None: every response token is an action (a single answer)
     response_action_mask: torch.Tensor | None = None
     agent: dict | None = None  # a multi-turn trajectory's messages after the prompt and counters (agents.py)
+    weight_version: int | None = None  # the policy's optimizer steps when the weights that generated it were synced
 
     @property
     def length(self) -> int:

@@ -44,7 +44,7 @@ from utils.math.ops import (
     scatter_packed,
     sequence_score,
 )
-from utils.math.sampling import processed_token_logprobs, truncates
+from utils.math.sampling import processed_token_logprobs
 from utils.runtime.distributed import all_reduce_max, world_size
 
 # Tokens per LM-head chunk of the log-prob forwards: the default of --logprob_chunk_tokens (utils/train/flags.py;
@@ -538,10 +538,10 @@ def generate(
     """Sequences [B, P + T] of a plain (unwrapped) causal LM for left-padded prompts [B, P], on its device.
 
     With `logprob_temperature`: (sequences, the generator's own log-probs [B, T] fp32 of the tokens it
-    chose, under the distribution it sampled: softmax(logits / logprob_temperature) after the top-k and top-p
-    of the sampling kwargs (utils.math.sampling.processed_logprobs, the rule of transformers' warpers; vLLM's
-    processed log-probs), before min-length processing. `generate`
-    is asked for its raw logits (`output_logits`), which it keeps for every step: T x B x V x 4 bytes
+    chose, under softmax(logits / logprob_temperature)), the distribution the trainer scores
+    (`token_logprobs`; before min-length, top-k and top-p processing: the policy trained, so that
+    `--old_logprobs rollout` can stand for the trainer's forward; the vLLM worker's are after top-k and top-p).
+    `generate` is asked for its raw logits (`output_logits`), which it keeps for every step: T x B x V x 4 bytes
     more while generating (16 rows x 64 tokens x 49152 tokens of SmolLM2: 0.2 GB), freed here. Rows that
     repeat a prompt share its prefill (shared_prompt_cache; not with beam search or plain ZeRO-3's
     `synced_gpus`, where every rank must run the same forwards).
@@ -557,23 +557,7 @@ def generate(
     out = model.generate(
         input_ids=input_ids, attention_mask=attention_mask, output_logits=True, return_dict_in_generate=True, **kwargs
     )
-    tokens = out.sequences[:, input_ids.shape[1] :]
-    return out.sequences, sampled_logprobs(out.logits, tokens, logprob_temperature, *sampling_truncation(model, kwargs))
-
-
-def sampling_truncation(model: nn.Module, kwargs: dict) -> tuple[int, float]:
-    """(top_k, top_p) that transformers' `generate(**kwargs)` samples with: the kwargs', else the model's
-    generation_config's (as generate merges them); (0, 1.0) when it does not sample."""
-    config = getattr(model, "generation_config", None)
-
-    def setting(name, default):
-        value = kwargs.get(name)
-        value = getattr(config, name, None) if value is None else value
-        return default if value is None else value
-
-    if not setting("do_sample", False):
-        return 0, 1.0
-    return int(setting("top_k", 0)), float(setting("top_p", 1.0))
+    return out.sequences, sampled_logprobs(out.logits, out.sequences[:, input_ids.shape[1] :], logprob_temperature)
 
 
 def shared_prompt_cache(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, always: bool = False):
@@ -610,22 +594,13 @@ def shared_prompt_cache(model: nn.Module, input_ids: Tensor, attention_mask: Ten
     return cache
 
 
-def sampled_logprobs(
-    step_logits, tokens: Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0
-) -> Tensor:
+def sampled_logprobs(step_logits, tokens: Tensor, temperature: float = 1.0) -> Tensor:
     """[B, T] fp32: log softmax(step_logits[t] / temperature) at tokens[:, t], one step at a time (no
-    [B, T, V] stack); `step_logits` is `generate`'s tuple of T raw [B, V] logits. With `top_k` (> 0) or
-    `top_p` (< 1), over the tokens they keep (utils.math.sampling.processed_logprobs)."""
+    [B, T, V] stack); `step_logits` is `generate`'s tuple of T raw [B, V] logits."""
     if len(step_logits) != tokens.shape[1]:
         raise ValueError(f"{len(step_logits)} steps of logits for {tokens.shape[1]} generated tokens")
-    if truncates(top_k, top_p):
-        columns = [
-            processed_token_logprobs(logits, tokens[:, t], temperature, top_k, top_p)
-            for t, logits in enumerate(step_logits)
-        ]
-    else:
-        columns = [
-            logprobs_from_logits(logits.float() / temperature, tokens[:, t].to(logits.device))
-            for t, logits in enumerate(step_logits)
-        ]
+    columns = [
+        logprobs_from_logits(logits.float() / temperature, tokens[:, t].to(logits.device))
+        for t, logits in enumerate(step_logits)
+    ]
     return torch.stack(columns, dim=1) if columns else tokens.new_zeros(tokens.shape, dtype=torch.float32)

@@ -217,6 +217,8 @@ def _unknown(key: str, actions: dict, parser: ConfigFileParser) -> str:
             return f"unknown key {key!r} (--{key} is written {spelled})"
     if key == "config":
         return "key 'config': a file cannot load another (give several --config; a later file wins)"
+    if f"--{key}" in parser.RENAMED:
+        return f"key {key!r}: --{key} was renamed: use {parser.RENAMED[f'--{key}']}"
     close = difflib.get_close_matches(key, sorted(actions), n=1)
     return f"unknown key {key!r}" + (f" (did you mean --{close[0]}?)" if close else "")
 

@@ -243,16 +243,16 @@ class Run:
     def _next(self):
         return self._peeked.pop(0) if self._peeked else next(self._epoch[0])
 
-    def peek(self, count: int) -> list | None:
-        """The `count` batches the next step will get, without moving the loop's position (a checkpoint
-        saved before that step still resumes at them): step 3's `--async_rollout` generates them while the
-        current step trains. None when the next step starts a new epoch or there is none."""
-        loop = self.loop
-        if self._epoch is None or loop.step + 1 >= self.total_steps or loop.batches_in_epoch + count > self._epoch[1]:
+    def peek(self, count: int, ahead: int = 1) -> list | None:
+        """The `count` batches the step `ahead` steps from now will get (1: the next), without moving the loop's
+        position (a checkpoint saved before that step still resumes at them): step 3's `--max_staleness`
+        generates them while the current step trains. None when that step starts a new epoch or there is none."""
+        loop, end = self.loop, count * ahead
+        if self._epoch is None or loop.step + ahead >= self.total_steps or loop.batches_in_epoch + end > self._epoch[1]:
             return None
-        while len(self._peeked) < count:
+        while len(self._peeked) < end:
             self._peeked.append(next(self._epoch[0]))
-        return list(self._peeked[:count])
+        return list(self._peeked[end - count : end])
 
     def after_step(
         self,
