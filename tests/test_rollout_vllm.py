@@ -327,6 +327,8 @@ def test_adapter_sync_follows_real_updates(lora_run):
     norm of what each sync pushed changes (an adapter frozen at its start, or a base pushed instead, would not)."""
     trainer, engine = lora_run.trainer, lora_run.trainer.rollout
     assert engine.sync == "adapter"
+    worker_args = engine._worker_args()  # room for the adapter in use, --max_staleness older ones and one loading
+    assert worker_args[worker_args.index("--max_loras") + 1] == str(trainer.config.max_staleness + 2)
     probe = prompt_batches(lora_run, 2, n_rows=2, offset=20)[0]
     before = trainer.generate_rows(probe, settings=GREEDY, n=1, logprobs=True)
     norms = []
@@ -489,17 +491,13 @@ def test_a_worker_that_never_starts_is_one_error_in_seconds(tiny_llama_32, tmp_p
     engine.close()
 
 
-def test_two_ranks_zero3_grpo_learns_with_the_vllm_worker(tiny_llama_32, tmp_path, worker_python):
-    """Two ranks under ZeRO-3 (+ the hybrid engine's gathered scoring) share one worker (their requests batched
-    together), the weights are gathered for each sync, and GRPO learns a reward it can learn (the first answer token
-    even, among the top 8), with the generator-trainer mismatch ~0 on every iteration (the worker always has the latest
-    weights)."""
+def two_rank_args(model, tmp_path, worker_python, *extra) -> list:
+    """A 2-rank ZeRO-3 GRPO run with the vLLM worker on the first-token-even reward (out under tmp_path/out)."""
     write_rows(tmp_path, 64)
     (tmp_path / "even.py").write_text(EVEN)
-    out = str(tmp_path / "out")
-    args = [
+    return [
         "--actor_model_name_or_path",
-        tiny_llama_32,
+        model,
         "--data_path",
         tmp_path / "prompts.jsonl",
         "--data_split",
@@ -540,7 +538,16 @@ def test_two_ranks_zero3_grpo_learns_with_the_vllm_worker(tiny_llama_32, tmp_pat
         "--vllm_mode",
         "eager",
         *worker_python,
+        *extra,
     ]
+
+
+def test_two_ranks_zero3_grpo_learns_with_the_vllm_worker(tiny_llama_32, tmp_path, worker_python):
+    """Two ranks under ZeRO-3 (+ the hybrid engine's gathered scoring) share one worker (their requests batched
+    together), the weights are gathered for each sync, and GRPO learns a reward it can learn (the first answer token
+    even, among the top 8), with the generator-trainer mismatch ~0 on every iteration (the worker always has the latest
+    weights)."""
+    args, out = two_rank_args(tiny_llama_32, tmp_path, worker_python), str(tmp_path / "out")
     proc = run_deepspeed("step3_ppo.main", args, log_path=str(tmp_path / "log.txt"))
     assert proc.returncode == 0, tail(proc)
     rows = metrics(out)
@@ -551,3 +558,27 @@ def test_two_ranks_zero3_grpo_learns_with_the_vllm_worker(tiny_llama_32, tmp_pat
     # measured, seeds 1 and 2: 0.46 -> 0.82, 0.45 -> 0.90 over the first 2 / last 5 iterations (the hybrid
     # engine: 0.39 -> 0.86, 0.47 -> 0.89)
     assert sum(scores[-5:]) / 5 > sum(scores[:2]) / 2 + 0.2, scores
+
+
+def test_two_ranks_zero3_lora_adapter_sync_one_step_off(tiny_llama_32, tmp_path, worker_python):
+    """The adapter path under ZeRO-3 on 2 ranks with --max_staleness equal to an iteration's 2 optimizer steps: the
+    LoRA factors are gathered for each sync and only the adapter crosses after the first (the base once), the
+    worker generates each next iteration while the ranks train, each row is 2 steps stale from the second
+    iteration on, the generator's log-probs of those stale rows differ from the trainer's (TIS reads them), and
+    the run ends cleanly."""
+    lora = ["--actor_lora_dim", 8, "--actor_lora_module_name", "proj", "--only_optimize_lora"]
+    extra = [*lora, "--actor_lora_learning_rate", "5e-2", "--max_staleness", 2, "--rollout_correction", "tis"]
+    args = two_rank_args(tiny_llama_32, tmp_path, worker_python, *extra)
+    args[args.index("--max_steps") + 1] = 5
+    proc = run_deepspeed("step3_ppo.main", args, log_path=str(tmp_path / "log.txt"))
+    assert proc.returncode == 0, tail(proc)
+    rows = metrics(str(tmp_path / "out"))
+    assert len(rows) == 5
+    assert [r["rollout/staleness_max"] for r in rows] == [0, 2, 2, 2, 2]
+    assert [r["rollout/staleness_min"] for r in rows] == [0, 2, 2, 2, 2]
+    whole_mb = rows[0]["rollout/weight_sync_mb"]  # the first sync: the base and the adapter
+    assert all(0 < r["rollout/weight_sync_mb"] < whole_mb / 20 for r in rows[1:]), rows
+    assert rows[0]["rollout/logprob_diff_max"] <= 1e-4  # generated with the weights it trains under
+    assert max(r["rollout/logprob_diff_max"] for r in rows[1:]) > 1e-3  # stale rows: the generator's version
+    assert all(r["rollout/stale_rows_regenerated"] == 0 for r in rows)
+    assert "not the adapter alone" not in proc.stdout
