@@ -503,7 +503,7 @@ def two_rank_args(model, tmp_path, worker_python, *extra) -> list:
         "--data_split",
         "0,0,10",
         "--output_dir",
-        out,
+        str(tmp_path / "out"),
         "--advantage_estimator",
         "grpo",
         "--n_samples_per_prompt",
