@@ -16,7 +16,8 @@ In priority order (later runs are skipped, and the report says so, when --budget
                unsharded limit, plain ZeRO-3, hybrid; tokens/s), then step 1's training tokens/s and MFU
                (bench/sft_throughput.py's figures: 32 rows x 1024 tokens, bf16, 1 rank), then the GRPO
                script as on-policy distillation alone (the model as its own teacher; reverse_kl_sampled,
-               reverse_kl), beside the GRPO row
+               reverse_kl), beside the GRPO row, then the vLLM GRPO row with a LoRA actor (r=16, the base frozen)
+               twice: --vllm_lora_sync adapter and merged (MB and seconds per sync, s/iteration)
 On CPU the same list runs on the tiny model (the run_single_gpu.sh scripts and the generation
 benchmark included), so every part of the script is exercised before GPU minutes are spent.
 Every run is the real entry point in its own process; its figures come from its metrics.jsonl:
@@ -342,6 +343,10 @@ def runs(models: dict, data: str, work: str, mode: str) -> list[dict]:
         # the GRPO row (same sitting)
         distill_single_gpu(big, model, g, "reverse_kl_sampled"),
         distill_single_gpu(big, model, g, "reverse_kl"),
+        # after them: the vLLM worker with a LoRA actor (r=16 on every projection, the base frozen), the adapter alone
+        # each sync (the base once) against the merged model each sync: MB and seconds per sync and s/iteration, side
+        # by side (same sitting; bench/vllm_sync.py is the CPU benchmark)
+        *(vllm_lora_sync(big, model, g, mode, sync) for sync in ("adapter", "merged")),
     ]
     return out
 
@@ -397,30 +402,40 @@ def sft_throughput(big: str, model: str, g, data: str, mode: str) -> dict:
     )
 
 
-def vllm_grpo(big: str, model: str, g, mode: str) -> dict:
-    """run_grpo_single_gpu.sh with the vLLM worker (`--rollout_engine vllm`): runs where a vLLM is found
-    (GPU_VLLM_PYTHON, else this python: scripts/setup.sh --with-vllm makes .venv-vllm on a GPU machine); the
-    CPU fallback's tiny model (head size 16) is one vLLM's CPU attention cannot run (multiples of 32)."""
+def vllm_grpo(
+    big: str,
+    model: str,
+    g,
+    mode: str,
+    out: str = "gpu_grpo_vllm",
+    name: str = "run_grpo_single_gpu.sh --rollout_engine vllm",
+    extra: tuple = (),
+    steps: int = 3,
+) -> dict:
+    """run_grpo_single_gpu.sh with the vLLM worker (`--rollout_engine vllm`; `extra`: more of its flags): runs where
+    a vLLM is found (GPU_VLLM_PYTHON, else this python: scripts/setup.sh --with-vllm makes .venv-vllm on a GPU
+    machine); the CPU fallback's tiny model (head size 16) is one vLLM's CPU attention cannot run (multiples of 32)."""
     from step3_ppo.rollout.vllm_engine import vllm_missing
 
     python = os.environ.get("GPU_VLLM_PYTHON") or sys.executable
     run = dict(
-        name=f"{big} run_grpo_single_gpu.sh --rollout_engine vllm",
+        name=f"{big} {name}",
         model=big,
         kind="step3",
-        out=g("gpu_grpo_vllm"),
+        out=g(out),
         cmd=[
             "bash",
             "scripts/step3_ppo/run_grpo_single_gpu.sh",
-            g("gpu_grpo_vllm"),
+            g(out),
             "--max_steps",
-            "3",
+            str(steps),
             "--eval_interval",
             "0",
             "--rollout_engine",
             "vllm",
             "--vllm_python",
             python,
+            *extra,
         ],
         env={"ACTOR": model, "RLHF_USE_CURRENT_ENV": "1"},
     )
@@ -428,6 +443,14 @@ def vllm_grpo(big: str, model: str, g, mode: str) -> dict:
     if reason:
         run["not_applicable"] = reason
     return run
+
+
+def vllm_lora_sync(big: str, model: str, g, mode: str, sync: str) -> dict:
+    """The vLLM GRPO row with a LoRA actor (r=16 on every projection, the base frozen) and `--vllm_lora_sync sync`:
+    4 iterations, so 3 syncs after real optimizer steps follow the first (adapter: the base goes with the first)."""
+    lora = ["--actor_lora_dim", "16", "--actor_lora_module_name", "proj", "--only_optimize_lora"]
+    name = f"run_grpo_single_gpu.sh vllm LoRA sync {sync}"
+    return vllm_grpo(big, model, g, mode, f"vllm_lora_{sync}", name, [*lora, "--vllm_lora_sync", sync], 4)
 
 
 def read_metrics(out: str) -> list[dict]:
@@ -471,6 +494,15 @@ def summarise(run: dict) -> dict:
                     k: statistics.median(r[f"time/{k}_s"] for r in timed) for k in ("generation", "experience", "train")
                 },
             )
+        synced = [r for r in its if "rollout/weight_sync_mb" in r]
+        if synced:  # the vLLM worker's syncs: the first (the worker's start excluded), then the median of the later
+            later = synced[1:] or synced
+            s["weight_sync"] = {
+                "first_mb": synced[0]["rollout/weight_sync_mb"],
+                "first_s": synced[0]["time/weight_sync_s"],
+                "mb": statistics.median(r["rollout/weight_sync_mb"] for r in later),
+                "s": statistics.median(r["time/weight_sync_s"] for r in later),
+            }
         if kind == "lr0" and its:
             s["log_ratio_max_abs"] = max(r["ppo/log_ratio_max_abs"] for r in its)
             s["lr0_ok"] = s["log_ratio_max_abs"] <= LR0_LIMIT
@@ -584,6 +616,12 @@ def report(results: list[dict], env_lines: list[str], total_s: float) -> list[st
                 f"{r['name']}: median seconds generation {s['split']['generation']:.2f}, "
                 f"experience {s['split']['experience']:.2f}, train {s['split']['train']:.2f}"
             )
+        if "weight_sync" in s:
+            w = s["weight_sync"]
+            lines.append(
+                f"{r['name']}: vLLM weight sync first {w['first_mb']:.1f} MB in {w['first_s']:.2f} s, then median "
+                f"{w['mb']:.1f} MB in {w['s']:.2f} s per sync"
+            )
         if "perplexity" in s and s["perplexity"]:
             lines.append(f"{r['name']}: eval perplexity {' -> '.join(f'{p:.2f}' for p in s['perplexity'])}")
         if s.get("eval_accuracy"):
@@ -613,7 +651,26 @@ def report(results: list[dict], env_lines: list[str], total_s: float) -> list[st
             )
         if r.get("rc") not in (0, None, "skipped"):
             lines += [f"--- {r['name']}: rc {r['rc']}, last lines of {r['out']}/run.log:", r["log_tail"], "---"]
+    lines += lora_sync_lines(results)
     return lines
+
+
+def lora_sync_lines(results: list[dict]) -> list[str]:
+    """The vLLM LoRA rows side by side: merged / adapter bytes and seconds per later sync, and s/iteration."""
+    done = {}
+    for r in results:
+        s = r.get("summary", {})
+        for sync in ("adapter", "merged"):
+            if r["name"].endswith(f"vllm LoRA sync {sync}") and "weight_sync" in s and s.get("s_per_step"):
+                done[sync] = s
+    if len(done) < 2:
+        return []
+    a, m = done["adapter"], done["merged"]
+    return [
+        f"vLLM LoRA sync merged / adapter: {m['weight_sync']['mb'] / a['weight_sync']['mb']:.1f}x the bytes, "
+        f"{m['weight_sync']['s'] / max(a['weight_sync']['s'], 1e-9):.1f}x the seconds per sync; s/iteration adapter / "
+        f"merged {a['s_per_step'] / m['s_per_step']:.2f}x"
+    ]
 
 
 def main(argv=None):
