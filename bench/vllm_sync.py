@@ -112,6 +112,7 @@ def step3_command(args, model: str, sync: str, k: int, out_dir: str) -> list[str
         *("--max_steps", str(args.steps), "--eval_interval", "0", "--seed", "1234"),
         *("--rollout_engine", "vllm", "--vllm_mode", "eager", "--vllm_lora_sync", sync),
         *("--max_staleness", str(k)),
+        *(["--vllm_threads", str(args.vllm_threads)] if args.vllm_threads else []),
     ]
 
 
@@ -137,6 +138,7 @@ def one_run(args, model: str, sync: str, k: int, round_: int) -> dict:
         "k": k,
         "round": round_,
         "wall_s": run.wall_s,
+        "load_after": os.getloadavg()[0],  # the machine's 1-minute load as the run ended (2 cores: > ~3 is shared)
         "notices": notices,
         "iterations": [
             {
@@ -191,7 +193,7 @@ def summarize(runs: list[dict]) -> dict:
     return out
 
 
-def report(args, s: dict) -> list[str]:
+def report(args, s: dict, runs: list[dict]) -> list[str]:
     merged, adapter = s["merged-k0"], s["adapter-k0"]
     bytes_ratio = merged["sync_mb"] / adapter["sync_mb"]
     lines = [
@@ -240,6 +242,10 @@ def report(args, s: dict) -> list[str]:
         f"adapter / merged iteration at k=0: {adapter['iteration_s'] / merged['iteration_s']:.2f}x "
         f"(goal: adapter no slower, <= 1.00x); vs k=0: the adapter runs' k=0 row"
     )
+    loads = [f"{r['sync']} k={r['k']} {r['load_after']:.1f}" for r in runs]
+    lines.append(
+        f"1-minute load average as each run ended, in run order (its own processes: up to ~3): {', '.join(loads)}"
+    )
     notices = sorted({n for x in s.values() for n in x["notices"]})
     lines += ["", "step 3 ran otherwise than asked:" if notices else "step 3 printed no notice of a changed mode"]
     lines += [f"  {n}" for n in notices]
@@ -268,6 +274,12 @@ def parse_args(argv=None):
     p.add_argument("--samples", type=int, default=2, help="answers per prompt (GRPO's group size)")
     p.add_argument("--prompt_len", type=int, default=64, help="longest prompt (tokens)")
     p.add_argument("--answer_len", type=int, default=32, help="answer length, fixed: min = max new tokens (tokens)")
+    p.add_argument(
+        "--vllm_threads",
+        type=int,
+        default=None,
+        help="the worker's threads (default: step 3's, every core; with k > 0 it generates while the rank trains)",
+    )
     p.add_argument("--timeout", type=int, default=900, help="limit of each run (seconds)")
     p.add_argument(
         "--save", default=None, help="also write the printed report to this file, the figures as JSON beside it"
@@ -291,7 +303,8 @@ def main(argv=None):
             machine_line(),
             f"host probe: 1-thread sgemm {probe} GFLOP/s",
             malloc_line(),
-            f"model {model}; fp32, 1 CPU rank (ZeRO-0) + its vLLM worker (eager); LoRA r={args.lora_dim} on every "
+            f"model {model}; fp32, 1 CPU rank (ZeRO-0, 1 thread) + its vLLM worker (eager, "
+            f"{args.vllm_threads or os.cpu_count()} threads); LoRA r={args.lora_dim} on every "
             f"projection, the adapter alone trained (lr 1e-4)",
             f"GRPO on arithmetic prompts (reward: the first answer token's id even): {args.batch_size} prompts x "
             f"{args.samples} answers of exactly {args.answer_len} tokens per iteration, one optimizer step each; "
@@ -306,7 +319,7 @@ def main(argv=None):
             runs.append(one_run(args, model, sync, k, r))
     s = summarize(runs)
     tail = [f"host probe after: 1-thread sgemm {sgemm_gflops()} GFLOP/s"]
-    end_report(args.save, header, report(args, s), tail, data={"probe": probe, "summary": s, "runs": runs})
+    end_report(args.save, header, report(args, s, runs), tail, data={"probe": probe, "summary": s, "runs": runs})
 
 
 if __name__ == "__main__":
