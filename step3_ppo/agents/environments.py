@@ -22,6 +22,11 @@ of the wrong shape or a reward that is not a finite number is EnvFailed (naming 
 the call): the trajectory ends, and the run stops unless `--skip_bad_rewards` drops it. A worker that exits,
 crashes or is killed takes the other trajectories' environments with it: their next call is EnvFailed too
 ("lost"). A built-in is one ENVIRONMENTS entry next to its class.
+
+Environments written for other packages run unchanged through an adapter, one ADAPTERS entry each, named by
+a prefix: `openenv:package.module:EnvClass` (an OpenEnv Environment) or `openenv:http://HOST:PORT` (its server),
+and `verifiers:TASKSET_ID` or `verifiers:package.module:function` (a verifiers Env or Taskset);
+step3_ppo/agents/ecosystem.py says how each maps onto this contract.
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ import itertools
 import math
 import numbers
 from dataclasses import dataclass
+from typing import Callable
 
+from step3_ppo.agents.ecosystem import openenv_environment, verifiers_environment
 from step3_ppo.function_worker import CallFailed, FunctionWorker
 from step3_ppo.rewards.functions import answers_match, final_answer
 from step3_ppo.specs import load_object
@@ -107,6 +114,35 @@ ENVIRONMENTS: dict[str, BuiltinEnv] = {
 def environments_help() -> str:
     """The built-ins as `--env`'s help lists them: `name (help), ...` in registry order."""
     return ", ".join(f"{name} ({entry.help})" for name, entry in ENVIRONMENTS.items())
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """Environments of another package, named `PREFIX:TARGET` in `--env`: `load(spec, target, error)` is a
+    class of this contract (Class(row) / step / reward) running the package's environment unchanged
+    (step3_ppo/agents/ecosystem.py), `error(spec, problem)` what it raises when the target does not load;
+    `forms` the spec forms as help and errors show them."""
+
+    load: Callable[[str, str, Callable[[str, str], Exception]], type]
+    forms: str
+
+
+# The one place another package's environments are registered: the prefix of their spec.
+ADAPTERS: dict[str, Adapter] = {
+    "openenv": Adapter(
+        openenv_environment,
+        "openenv:package.module:EnvClass (an OpenEnv Environment) or openenv:http://HOST:PORT (its server)",
+    ),
+    "verifiers": Adapter(
+        verifiers_environment,
+        "verifiers:TASKSET_ID or verifiers:package.module:function (a verifiers Env or Taskset)",
+    ),
+}
+
+
+def adapters_help() -> str:
+    """The adapters' spec forms as `--env`'s help lists them."""
+    return ", ".join(adapter.forms for adapter in ADAPTERS.values())
 
 
 # ---------------------------------------------------------------- loading and calling
@@ -214,13 +250,24 @@ class EnvironmentSpec:
 
 
 def load_environment(spec: str) -> EnvironmentSpec:
-    """The environment `spec` names: a built-in (ENVIRONMENTS), `path/to/file.py:Class` or `package.module:Class`;
-    EnvError (one line) when it does not load or has no step(message) method."""
+    """The environment `spec` names: a built-in (ENVIRONMENTS), another package's (`PREFIX:TARGET`, ADAPTERS),
+    `path/to/file.py:Class` or `package.module:Class`; EnvError (one line) when it does not load or has no
+    step(message) method."""
     builtin = ENVIRONMENTS.get(spec)
+    prefix, _, target = spec.partition(":")
     if builtin is not None:
         cls, name = builtin.cls, spec
+    elif prefix in ADAPTERS:
+        if not target:
+            raise EnvError(spec, f"missing what to load after '{prefix}:' (expected {ADAPTERS[prefix].forms})")
+        cls = ADAPTERS[prefix].load(spec, target, EnvError)
+        name = cls.__name__
     else:
-        forms = "a built-in (" + ", ".join(ENVIRONMENTS) + "), path/to/file.py:Class or package.module:Class"
+        forms = (
+            "a built-in ("
+            + ", ".join(ENVIRONMENTS)
+            + f"), path/to/file.py:Class, package.module:Class, {adapters_help()}"
+        )
         cls = load_object(spec, EnvError, what="environment", kind="class", forms=forms)
         name = cls.__name__
     if not callable(getattr(cls, "step", None)):

@@ -4,7 +4,13 @@ loop itself is step3_ppo/agents/loop.py."""
 
 from __future__ import annotations
 
-from step3_ppo.agents.environments import DEFAULT_ENV_TIMEOUT_S, EnvError, environments_help, load_environment
+from step3_ppo.agents.environments import (
+    DEFAULT_ENV_TIMEOUT_S,
+    EnvError,
+    adapters_help,
+    environments_help,
+    load_environment,
+)
 from step3_ppo.agents.tools import (
     MAX_CALLS_PER_TURN,
     TOOL_CALL_PARSERS,
@@ -35,7 +41,9 @@ def add_agent_args(parser) -> None:
         metavar="SPEC",
         help="the environment that answers the policy between turns: a built-in ("
         + environments_help().replace("%", "%%")
-        + "), path/to/file.py:Class or package.module:Class (docs: guides/agents.md)",
+        + "), path/to/file.py:Class, package.module:Class, "
+        + adapters_help()
+        + " (docs: guides/agents.md)",
     )
     g.add_argument(
         "--tools",
