@@ -8,7 +8,7 @@ The policies besides SFT: --rlhf_model (the "rlhf" row, as in the demo), then ea
 in order (e.g. --policy dpo=out/dpo: a "DPO" row and a "dpo_vs_sft" block); at least one is needed.
 For each policy: mean reward-model score, mean scores of two independent judges (VADER sentiment,
 and P(positive) of a TF-IDF logistic regression fitted on IMDB, cached under .cache/judges after a
-first fit of ~10-15 s; neither seen by the reward model), mean KL to the SFT model (k1 on the policy's own
+first fit of ~30 s; neither seen by the reward model), mean KL to the SFT model (k1 on the policy's own
 responses; 0 for the SFT itself), mean response length (tokens) and EOS fraction, each with its 95%
 bootstrap interval; each policy's win rates against SFT with intervals; then side-by-side samples.
 Every policy samples with the same settings and seed, so adding one changes none of the others' figures.

