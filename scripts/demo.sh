@@ -5,7 +5,7 @@
 # lengths) and
 # draws OUTPUT_ROOT/step3/curves.png.
 # usage: bash scripts/demo.sh [--step 1 2 3] [--with_dpo [LOSS]] [--output_root DIR] [--quick] [--format chat|raw]
-#                             [--task arithmetic|tools|distill] [--eval_split test|dev]
+#                             [--task arithmetic|tools|distill|reasoning_gym] [--eval_split test|dev]
 #   --with_dpo [LOSS]: also DPO from the step-1 model on the step-2 pairs (scripts/step2_dpo/run_cpu.sh, after
 #             step 2), and its row in the evaluation next to SFT and RLHF; LOSS: the DPO step's --loss_type
 #             (sigmoid, the default: a "DPO" row; ipo, simpo, orpo, kto: a row named after it)
@@ -28,6 +28,10 @@
 #             held-out greedy accuracy before, every 2 iterations and after; a table of teacher, student before,
 #             after distillation and GRPO given the same training time, in OUTPUT_ROOT/distill (comparison.txt,
 #             accuracy_vs_time.png, curves.png)
+#   --task reasoning_gym: GRPO of SmolLM2-135M-Instruct on reasoning-gym's chain_sum task (rows generated offline,
+#             configs/step3_ppo/grpo_reasoning_gym_cpu.yaml: the arithmetic recipe, trained on math_exact, the
+#             library's own score logged as reasoning_gym); held-out greedy accuracy before -> after, curves in
+#             OUTPUT_ROOT/reasoning_gym/curves.png
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 STEPS=(1 2 3)
@@ -52,7 +56,7 @@ while [ $# -gt 0 ]; do
     --eval_split) EVAL_SPLIT="$2"; shift 2
       case "$EVAL_SPLIT" in test|dev) ;; *) echo "--eval_split must be test or dev, got $EVAL_SPLIT" >&2; exit 2 ;; esac ;;
     *) echo "unknown argument: $1 (use --step 1 2 3, --with_dpo [LOSS], --output_root DIR, --quick, --format chat|raw," \
-            "--task arithmetic|tools|distill, --eval_split test|dev)" >&2
+            "--task arithmetic|tools|distill|reasoning_gym, --eval_split test|dev)" >&2
        exit 2 ;;
   esac
 done
@@ -109,6 +113,23 @@ if [ "$TASK" = arithmetic ]; then
   echo "[demo] finished in $(( $(date +%s) - start )) s; outputs under $OUTPUT_ROOT/grpo"
   exit 0
 fi
+if [ "$TASK" = reasoning_gym ]; then
+  start=$(date +%s)
+  G=(--config configs/step3_ppo/grpo_reasoning_gym_cpu.yaml --overwrite_output_dir)
+  export DATA="reasoning_gym:chain_sum:size=2000,eval_size=200,seed=1,system=direct,min_terms=2,max_terms=2,max_digits=2"
+  if [ "$QUICK" = 1 ]; then  # a tiny random model with ChatML and a small copy of the rows: a smoke test
+    export ACTOR="$(tiny_model llama)"
+    DATA="${DATA/size=2000,eval_size=200/size=64,eval_size=16}"
+    G+=(--chat_template utils/chat_templates/chatml.jinja --max_steps 2 --max_prompt_seq_len 96 --eval_num_prompts 8)
+  fi
+  echo "[demo] GRPO on reasoning-gym's chain_sum -> $OUTPUT_ROOT/reasoning_gym"
+  bash scripts/step3_ppo/run_grpo_cpu.sh "$OUTPUT_ROOT/reasoning_gym" "${G[@]}"
+  echo "[demo] held-out greedy evaluation, before -> after (accuracy = math_exact; reasoning_gym = the library's score):"
+  python -m step3_ppo.plot "$OUTPUT_ROOT/reasoning_gym"
+  echo "[demo] finished in $(( $(date +%s) - start )) s; outputs under $OUTPUT_ROOT/reasoning_gym"
+  exit 0
+fi
+
 if [ "$TASK" = tools ]; then
   start=$(date +%s)
   T="$OUTPUT_ROOT/tools" TOOLS_DATA="$ROOT/data/tools"
@@ -143,7 +164,7 @@ if [ "$TASK" = tools ]; then
   echo "[demo] finished in $(( $(date +%s) - start )) s; outputs under $T (curves: $T/grpo/curves.png)"
   exit 0
 fi
-[ "$TASK" = reviews ] || { echo "--task must be arithmetic, tools or distill (or left out), got $TASK" >&2; exit 2; }
+[ "$TASK" = reviews ] || { echo "--task must be arithmetic, tools, distill or reasoning_gym (or left out), got $TASK" >&2; exit 2; }
 if [ "$WITH_DPO" = 1 ]; then  # DPO runs after steps 1-2 (it needs step 1's model), before step 3
   ORDERED=(); for step in "${STEPS[@]}"; do ORDERED+=("$step"); [ "$step" = 2 ] && ORDERED+=(dpo); done
   [[ " ${ORDERED[*]} " == *" dpo "* ]] || ORDERED=(dpo "${ORDERED[@]}")

@@ -16,6 +16,8 @@ teachers  causal LMs, frozen                       (as the reference, --offload_
                                                    --teacher_model_name_or_path (step3_ppo/teachers.py); with
                                                    --teacher_engine vllm each a client of its own vLLM worker
                                                    instead (step3_ppo/rollout/vllm_teacher.py)
+judge     causal LM, frozen, its own tokenizer     (as the reference, --offload_judge_model): the LLM judge of
+                                                   the reward component 'judge' (step3_ppo/rewards/judge.py)
 With --load_in_4bit (QLoRA) the base weights of the frozen models (reference, reward models, teachers, the EMA) and
 of an actor/critic trained through LoRA with --only_optimize_lora are NF4 (check_qlora_args refuses the rest); value
 heads, LM heads, embeddings and the adapters keep the engine's --dtype.
@@ -47,6 +49,7 @@ class Engines:
     ema: "ActorEMA | None" = None
     # teacher name -> its frozen engine (--teacher_model_name_or_path), or its VLLMTeacher (--teacher_engine vllm)
     teachers: dict = field(default_factory=dict)
+    judge: object | None = None  # the LLM judge's frozen engine (--judge_model_name_or_path)
 
 
 class ActorEMA:
@@ -99,6 +102,8 @@ def check_qlora_args(args, reward_model_paths=()) -> None:
         stages["reward model"] = 3 if args.offload_reward_model else args.critic_zero_stage
     if getattr(args, "teachers", None) and getattr(args, "teacher_engine", "hf") == "hf":
         stages["teacher"] = 3 if args.offload_teacher_model else args.actor_zero_stage
+    if getattr(args, "judge", None) is not None:
+        stages["judge"] = 3 if args.offload_judge_model else args.actor_zero_stage
     check_4bit_args(args, trained, stages)
     if args.enable_hybrid_engine and args.merge_lora_for_generation:
         raise ModelFlagError(
@@ -143,12 +148,19 @@ def build_engines(args, tokenizer, total_steps: int, reward_model_paths=()) -> E
     )
     actor = build_trained_engine(actor, actor_config, actor_spec, total_steps)
 
-    def frozen_lm(path: str, offload: bool):
+    def frozen_lm(path: str, offload: bool, own_tokenizer=None):
         """(a causal LM beside the actor, without dropout, and its inference config): the reference, the EMA, a
-        teacher; at the actor's ZeRO stage, or ZeRO-3 with its parameters in CPU memory when `offload`."""
+        teacher, the judge (`own_tokenizer`: its own); at the actor's ZeRO stage, or ZeRO-3 with its parameters in
+        CPU memory when `offload`."""
         config = eval_ds_config(args.actor_zero_stage, ranks, args.per_device_training_batch_size, args.dtype, offload)
         model = load_causal_lm(
-            path, tokenizer, config, 0.0, args.trust_remote_code, attn_implementation=attn, load_in_4bit=quantized
+            path,
+            own_tokenizer or tokenizer,
+            config,
+            0.0,
+            args.trust_remote_code,
+            attn_implementation=attn,
+            load_in_4bit=quantized,
         )
         return model, config
 
@@ -195,4 +207,7 @@ def build_engines(args, tokenizer, total_steps: int, reward_model_paths=()) -> E
             teachers[teacher.name] = serve(teacher, args)
         else:
             teachers[teacher.name] = build_frozen_engine(*frozen_lm(teacher.path, args.offload_teacher_model))
-    return Engines(actor=actor, ref=ref, critic=critic, rewards=rewards, ema=ema, teachers=teachers)
+    judge = None
+    if getattr(args, "judge", None) is not None:  # it reads text: its own tokenizer (step3_ppo/rewards/judge.py)
+        judge = build_frozen_engine(*frozen_lm(args.judge.path, args.offload_judge_model, args.judge.tokenizer))
+    return Engines(actor=actor, ref=ref, critic=critic, rewards=rewards, ema=ema, teachers=teachers, judge=judge)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import urllib.parse
 from dataclasses import dataclass
 
 from torch.utils.data import DataLoader, DistributedSampler
@@ -34,6 +35,8 @@ from step3_ppo.rewards.functions import (
     is_function_spec,
     load_reward_function,
 )
+from step3_ppo.rewards.judge import JudgeReward, add_judge_args, check_judge_args
+from step3_ppo.rewards.remote import DEFAULT_RETRIES, DEFAULT_TIMEOUT_S, RemoteReward
 from step3_ppo.rollout.engines import ROLLOUT_ENGINES, check_engine_args, engine_settings
 from step3_ppo.teachers import add_teacher_args, check_same_tokenizer, check_teacher_args, check_teacher_column
 from step3_ppo.trainer import PPOConfig, PPOTrainer
@@ -372,7 +375,13 @@ def build_parser():
         "completion_ids and every other field of the prompt rows as keyword lists), or "
         "built-ins: " + builtins_help().replace("%", "%%"),
     )  # argparse formats help with %
-    g.add_argument("--reward_weights", nargs="+", type=Number(float), default=None, help="one per --reward_funcs entry")
+    g.add_argument(
+        "--reward_weights",
+        nargs="+",
+        type=Number(float),
+        default=None,
+        help="one per reward, in order: the --reward_funcs entries, then judge, remote (--reward_url) and env",
+    )
     g.add_argument(
         "--reward_norm",
         choices=REWARD_NORMS,
@@ -394,6 +403,28 @@ def build_parser():
         default=None,
         help="seconds a reward function call may take; then its worker process is killed (default: 120, "
         "step3_ppo/rewards/components.py's DEFAULT_REWARD_TIMEOUT_S)",
+    )
+    g.add_argument(
+        "--reward_url",
+        default=None,
+        metavar="URL",
+        help="a reward served over HTTP, OpenRLHF's remote reward-model convention (POST {query, prompts, labels} "
+        "-> {rewards}, one request per rollout batch; labels: the rows' 'answer'): the component 'remote', after "
+        "--reward_funcs in --reward_weights' order (python -m step3_ppo.rewards.server serves any reward this way)",
+    )
+    g.add_argument(
+        "--reward_url_timeout",
+        type=Number(float, above=0),
+        default=DEFAULT_TIMEOUT_S,
+        help="seconds --reward_url may take to answer a request before it is tried again (default %(default)s)",
+    )
+    g.add_argument(
+        "--reward_url_retries",
+        type=Number(int, low=0, high=20),
+        default=DEFAULT_RETRIES,
+        help="--reward_url's retries of a request that failed (no connection, timeout, HTTP 5xx or 429), waiting "
+        "1, 2, 4, ... s (at most 30) between them; then the run stops, or skips the rows with "
+        "--skip_bad_rewards (default %(default)s)",
     )
     g.add_argument(
         "--overlong_buffer_len",
@@ -440,6 +471,7 @@ def build_parser():
         "(rounds, >= 1; each further one a prompt batch per rank from the training prompts) "
         "(default %(default)s)",
     )
+    add_judge_args(g)  # --judge_*: an LLM judge's verdict as the reward component 'judge' (step3_ppo/rewards/judge.py)
     g = p.add_argument_group("evaluation during training")
     g.add_argument(
         "--eval_interval",
@@ -505,6 +537,7 @@ def validate_args(args) -> None:
     check_rollout_args(args)
     check_agent_args(args)
     check_teacher_args(args)
+    check_judge_args(args)  # sets args.judge (before validate_rl_args, which counts it among the rewards)
     rollout = args.per_device_generation_batch_size * args.n_samples_per_prompt * args.generation_batches
     if rollout % args.per_device_training_batch_size:
         fail(
@@ -577,6 +610,8 @@ def refuse_unread_flags(args) -> None:
         refuse_unread(args, ["overlong_penalty_factor"], "without --overlong_buffer_len")
     if not args.print_answers:
         refuse_unread(args, ["print_answers_interval"], "without --print_answers")
+    if args.reward_url is None:
+        refuse_unread(args, ["reward_url_timeout", "reward_url_retries"], "without --reward_url")
 
 
 def check_rollout_args(args) -> None:
@@ -684,15 +719,19 @@ def validate_rl_args(args) -> None:
         )
     env_reward = args.environment is not None and args.environment.has_reward  # the component `env`, last
     given = args.reward_funcs or ([args.reward_model_name_or_path] if args.reward_model_name_or_path else [])
-    specs = args.reward_specs = given or ([] if env_reward else [args.critic_model_name_or_path])
+    judged = args.judge is not None  # the component `judge`, after the --reward_funcs entries (before `env`)
+    remote = args.reward_url is not None  # the component `remote`, after `judge` (before `env`)
+    if remote and urllib.parse.urlsplit(args.reward_url).scheme not in ("http", "https"):
+        fail(f"--reward_url must be an http:// or https:// URL, got {args.reward_url!r}")
+    specs = args.reward_specs = given or ([] if env_reward or judged or remote else [args.critic_model_name_or_path])
     if specs == [None] and args.teachers:
         specs = args.reward_specs = []  # distillation alone: the teachers' signal is the only one
     if specs == [None]:
         fail(
-            "no reward: give --reward_funcs, --reward_model_name_or_path or --critic_model_name_or_path (or "
-            "--teacher_model_name_or_path to distil)"
+            "no reward: give --reward_funcs, --reward_model_name_or_path, --critic_model_name_or_path, "
+            "--judge_model_name_or_path or --reward_url (or --teacher_model_name_or_path to distil)"
         )
-    names = specs + (["env"] if env_reward else [])
+    names = specs + (["judge"] if judged else []) + (["remote"] if remote else []) + (["env"] if env_reward else [])
     if args.reward_weights is not None and len(args.reward_weights) != len(names):
         fail(f"--reward_weights has {len(args.reward_weights)} values for {len(names)} rewards ({' '.join(names)})")
     args.reward_model_paths = [spec for spec in specs if not is_function_spec(spec)]
@@ -738,6 +777,14 @@ def build_rewards(args, tokenizer, engines, functions: dict) -> list:
                     reward_model_name(spec) if several else "reward_model",
                 )
             )
+    if getattr(args, "judge", None) is not None:  # the LLM judge (--judge_model_name_or_path), on its own engine
+        components.append(JudgeReward(engines.judge, args.judge, tokenizer, args.judge_batch_size))
+    if args.reward_url is not None:  # a reward served over HTTP (--reward_url)
+        components.append(
+            RemoteReward(
+                args.reward_url, tokenizer, args.reward_url_timeout, args.reward_url_retries, args.skip_bad_rewards
+            )
+        )
     if args.environment is not None and args.environment.has_reward:
         components.append(EnvReward())
     unique_names(components)

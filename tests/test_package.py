@@ -28,6 +28,7 @@ COMMANDS = {
     "rlhf-eval": "step3_ppo.eval",
     "rlhf-chat": "chat",
     "rlhf-plan": "plan",
+    "rlhf-reward-server": "step3_ppo.rewards.server",
 }
 
 

@@ -124,7 +124,7 @@ def test_format_invalid_regex_fails_at_load():
 
 def test_registry_entries():
     assert list(BUILTINS)[:3] == ["math_exact", "format", "sentiment"]  # the order of --help and the docs
-    assert [name for name, b in BUILTINS.items() if b.is_accuracy] == ["math_exact"]
+    assert [name for name, b in BUILTINS.items() if b.is_accuracy] == ["math_exact", "math_verify", "reasoning_gym"]
     for name, builtin in BUILTINS.items():
         assert name.isidentifier(), name  # the spec is the log name: reward/<name>_mean
         assert builtin.help and "\n" not in builtin.help and callable(builtin.make)
@@ -155,7 +155,7 @@ def test_a_registered_builtin_loads_by_name_and_shows_in_the_flag_help(monkeypat
     assert func.fn(completions=["ab", "abcd"]) == [0.5, 1.0]
     with pytest.raises(RewardFunctionError) as info:
         load_reward_function("not_a_builtin")
-    assert_one_line(info.value, "math_exact, format, sentiment, toy_len")
+    assert_one_line(info.value, "math_exact, format, sentiment, math_verify, reasoning_gym, toy_len")
     with pytest.raises(SystemExit):
         main.parse_args(["--help"])
     shown = " ".join(capsys.readouterr().out.split())  # argparse wraps the help

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from step3_ppo.function_worker import CallFailed  # a worker's failed call (re-exported here, caught in score_batch)
+from step3_ppo.rewards import reasoning_gym
 from step3_ppo.specs import load_object
 from utils.errors import ProjectError, one_line
 
@@ -161,6 +162,52 @@ def math_exact(completions, answer=_MISSING, **kwargs) -> list[float]:
     return [float(answers_match(final_answer(completion_text(c)), a)) for c, a in zip(completions, answer)]
 
 
+MATH_VERIFY_TIMEOUT_S = 5  # math-verify's own limit on each parse and comparison (its default; whole seconds)
+
+
+def _math_verify_timeout() -> int | None:
+    """math-verify's limits are SIGALRM timers: they work only in the main thread (elsewhere it raises), and they
+    would cancel a timer already running there (an in-process call bounded by `_call_with_signal`, which then bounds
+    it). So: its limit in the main thread with no timer set (a reward worker process), else None (no own limit)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGALRM"):
+        return None
+    return None if signal.getitimer(signal.ITIMER_REAL)[0] > 0 else MATH_VERIFY_TIMEOUT_S
+
+
+def make_math_verify() -> Callable:
+    """Hugging Face's math-verify: 1.0 where the completion's answer (the last `\\boxed{}` or LaTeX / plain
+    expression it extracts) is mathematically equal to the row's `answer` (sympy: 1/2 = 0.5 = \\frac{1}{2},
+    \\sqrt{4} = 2, sets and intervals, units and % dropped), else 0.0 (also where nothing parses)."""
+    try:
+        from math_verify import parse, verify  # lazy: sympy and latex2sympy, +0.3 s, only for this built-in
+    except ImportError as exc:
+        raise RewardFunctionError("math_verify", f"needs the math-verify package: {one_line(exc, _MESSAGE_LIMIT)}")
+
+    def gold(answer):
+        text = str(answer).strip()
+        if "$" in text or "\\boxed" in text or "\\(" in text or "\\[" in text:
+            return parse(text, parsing_timeout=_math_verify_timeout())
+        # a bare answer is read as LaTeX math ("1+x" whole, not its first number); plain text as the fallback
+        limit = _math_verify_timeout()
+        return parse(f"${text}$", parsing_timeout=limit) or parse(text, parsing_timeout=limit)
+
+    def math_verify(completions, answer=_MISSING, **kwargs) -> list[float]:
+        if answer is _MISSING:
+            raise RewardFunctionError("math_verify", "the prompt rows need an 'answer' field (none of them has one)")
+        scores = []
+        for completion, expected in zip(completions, answer):
+            text = completion_text(completion)
+            if expected is None or isinstance(expected, bool) or not isinstance(text, str) or not text.strip():
+                scores.append(0.0)
+                continue
+            limit = _math_verify_timeout()
+            predicted = parse(text, parsing_timeout=limit)
+            scores.append(float(bool(predicted) and verify(gold(expected), predicted, timeout_seconds=limit)))
+        return scores
+
+    return math_verify
+
+
 def make_format(format_pattern: str | None = None) -> Callable:
     """A reward of 1.0 where `re.search(format_pattern, completion, re.DOTALL)` matches, else 0.0."""
     pattern = DEFAULT_FORMAT_PATTERN if format_pattern is None else format_pattern
@@ -215,6 +262,10 @@ BUILTINS: dict[str, Builtin] = {
     ),
     "format": Builtin(make_format, "--format_pattern matches"),
     "sentiment": Builtin(make_sentiment, "VADER"),
+    "math_verify": Builtin(
+        make_math_verify, "math-verify: the answer equals the row's 'answer' as math (1/2 = 0.5)", is_accuracy=True
+    ),
+    "reasoning_gym": Builtin(reasoning_gym.make_reasoning_gym, reasoning_gym.HELP, is_accuracy=True),
 }
 
 

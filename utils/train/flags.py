@@ -121,7 +121,8 @@ def add_data_args(parser: argparse.ArgumentParser) -> None:
         "--data_path",
         nargs="+",
         required=True,
-        help="JSON/JSONL files, folders of them, or datasets names; several are blended",
+        help="JSON/JSONL files, folders of them, datasets names, or reasoning_gym:TASK[,TASK...][:KEY=VALUE,...] "
+        "(rows generated offline); several are blended",
     )
     g.add_argument(
         "--data_split",
