@@ -314,7 +314,15 @@ def lora_run(tiny_llama_32, tmp_path_factory, worker_python):
     """LoRA (rank 4) on every projection of a frozen base, trained at a learning rate that moves it."""
     tmp = tmp_path_factory.mktemp("vllm_lora")
     (tmp / "even.py").write_text(EVEN)  # a reward the sampled answers differ in: GRPO has a gradient
-    lora = ["--actor_lora_dim", 4, "--actor_lora_module_name", "proj", "--only_optimize_lora"]
+    lora = [
+        "--actor_lora_dim",
+        4,
+        "--actor_lora_module_name",
+        "proj",
+        "--only_optimize_lora",
+        "--vllm_lora_sync",
+        "adapter",
+    ]
     reward = ["--reward_funcs", f"{tmp / 'even.py'}:even_first_token", "--actor_lora_learning_rate", "5e-2"]
     run = vllm_setup(tiny_llama_32, tmp, worker_python, *lora, *reward)
     yield run
@@ -392,6 +400,41 @@ def test_adapters_vllm_cannot_serve_are_merged_with_the_reason(tiny_llama_32):
     assert "not on lm_head" in adapter_sync_refusal(peft_model(target_modules=["q_proj", "lm_head"]))
     assert "DoRA" in adapter_sync_refusal(peft_model(target_modules=["q_proj"], use_dora=True))
     assert "bias" in adapter_sync_refusal(peft_model(target_modules=["q_proj"], bias="lora_only"))
+
+
+def test_the_adapter_sent_is_lora_factors_only_after_a_vocabulary_resize(tiny_llama_32):
+    """A pad token added to the vocabulary (SmolLM2's 49152 -> 49153) makes peft's default state dict carry the
+    whole embeddings and LM head, which vLLM refuses as LoRA weights: only the factors go."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from step3_ppo.rollout.vllm_engine import adapter_state
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_32)
+    base.resize_token_embeddings(base.config.vocab_size + 1)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    state = adapter_state(model)
+    assert state and all(".lora_A." in k or ".lora_B." in k for k in state), sorted(state)[:4]
+    assert len(state) == 2 * 2 * base.config.num_hidden_layers  # A and B of q and v in each layer
+
+
+def test_the_default_lora_sync_is_merged_on_cpu_and_says_why(tiny_llama_32, capsys):
+    """vLLM's CPU LoRA kernels slow generation more than a merged sync costs (bench/vllm_sync.py), so without
+    --vllm_lora_sync a CPU run sends the merged model, in one line; asked for, the adapter goes alone."""
+    from types import SimpleNamespace
+
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_llama_32), LoraConfig(r=4, target_modules=["q_proj"])
+    )
+    engine = SimpleNamespace(lora=True, peft=model)
+    cpu = not torch.cuda.is_available()
+    assert VLLMRollout._sync_mode(engine, None) == ("merged" if cpu else "adapter")
+    assert ("on CPU vLLM's LoRA kernels slow generation" in capsys.readouterr().out) == cpu
+    assert VLLMRollout._sync_mode(engine, "adapter") == "adapter" and not capsys.readouterr().out
+    assert VLLMRollout._sync_mode(engine, "merged") == "merged" and not capsys.readouterr().out
 
 
 def test_multi_turn_rows_at_lr0_with_the_vllm_worker(tiny_chat_llama_32, tmp_path, worker_python):
@@ -566,7 +609,15 @@ def test_two_ranks_zero3_lora_adapter_sync_one_step_off(tiny_llama_32, tmp_path,
     worker generates each next iteration while the ranks train, each row is 2 steps stale from the second
     iteration on, the generator's log-probs of those stale rows differ from the trainer's (TIS reads them), and
     the run ends cleanly."""
-    lora = ["--actor_lora_dim", 8, "--actor_lora_module_name", "proj", "--only_optimize_lora"]
+    lora = [
+        "--actor_lora_dim",
+        8,
+        "--actor_lora_module_name",
+        "proj",
+        "--only_optimize_lora",
+        "--vllm_lora_sync",
+        "adapter",
+    ]
     extra = [*lora, "--actor_lora_learning_rate", "5e-2", "--max_staleness", 2, "--rollout_correction", "tis"]
     args = two_rank_args(tiny_llama_32, tmp_path, worker_python, *extra)
     args[args.index("--max_steps") + 1] = 5
@@ -577,7 +628,9 @@ def test_two_ranks_zero3_lora_adapter_sync_one_step_off(tiny_llama_32, tmp_path,
     assert [r["rollout/staleness_max"] for r in rows] == [0, 2, 2, 2, 2]
     assert [r["rollout/staleness_min"] for r in rows] == [0, 2, 2, 2, 2]
     whole_mb = rows[0]["rollout/weight_sync_mb"]  # the first sync: the base and the adapter
-    assert all(0 < r["rollout/weight_sync_mb"] < whole_mb / 20 for r in rows[1:]), rows
+    # a sync in each iteration that hands the next one's prompts over (not the last: nothing left to generate)
+    assert all(0 < r["rollout/weight_sync_mb"] < whole_mb / 20 for r in rows[1:-1]), rows
+    assert rows[-1]["rollout/weight_sync_mb"] == 0
     assert rows[0]["rollout/logprob_diff_max"] <= 1e-4  # generated with the weights it trains under
     assert max(r["rollout/logprob_diff_max"] for r in rows[1:]) > 1e-3  # stale rows: the generator's version
     assert all(r["rollout/stale_rows_regenerated"] == 0 for r in rows)

@@ -122,6 +122,13 @@ BENCHMARKS = (
         module="bench.vllm_engine",
     ),
     Benchmark(
+        "vllm_sync",
+        "step 3's vLLM weight sync with LoRA, the adapter alone vs the merged model, and --max_staleness 0/1/2",
+        (3, 15),
+        module="bench.vllm_sync",
+        headline=r"bytes per sync merged / adapter: [0-9.]+x",
+    ),
+    Benchmark(
         "optimizer_step",
         "one AdamW step over a SmolLM2-sized ZeRO partition: for-loop, foreach, fused",
         (0.1, 0.5),

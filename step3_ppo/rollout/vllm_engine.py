@@ -12,9 +12,9 @@ Weight sync, before the first rollout after any optimizer step, under a version 
   ZeRO-3 a group of parameters at a time (all ranks take part; the whole model is never gathered twice), local
   rank 0 copies them into a shared-memory block in the checkpoint's names and layout (a LoRA adapter merged in:
   W + B A scaled), and the worker loads them in place with vLLM's reload API and drops its prefix cache.
-- adapter only (LoRA, `--vllm_lora_sync adapter`, the default where vLLM serves the adapter): the frozen base goes
-  once, as above but unmerged; then each sync writes the adapter alone (peft's own state dict and config, a few MB)
-  to a folder that the worker adds under a new name and id (`actor-v<version>`), so neither an older adapter nor
+- adapter only (LoRA, `--vllm_lora_sync adapter`, the default on GPUs where vLLM serves the adapter): the frozen
+  base goes once, as above but unmerged; then each sync writes the adapter alone (peft's own state dict and config, a
+  few MB) to a folder that the worker adds under a new name and id (`actor-v<version>`), so neither an older adapter nor
   KV computed under one is reused; it checks that vLLM placed every module sent (a name mismatch would leave the
   bare base sampling, with no error). Reloading only the LoRA-targeted layers of the merged model instead left
   vLLM 0.32's CPU model 0.35-0.6 nats off: the adapter path uses vLLM's own LoRA serving.
@@ -63,6 +63,9 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_worker.p
 GATHER_BYTES = 256 * 2**20  # parameters gathered from ZeRO-3 at a time
 LORA_SYNCS = ("adapter", "merged")  # --vllm_lora_sync
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM 0.32's max_lora_rank choices
+# measured with bench/vllm_sync.py (SmolLM2-135M, LoRA r=16 on every projection, 2-core CPU): the adapter sync is
+# 33x fewer bytes and 10-15x faster, but vLLM 0.32's CPU LoRA kernels make generation 2-7x slower
+LORA_ON_CPU = "on CPU vLLM's LoRA kernels slow generation more than the merged sync costs (SmolLM2: 2-7x)"
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # vLLM serves these
 
 
@@ -83,7 +86,9 @@ class VLLMSettings:
     max_model_len: int | None = None  # None: the model's max_position_embeddings, at most 8192
     threads: int | None = None  # CPU: the worker's threads; None: every core of the machine
     sleep: bool = False  # the worker sleeps (weights offloaded, KV cache freed) while the ranks train
-    lora_sync: str = "adapter"  # with LoRA: the adapter alone each sync (where vLLM serves it), or merged weights
+    # with LoRA: "adapter" (the adapter alone each sync, where vLLM serves it), "merged", or None: adapter on a GPU,
+    # merged on CPU (vLLM's CPU LoRA kernels slow generation more than the merged sync costs: LORA_ON_CPU)
+    lora_sync: str | None = None
 
     @classmethod
     def from_args(cls, args) -> "VLLMSettings":
@@ -153,10 +158,10 @@ def add_vllm_args(parser) -> None:
     g.add_argument(
         "--vllm_lora_sync",
         choices=LORA_SYNCS,
-        default="adapter",
+        default=None,
         help="with LoRA: adapter sends the adapter alone each sync (vLLM serves it on the base, sent once; a few MB) "
         "where vLLM serves its modules, else merged with a line saying why; merged sends the whole model, the "
-        "adapter merged in",
+        "adapter merged in (default: adapter on a GPU, merged on CPU, where vLLM's LoRA kernels slow generation)",
     )
     g.add_argument(
         "--vllm_max_model_len",
@@ -264,6 +269,21 @@ def adapter_sync_refusal(peft_model) -> str | None:
     if others := sorted(names - set(LORA_MODULES)):
         return f"vLLM serves LoRA on {', '.join(LORA_MODULES)}, not on {', '.join(others)}"
     return None
+
+
+def adapter_state(peft_model) -> dict:
+    """The adapter's tensors as vLLM reads them: peft's own state dict (its names; the LoRA factors only), copied.
+    The embeddings and LM head stay out: they went with the frozen base, and peft's default adds them whole when the
+    vocabulary was resized (a pad token added), which vLLM refuses as LoRA weights."""
+    from peft import get_peft_model_state_dict  # lazy: +3 s on step 3's --help (peft)
+
+    state = get_peft_model_state_dict(peft_model, save_embedding_layers=False)
+    if others := [name for name in state if ".lora_" not in name]:
+        raise RolloutEngineError(
+            f"--vllm_lora_sync adapter: the adapter holds {len(others)} tensors that are not LoRA factors "
+            f"({others[0]}, ...), which vLLM does not serve (--vllm_lora_sync merged sends the merged model)"
+        )
+    return {name: tensor.detach().contiguous().clone() for name, tensor in state.items()}
 
 
 def checkpoint_name(name: str) -> str | None:
@@ -437,14 +457,20 @@ class VLLMRollout(NodeWorker):
         # each sampled row's vLLM seed, drawn in rollout order (the same with and without --max_staleness)
         self.seeds = torch.Generator().manual_seed(config.seed * 1000 + self.rank)
 
-    def _sync_mode(self, asked: str) -> str:
-        """ "whole" (no LoRA), "adapter" or "merged"; an adapter vLLM cannot serve is merged, said in one line."""
+    def _sync_mode(self, asked: str | None) -> str:
+        """ "whole" (no LoRA), "adapter" or "merged" (asked, or None: adapter on a GPU, merged on CPU); an adapter
+        vLLM cannot serve is merged, and a merged sync not asked for says why in one line."""
         if not self.lora:
             return "whole"
-        if asked == "adapter" and (why := adapter_sync_refusal(self.peft)):
+        if asked == "merged":
+            return "merged"
+        why = adapter_sync_refusal(self.peft)
+        if why is None and asked is None and not torch.cuda.is_available():
+            why = f"{LORA_ON_CPU} (--vllm_lora_sync adapter sends the adapter alone)"
+        if why is not None:
             print_rank0(f"[step3] vLLM weight sync: the merged model each sync, not the adapter alone: {why}")
             return "merged"
-        return asked
+        return "adapter"
 
     # ------------------------------------------------------------------ process
     def _worker_args(self) -> list[str]:
@@ -585,8 +611,7 @@ class VLLMRollout(NodeWorker):
         """The LoRA adapter alone (peft's own state dict and config: the names vLLM reads) written to a new folder
         that the worker adds as version `version`; returns the bytes and the sum of squares sent (owner)."""
         import deepspeed  # lazy: as _push_whole's
-        from peft import get_peft_model_state_dict  # lazy: +3 s on step 3's --help (peft)
-        from peft.tuners.lora import LoraLayer  # lazy: as get_peft_model_state_dict
+        from peft.tuners.lora import LoraLayer  # lazy: +3 s on step 3's --help (peft)
         from safetensors.torch import save_file  # lazy: only the adapter sync writes one
 
         layers = [m for m in self.peft.modules() if isinstance(m, LoraLayer)]
@@ -594,7 +619,7 @@ class VLLMRollout(NodeWorker):
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None, enabled=bool(params)), torch.no_grad():
             if not self.owner:
                 return 0, 0.0
-            state = {k: v.detach().contiguous().clone() for k, v in get_peft_model_state_dict(self.peft).items()}
+            state = adapter_state(self.peft)
         if not state:
             raise RolloutEngineError(
                 f"--vllm_lora_sync adapter: peft's state dict of the actor's {len(layers)} LoRA modules is empty: "
@@ -622,15 +647,16 @@ class VLLMRollout(NodeWorker):
         self.asleep, self.synced_step = True, None
 
     def metrics(self) -> dict:
-        """Logged per iteration: the last weight sync's seconds, megabytes and the norm of what it sent (this
-        node's worker), and the rows generated ahead that were too stale and generated again (this rank)."""
+        """Logged per iteration: the seconds, megabytes and norm of what the weight sync since the last call sent (this
+        node's worker; 0 without one), and the rows generated ahead that were too stale and generated again (this
+        rank)."""
         out = {
             "time/weight_sync_s": self.sync_s,
             "rollout/weight_sync_mb": self.sync_bytes / 2**20,
             "rollout/weight_sync_norm": self.sync_norm,
             "rollout/stale_rows_regenerated": float(self.regenerated),
         }
-        self.regenerated = 0
+        self.regenerated, self.sync_s, self.sync_bytes, self.sync_norm = 0, 0.0, 0, 0.0  # 0 where none happens next
         return out
 
     # ------------------------------------------------------------------ generation
