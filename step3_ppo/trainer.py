@@ -276,7 +276,7 @@ class PPOTrainer:
         """The weight version (the actor's optimizer steps) the engine's last answers came from: the one its reply
         names (an engine in another process), else the actor's current one (it generates with the actor itself)."""
         version = getattr(self.rollout, "weight_version", None)
-        return self.actor.global_steps if version is None else version
+        return getattr(self.actor, "global_steps", 0) if version is None else version
 
     def optimizer_steps(self, rows: int) -> int:
         """The optimizer steps an iteration of `rows` rollout rows takes (train_epochs' windows)."""
