@@ -334,8 +334,8 @@ class PPOTrainer:
         The actor's "old_logprobs", when the rows carry the generator's own log-probs and the rollout samples with
         top-k / top-p (processed_sampling), also stores "old_processed_logprobs" from the same forward: each
         action's log-prob under the distribution sampled (softmax(logits / T) renormalised over the tokens top-k
-        then top-p keep), the generator's kind (vLLM's processed log-probs, the hf engine's), which the mismatch
-        metric and the rollout correction compare (rollout_mismatch)."""
+        then top-p keep), the kind of the vLLM worker's (vLLM's processed log-probs; the hf engine's are of the
+        tempered softmax), which the mismatch metric and the rollout correction compare (rollout_mismatch)."""
         batch = pack(rows, self.config.pad_token_id)
         processed = self.processed_sampling() if name == "old_logprobs" else None
         extra = {"return_top1": True} if top1 else {}

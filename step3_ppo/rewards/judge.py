@@ -30,6 +30,7 @@ import jinja2.sandbox
 import torch
 
 from utils.cli import Number
+from utils.data.collate import pad_batch
 from utils.errors import one_line
 from utils.math.rows import Row
 from utils.models.forward import causal_lm_logits, eval_mode
@@ -193,13 +194,9 @@ class Judge:
         size = batch_size or max(len(inputs), 1)
         out = []
         for start in range(0, len(inputs), size):
-            chunk = inputs[start : start + size]
-            width = max(map(len, chunk))
-            ids = torch.full((len(chunk), width), self.tokenizer.pad_token_id, dtype=torch.long)
-            mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for i, row in enumerate(chunk):  # left-padded: every row's last token is the last position
-                ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
-                mask[i, width - len(row) :] = 1
+            chunk = inputs[start : start + size]  # left-padded: every row's last token is the last position
+            ids = pad_batch(chunk, self.tokenizer.pad_token_id, "left")
+            mask = pad_batch([[1] * len(row) for row in chunk], 0, "left")
             with eval_mode(model):
                 logits = causal_lm_logits(model, ids, mask, logits_to_keep=1)[:, -1].float().cpu()
             out.append(verdict_score(logits, self.verdict_ids, self.values))

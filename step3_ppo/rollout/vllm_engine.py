@@ -247,22 +247,31 @@ def _set_parent_death_signal() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def lora_config(peft_model):
+    """The actor's (one) LoRA adapter config."""
+    return next(iter(peft_model.peft_config.values()))
+
+
+def lora_rank(config) -> int:
+    """The largest rank of the adapter's layers (its r, or a larger one of its rank_pattern)."""
+    return max([config.r, *getattr(config, "rank_pattern", {}).values()])
+
+
 def adapter_sync_refusal(peft_model) -> str | None:
     """Why vLLM cannot serve this actor's LoRA adapter as an adapter (the sync then sends the merged model), or
     None. The base must be frozen (it is sent once); vLLM 0.32 serves plain LoRA (no DoRA, no bias, no fully
     trained modules) on a decoder's linear layers."""
     from peft.tuners.lora import LoraLayer  # lazy: +3 s on step 3's --help (peft)
 
-    config = next(iter(peft_model.peft_config.values()))
+    config = lora_config(peft_model)
     if getattr(config, "use_dora", False):
         return "vLLM does not serve DoRA adapters"
     if getattr(config, "bias", "none") != "none":
         return f"vLLM does not serve adapters with bias={config.bias!r}"
     if getattr(config, "modules_to_save", None):
         return f"the adapter also trains whole modules ({', '.join(config.modules_to_save)})"
-    ranks = [config.r, *getattr(config, "rank_pattern", {}).values()]
-    if max(ranks) > VLLM_LORA_RANKS[-1]:
-        return f"rank {max(ranks)} is above vLLM's largest, {VLLM_LORA_RANKS[-1]}"
+    if lora_rank(config) > VLLM_LORA_RANKS[-1]:
+        return f"rank {lora_rank(config)} is above vLLM's largest, {VLLM_LORA_RANKS[-1]}"
     if trained := [n for n, p in peft_model.named_parameters() if p.requires_grad and ".lora_" not in n]:
         return f"the base weights train too ({len(trained)} tensors; --only_optimize_lora freezes them)"
     names = {name.rsplit(".", 1)[-1] for name, m in peft_model.named_modules() if isinstance(m, LoraLayer)}
@@ -488,8 +497,7 @@ class VLLMRollout(NodeWorker):
             str(self.config.seed),
         ]
         if self.sync == "adapter":  # the adapter in use, those k versions older still asked for, one being added
-            config = next(iter(self.peft.peft_config.values()))
-            rank = max([config.r, *getattr(config, "rank_pattern", {}).values()])
+            rank = lora_rank(lora_config(self.peft))
             max_rank = next(r for r in VLLM_LORA_RANKS if r >= rank)
             args += ["--max_loras", str(self.config.max_staleness + 2), "--max_lora_rank", str(max_rank)]
         return args + (["--sleep"] if s.sleep else [])
@@ -598,7 +606,7 @@ class VLLMRollout(NodeWorker):
                         nbytes = value.numel() * value.element_size()
                         start = layout[j][3]
                         self.flat[start : start + nbytes].view(value.dtype).view(value.shape).copy_(value)
-                        squares += float(value.double().square().sum())
+                        squares += float(torch.linalg.vector_norm(value, dtype=torch.float32)) ** 2
             group, size = [], 0
         if self.owner:
             self._call({"op": "load", "shm": self.shm.name, "tensors": layout, "version": version}, "loading weights")
@@ -628,14 +636,14 @@ class VLLMRollout(NodeWorker):
         folder = os.path.join(self.dir, f"adapter-v{version}")
         os.makedirs(folder, exist_ok=True)
         save_file(state, os.path.join(folder, "adapter_model.safetensors"))
-        next(iter(self.peft.peft_config.values())).save_pretrained(folder)
+        lora_config(self.peft).save_pretrained(folder)
         nbytes = os.path.getsize(os.path.join(folder, "adapter_model.safetensors"))
         modules = sum(1 for m in layers if any(a in m.lora_A for a in m.active_adapters))
         self._call({"op": "load_lora", "path": folder, "version": version, "modules": modules}, "loading the adapter")
         for old in glob.glob(os.path.join(self.dir, "adapter-v*")):  # read into the worker's memory: not needed
             if old != folder:
                 shutil.rmtree(old, ignore_errors=True)
-        return nbytes, sum(float(v.double().square().sum()) for v in state.values())
+        return nbytes, sum(float(torch.linalg.vector_norm(v, dtype=torch.float32)) ** 2 for v in state.values())
 
     def sleep(self) -> None:
         """With --vllm_sleep, before training: the worker frees its accelerator memory; the next sync (forced)

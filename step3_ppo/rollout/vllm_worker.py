@@ -155,14 +155,14 @@ def sampling_params(params: dict, seed: int | None):
 
 class Weights:
     """Which weights the worker generates with: the version of the last load (None before the first) and, when it
-    serves adapters, the LoRA request of each loaded version (oldest first)."""
+    serves adapters, the LoRA requests of the loaded versions (oldest first; the last in use)."""
 
     def __init__(self, max_loras: int = 0):
         self.version, self.max_loras, self.adapters = None, max_loras, []
 
     @property
     def lora_request(self):
-        return self.adapters[-1][1] if self.adapters else None
+        return self.adapters[-1] if self.adapters else None
 
 
 def generate(llm, requests: list[dict], weights: Weights | None = None) -> list[dict]:
@@ -254,9 +254,9 @@ def load_lora(llm, request: dict, weights: Weights) -> dict:
             f"the adapter of version {version} has {request['modules']} LoRA modules and vLLM placed {placed} of "
             f"them (its tensor names do not match the model's modules: the worker would sample the bare base model)"
         )
-    weights.adapters.append((version, lora))
+    weights.adapters.append(lora)
     while len(weights.adapters) > max(weights.max_loras - 1, 1):
-        llm.llm_engine.remove_lora(weights.adapters.pop(0)[1].lora_int_id)
+        llm.llm_engine.remove_lora(weights.adapters.pop(0).lora_int_id)
     weights.version = version
     llm.reset_prefix_cache()
     return {"seconds": time.perf_counter() - t0, "placed": placed}
